@@ -1,0 +1,3 @@
+from afd.cli import main
+
+raise SystemExit(main())
