@@ -11,6 +11,7 @@ routed experts owned in contiguous ranges per FFN rank, shared-expert rows round
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal
 
 Role = Literal["attention", "ffn"]
@@ -73,7 +74,7 @@ class SyncTopology:
     def group_of(self, role: Role, role_rank: int) -> int:
         return self.group_of_attn(role_rank) if role == "attention" else self.group_of_ffn(role_rank)
 
-    @property
+    @cached_property
     def groups(self) -> list[SyncGroup]:
         return [
             SyncGroup(

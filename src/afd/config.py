@@ -1,0 +1,224 @@
+"""The AFD config (DESIGN.md §2): parsed in one place, strict, one sentence per error.
+
+Accepted inputs: a dict, a JSON string, a path to a JSON file, each either canonical or wrapped
+as `{"afd": {...}}`. Aliases `afd_role`, `afd_connector`, `afd_host`, `afd_port` fold into the
+canonical keys; connector class names fold into `p2p` / `async`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+CONNECTOR_ALIASES = {
+    "p2p": "p2p",
+    "P2pNcclAFDConnector": "p2p",
+    "async": "async",
+    "GpuAsyncAFDConnector": "async",
+}
+KEY_ALIASES = {"afd_role": "role", "afd_connector": "connector", "afd_host": "host", "afd_port": "port"}
+ROLES = ("attention", "ffn")
+DEFAULT_PORT = 6239
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message is one sentence naming the key and what is accepted."""
+
+
+def _check_int(key: str, value: Any, *, minimum: int, maximum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{key} must be an integer, got {value!r}")
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f"between {minimum} and {maximum}" if maximum is not None else f"at least {minimum}"
+        raise ConfigError(f"{key} must be {bound}, got {value}")
+    return value
+
+
+def _check_bool(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
+    return value
+
+
+def _check_float(key: str, value: Any, *, above: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ConfigError(f"{key} must be a number, got {value!r}")
+    if value <= above:
+        raise ConfigError(f"{key} must be greater than {above:g}, got {value}")
+    return float(value)
+
+
+def _reject_unknown(where: str, given: dict, known: list[str]) -> None:
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        raise ConfigError(f"unknown key {unknown[0]!r} in {where}; accepted keys are {', '.join(known)}")
+
+
+@dataclass(frozen=True)
+class P2pExtraConfig:
+    """`connector_extra_config` of `p2p`."""
+
+    timeout_s: float = 120.0  # bound on every rendezvous and transfer wait
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> P2pExtraConfig:
+        _reject_unknown("connector_extra_config for p2p", raw, [f.name for f in fields(cls)])
+        return cls(timeout_s=_check_float("connector_extra_config.timeout_s", raw.get("timeout_s", 120.0), above=0))
+
+
+@dataclass(frozen=True)
+class AsyncExtraConfig:
+    """`connector_extra_config` of `async` (DESIGN.md §1.2 keys)."""
+
+    attn_ranks_per_dp: int = 1
+    ring_depth: int = 1
+    routed_cap_multiplier: float = 2.0
+    recv_poll_timeout_ms: int = 1000
+    async_moe_ubatching: bool = False
+    async_moe_num_ubatches: int = 2
+    async_moe_split: str = "token"
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> AsyncExtraConfig:
+        _reject_unknown("connector_extra_config for async", raw, [f.name for f in fields(cls)])
+        d = cls()
+        key = "connector_extra_config."
+        cfg = cls(
+            attn_ranks_per_dp=_check_int(key + "attn_ranks_per_dp", raw.get("attn_ranks_per_dp", 1), minimum=1),
+            ring_depth=_check_int(key + "ring_depth", raw.get("ring_depth", d.ring_depth), minimum=1),
+            routed_cap_multiplier=_check_float(
+                key + "routed_cap_multiplier", raw.get("routed_cap_multiplier", d.routed_cap_multiplier), above=0
+            ),
+            recv_poll_timeout_ms=_check_int(
+                key + "recv_poll_timeout_ms", raw.get("recv_poll_timeout_ms", d.recv_poll_timeout_ms), minimum=1
+            ),
+            async_moe_ubatching=_check_bool(
+                key + "async_moe_ubatching", raw.get("async_moe_ubatching", d.async_moe_ubatching)
+            ),
+            async_moe_num_ubatches=_check_int(
+                key + "async_moe_num_ubatches", raw.get("async_moe_num_ubatches", d.async_moe_num_ubatches), minimum=1
+            ),
+            async_moe_split=raw.get("async_moe_split", d.async_moe_split),
+        )
+        if cfg.async_moe_split not in ("token",):
+            raise ConfigError(f"{key}async_moe_split must be 'token', got {cfg.async_moe_split!r}")
+        if cfg.attn_ranks_per_dp != 1:
+            raise ConfigError(
+                f"{key}attn_ranks_per_dp={cfg.attn_ranks_per_dp} is not supported yet; "
+                "each attention rank is its own replica, so set it to 1"
+            )
+        if cfg.async_moe_ubatching:
+            raise ConfigError(
+                f"{key}async_moe_ubatching is not supported yet; set it to false (micro-batching is future work)"
+            )
+        return cfg
+
+
+@dataclass(frozen=True)
+class AFDConfig:
+    """One deployment: who this rank is and how the two roles meet."""
+
+    role: str | None = None  # None: the launcher assigns each rank its role
+    connector: str = "p2p"
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    num_attention_ranks: int = 1
+    num_ffn_ranks: int = 1
+    compute_gate_on_attention: bool = True
+    connector_extra_config: P2pExtraConfig | AsyncExtraConfig = field(default_factory=P2pExtraConfig)
+
+    @property
+    def world_size(self) -> int:
+        return self.num_attention_ranks + self.num_ffn_ranks
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["connector_extra_config"] = asdict(self.connector_extra_config)
+        return out
+
+    def replace(self, **changes: Any) -> AFDConfig:
+        """A validated copy with some keys changed (the CLI's flags override a config file this way)."""
+        return parse_config({**self.to_dict(), **changes})
+
+
+CANONICAL_KEYS = [f.name for f in fields(AFDConfig)]
+
+
+def _load_raw(source: dict | str | Path) -> dict:
+    if isinstance(source, dict):
+        return source
+    if isinstance(source, Path):
+        text = _read_file(source)
+    else:
+        stripped = source.strip()
+        text = stripped if stripped.startswith("{") else _read_file(Path(source))
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            f"the config is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})"
+        ) from None
+    if not isinstance(raw, dict):
+        raise ConfigError('the config must be a JSON object, such as {"connector": "p2p"}')
+    return raw
+
+
+def _read_file(path: Path) -> str:
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(path)!r} does not exist; pass a JSON file or a JSON object") from None
+    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {str(path)!r} cannot be read ({type(exc).__name__})") from None
+
+
+def parse_config(source: dict | str | Path) -> AFDConfig:
+    """Resolve a config from a dict, a JSON string or a JSON file; raise ConfigError on anything off."""
+    raw = _load_raw(source)
+    if "afd" in raw:
+        if len(raw) != 1 or not isinstance(raw["afd"], dict):
+            raise ConfigError('a wrapped config must be exactly {"afd": {...}} with an object inside')
+        raw = raw["afd"]
+    folded: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = KEY_ALIASES.get(key, key)
+        if name in folded:
+            raise ConfigError(f"key {name!r} is given twice (once through its alias {key!r}); keep one")
+        folded[name] = value
+    _reject_unknown("the AFD config", folded, CANONICAL_KEYS + list(KEY_ALIASES))
+
+    connector = folded.get("connector", "p2p")
+    if connector not in CONNECTOR_ALIASES:
+        raise ConfigError(f"connector must be one of {', '.join(CONNECTOR_ALIASES)}, got {connector!r}")
+    connector = CONNECTOR_ALIASES[connector]
+    role = folded.get("role")
+    if role is not None and role not in ROLES:
+        raise ConfigError(f"role must be 'attention' or 'ffn', got {role!r}")
+    host = folded.get("host", "127.0.0.1")
+    if not isinstance(host, str) or not host.strip():
+        raise ConfigError(f"host must be a non-empty host name or IP address, got {host!r}")
+    port = _check_int("port", folded.get("port", DEFAULT_PORT), minimum=1, maximum=65535)
+    num_attn = _check_int("num_attention_ranks", folded.get("num_attention_ranks", 1), minimum=1)
+    num_ffn = _check_int("num_ffn_ranks", folded.get("num_ffn_ranks", 1), minimum=1)
+    gate_on_attn = _check_bool("compute_gate_on_attention", folded.get("compute_gate_on_attention", True))
+    extra_raw = folded.get("connector_extra_config") or {}
+    if not isinstance(extra_raw, dict):
+        raise ConfigError(f"connector_extra_config must be a JSON object, got {extra_raw!r}")
+    extra = (AsyncExtraConfig if connector == "async" else P2pExtraConfig).from_dict(extra_raw)
+    if connector == "async" and not gate_on_attn:
+        raise ConfigError(
+            "the async connector needs the gate on attention; set compute_gate_on_attention to true or use p2p"
+        )
+    return AFDConfig(
+        role=role,
+        connector=connector,
+        host=host.strip(),
+        port=port,
+        num_attention_ranks=num_attn,
+        num_ffn_ranks=num_ffn,
+        compute_gate_on_attention=gate_on_attn,
+        connector_extra_config=extra,
+    )

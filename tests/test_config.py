@@ -1,0 +1,140 @@
+"""Config parsing: every rejection path, the wrapped shape with aliases, through the library and `afd config`."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from afd.config import AsyncExtraConfig, ConfigError, P2pExtraConfig, parse_config
+
+WRAPPED = {
+    "afd": {
+        "afd_role": "ffn",
+        "afd_connector": "GpuAsyncAFDConnector",
+        "afd_host": "10.0.0.2",
+        "afd_port": 7000,
+        "num_attention_ranks": 3,
+        "num_ffn_ranks": 2,
+        "connector_extra_config": {"ring_depth": 2},
+    }
+}
+
+
+def test_wrapped_shape_with_aliases_folds_to_canonical() -> None:
+    cfg = parse_config(WRAPPED)
+    assert (cfg.role, cfg.connector, cfg.host, cfg.port) == ("ffn", "async", "10.0.0.2", 7000)
+    assert (cfg.num_attention_ranks, cfg.num_ffn_ranks, cfg.world_size) == (3, 2, 5)
+    assert cfg.connector_extra_config == AsyncExtraConfig(ring_depth=2)
+
+
+def test_defaults_and_sources(tmp_path) -> None:
+    cfg = parse_config({})
+    assert cfg.connector == "p2p" and cfg.port == 6239 and cfg.compute_gate_on_attention
+    assert cfg.connector_extra_config == P2pExtraConfig()
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"connector": "P2pNcclAFDConnector", "num_ffn_ranks": 4}))
+    assert parse_config(str(path)) == parse_config(path) == parse_config(path.read_text())
+    assert parse_config(path).num_ffn_ranks == 4
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ({"bogus": 1}, "unknown key 'bogus' in the AFD config"),
+        ({"connector": "nccl"}, "connector must be one of"),
+        ({"role": "expert"}, "role must be 'attention' or 'ffn'"),
+        ({"port": 0}, "port must be between 1 and 65535"),
+        ({"port": 70000}, "port must be between 1 and 65535"),
+        ({"port": "80"}, "port must be an integer"),
+        ({"host": ""}, "host must be a non-empty"),
+        ({"num_attention_ranks": 0}, "num_attention_ranks must be at least 1"),
+        ({"num_ffn_ranks": 1.5}, "num_ffn_ranks must be an integer"),
+        ({"num_ffn_ranks": True}, "num_ffn_ranks must be an integer"),
+        ({"compute_gate_on_attention": "yes"}, "compute_gate_on_attention must be true or false"),
+        ({"connector": "async", "compute_gate_on_attention": False}, "async connector needs the gate on attention"),
+        ({"connector_extra_config": {"ring_depth": 2}}, "unknown key 'ring_depth' in connector_extra_config for p2p"),
+        ({"connector_extra_config": {"timeout_s": -1}}, "timeout_s must be greater than 0"),
+        ({"connector": "async", "connector_extra_config": {"nope": 1}}, "unknown key 'nope' in connector_extra_config"),
+        ({"connector": "async", "connector_extra_config": {"ring_depth": 0}}, "ring_depth must be at least 1"),
+        ({"connector": "async", "connector_extra_config": {"routed_cap_multiplier": 0}}, "routed_cap_multiplier"),
+        ({"connector": "async", "connector_extra_config": {"recv_poll_timeout_ms": 0}}, "recv_poll_timeout_ms"),
+        ({"connector": "async", "connector_extra_config": {"async_moe_ubatching": True}}, "not supported yet"),
+        ({"connector": "async", "connector_extra_config": {"async_moe_split": "x"}}, "async_moe_split must be"),
+        ({"connector": "async", "connector_extra_config": {"attn_ranks_per_dp": 2}}, "attn_ranks_per_dp=2"),
+        ({"connector_extra_config": [1]}, "connector_extra_config must be a JSON object"),
+        ({"afd": {}, "port": 1}, "wrapped config must be exactly"),
+        ({"role": "ffn", "afd_role": "ffn"}, "given twice"),
+    ],
+)
+def test_rejections_name_the_key(raw: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_config(raw)
+
+
+@pytest.mark.parametrize("text, message", [("{not json", "not valid JSON"), ("[1]", "must be a JSON object")])
+def test_bad_json(tmp_path, text: str, message: str) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        parse_config(path)
+    with pytest.raises(ConfigError, match="does not exist"):
+        parse_config(str(tmp_path / "missing.json"))
+
+
+def run_afd(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "afd", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_cli_config_prints_resolved_json() -> None:
+    proc = run_afd("config", json.dumps(WRAPPED))
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["connector"] == "async" and out["role"] == "ffn" and out["port"] == 7000
+    assert out["connector_extra_config"]["ring_depth"] == 2
+    assert out["connector_extra_config"]["routed_cap_multiplier"] == 2.0
+
+
+@pytest.mark.parametrize(
+    "arg, message",
+    [
+        ('{"connector": "async", "compute_gate_on_attention": false}', "gate on attention"),
+        ('{"port": 0}', "port must be between"),
+        ("/no/such/file.json", "does not exist"),
+    ],
+)
+def test_cli_config_rejects_with_one_sentence(arg: str, message: str) -> None:
+    proc = run_afd("config", arg)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_cli_topology_json_shape() -> None:
+    proc = run_afd("topology", "--attention", "2", "--ffn", "3", "--tokens", "5", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == {
+        "attention": 2,
+        "ffn": 3,
+        "groups": [{"attention": [0], "ffn": [0, 1]}, {"attention": [1], "ffn": [2]}],
+        "splits": {"0": [3, 2], "1": [5]},
+    }
+    human = run_afd("topology", "--attention", "3", "--ffn", "2")
+    assert human.returncode == 0 and "group 1: [A2] <-> [F1]" in human.stdout
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--attention", "0", "--ffn", "2"],
+        ["--attention", "-3", "--ffn", "2"],
+        ["--attention", "1.5", "--ffn", "2"],
+        ["--attention", "2", "--ffn", "2", "--tokens", "-1"],
+        ["--attention", "2"],
+    ],
+)
+def test_cli_topology_bad_arguments(args: list[str]) -> None:
+    proc = run_afd("topology", *args)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
