@@ -1,0 +1,281 @@
+"""Single-process reference engine: scheduler, MLA KV cache, greedy sampling, around an `exchange`.
+
+One step = schedule -> `exchange.begin_step(T)` (if present) -> forward of the flattened batch ->
+sample -> post-process. The exchange is the only way to the FFN side, so the same engine drives the
+local reference (`LocalExchange`) and every disaggregated connector.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from afd.model import AttentionModel, Batch, Exchange, FFNModel, KVCache
+from afd.moe import Routing
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Request:
+    """A prompt to continue greedily for `max_new_tokens` tokens (no stop on EOS)."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    prompt_logprobs: bool = False
+
+
+@dataclass
+class Output:
+    """`logprobs[j] = log p(token_ids[j] | prompt + token_ids[:j])`; `prompt_logprobs` is
+    `[None, log p(prompt[1] | prompt[:1]), ...]` or None when not requested."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    prompt_logprobs: list[float | None] | None
+    request_id: int = -1
+
+    def to_json(self) -> dict:
+        """The four public fields (the `afd generate --json` object), without the request id."""
+        return {
+            "prompt_ids": self.prompt_ids,
+            "token_ids": self.token_ids,
+            "logprobs": self.logprobs,
+            "prompt_logprobs": self.prompt_logprobs,
+        }
+
+
+class LocalExchange:
+    """The reference exchange: the MLP of a boundary layer runs on an in-process FFNModel."""
+
+    def __init__(self, ffn_model: FFNModel) -> None:
+        self.ffn_model = ffn_model
+
+    def __call__(self, layer_idx: int, x: torch.Tensor, routing: Routing | None) -> torch.Tensor:
+        return self.ffn_model(layer_idx, x, routing)
+
+
+@dataclass
+class _Sequence:
+    request_id: int
+    request: Request
+    slot: int = -1
+    num_cached: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    prompt_logprobs: list[float | None] | None = None
+
+    @property
+    def is_prefilled(self) -> bool:
+        return self.num_cached > 0
+
+    @property
+    def capacity(self) -> int:
+        """Cache rows the sequence ever needs: the last sampled token is never fed back."""
+        return len(self.request.prompt_ids) + max(self.request.max_new_tokens - 1, 0)
+
+
+@dataclass
+class _Scheduled:
+    seq: _Sequence
+    input_ids: list[int]
+    start: int  # first position (== tokens already cached)
+
+
+class Engine:
+    """Greedy continuous batching over one `AttentionModel` and an `exchange` to the FFN side."""
+
+    def __init__(
+        self,
+        model: AttentionModel,
+        exchange: Exchange,
+        max_num_batched_tokens: int = 8192,
+        *,
+        max_num_seqs: int = 256,
+        max_cache_tokens: int | None = None,
+    ) -> None:
+        if max_num_batched_tokens < 1 or max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be at least 1")
+        self.model, self.exchange = model, exchange
+        self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
+        self.max_cache_tokens = max_cache_tokens
+        self.device = model.embed_tokens.weight.device
+        self.kv_cache = KVCache(model.config, dtype=model.embed_tokens.weight.dtype, device=self.device)
+        self.waiting: deque[_Sequence] = deque()
+        self.running: list[_Sequence] = []
+        self.cache_tokens_used = 0
+        self._next_id = 0
+        self._free_slots: list[int] = []
+        self._next_slot = 0
+
+    # --- requests ---
+
+    def validate(self, request: Request) -> None:
+        vocab = self.model.config.vocab_size
+        if not request.prompt_ids:
+            raise ValueError("a prompt is empty; every prompt needs at least one token id")
+        bad = [t for t in request.prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if request.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {request.max_new_tokens}")
+        if len(request.prompt_ids) > self.max_num_batched_tokens:
+            raise ValueError(
+                f"a prompt of {len(request.prompt_ids)} tokens exceeds max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}); raise it or shorten the prompt"
+            )
+
+    def add(self, request: Request) -> int:
+        """Queue a request; returns its id (carried by its Output)."""
+        self.validate(request)
+        seq = _Sequence(self._next_id, request)
+        self._next_id += 1
+        self.waiting.append(seq)
+        return seq.request_id
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- scheduling and cache bookkeeping ---
+
+    def can_allocate(self, seq: _Sequence) -> bool:
+        if self.max_cache_tokens is None:
+            return True
+        return self.cache_tokens_used + seq.capacity <= self.max_cache_tokens
+
+    def allocate(self, seq: _Sequence) -> None:
+        seq.slot = self._free_slots.pop() if self._free_slots else self._next_slot
+        self._next_slot = max(self._next_slot, seq.slot + 1)
+        self.kv_cache.allocate(seq.slot, seq.capacity)
+        self.cache_tokens_used += seq.capacity
+
+    def free(self, seq: _Sequence) -> None:
+        self.kv_cache.free(seq.slot)
+        self._free_slots.append(seq.slot)
+        self.cache_tokens_used -= seq.capacity
+
+    def schedule(self) -> list[_Scheduled]:
+        """One decode token per running sequence, then whole prompts while the token budget lasts."""
+        budget = self.max_num_batched_tokens
+        out = []
+        for seq in self.running[:budget]:
+            out.append(_Scheduled(seq, seq.token_ids[-1:], seq.num_cached))
+        budget -= len(out)
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = len(seq.request.prompt_ids)
+            if n > budget or not self.can_allocate(seq):
+                break
+            self.waiting.popleft()
+            self.allocate(seq)
+            self.running.append(seq)
+            out.append(_Scheduled(seq, list(seq.request.prompt_ids), 0))
+            budget -= n
+        return out
+
+    # --- the step ---
+
+    @torch.inference_mode()
+    def step(self) -> list[Output]:
+        """Run one forward over all scheduled tokens; returns the requests that finished."""
+        scheduled = self.schedule()
+        input_ids = [t for s in scheduled for t in s.input_ids]
+        positions = [s.start + i for s in scheduled for i in range(len(s.input_ids))]
+        batch = Batch(
+            slots=[s.seq.slot for s in scheduled],
+            query_lens=[len(s.input_ids) for s in scheduled],
+            context_lens=[s.start for s in scheduled],
+        )
+        if hasattr(self.exchange, "begin_step"):
+            self.exchange.begin_step(len(input_ids))
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            torch.tensor(positions, dtype=torch.long, device=self.device),
+            batch,
+            self.kv_cache,
+            self.exchange,
+        )  # [T, H]
+        return self._postprocess(scheduled, hidden)
+
+    def _postprocess(self, scheduled: list[_Scheduled], hidden: torch.Tensor) -> list[Output]:
+        finished = []
+        row = 0
+        for s in scheduled:
+            seq, n = s.seq, len(s.input_ids)
+            is_prefill = s.start == 0
+            want_prompt = is_prefill and seq.request.prompt_logprobs
+            rows = hidden[row : row + n] if want_prompt else hidden[row + n - 1 : row + n]
+            logprobs = torch.log_softmax(self.model.compute_logits(rows), dim=-1)  # [rows, V] fp32
+            row += n
+            if want_prompt:
+                targets = torch.tensor(seq.request.prompt_ids[1:], device=logprobs.device)
+                picked = logprobs[:-1].gather(1, targets[:, None]).squeeze(1)
+                seq.prompt_logprobs = [None, *picked.tolist()]
+            seq.num_cached = s.start + n
+            if len(seq.token_ids) < seq.request.max_new_tokens:
+                last = logprobs[-1]
+                token = int(torch.argmax(last))
+                seq.token_ids.append(token)
+                seq.logprobs.append(float(last[token]))
+            if len(seq.token_ids) >= seq.request.max_new_tokens:
+                finished.append(self._finish(seq))
+        return finished
+
+    def _finish(self, seq: _Sequence) -> Output:
+        self.running.remove(seq)
+        self.free(seq)
+        return Output(
+            prompt_ids=list(seq.request.prompt_ids),
+            token_ids=seq.token_ids,
+            logprobs=seq.logprobs,
+            prompt_logprobs=seq.prompt_logprobs if seq.request.prompt_logprobs else None,
+            request_id=seq.request_id,
+        )
+
+    def run(self) -> list[Output]:
+        """Step until every queued request finished; outputs in request-id order."""
+        outputs: dict[int, Output] = {}
+        while self.has_work():
+            for out in self.step():
+                outputs[out.request_id] = out
+        return [outputs[k] for k in sorted(outputs)]
+
+
+def generate(
+    model: str | Path,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    prompt_logprobs: bool = False,
+    gate_on_attention: bool = True,
+    max_num_batched_tokens: int | None = None,
+) -> list[Output]:
+    """The single-process reference: load both sides, run all prompts, outputs in prompt order."""
+    from afd.weights import load_attention_model, load_ffn_model, load_model_config
+
+    config = load_model_config(model)
+    if not prompts:
+        raise ValueError("no prompts were given; pass at least one prompt")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    for p in prompts:
+        if not p:
+            raise ValueError("a prompt is empty; every prompt needs at least one token id")
+        bad = [t for t in p if not 0 <= t < config.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {config.vocab_size})")
+    attn = load_attention_model(model, dtype=dtype, device=device, gate_on_attention=gate_on_attention, seed=seed)
+    ffn = load_ffn_model(model, dtype=dtype, device=device, gate_on_attention=gate_on_attention, seed=seed)
+    budget = max(max_num_batched_tokens or 8192, max(len(p) for p in prompts))
+    engine = Engine(attn, LocalExchange(ffn), budget)
+    for p in prompts:
+        engine.add(Request(list(p), max_new_tokens, prompt_logprobs))
+    return engine.run()

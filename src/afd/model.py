@@ -1,0 +1,545 @@
+"""DeepSeek-V2/V3 split at the MoE boundary: `AttentionModel` (attention side) and `FFNModel` (experts).
+
+Numerics follow the `transformers` DeepseekV2/V3 implementation (the oracle in tests). The attention
+side never calls expert weights: a boundary layer hands `(layer_idx, x, routing)` to an `exchange`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from afd.moe import Routing, group_by_expert, grouped_expert_mlp, select_experts
+
+logger = logging.getLogger(__name__)
+
+Exchange = Callable[[int, torch.Tensor, Routing | None], torch.Tensor]
+MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The fields of a DeepSeek-V2/V3 `config.json` that the forward pass needs."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    first_k_dense_replace: int = 0
+    moe_layer_freq: int = 1
+    scoring_func: str = "softmax"
+    topk_method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+    rope_interleave: bool = True
+    max_position_embeddings: int = 4096
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
+        """Build from a Hugging Face config.json dict (old `rope_scaling` or new `rope_parameters`)."""
+        model_type = d.get("model_type")
+        if model_type not in MODEL_TYPES:
+            raise ValueError(f"model_type {model_type!r} is not supported; expected one of {MODEL_TYPES}")
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported; only silu is")
+        is_v3 = model_type == "deepseek_v3"
+        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+        rope_theta = float(rope.pop("rope_theta", d.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "yarn"):
+            raise ValueError(f"rope type {rope_type!r} is not supported; use default or yarn")
+        rope_scaling = None
+        if rope_type == "yarn":
+            rope_scaling = {k: v for k, v in rope.items() if k not in ("type", "rope_type")}
+            rope_scaling.setdefault("original_max_position_embeddings", d["max_position_embeddings"])
+        n_group = d.get("n_group") or 1
+        topk_group = d.get("topk_group") or 1
+        return cls(
+            model_type=model_type,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            moe_intermediate_size=d["moe_intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=d["num_attention_heads"],
+            q_lora_rank=d.get("q_lora_rank"),
+            kv_lora_rank=d["kv_lora_rank"],
+            qk_nope_head_dim=d["qk_nope_head_dim"],
+            qk_rope_head_dim=d["qk_rope_head_dim"],
+            v_head_dim=d["v_head_dim"],
+            n_routed_experts=d.get("n_routed_experts") or 0,
+            n_shared_experts=d.get("n_shared_experts") or 0,
+            num_experts_per_tok=d.get("num_experts_per_tok") or 1,
+            first_k_dense_replace=d.get("first_k_dense_replace") or 0,
+            moe_layer_freq=d.get("moe_layer_freq") or 1,
+            scoring_func=d.get("scoring_func", "sigmoid" if is_v3 else "softmax"),
+            topk_method=d.get("topk_method") or ("noaux_tc" if is_v3 else "greedy"),
+            n_group=n_group,
+            topk_group=topk_group,
+            norm_topk_prob=bool(d.get("norm_topk_prob", is_v3)),
+            routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            rope_interleave=bool(d.get("rope_interleave", True)),
+            max_position_embeddings=d["max_position_embeddings"],
+            attention_bias=bool(d.get("attention_bias", False)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        )
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return (
+            self.n_routed_experts > 0
+            and layer_idx >= self.first_k_dense_replace
+            and layer_idx % self.moe_layer_freq == 0
+        )
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
+
+    def residual_scale(self, dtype: torch.dtype) -> float:
+        """float16 carries the residual stream scaled by 1/routed_scaling_factor so nothing overflows."""
+        return 1.0 / self.routed_scaling_factor if dtype == torch.float16 else 1.0
+
+
+# --- building blocks -------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class MLP(nn.Module):
+    """SwiGLU MLP: dense layers and shared experts."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Gate(nn.Module):
+    """MoE router: fp32 logits, then `select_experts` (shared by both sides)."""
+
+    def __init__(self, config: ModelConfig, routed_scaling_factor: float) -> None:
+        super().__init__()
+        self.config = config
+        self.routed_scaling_factor = routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size))
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.zeros(config.n_routed_experts)) if config.topk_method == "noaux_tc" else None
+        )
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        c = self.config
+        logits = F.linear(x.float(), self.weight.float())  # [T, E]
+        return select_experts(
+            logits,
+            top_k=c.num_experts_per_tok,
+            scoring_func=c.scoring_func,
+            topk_method=c.topk_method,
+            n_group=c.n_group,
+            topk_group=c.topk_group,
+            norm_topk_prob=c.norm_topk_prob,
+            routed_scaling_factor=self.routed_scaling_factor,
+            e_score_correction_bias=self.e_score_correction_bias,
+        )
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_parameters(config: ModelConfig) -> tuple[torch.Tensor, float, float]:
+    """(inv_freq [R/2] fp32, cos/sin scale, softmax scale) for default rope or YaRN as DeepSeek uses it."""
+    dim = config.qk_rope_head_dim
+    base = config.rope_theta
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)  # [R/2]
+    softmax_scale = config.qk_head_dim**-0.5
+    ys = config.rope_scaling
+    if ys is None:
+        return 1.0 / pos_freqs, 1.0, softmax_scale
+    orig_max = ys["original_max_position_embeddings"]
+    factor = ys.get("factor") or config.max_position_embeddings / orig_max
+    mscale, mscale_all_dim = ys.get("mscale"), ys.get("mscale_all_dim")
+    attention_factor = ys.get("attention_factor")
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+    beta_fast, beta_slow = ys.get("beta_fast") or 32, ys.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        return dim * math.log(orig_max / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if ys.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)  # [R/2]
+    is_extrapolated = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * is_extrapolated
+    if mscale_all_dim:
+        softmax_scale *= _yarn_mscale(factor, mscale_all_dim) ** 2
+    return inv_freq, float(attention_factor), softmax_scale
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """Rotate x [T, ..., R] by cos/sin [T, R/2] (fp32); interleaved pairs (x0, x1) or halves.
+
+    The output is always laid out as [rotated firsts | rotated seconds]; q and k share the layout.
+    """
+    xf = x.float()
+    x1, x2 = (xf[..., 0::2], xf[..., 1::2]) if interleave else xf.chunk(2, dim=-1)
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
+    cos, sin = cos.view(shape), sin.view(shape)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+# --- batch and KV cache ----------------------------------------------------------------------------
+
+
+@dataclass
+class Batch:
+    """Where each sequence of a flattened step sits: `query_lens[i]` consecutive rows, cache `slots[i]`,
+    `context_lens[i]` tokens already cached before this step."""
+
+    slots: list[int] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)
+    context_lens: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+
+class KVCache:
+    """MLA cache: per layer and sequence slot, the normalized latent kv_c and the roped k_pe.
+
+    One `[capacity, kv_lora_rank + qk_rope_head_dim]` buffer per (slot, layer); expanded keys and
+    values are never stored.
+    """
+
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device | str) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.buffers: dict[int, list[torch.Tensor]] = {}
+
+    def allocate(self, slot: int, capacity: int) -> None:
+        width = self.config.kv_lora_rank + self.config.qk_rope_head_dim
+        self.buffers[slot] = [
+            torch.empty(capacity, width, dtype=self.dtype, device=self.device)
+            for _ in range(self.config.num_hidden_layers)
+        ]
+
+    def free(self, slot: int) -> None:
+        self.buffers.pop(slot, None)
+
+    def capacity(self, slot: int) -> int:
+        return self.buffers[slot][0].shape[0]
+
+    def update(
+        self, layer_idx: int, slot: int, start: int, kv_c: torch.Tensor, k_pe: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write kv_c [n, C], k_pe [n, R] at `start`; return everything cached so far ([start+n, C], [start+n, R])."""
+        buf = self.buffers[slot][layer_idx]  # [cap, C + R]
+        end = start + kv_c.shape[0]
+        if end > buf.shape[0]:
+            raise ValueError(f"slot {slot} holds {buf.shape[0]} tokens; cannot write up to {end}")
+        buf[start:end] = torch.cat([kv_c, k_pe], dim=-1)
+        return buf[:end].split([self.config.kv_lora_rank, self.config.qk_rope_head_dim], dim=-1)
+
+
+# --- attention side --------------------------------------------------------------------------------
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention; caches the compressed latent, expands keys/values per sequence."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, softmax_scale: float) -> None:
+        super().__init__()
+        c = config
+        self.config, self.layer_idx, self.softmax_scale = c, layer_idx, softmax_scale
+        self.num_heads = c.num_attention_heads
+        q_out = c.num_attention_heads * c.qk_head_dim
+        if c.q_lora_rank is None:
+            self.q_proj = nn.Linear(c.hidden_size, q_out, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=c.attention_bias)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank)
+            self.q_b_proj = nn.Linear(c.q_lora_rank, q_out, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, bias=c.attention_bias)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank)
+        kv_b_out = c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim)
+        self.kv_b_proj = nn.Linear(c.kv_lora_rank, kv_b_out, bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.v_head_dim, c.hidden_size, bias=c.attention_bias)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Batch, kv_cache: KVCache | None
+    ) -> torch.Tensor:
+        c, nh = self.config, self.num_heads
+        T = x.shape[0]
+        if c.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(T, nh, c.qk_head_dim)  # [T, nh, D]
+        q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
+        kv_c, k_pe = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        kv_c = self.kv_a_layernorm(kv_c)  # [T, C]
+        q_pe = apply_rope(q_pe, cos, sin, c.rope_interleave)  # [T, nh, R]
+        k_pe = apply_rope(k_pe, cos, sin, c.rope_interleave)  # [T, R]
+        q = torch.cat([q_nope, q_pe], dim=-1)  # [T, nh, D]
+
+        out = x.new_empty(T, nh, c.v_head_dim)  # [T, nh, Dv]
+        row = 0
+        for slot, n, ctx in zip(batch.slots, batch.query_lens, batch.context_lens, strict=True):
+            seq_kv_c, seq_k_pe = kv_c[row : row + n], k_pe[row : row + n]
+            if kv_cache is not None:
+                seq_kv_c, seq_k_pe = kv_cache.update(self.layer_idx, slot, ctx, seq_kv_c, seq_k_pe)
+            elif ctx:
+                raise ValueError("a sequence with cached context needs a kv_cache")
+            L = seq_kv_c.shape[0]
+            kv = self.kv_b_proj(seq_kv_c).view(L, nh, c.qk_nope_head_dim + c.v_head_dim)
+            k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)  # [L, nh, *]
+            k = torch.cat([k_nope, seq_k_pe.unsqueeze(1).expand(L, nh, c.qk_rope_head_dim)], dim=-1)
+            is_visible = torch.ones(n, L, dtype=torch.bool, device=x.device).tril(diagonal=ctx)  # [n, L]
+            o = F.scaled_dot_product_attention(
+                q[row : row + n].transpose(0, 1),  # [nh, n, D]
+                k.transpose(0, 1),  # [nh, L, D]
+                v.transpose(0, 1),  # [nh, L, Dv]
+                attn_mask=is_visible,
+                scale=self.softmax_scale,
+            )
+            out[row : row + n] = o.transpose(0, 1)
+            row += n
+        return self.o_proj(out.view(T, nh * c.v_head_dim))  # [T, H]
+
+
+class AttentionLayer(nn.Module):
+    """Attention side of one decoder layer: norms, attention, and the gate or dense MLP it owns."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, gate_on_attention: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        _, _, softmax_scale = rope_parameters(config)
+        self.layer_idx = layer_idx
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = MLAttention(config, layer_idx, softmax_scale)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        is_moe = config.is_moe_layer(layer_idx)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size) if gate_on_attention and not is_moe else None
+        rsf = 1.0 if dtype == torch.float16 else config.routed_scaling_factor
+        self.gate = Gate(config, rsf) if gate_on_attention and is_moe else None
+        self.scale = config.residual_scale(dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: Batch,
+        kv_cache: KVCache | None,
+        exchange: Exchange,
+    ) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, kv_cache) * self.scale
+        y = self.post_attention_layernorm(h)  # [T, H]
+        if self.mlp is not None:
+            return h + self.mlp(y) * self.scale
+        routing = self.gate(y) if self.gate is not None else None
+        return h + exchange(self.layer_idx, y, routing)
+
+
+class AttentionModel(nn.Module):
+    """Embedding, attention blocks, norms, gate/dense MLPs (gate on attention), final norm, lm_head."""
+
+    def __init__(
+        self, config: ModelConfig, *, gate_on_attention: bool = True, dtype: torch.dtype = torch.float32
+    ) -> None:
+        super().__init__()
+        self.config, self.gate_on_attention, self.dtype = config, gate_on_attention, dtype
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            AttentionLayer(config, i, gate_on_attention, dtype) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.scale = config.residual_scale(dtype)
+        self._rope: tuple[torch.Tensor, float] | None = None
+
+    @property
+    def boundary_layers(self) -> list[int]:
+        """Layers whose MLP crosses to the FFN side."""
+        if self.gate_on_attention:
+            return self.config.moe_layers
+        return list(range(self.config.num_hidden_layers))
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, R/2] fp32 (already multiplied by the YaRN attention factor)."""
+        if self._rope is None or self._rope[0].device != positions.device:
+            inv_freq, attention_factor, _ = rope_parameters(self.config)
+            self._rope = (inv_freq.to(positions.device), attention_factor)
+        inv_freq, attention_factor = self._rope
+        freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, R/2]
+        return freqs.cos() * attention_factor, freqs.sin() * attention_factor
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: Batch,
+        kv_cache: KVCache | None,
+        exchange: Exchange,
+    ) -> torch.Tensor:
+        """input_ids, positions: [T] int64 -> final-normed hidden [T, H] model dtype."""
+        if batch.num_tokens != input_ids.shape[0]:
+            raise ValueError(f"batch covers {batch.num_tokens} tokens but {input_ids.shape[0]} were given")
+        cos, sin = self.rope(positions)  # [T, R/2]
+        h = self.embed_tokens(input_ids) * self.scale  # [T, H]
+        for layer in self.layers:
+            h = layer(h, cos, sin, batch, kv_cache, exchange)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, V] fp32."""
+        return self.lm_head(hidden).float()
+
+
+# --- FFN side --------------------------------------------------------------------------------------
+
+
+class Experts(nn.Module):
+    """Routed experts `[expert_start, expert_start + num_local_experts)` of one layer, stacked."""
+
+    def __init__(self, config: ModelConfig, num_local_experts: int) -> None:
+        super().__init__()
+        H, inter = config.hidden_size, config.moe_intermediate_size
+        self.w13 = nn.Parameter(torch.empty(num_local_experts, 2 * inter, H))  # gate rows, then up rows
+        self.w2 = nn.Parameter(torch.empty(num_local_experts, H, inter))
+
+
+class FFNLayer(nn.Module):
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, num_local_experts: int, gate_on_attention: bool, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        is_moe = config.is_moe_layer(layer_idx)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size) if not is_moe else None
+        rsf = 1.0 if dtype == torch.float16 else config.routed_scaling_factor
+        self.gate = Gate(config, rsf) if is_moe and not gate_on_attention else None
+        self.experts = Experts(config, num_local_experts) if is_moe else None
+        shared_size = config.moe_intermediate_size * config.n_shared_experts
+        self.shared_experts = MLP(config.hidden_size, shared_size) if is_moe and shared_size else None
+
+
+class FFNModel(nn.Module):
+    """Routed experts `[expert_start, expert_stop)`, shared experts, and gate/dense MLPs when the gate is on FFN."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        expert_range: range | tuple[int, int] | None = None,
+        gate_on_attention: bool = True,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        if expert_range is None:
+            expert_range = range(config.n_routed_experts)
+        start, stop = (expert_range.start, expert_range.stop) if isinstance(expert_range, range) else expert_range
+        if not 0 <= start <= stop <= config.n_routed_experts:
+            raise ValueError(f"expert range [{start}, {stop}) is outside [0, {config.n_routed_experts})")
+        self.config, self.gate_on_attention, self.dtype = config, gate_on_attention, dtype
+        self.expert_start, self.expert_stop = start, stop
+        self.num_local_experts = stop - start
+        self.scale = config.residual_scale(dtype)
+        layer_ids = [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i) or not gate_on_attention]
+        self.layers = nn.ModuleDict(
+            {str(i): FFNLayer(config, i, self.num_local_experts, gate_on_attention, dtype) for i in layer_ids}
+        )
+
+    def _layer(self, layer_idx: int) -> FFNLayer:
+        return self.layers[str(layer_idx)]  # type: ignore[return-value]
+
+    def route(self, layer_idx: int, x: torch.Tensor) -> Routing:
+        """x [T, H] -> Routing (gate on FFN only)."""
+        gate = self._layer(layer_idx).gate
+        if gate is None:
+            raise ValueError(f"layer {layer_idx} has no gate on the FFN side")
+        return gate(x)
+
+    def dense(self, layer_idx: int, x: torch.Tensor) -> torch.Tensor:
+        """Dense MLP of a non-MoE layer (gate on FFN only): [T, H] -> [T, H]."""
+        return self._layer(layer_idx).mlp(x) * self.scale
+
+    def experts(self, layer_idx: int, x_grouped: torch.Tensor, group_sizes: list[int]) -> torch.Tensor:
+        """Rows grouped by local expert [N, H] -> unweighted expert outputs [N, H] (the async form)."""
+        e = self._layer(layer_idx).experts
+        return grouped_expert_mlp(x_grouped, group_sizes, e.w13, e.w2)
+
+    def experts_topk(self, layer_idx: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """x [T, H] -> fp32 [T, H]: weighted sum over the (t, k) pairs whose expert is local (the p2p form)."""
+        groups = group_by_expert(routing.topk_ids, self.expert_start, self.expert_stop)
+        y = self.experts(layer_idx, x[groups.token_idx], groups.group_sizes)  # [N, H]
+        w = routing.topk_weights.reshape(-1)[groups.pair_idx]  # [N]
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
+        return out.index_add_(0, groups.token_idx, y.float() * w[:, None])
+
+    def shared(self, layer_idx: int, x: torch.Tensor) -> torch.Tensor:
+        """Shared experts: [T, H] -> [T, H] (zeros when the model has none)."""
+        mlp = self._layer(layer_idx).shared_experts
+        return mlp(x) * self.scale if mlp is not None else torch.zeros_like(x)
+
+    def forward(self, layer_idx: int, x: torch.Tensor, routing: Routing | None) -> torch.Tensor:
+        """The whole MLP of one layer with the local experts: [T, H] -> [T, H] model dtype."""
+        if not self.config.is_moe_layer(layer_idx):
+            return self.dense(layer_idx, x)
+        if routing is None:
+            routing = self.route(layer_idx, x)
+        out = self.experts_topk(layer_idx, x, routing)  # [T, H] fp32
+        return (out + self.shared(layer_idx, x).float()).to(x.dtype)
