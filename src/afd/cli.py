@@ -10,6 +10,7 @@ import json
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from afd.config import ConfigError, parse_config
 from afd.topology import SyncTopology
@@ -85,6 +86,148 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- afd generate
+def parse_prompt_ids(text: str) -> list[list[int]]:
+    """`"1,2,3;4,5"` -> `[[1, 2, 3], [4, 5]]`."""
+    prompts = []
+    for i, chunk in enumerate(text.split(";")):
+        try:
+            ids = [int(t) for t in chunk.split(",") if t.strip()]
+        except ValueError:
+            raise UsageError(f"--prompt-ids must be integers separated by ',' and ';', got {chunk.strip()!r}") from None
+        if not ids:
+            raise UsageError(f"prompt {i} in --prompt-ids is empty; every prompt needs at least one token id")
+        prompts.append(ids)
+    return prompts
+
+
+def read_prompts_file(path: str) -> list[list[int]]:
+    """One `{"prompt_ids": [...]}` per line."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise UsageError(f"cannot read prompts file {path!r} ({exc.strerror or type(exc).__name__})") from None
+    prompts = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            ids = json.loads(line)["prompt_ids"]
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise TypeError
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise UsageError(f"line {n} of {path!r} is not a JSON object with a list of integer prompt_ids") from None
+        if not ids:
+            raise UsageError(f"line {n} of {path!r} has an empty prompt; every prompt needs at least one token id")
+        prompts.append(ids)
+    if not prompts:
+        raise UsageError(f"prompts file {path!r} holds no prompt")
+    return prompts
+
+
+def check_prompts(model: str, prompts: list[list[int]], device: str) -> None:
+    """Fail before anything starts: unknown model, ids outside the vocabulary, no CUDA."""
+    from afd.weights import load_model_config
+
+    try:
+        config = load_model_config(model)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    for prompt in prompts:
+        bad = [t for t in prompt if not 0 <= t < config.vocab_size]
+        if bad:
+            raise UsageError(f"token id {bad[0]} is outside the vocabulary [0, {config.vocab_size}) of {model!r}")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda was given but no CUDA device is visible; use --device cpu")
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags shared by `generate` and `launch`."""
+    p.add_argument("--model", required=True, help="checkpoint directory or preset (tiny, deepseek-v2-lite)")
+    p.add_argument("--connector", default="none", choices=["none", "p2p", "async"], help="none: one process")
+    p.add_argument("--attention", type=positive_int, default=1, help="attention ranks (A)")
+    p.add_argument("--ffn", type=positive_int, default=1, help="FFN ranks (F)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt-ids", help='prompts as token ids, e.g. "1,2,3;4,5,6,7"')
+    source.add_argument("--prompts-file", help='JSONL, one {"prompt_ids": [...]} per line')
+    p.add_argument("--max-new-tokens", type=non_negative_int, default=16)
+    p.add_argument("--prompt-logprobs", action="store_true", help="also score every prompt token")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--seed", type=non_negative_int, default=0, help="seed of preset weights")
+    p.add_argument("--gate-on-ffn", action="store_true", help="run the MoE gate on the FFN side (p2p only)")
+    p.add_argument("--config", help="AFD config (file or JSON) for host, port and connector_extra_config")
+    p.add_argument("--port", type=positive_int, help="rendezvous port (default: a free one)")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds before the whole run is given up")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run_generate(args: argparse.Namespace) -> tuple[list, dict]:
+    prompts = parse_prompt_ids(args.prompt_ids) if args.prompt_ids else read_prompts_file(args.prompts_file)
+    check_prompts(args.model, prompts, args.device)
+    if args.connector == "none":
+        if (args.attention, args.ffn) != (1, 1):
+            raise UsageError("--attention/--ffn need a connector; pass --connector p2p or --connector async")
+        from afd.engine import generate
+
+        outputs = generate(
+            args.model,
+            prompts,
+            max_new_tokens=args.max_new_tokens,
+            dtype=args.dtype,
+            device=args.device,
+            seed=args.seed,
+            prompt_logprobs=args.prompt_logprobs,
+            gate_on_attention=not args.gate_on_ffn,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        )
+        return outputs, {}
+    from afd.runtime.launch import RunSpec, free_port, launch
+
+    base = parse_config(args.config) if args.config else parse_config({})
+    config = base.replace(
+        connector=args.connector,
+        num_attention_ranks=args.attention,
+        num_ffn_ranks=args.ffn,
+        compute_gate_on_attention=not args.gate_on_ffn,
+        port=args.port or (base.port if args.config else free_port(base.host)),
+        connector_extra_config=base.to_dict()["connector_extra_config"] if base.connector == args.connector else {},
+    )
+    spec = RunSpec(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+        prompt_logprobs=args.prompt_logprobs,
+        max_num_batched_tokens=max(args.max_num_batched_tokens, max(len(p) for p in prompts)),
+        timeout_s=args.timeout,
+    )
+    return launch(config, spec, prompts)
+
+
+def output_json(output, with_prompt_logprobs: bool) -> dict:
+    """The public output object; `prompt_logprobs` only when it was asked for."""
+    out = output.to_json()
+    if not with_prompt_logprobs:
+        out.pop("prompt_logprobs")
+    return out
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    outputs, _ = run_generate(args)
+    if args.json:
+        print(json.dumps({"outputs": [output_json(o, args.prompt_logprobs) for o in outputs]}))
+    else:
+        for i, out in enumerate(outputs):
+            print(f"[{i}] {out.prompt_ids} -> {out.token_ids}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="afd", description="Attention-FFN disaggregated serving of DeepSeek-V2/V3 MoE models.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -100,6 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="validate an AFD config and print it resolved (starts nothing)")
     p.add_argument("source", help="a JSON file or a JSON object")
     p.set_defaults(func=cmd_config)
+    p = sub.add_parser("generate", help="greedy generation, in one process or through a connector")
+    add_run_arguments(p)
+    p.set_defaults(func=cmd_generate)
     for register in EXTRA_COMMANDS:
         register(sub)
     return parser

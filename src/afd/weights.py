@@ -97,7 +97,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         },
     },
 }
-INIT_STD = 0.02
+LM_HEAD_GAIN = 3.0
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -206,11 +206,21 @@ def _seed_of(seed: int, name: str) -> int:
 
 
 def _preset_tensor(seed: int, name: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """One preset tensor: norms are ones, the correction bias is small, the rest N(0, 0.02)."""
+    """One preset tensor: norms are ones, the correction bias is small, matrices N(0, 1/fan_in).
+
+    Unit-variance activations through every layer, and an lm_head scaled up so the next-token
+    distribution is peaked: a connector that perturbs one expert's rows moves the log-probabilities
+    far beyond the 1e-4 tolerance instead of hiding under a flat distribution.
+    """
     if name.endswith("norm.weight"):
         return torch.ones(shape, device=device)
     gen = torch.Generator(device=device).manual_seed(_seed_of(seed, name))
-    std = 0.01 if name.endswith("e_score_correction_bias") else INIT_STD
+    if name.endswith("e_score_correction_bias"):
+        std = 0.01
+    elif name.endswith("embed_tokens.weight"):
+        std = 1.0
+    else:
+        std = shape[-1] ** -0.5 * (LM_HEAD_GAIN if name.endswith("lm_head.weight") else 1.0)
     return torch.randn(shape, generator=gen, device=device) * std
 
 
