@@ -1,0 +1,420 @@
+"""The `p2p` connector: synchronous attention <-> FFN exchange for any A:F ratio (DESIGN.md §1.1).
+
+Per engine step every attention replica (in lockstep: the DP wave) tells the FFN members of its
+sync group its token count; per boundary layer it sends its MoE input rows (plus the routing when
+the gate is on attention) and receives the MoE output. `A >= F`: the FFN hub concatenates its
+spokes' rows in ascending attention rank. `A < F`: the attention hub splits its T tokens over its
+FFN members by `even_split`. The FFN role computes each layer expert-parallel: (row, k) pairs go to
+the FFN rank owning the expert (`expert_ranges`) through an all-to-all, and come back for a
+weighted fp32 sum plus the locally computed shared experts.
+
+Reading order: wiring (pure) -> groups -> attention exchange -> FFN loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from afd.distributed import Group, World, device_for
+from afd.topology import SyncTopology, even_split, expert_ranges
+
+logger = logging.getLogger(__name__)
+
+# Control message per step, attention -> FFN: [num_tokens, is_wave_finished] int64.
+CTRL_LEN = 2
+TAG_CTRL, TAG_X, TAG_IDS, TAG_WEIGHTS, TAG_OUT = 0, 1, 2, 3, 4
+
+
+# ---------------------------------------------------------------------------------------------
+# Wiring: who sends how many rows to whom. Pure; the connector uses exactly these.
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RowSend:
+    """One attention -> FFN transfer of a layer (the result comes back on the same path)."""
+
+    attn_rank: int
+    ffn_rank: int
+    num_rows: int
+    attn_offset: int  # first row in the attention rank's batch
+    ffn_offset: int  # first row in the FFN rank's concatenated input
+
+
+def attn_sends(topology: SyncTopology, attn_rank: int, num_tokens: int) -> list[RowSend]:
+    """Transfers from one attention rank with `num_tokens` rows, ascending FFN rank (zero rows kept)."""
+    group = topology.group("attention", attn_rank)
+    if len(group.ffn_ranks) == 1:  # A >= F: everything to the FFN hub, after the lower spokes' rows
+        raise ValueError("attn_sends needs every spoke's count when A >= F; use plan_layer")
+    sizes = even_split(num_tokens, len(group.ffn_ranks))
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [RowSend(attn_rank, f, n, o, 0) for f, n, o in zip(group.ffn_ranks, sizes, offsets, strict=True)]
+
+
+def ffn_recvs(topology: SyncTopology, ffn_rank: int, attn_tokens: Mapping[int, int]) -> list[RowSend]:
+    """Transfers into one FFN rank, ascending attention rank; `attn_tokens` has its peers' step counts."""
+    group = topology.group("ffn", ffn_rank)
+    if len(group.ffn_ranks) == 1:
+        sends, offset = [], 0
+        for a in group.attn_ranks:
+            sends.append(RowSend(a, ffn_rank, attn_tokens[a], 0, offset))
+            offset += attn_tokens[a]
+        return sends
+    (hub,) = group.attn_ranks
+    return [s for s in attn_sends(topology, hub, attn_tokens[hub]) if s.ffn_rank == ffn_rank]
+
+
+def plan_layer(topology: SyncTopology, attn_tokens: Sequence[int]) -> list[RowSend]:
+    """Every transfer of one boundary layer, given each attention rank's step token count."""
+    counts = dict(enumerate(attn_tokens))
+    if len(counts) != topology.num_attention:
+        raise ValueError(f"need {topology.num_attention} token counts, got {len(counts)}")
+    return [s for f in range(topology.num_ffn) for s in ffn_recvs(topology, f, counts)]
+
+
+def ffn_rows(topology: SyncTopology, attn_tokens: Sequence[int]) -> list[int]:
+    """Rows each FFN rank holds in a layer: its summed count entering the expert all-to-all."""
+    rows = [0] * topology.num_ffn
+    for s in plan_layer(topology, attn_tokens):
+        rows[s.ffn_rank] += s.num_rows
+    return rows
+
+
+@dataclass(frozen=True)
+class EpDispatch:
+    """How one FFN rank's (row, k) pairs leave for the expert owners.
+
+    Pairs are sorted by global expert id, which sorts them by owner and, within an owner, by
+    local expert; `counts[f, i]` pairs go to FFN rank f's local expert i.
+    """
+
+    order: torch.Tensor  # [P] int64: flat (t*K + k) index of each sorted pair
+    token: torch.Tensor  # [P] int64: source row of each sorted pair
+    weight: torch.Tensor  # [P] fp32: its top-k weight
+    counts: torch.Tensor  # [F, max_local] int64
+
+    @property
+    def send_splits(self) -> list[int]:
+        return self.counts.sum(1).tolist()
+
+
+def plan_ep_dispatch(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
+                     num_ffn: int) -> EpDispatch:
+    """topk_ids: [T, K] int64, topk_weights: [T, K] -> the dispatch of the T*K pairs."""
+    num_tokens, topk = topk_ids.shape
+    flat = topk_ids.reshape(-1)  # [P]
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= num_experts):
+        raise ValueError(f"expert ids must lie in [0, {num_experts}), got {flat.min()}..{flat.max()}")
+    order = torch.argsort(flat, stable=True)  # [P]
+    ranges = expert_ranges(num_experts, num_ffn)
+    max_local = max(len(r) for r in ranges)
+    slot = torch.tensor([f * max_local + e - r.start for f, r in enumerate(ranges) for e in r],
+                        dtype=torch.long, device=flat.device)  # [E]
+    per_expert = torch.bincount(flat, minlength=num_experts)  # [E]
+    counts = torch.zeros(num_ffn * max_local, dtype=torch.long, device=flat.device)
+    counts.index_add_(0, slot, per_expert)
+    return EpDispatch(
+        order=order,
+        token=order // topk,
+        weight=topk_weights.reshape(-1)[order].float(),
+        counts=counts.view(num_ffn, max_local),
+    )
+
+
+def ep_send_matrix(topk_ids_per_ffn: Sequence[torch.Tensor], num_experts: int) -> list[list[int]]:
+    """`m[src][dst]`: (row, k) pairs FFN rank src sends to dst in the expert all-to-all."""
+    num_ffn = len(topk_ids_per_ffn)
+    return [
+        plan_ep_dispatch(ids, torch.ones(ids.shape), num_experts, num_ffn).send_splits for ids in topk_ids_per_ffn
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Groups
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class P2pGroups:
+    """This rank's process groups for one p2p connector instance (None where not a member)."""
+
+    data: Group  # its sync group: FFN members first, then attention members (world order)
+    ctrl: Group  # same members, always gloo (host-side counts)
+    ep: Group | None  # FFN role: all FFN ranks, group rank = FFN rank
+    wave: Group | None  # attention role: all attention ranks, group rank = attention rank
+
+
+def build_p2p_groups(world: World, topology: SyncTopology, name: str = "p2p") -> P2pGroups:
+    """Create this rank's groups; every rank calls it once per connector with the same `name`."""
+    if world.world_size != topology.world_size or world.me.world_order != "ffn_first":
+        raise ValueError("the p2p connector needs a world of A+F ranks in ffn_first order")
+    role, role_rank = world.me.role, world.me.role_rank
+    sync = topology.group(role, role_rank)
+    members = topology.group_world_ranks(sync)
+    data = world.new_group(f"{name}/sync{sync.index}/data", members)
+    ctrl = data if world.backend == "gloo" else world.new_group(f"{name}/sync{sync.index}/ctrl", members, "gloo")
+    ffn_world = [topology.world_rank("ffn", f) for f in range(topology.num_ffn)]
+    attn_world = [topology.world_rank("attention", a) for a in range(topology.num_attention)]
+    ep = world.new_group(f"{name}/ffn_ep", ffn_world) if role == "ffn" else None
+    wave = world.new_group(f"{name}/attn_wave", attn_world, "gloo") if role == "attention" else None
+    assert data is not None and ctrl is not None
+    return P2pGroups(data=data, ctrl=ctrl, ep=ep, wave=wave)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention side
+# ---------------------------------------------------------------------------------------------
+class P2pAttentionExchange:
+    """The model's `exchange(layer_idx, x, routing)` for one attention replica, over p2p.
+
+    Drive it per step: `while ex.step_wave(engine.has_work()): engine.step()` — the engine calls
+    `begin_step(T)` then the exchange once per boundary layer (with `[0, H]` when idle).
+    """
+
+    def __init__(self, world: World, topology: SyncTopology, *, gate_on_attention: bool,
+                 topk: int | None = None, boundary_layers: Sequence[int] | None = None,
+                 name: str = "p2p") -> None:
+        if world.me.role != "attention":
+            raise ValueError(f"{world.me.name} is not an attention rank")
+        self.world, self.topology, self.attn_rank = world, topology, world.me.role_rank
+        self.gate_on_attention, self.topk = gate_on_attention, topk
+        self.boundary_layers = list(boundary_layers) if boundary_layers is not None else None
+        self.groups = build_p2p_groups(world, topology, name)
+        self.sync = topology.group("attention", self.attn_rank)
+        self.device = device_for(world.backend)
+        self.num_tokens: int | None = None  # this step's T, None outside a step
+        self.next_layer = 0  # index into boundary_layers within the step
+        self.is_finished = False
+        self.num_steps = 0
+
+    def _dst(self, ffn_rank: int) -> int:
+        return self.groups.data.group_rank(self.topology.world_rank("ffn", ffn_rank))
+
+    def step_wave(self, has_work: bool) -> bool:
+        """All-reduce over attention replicas: True while any has work. At the end, tell the FFN."""
+        if self.is_finished:
+            return False
+        flag = torch.tensor([int(has_work)], dtype=torch.long)
+        self.world.wait(self.groups.wave.pg.allreduce([flag]), "the DP wave all-reduce")
+        if int(flag) > 0:
+            return True
+        self._send_ctrl(0, finished=True)
+        self.is_finished = True
+        logger.info("%s: DP wave finished after %d steps", self.world.me.name, self.num_steps)
+        return False
+
+    def begin_step(self, num_tokens: int) -> None:
+        """Control plane: tell this step's token count to every FFN member of the sync group."""
+        if self.is_finished:
+            raise RuntimeError(f"{self.world.me.name}: begin_step after the DP wave finished")
+        self._check_step_end()
+        self._send_ctrl(num_tokens, finished=False)
+        self.num_tokens, self.next_layer = num_tokens, 0
+        self.num_steps += 1
+
+    def _send_ctrl(self, num_tokens: int, finished: bool) -> None:
+        msg = torch.tensor([num_tokens, int(finished)], dtype=torch.long)
+        pg = self.groups.ctrl.pg
+        works = [(pg.send([msg], self._dst(f), TAG_CTRL), f"sending the step count to ffn {f}")
+                 for f in self.sync.ffn_ranks]
+        self.world.wait_all(works)
+
+    def _check_step_end(self) -> None:
+        if self.num_tokens is not None and self.boundary_layers is not None:
+            if self.next_layer != len(self.boundary_layers):
+                raise RuntimeError(f"{self.world.me.name}: step ended after {self.next_layer} of "
+                                   f"{len(self.boundary_layers)} boundary layers")
+
+    def __call__(self, layer_idx: int, x: torch.Tensor, routing: Any | None) -> torch.Tensor:
+        """x: [T, H] model dtype; routing: Routing (gate on attention) or None -> [T, H] model dtype."""
+        self._check_layer(layer_idx, x, routing)
+        num_tokens = x.shape[0]
+        if len(self.sync.ffn_ranks) == 1:
+            sends = [RowSend(self.attn_rank, self.sync.ffn_ranks[0], num_tokens, 0, 0)]
+        else:
+            sends = attn_sends(self.topology, self.attn_rank, num_tokens)
+        pg = self.groups.data.pg
+        works, outs = [], []
+        for s in sends:
+            if s.num_rows == 0:
+                continue
+            rows = slice(s.attn_offset, s.attn_offset + s.num_rows)
+            dst = self._dst(s.ffn_rank)
+            payload = [(x[rows].contiguous(), TAG_X)]  # [n, H]
+            if routing is not None:
+                payload += [(routing.topk_ids[rows].to(torch.long).contiguous(), TAG_IDS),  # [n, K]
+                            (routing.topk_weights[rows].float().contiguous(), TAG_WEIGHTS)]  # [n, K]
+            for tensor, tag in payload:
+                works.append((pg.send([tensor], dst, tag), f"sending layer {layer_idx} rows to ffn {s.ffn_rank}"))
+        for s in sends:
+            out = torch.empty(s.num_rows, x.shape[1], dtype=x.dtype, device=x.device)  # [n, H]
+            if s.num_rows:
+                works.append((pg.recv([out], self._dst(s.ffn_rank), TAG_OUT),
+                              f"receiving layer {layer_idx} output from ffn {s.ffn_rank}"))
+            outs.append(out)
+        self.world.wait_all(works)
+        self.next_layer += 1
+        return torch.cat(outs) if len(outs) > 1 else outs[0]  # [T, H]
+
+    def _check_layer(self, layer_idx: int, x: torch.Tensor, routing: Any | None) -> None:
+        if self.num_tokens is None:
+            raise RuntimeError(f"{self.world.me.name}: exchange called before begin_step")
+        if x.shape[0] != self.num_tokens:
+            raise RuntimeError(f"{self.world.me.name}: layer {layer_idx} got {x.shape[0]} rows, "
+                               f"begin_step announced {self.num_tokens}")
+        if (routing is not None) != self.gate_on_attention:
+            raise RuntimeError(f"routing must be given iff the gate is on attention (layer {layer_idx})")
+        if self.boundary_layers is not None:
+            expected = self.boundary_layers[self.next_layer] if self.next_layer < len(self.boundary_layers) else None
+            if layer_idx != expected:
+                raise RuntimeError(f"{self.world.me.name}: exchange called for layer {layer_idx}, expected {expected}")
+
+    def close(self) -> None:
+        """Drop the groups; the world itself is closed by its owner."""
+        if not self.is_finished:
+            logger.warning("%s: p2p exchange closed before the DP wave finished", self.world.me.name)
+
+
+# ---------------------------------------------------------------------------------------------
+# FFN side
+# ---------------------------------------------------------------------------------------------
+class FFNModelLike(Protocol):
+    """The part of afd.model.FFNModel the FFN loop uses (docs/architecture.md)."""
+
+    def route(self, layer_idx: int, x: torch.Tensor) -> Any: ...
+    def dense(self, layer_idx: int, x: torch.Tensor) -> torch.Tensor: ...
+    def experts(self, layer_idx: int, x_grouped: torch.Tensor, group_sizes: list[int]) -> torch.Tensor: ...
+    def shared(self, layer_idx: int, x: torch.Tensor) -> torch.Tensor | None: ...
+
+
+class P2pFFNLoop:
+    """One FFN rank serving the DP wave: per step, per boundary layer, recv -> EP MoE -> send back.
+
+    `ffn_model` holds routed experts `expert_ranges(num_experts, F)[ffn_rank]` plus the shared
+    experts (plus gate and dense MLPs when the gate is on FFN). `run()` returns when the attention
+    replicas report the wave finished.
+    """
+
+    def __init__(self, world: World, topology: SyncTopology, ffn_model: FFNModelLike, *,
+                 num_experts: int, topk: int, hidden_size: int, dtype: torch.dtype,
+                 boundary_layers: Sequence[int], gate_on_attention: bool,
+                 dense_layers: Collection[int] = (), name: str = "p2p") -> None:
+        if world.me.role != "ffn":
+            raise ValueError(f"{world.me.name} is not an FFN rank")
+        if num_experts < topology.num_ffn:
+            raise ValueError(f"{num_experts} routed experts cannot be spread over {topology.num_ffn} FFN ranks")
+        if dense_layers and gate_on_attention:
+            raise ValueError("dense layers run on the attention side when the gate is on attention")
+        self.world, self.topology, self.ffn_rank = world, topology, world.me.role_rank
+        self.model, self.num_experts, self.topk = ffn_model, num_experts, topk
+        self.hidden_size, self.dtype = hidden_size, dtype
+        self.boundary_layers, self.dense_layers = list(boundary_layers), set(dense_layers)
+        self.gate_on_attention = gate_on_attention
+        self.groups = build_p2p_groups(world, topology, name)
+        self.sync = topology.group("ffn", self.ffn_rank)
+        self.local_experts = expert_ranges(num_experts, topology.num_ffn)[self.ffn_rank]
+        self.device = device_for(world.backend)
+        self.num_steps = 0
+
+    def _src(self, attn_rank: int) -> int:
+        return self.groups.data.group_rank(self.topology.world_rank("attention", attn_rank))
+
+    def run(self) -> int:
+        """Serve steps until the wave finishes; returns the number of steps served."""
+        while self.step():
+            pass
+        logger.info("%s: DP wave finished after %d steps", self.world.me.name, self.num_steps)
+        return self.num_steps
+
+    def step(self) -> bool:
+        """One engine step of every peer; False once they report the wave finished."""
+        counts = self._recv_counts()
+        if counts is None:
+            return False
+        for layer_idx in self.boundary_layers:
+            self._layer(layer_idx, counts)
+        self.num_steps += 1
+        return True
+
+    def _recv_counts(self) -> dict[int, int] | None:
+        """Per-peer control messages: {attn_rank: num_tokens}, or None when the wave is finished."""
+        pg = self.groups.ctrl.pg
+        msgs = {a: torch.zeros(CTRL_LEN, dtype=torch.long) for a in self.sync.attn_ranks}
+        self.world.wait_all([(pg.recv([m], self._src(a), TAG_CTRL),
+                              f"receiving step {self.num_steps} count from attention {a}")
+                             for a, m in msgs.items()])
+        finished = {a for a, m in msgs.items() if int(m[1])}
+        if finished and len(finished) != len(msgs):
+            raise RuntimeError(f"{self.world.me.name}: attention ranks {sorted(finished)} ended the wave, "
+                               f"others did not (step {self.num_steps})")
+        return None if finished else {a: int(m[0]) for a, m in msgs.items()}
+
+    def _layer(self, layer_idx: int, counts: Mapping[int, int]) -> None:
+        recvs = ffn_recvs(self.topology, self.ffn_rank, counts)
+        num_rows = sum(s.num_rows for s in recvs)
+        x = torch.empty(num_rows, self.hidden_size, dtype=self.dtype, device=self.device)  # [N, H]
+        ids = torch.empty(num_rows, self.topk, dtype=torch.long, device=self.device)  # [N, K]
+        weights = torch.empty(num_rows, self.topk, dtype=torch.float32, device=self.device)  # [N, K]
+        pg, works = self.groups.data.pg, []
+        for s in recvs:
+            if s.num_rows == 0:
+                continue
+            rows, src = slice(s.ffn_offset, s.ffn_offset + s.num_rows), self._src(s.attn_rank)
+            bufs = [(x, TAG_X)] + ([(ids, TAG_IDS), (weights, TAG_WEIGHTS)] if self.gate_on_attention else [])
+            for buf, tag in bufs:
+                works.append((pg.recv([buf[rows]], src, tag),
+                              f"receiving layer {layer_idx} rows from attention {s.attn_rank}"))
+        self.world.wait_all(works)
+
+        if not self.gate_on_attention and layer_idx in self.dense_layers:
+            out = self.model.dense(layer_idx, x) if num_rows else torch.zeros_like(x)  # [N, H]
+        else:
+            if not self.gate_on_attention and num_rows:
+                routing = self.model.route(layer_idx, x)
+                ids, weights = routing.topk_ids.to(torch.long), routing.topk_weights.float()
+            out = self._moe(layer_idx, x, ids, weights)
+
+        works = [(pg.send([out[s.ffn_offset:s.ffn_offset + s.num_rows].contiguous()], self._src(s.attn_rank),
+                          TAG_OUT), f"sending layer {layer_idx} output to attention {s.attn_rank}")
+                 for s in recvs if s.num_rows]
+        self.world.wait_all(works)
+
+    def _moe(self, layer_idx: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x: [N, H], ids/weights: [N, K] -> [N, H]; joins the EP all-to-all even when N == 0."""
+        ep, num_ffn = self.groups.ep, self.topology.num_ffn
+        what = f"layer {layer_idx} expert all-to-all"
+        plan = plan_ep_dispatch(ids, weights, self.num_experts, num_ffn)
+        max_local = plan.counts.shape[1]
+
+        recv_counts = torch.empty_like(plan.counts)  # [F_src, max_local]
+        self.world.wait(ep.pg.alltoall_base(recv_counts.view(-1), plan.counts.view(-1).contiguous(),
+                                            [max_local] * num_ffn, [max_local] * num_ffn), what + " (counts)")
+        host_counts = recv_counts.cpu()
+        send_splits, recv_splits = plan.send_splits, host_counts.sum(1).tolist()
+
+        send_rows = x[plan.token]  # [P, H], sorted by (owner, local expert)
+        recv_rows = x.new_empty(sum(recv_splits), x.shape[1])  # [R, H], by (source, local expert)
+        self.world.wait(ep.pg.alltoall_base(recv_rows, send_rows, recv_splits, send_splits), what + " (rows)")
+
+        # Regroup by local expert across sources for the grouped expert call.
+        local = torch.arange(max_local).repeat(num_ffn).repeat_interleave(host_counts.view(-1))  # [R]
+        perm = torch.argsort(local, stable=True).to(x.device)  # [R]
+        group_sizes = host_counts.sum(0)[: len(self.local_experts)].tolist()
+        expert_out = torch.empty_like(recv_rows)  # [R, H]
+        if recv_rows.shape[0]:
+            expert_out[perm] = self.model.experts(layer_idx, recv_rows[perm], group_sizes).to(x.dtype)
+
+        back = x.new_empty(send_rows.shape)  # [P, H]
+        self.world.wait(ep.pg.alltoall_base(back, expert_out, send_splits, recv_splits), what + " (results)")
+
+        acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [N, H] fp32
+        acc.index_add_(0, plan.token, back.float() * plan.weight[:, None])
+        if x.shape[0]:
+            shared = self.model.shared(layer_idx, x)
+            if shared is not None:
+                acc += shared.float()
+        return acc.to(x.dtype)
+
+    def close(self) -> None:
+        """Nothing to release beyond the world's groups; present for symmetry with other connectors."""
