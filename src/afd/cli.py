@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from afd.config import ConfigError, parse_config
+from afd.runtime.launch import LaunchError
 from afd.topology import SyncTopology
 
 EXIT_USAGE = 2
@@ -170,6 +171,8 @@ def run_generate(args: argparse.Namespace) -> tuple[list, dict]:
     prompts = parse_prompt_ids(args.prompt_ids) if args.prompt_ids else read_prompts_file(args.prompts_file)
     check_prompts(args.model, prompts, args.device)
     if args.connector == "none":
+        if getattr(args, "launch", False):
+            raise UsageError("afd launch needs --connector p2p or --connector async")
         if (args.attention, args.ffn) != (1, 1):
             raise UsageError("--attention/--ffn need a connector; pass --connector p2p or --connector async")
         from afd.engine import generate
@@ -228,6 +231,76 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- afd worker
+def read_worker_prompts(args: argparse.Namespace) -> list[list[int]]:
+    """A replica may legitimately get no prompt, so an empty prompts file is fine here."""
+    if args.prompt_ids:
+        return parse_prompt_ids(args.prompt_ids)
+    if args.prompts_file:
+        if Path(args.prompts_file).is_file() and not Path(args.prompts_file).read_text().strip():
+            return []
+        return read_prompts_file(args.prompts_file)
+    return []
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from afd.runtime.worker import RankJob, exit_now, run_rank
+
+    config = parse_config(args.config)
+    role = args.role or config.role
+    if role is None:
+        raise UsageError("the rank's role is unknown; pass --role attention or --role ffn (or set role in the config)")
+    size = config.num_attention_ranks if role == "attention" else config.num_ffn_ranks
+    if args.rank >= size:
+        raise UsageError(f"--rank {args.rank} is out of range for {size} {role} rank(s)")
+    prompts = read_worker_prompts(args)
+    if prompts and role != "attention":
+        raise UsageError("prompts go to attention ranks; an FFN rank takes none")
+    check_prompts(args.model, prompts, args.device)
+    job = RankJob(
+        config=config,
+        role=role,
+        role_rank=args.rank,
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+        prompt_logprobs=args.prompt_logprobs,
+        max_num_batched_tokens=max([args.max_num_batched_tokens, *(len(p) for p in prompts)]),
+        prompts=tuple(tuple(p) for p in prompts),
+        output_path=Path(args.output) if args.output else None,
+        run_token=args.run_token,
+        local_host=args.bind_host,
+    )
+    try:
+        code = run_rank(job)
+    except BaseException as exc:  # a rank's failure: one line naming it, then leave without teardown
+        logging.getLogger("afd.worker").error("%s rank %d: error: %s", role, args.rank, exc)
+        exit_now(1)
+    exit_now(code)
+    return code
+
+
+def add_worker_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="AFD config (file or JSON): connector, sizes, host:port")
+    p.add_argument("--role", choices=["attention", "ffn"], help="overrides the config's role")
+    p.add_argument("--rank", type=non_negative_int, required=True, help="role rank")
+    p.add_argument("--model", required=True)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--seed", type=non_negative_int, default=0)
+    p.add_argument("--max-new-tokens", type=non_negative_int, default=16)
+    p.add_argument("--prompt-logprobs", action="store_true")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--prompt-ids", help="attention ranks: this replica's prompts")
+    source.add_argument("--prompts-file", help="attention ranks: JSONL prompts of this replica")
+    p.add_argument("--output", help="attention ranks: write this replica's outputs (JSON) here")
+    p.add_argument("--bind-host", help="the address this rank binds to (default: derived from the config's host)")
+    p.add_argument("--run-token", default="afd", help="names this run's shared resources (set by afd launch)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="afd", description="Attention-FFN disaggregated serving of DeepSeek-V2/V3 MoE models.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -246,6 +319,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="greedy generation, in one process or through a connector")
     add_run_arguments(p)
     p.set_defaults(func=cmd_generate)
+    p = sub.add_parser("launch", help="start a whole topology on this host and gather the outputs")
+    add_run_arguments(p)
+    p.set_defaults(func=cmd_generate, launch=True)
+
+    p = sub.add_parser("worker", help="start one rank (by hand, e.g. on another host)")
+    add_worker_arguments(p)
+    p.set_defaults(func=cmd_worker)
     for register in EXTRA_COMMANDS:
         register(sub)
     return parser
@@ -266,3 +346,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, ConfigError) as exc:
         print(f"afd: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except LaunchError as exc:
+        print(f"afd: error: {exc}", file=sys.stderr)
+        return 1

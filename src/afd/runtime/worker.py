@@ -1,0 +1,178 @@
+"""One rank of a disaggregated run: `afd worker`. Started by `afd launch`, or by hand on any host.
+
+An attention rank is an engine replica (its own requests, KV cache, prefill and greedy decode) whose
+MoE layers go through the connector; an FFN rank serves its expert shard until the attention side is
+done. The connector decides the loop: `p2p` steps every replica in one DP wave, `async` lets each
+replica run on its own while the FFN loop drives itself.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from afd.config import AFDConfig
+from afd.engine import Engine, Output, Request
+from afd.topology import Role, SyncTopology, expert_ranges
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RankJob:
+    """Everything one rank needs: who it is, the model, and (attention) its prompts and output file."""
+
+    config: AFDConfig
+    role: Role
+    role_rank: int
+    model: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    max_new_tokens: int = 16
+    prompt_logprobs: bool = False
+    max_num_batched_tokens: int = 2048
+    prompts: tuple[tuple[int, ...], ...] = ()
+    output_path: Path | None = None
+    run_token: str = "afd"
+    local_host: str | None = None  # the address this rank binds to (multi-host); default: derived from host
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.device == "cuda" else "gloo"
+
+    @property
+    def timeout_s(self) -> float:
+        extra = self.config.connector_extra_config
+        return float(getattr(extra, "timeout_s", 120.0))
+
+
+def select_device(job: RankJob, world_rank: int) -> torch.device:
+    """One GPU per rank by default: world rank modulo the visible GPUs."""
+    if job.device != "cuda":
+        return torch.device("cpu")
+    index = world_rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+class ReplicaStats:
+    """Per-request time to first token and the replica's busy time, for the demo and bench tables."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.first_token: dict[int, float] = {}
+        self.end = self.start
+
+    def observe(self, engine: Engine, finished: list[Output]) -> None:
+        now = time.perf_counter()
+        for seq in engine.running:
+            if seq.token_ids and seq.request_id not in self.first_token:
+                self.first_token[seq.request_id] = now - self.start
+        for out in finished:
+            self.first_token.setdefault(out.request_id, now - self.start)
+        self.end = now
+
+    def to_json(self) -> dict:
+        return {
+            "ttft_s": [self.first_token[k] for k in sorted(self.first_token)],
+            "elapsed_s": self.end - self.start,
+        }
+
+
+def drive_replica(engine: Engine, job: RankJob, step_gate) -> tuple[list[Output], ReplicaStats]:
+    """Run the replica's requests to completion; `step_gate(has_work)` says whether to step again."""
+    for prompt in job.prompts:
+        engine.add(Request(list(prompt), job.max_new_tokens, job.prompt_logprobs))
+    stats = ReplicaStats()
+    outputs: dict[int, Output] = {}
+    while step_gate(engine.has_work()):
+        finished = engine.step()
+        outputs.update((o.request_id, o) for o in finished)
+        stats.observe(engine, finished)
+    return [outputs[k] for k in sorted(outputs)], stats
+
+
+def write_outputs(job: RankJob, outputs: list[Output], stats: ReplicaStats) -> None:
+    if job.output_path is None:
+        return
+    tmp = job.output_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"outputs": [o.to_json() for o in outputs], "stats": stats.to_json()}))
+    tmp.replace(job.output_path)  # atomic: the launcher never reads half a file
+
+
+# ---------------------------------------------------------------- p2p
+def run_p2p_rank(job: RankJob) -> None:
+    from afd.connectors.p2p import P2pAttentionExchange, P2pFFNLoop
+    from afd.distributed import init_world
+    from afd.weights import load_attention_model, load_ffn_model, load_model_config, resolve_dtype
+
+    cfg = job.config
+    topo = SyncTopology(cfg.num_attention_ranks, cfg.num_ffn_ranks)
+    world_rank = topo.world_rank(job.role, job.role_rank)
+    device = select_device(job, world_rank)
+    model_config = load_model_config(job.model)
+    gate_on_attention = cfg.compute_gate_on_attention
+    world = init_world(
+        cfg.host,
+        cfg.port,
+        world_rank,
+        topo.world_size,
+        job.backend,
+        job.timeout_s,
+        num_attention=cfg.num_attention_ranks,
+        num_ffn=cfg.num_ffn_ranks,
+        local_host=job.local_host,
+    )
+    try:
+        common = dict(dtype=job.dtype, device=device, gate_on_attention=gate_on_attention, seed=job.seed)
+        if job.role == "attention":
+            model = load_attention_model(job.model, **common)
+            exchange = P2pAttentionExchange(
+                world, topo, gate_on_attention=gate_on_attention, topk=model_config.num_experts_per_tok,
+                boundary_layers=model.boundary_layers,
+            )
+            engine = Engine(model, exchange, job.max_num_batched_tokens)
+            outputs, stats = drive_replica(engine, job, exchange.step_wave)
+            write_outputs(job, outputs, stats)
+        else:
+            experts = expert_ranges(model_config.n_routed_experts, cfg.num_ffn_ranks)[job.role_rank]
+            ffn_model = load_ffn_model(job.model, expert_range=experts, **common)
+            boundary = list(range(model_config.num_hidden_layers)) if not gate_on_attention else model_config.moe_layers
+            dense = [i for i in boundary if not model_config.is_moe_layer(i)]
+            steps = P2pFFNLoop(
+                world, topo, ffn_model,
+                num_experts=model_config.n_routed_experts, topk=model_config.num_experts_per_tok,
+                hidden_size=model_config.hidden_size, dtype=resolve_dtype(job.dtype), boundary_layers=boundary,
+                gate_on_attention=gate_on_attention, dense_layers=dense,
+            ).run()
+            log.info("ffn rank %d served %d steps", job.role_rank, steps)
+        world.close()
+    except BaseException as exc:
+        log.error("%s failed: %s", world.me.name, exc)
+        world.close(error=exc)
+        raise
+
+
+# ---------------------------------------------------------------- entry
+def run_rank(job: RankJob) -> int:
+    """Run one rank; exit status 0 on a normal end. Leaves through os._exit to skip a gloo teardown hang."""
+    if job.config.connector == "p2p":
+        run_p2p_rank(job)
+    else:
+        from afd.runtime.async_rank import run_async_rank
+
+        run_async_rank(job)
+    return 0
+
+
+def exit_now(code: int) -> None:
+    """Flush and leave without interpreter teardown (pending gloo work can block it until a timeout)."""
+    logging.shutdown()
+    os._exit(code)
