@@ -16,7 +16,9 @@ TOLERANCE = 1e-4
 @functools.lru_cache(maxsize=4)
 def reference(gate_on_attention: bool = True) -> tuple[Output, ...]:
     return tuple(
-        generate(MODEL, PROMPTS, max_new_tokens=MAX_NEW_TOKENS, prompt_logprobs=True, gate_on_attention=gate_on_attention)
+        generate(
+            MODEL, PROMPTS, max_new_tokens=MAX_NEW_TOKENS, prompt_logprobs=True, gate_on_attention=gate_on_attention
+        )
     )
 
 

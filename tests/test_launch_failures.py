@@ -14,14 +14,29 @@ import time
 from pathlib import Path
 
 import pytest
+from e2e_util import MAX_NEW_TOKENS, MODEL, PROMPTS, assert_matches_reference, reference
 
 from afd.runtime.launch import free_port
-from e2e_util import MAX_NEW_TOKENS, MODEL, PROMPTS, assert_matches_reference, reference
 
 
 def afd_worker(config: dict, role: str, rank: int, *extra: str, bind_host: str | None = None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "afd", "worker", "--config", json.dumps(config), "--role", role, "--rank", str(rank),
-           "--model", MODEL, "--max-new-tokens", str(MAX_NEW_TOKENS), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "afd",
+        "worker",
+        "--config",
+        json.dumps(config),
+        "--role",
+        role,
+        "--rank",
+        str(rank),
+        "--model",
+        MODEL,
+        "--max-new-tokens",
+        str(MAX_NEW_TOKENS),
+        *extra,
+    ]
     if bind_host:
         cmd += ["--bind-host", bind_host]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -62,15 +77,32 @@ def wait_gone(pids: set[int], timeout_s: float) -> set[int]:
 def test_multi_host_ranks_started_by_hand(tmp_path: Path) -> None:
     """FFN ranks on 127.0.0.2 / 127.0.0.3, attention on 127.0.0.1; only the world store has a port."""
     port = free_port("127.0.0.2")
-    config = {"connector": "p2p", "host": "127.0.0.2", "port": port, "num_attention_ranks": 2, "num_ffn_ranks": 2,
-              "connector_extra_config": {"timeout_s": 60}}
+    config = {
+        "connector": "p2p",
+        "host": "127.0.0.2",
+        "port": port,
+        "num_attention_ranks": 2,
+        "num_ffn_ranks": 2,
+        "connector_extra_config": {"timeout_s": 60},
+    }
     procs = []
     try:
         for a in range(2):  # attention first: ranks may start in any order
             prompts = ";".join(",".join(map(str, p)) for p in PROMPTS[a::2])
             out = tmp_path / f"attn{a}.json"
-            procs.append(afd_worker(config, "attention", a, "--prompt-ids", prompts, "--output", str(out),
-                                    "--prompt-logprobs", bind_host="127.0.0.1"))
+            procs.append(
+                afd_worker(
+                    config,
+                    "attention",
+                    a,
+                    "--prompt-ids",
+                    prompts,
+                    "--output",
+                    str(out),
+                    "--prompt-logprobs",
+                    bind_host="127.0.0.1",
+                )
+            )
             time.sleep(0.5)
         for f, host in enumerate(["127.0.0.2", "127.0.0.3"]):
             procs.append(afd_worker(config, "ffn", f, bind_host=host))
@@ -88,8 +120,13 @@ def test_multi_host_ranks_started_by_hand(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(60)
 def test_missing_rank_times_out_naming_it() -> None:
-    config = {"connector": "p2p", "port": free_port(), "num_attention_ranks": 1, "num_ffn_ranks": 2,
-              "connector_extra_config": {"timeout_s": 4}}
+    config = {
+        "connector": "p2p",
+        "port": free_port(),
+        "num_attention_ranks": 1,
+        "num_ffn_ranks": 2,
+        "connector_extra_config": {"timeout_s": 4},
+    }
     procs = [afd_worker(config, "ffn", 0), afd_worker(config, "attention", 0, "--prompt-ids", "1,2")]
     try:
         start = time.monotonic()
@@ -106,8 +143,13 @@ def test_missing_rank_times_out_naming_it() -> None:
 @pytest.mark.timeout(60)
 def test_wrong_port_times_out_with_clear_message() -> None:
     """An attention rank pointed at a port where no store listens gives up in bounded time, saying why."""
-    config = {"connector": "p2p", "port": free_port(), "num_attention_ranks": 1, "num_ffn_ranks": 1,
-              "connector_extra_config": {"timeout_s": 4}}
+    config = {
+        "connector": "p2p",
+        "port": free_port(),
+        "num_attention_ranks": 1,
+        "num_ffn_ranks": 1,
+        "connector_extra_config": {"timeout_s": 4},
+    }
     proc = afd_worker(config, "attention", 0, "--prompt-ids", "1,2")
     try:
         _, err = proc.communicate(timeout=45)
@@ -121,8 +163,10 @@ def test_wrong_port_times_out_with_clear_message() -> None:
 def test_mismatched_rank_counts_are_named() -> None:
     port = free_port()
     base = {"connector": "p2p", "port": port, "num_ffn_ranks": 1, "connector_extra_config": {"timeout_s": 10}}
-    procs = [afd_worker({**base, "num_attention_ranks": 1}, "ffn", 0),
-             afd_worker({**base, "num_attention_ranks": 2}, "attention", 0, "--prompt-ids", "1,2")]
+    procs = [
+        afd_worker({**base, "num_attention_ranks": 1}, "ffn", 0),
+        afd_worker({**base, "num_attention_ranks": 2}, "attention", 0, "--prompt-ids", "1,2"),
+    ]
     try:
         errs = []
         for p in procs:
@@ -136,10 +180,32 @@ def test_mismatched_rank_counts_are_named() -> None:
 
 def start_long_launch(port: int, connector: str = "p2p") -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "afd", "launch", "--model", MODEL, "--connector", connector, "--attention", "2",
-         "--ffn", "2", "--prompt-ids", "1,2,3;4,5", "--max-new-tokens", "100000", "--port", str(port),
-         "--max-num-batched-tokens", "200000"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "afd",
+            "launch",
+            "--model",
+            MODEL,
+            "--connector",
+            connector,
+            "--attention",
+            "2",
+            "--ffn",
+            "2",
+            "--prompt-ids",
+            "1,2,3;4,5",
+            "--max-new-tokens",
+            "100000",
+            "--port",
+            str(port),
+            "--max-num-batched-tokens",
+            "200000",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
 
 

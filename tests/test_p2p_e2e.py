@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import pytest
+from e2e_util import MAX_NEW_TOKENS, MODEL, PROMPTS, assert_matches_reference, reference
 
 from afd.config import parse_config
 from afd.runtime.launch import RunSpec, free_port, launch
-from e2e_util import MAX_NEW_TOKENS, MODEL, PROMPTS, assert_matches_reference, reference
 
 TOPOLOGIES = [(1, 1), (2, 2), (3, 2), (1, 2), (1, 4), (5, 2), (2, 3)]
 
 
 def run_p2p(num_attn: int, num_ffn: int, gate_on_attention: bool, prompts=PROMPTS):
     config = parse_config(
-        {"connector": "p2p", "num_attention_ranks": num_attn, "num_ffn_ranks": num_ffn, "port": free_port(),
-         "compute_gate_on_attention": gate_on_attention, "connector_extra_config": {"timeout_s": 60}}
+        {
+            "connector": "p2p",
+            "num_attention_ranks": num_attn,
+            "num_ffn_ranks": num_ffn,
+            "port": free_port(),
+            "compute_gate_on_attention": gate_on_attention,
+            "connector_extra_config": {"timeout_s": 60},
+        }
     )
     spec = RunSpec(model=MODEL, max_new_tokens=MAX_NEW_TOKENS, prompt_logprobs=True, timeout_s=120)
     outputs, _ = launch(config, spec, prompts)

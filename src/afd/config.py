@@ -76,7 +76,7 @@ class AsyncExtraConfig:
     attn_ranks_per_dp: int = 1
     ring_depth: int = 1
     routed_cap_multiplier: float = 2.0
-    recv_poll_timeout_ms: int = 1000
+    recv_poll_timeout_ms: int = 500
     async_moe_ubatching: bool = False
     async_moe_num_ubatches: int = 2
     async_moe_split: str = "token"

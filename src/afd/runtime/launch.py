@@ -91,15 +91,41 @@ def assign_prompts(prompts: list[list[int]], num_attention: int) -> list[list[in
 
 
 def worker_command(config: AFDConfig, spec: RunSpec, role: Role, role_rank: int, run_dir: Path) -> list[str]:
-    cmd = [sys.executable, "-m", "afd", "worker", "--config", json.dumps(config.to_dict()), "--role", role,
-           "--rank", str(role_rank), "--model", spec.model, "--dtype", spec.dtype, "--device", spec.device,
-           "--seed", str(spec.seed), "--max-new-tokens", str(spec.max_new_tokens),
-           "--max-num-batched-tokens", str(spec.max_num_batched_tokens), "--run-token", run_token(run_dir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "afd",
+        "worker",
+        "--config",
+        json.dumps(config.to_dict()),
+        "--role",
+        role,
+        "--rank",
+        str(role_rank),
+        "--model",
+        spec.model,
+        "--dtype",
+        spec.dtype,
+        "--device",
+        spec.device,
+        "--seed",
+        str(spec.seed),
+        "--max-new-tokens",
+        str(spec.max_new_tokens),
+        "--max-num-batched-tokens",
+        str(spec.max_num_batched_tokens),
+        "--run-token",
+        run_token(run_dir),
+    ]
     if spec.prompt_logprobs:
         cmd.append("--prompt-logprobs")
     if role == "attention":
-        cmd += ["--prompts-file", str(run_dir / f"prompts_attn{role_rank}.jsonl"),
-                "--output", str(run_dir / f"outputs_attn{role_rank}.json")]
+        cmd += [
+            "--prompts-file",
+            str(run_dir / f"prompts_attn{role_rank}.jsonl"),
+            "--output",
+            str(run_dir / f"outputs_attn{role_rank}.json"),
+        ]
     return cmd
 
 
@@ -230,4 +256,3 @@ def _in_main_thread() -> bool:
     import threading
 
     return threading.current_thread() is threading.main_thread()
-

@@ -135,7 +135,10 @@ def run_p2p_rank(job: RankJob) -> None:
         if job.role == "attention":
             model = load_attention_model(job.model, **common)
             exchange = P2pAttentionExchange(
-                world, topo, gate_on_attention=gate_on_attention, topk=model_config.num_experts_per_tok,
+                world,
+                topo,
+                gate_on_attention=gate_on_attention,
+                topk=model_config.num_experts_per_tok,
                 boundary_layers=model.boundary_layers,
             )
             engine = Engine(model, exchange, job.max_num_batched_tokens)
@@ -147,10 +150,16 @@ def run_p2p_rank(job: RankJob) -> None:
             boundary = list(range(model_config.num_hidden_layers)) if not gate_on_attention else model_config.moe_layers
             dense = [i for i in boundary if not model_config.is_moe_layer(i)]
             steps = P2pFFNLoop(
-                world, topo, ffn_model,
-                num_experts=model_config.n_routed_experts, topk=model_config.num_experts_per_tok,
-                hidden_size=model_config.hidden_size, dtype=resolve_dtype(job.dtype), boundary_layers=boundary,
-                gate_on_attention=gate_on_attention, dense_layers=dense,
+                world,
+                topo,
+                ffn_model,
+                num_experts=model_config.n_routed_experts,
+                topk=model_config.num_experts_per_tok,
+                hidden_size=model_config.hidden_size,
+                dtype=resolve_dtype(job.dtype),
+                boundary_layers=boundary,
+                gate_on_attention=gate_on_attention,
+                dense_layers=dense,
             ).run()
             log.info("ffn rank %d served %d steps", job.role_rank, steps)
         world.close()

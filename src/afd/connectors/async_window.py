@@ -1,0 +1,456 @@
+"""The `async` connector: token-level dispatch/combine over symmetric windows, self-driven FFN.
+
+Attention replicas never wait for each other: an attention rank writes each FFN rank's rows into
+that rank's window (region == attn_rank) and waits only on the FFN ranks it wrote to. FFN ranks
+know nothing beforehand: they poll their window, compute whatever arrives (any layer, any
+replica, any order) and write the result back into the sender's window (region == ffn_rank).
+
+Launch (every rank, same arguments except role/role_rank):
+
+    exchange = AsyncAttentionExchange(store, topology, attn_rank, hidden_size=..., ...)
+    hidden = model.forward(..., exchange=exchange); ...; exchange.close()
+
+    server = AsyncFFNServer(store, topology, ffn_rank, hidden_size=..., ...)
+    run_ffn_loop(server, ffn_model, stop_event)   # returns when every attention rank shut down
+
+Shutdown: `close()` broadcasts the header's shutdown bit to every opposite-role peer; the FFN loop
+returns normally once all attention ranks announced it. `recv_poll_timeout_ms` is the second line:
+every wait wakes up at that period to check the stop event and whether its peers are alive.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from afd.config import AsyncExtraConfig
+from afd.connectors.dispatch import DispatchPlan, ExpertMap, combine_scatter, plan_dispatch, shared_token_index
+from afd.connectors.window import (
+    FLAG_RESPONSE,
+    FLAG_SHUTDOWN,
+    SlotHeader,
+    SlotLayout,
+    Window,
+    WindowGeometry,
+    WindowProtocolError,
+)
+from afd.topology import AsyncTopology, Role
+from afd.transport.symm_heap import DEFAULT_TIMEOUT_S, HeapFactory, default_heap_factory, wait_keys
+
+logger = logging.getLogger("afd.connectors.async_window")
+
+CONFIG_NAMES = ("async", "GpuAsyncAFDConnector")
+
+
+class ConnectorShutdown(Exception):
+    """The opposite role announced shutdown: a normal exit, not an error."""
+
+
+class RingExhausted(RuntimeError):
+    """More messages in flight to one peer than ring_depth: a configuration error."""
+
+
+class PeerDied(RuntimeError):
+    """A peer process is gone without announcing shutdown."""
+
+
+# ---------------------------------------------------------------------------------------------
+# config
+
+
+# ---------------------------------------------------------------------------------------------
+# peer liveness (both transports are single host: a pid check is exact)
+
+
+def _proc_start(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    rest = stat[stat.rfind(")") + 2 :].split()
+    return f"{rest[0]}:{rest[19]}"  # state, start time (field 22)
+
+
+def _proc_info() -> dict[str, Any]:
+    start = _proc_start(os.getpid())
+    return {"host": socket.gethostname(), "pid": os.getpid(), "start": start.split(":")[1] if start else None}
+
+
+def _is_alive(info: Mapping[str, Any]) -> bool:
+    if info.get("host") != socket.gethostname():
+        return True  # cannot tell from here
+    try:
+        os.kill(int(info["pid"]), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    stat = _proc_start(int(info["pid"]))
+    if stat is None:
+        return True
+    state, start = stat.split(":")
+    return state not in ("Z", "X") and (info.get("start") is None or start == info["start"])
+
+
+class FFNModelLike(Protocol):
+    def experts(self, layer_idx: int, x_grouped: torch.Tensor, group_sizes: list[int]) -> torch.Tensor: ...
+
+    def shared(self, layer_idx: int, x: torch.Tensor) -> torch.Tensor: ...
+
+
+# ---------------------------------------------------------------------------------------------
+# common endpoint
+
+
+class _AsyncEndpoint:
+    """Window, geometry check, peer bookkeeping and shutdown shared by both roles."""
+
+    role: Role
+
+    def __init__(
+        self,
+        store: dist.Store,
+        topology: AsyncTopology,
+        role_rank: int,
+        *,
+        hidden_size: int,
+        topk: int,
+        num_layers: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        max_num_batched_tokens: int,
+        extra_config: AsyncExtraConfig | Mapping[str, Any] | None = None,
+        heap_factory: HeapFactory | None = None,
+        namespace: str = "afd_async",
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        self.config = (
+            extra_config
+            if isinstance(extra_config, AsyncExtraConfig)
+            else AsyncExtraConfig.from_dict(dict(extra_config or {}))
+        )
+        size = topology.num_attention if self.role == "attention" else topology.num_ffn
+        if not 0 <= role_rank < size:
+            raise ValueError(f"{self.role} rank {role_rank} outside 0..{size - 1}")
+        if topk < 1 or topk > topology.num_experts:
+            raise ValueError(f"topk={topk} must be between 1 and the {topology.num_experts} routed experts")
+        self.topology = topology
+        self.role_rank = role_rank
+        self.world_rank = topology.world_rank(self.role, role_rank)
+        self.hidden_size, self.topk, self.num_layers = hidden_size, topk, num_layers
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.poll_timeout_s = self.config.recv_poll_timeout_ms / 1000
+        self.timeout_s = timeout_s
+        self.opposite: Role = "ffn" if self.role == "attention" else "attention"
+        self.num_peers = topology.num_ffn if self.role == "attention" else topology.num_attention
+        self.expert_map = ExpertMap.from_ranges(topology.expert_ranges, self.device)
+        layout = SlotLayout.for_model(
+            hidden_size=hidden_size,
+            dtype=dtype,
+            topk=topk,
+            num_ffn=topology.num_ffn,
+            experts_per_rank=topology.experts_per_rank,
+            max_num_batched_tokens=max_num_batched_tokens,
+            routed_cap_multiplier=self.config.routed_cap_multiplier,
+        )
+        geometry = WindowGeometry(layout, topology.num_regions, self.config.ring_depth)
+        world = topology.world_size
+        store.set(f"{namespace}/proc/{self.world_rank}", json.dumps(_proc_info()))
+        factory = heap_factory or default_heap_factory(store, self.world_rank, world, self.device, timeout_s)
+        self.window = Window.create(
+            store, self.world_rank, world, geometry, factory, namespace=namespace, timeout_s=timeout_s
+        )
+        keys = [f"{namespace}/proc/{topology.world_rank(self.opposite, r)}" for r in range(self.num_peers)]
+        wait_keys(store, keys, timeout_s, f"process info of the {self.opposite} ranks")
+        self._peer_proc = [json.loads(store.get(k)) for k in keys]
+        self.peers_closed: set[int] = set()  # opposite-role ranks that announced shutdown
+        self._closed = False
+        self._last_liveness = time.monotonic()
+
+    def peer_world(self, peer: int) -> int:
+        return self.topology.world_rank(self.opposite, peer)
+
+    def check_peers_alive(self, peers: list[int] | None = None) -> None:
+        """Raise PeerDied naming the first opposite-role rank whose process is gone."""
+        self._last_liveness = time.monotonic()
+        for p in peers if peers is not None else range(self.num_peers):
+            if p not in self.peers_closed and not _is_alive(self._peer_proc[p]):
+                raise PeerDied(
+                    f"{self.opposite} rank {p} (world rank {self.peer_world(p)}, pid {self._peer_proc[p]['pid']}) "
+                    f"died without announcing shutdown; {self.role} rank {self.role_rank} gives up"
+                )
+
+    def announce_shutdown(self) -> None:
+        """Write the shutdown bit into every opposite-role peer still running; never raises."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # staging buffers of earlier writes are reused below
+        flags = FLAG_SHUTDOWN | (FLAG_RESPONSE if self.role == "ffn" else 0)
+        for p in range(self.num_peers):
+            if p in self.peers_closed:
+                continue
+            try:
+                self.window.write_slot(self.peer_world(p), self.role_rank, 0, SlotHeader(flags=flags))
+            except Exception:
+                logger.warning(
+                    "%s rank %d could not announce shutdown to %s rank %d",
+                    self.role,
+                    self.role_rank,
+                    self.opposite,
+                    p,
+                    exc_info=True,
+                )
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def close(self) -> None:
+        """Announce shutdown, release the window. Never blocks on peers."""
+        if self._closed:
+            return
+        self._closed = True
+        self.announce_shutdown()
+        self.window.close()
+
+    def __enter__(self) -> _AsyncEndpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# attention side
+
+
+@dataclass(frozen=True)
+class InFlight:
+    stage: int
+    seq: int
+
+
+@dataclass
+class PendingExchange:
+    """What the attention side keeps between send and recv (topk weights never travel)."""
+
+    layer_idx: int
+    num_tokens: int
+    dtype: torch.dtype
+    plan: DispatchPlan
+    weights: torch.Tensor  # [T*K] fp32, in plan order
+    sent: dict[int, InFlight]  # ffn_rank → slot and seq; the only ranks recv waits on
+
+
+class AsyncAttentionExchange(_AsyncEndpoint):
+    """Attention side; usable as the model's `exchange(layer_idx, x, routing)`."""
+
+    role: Role = "attention"
+
+    def __init__(self, store: dist.Store, topology: AsyncTopology, attn_rank: int, **kwargs: Any) -> None:
+        super().__init__(store, topology, attn_rank, **kwargs)
+        self._pending: deque[PendingExchange] = deque()
+        self._in_flight: set[tuple[int, int]] = set()  # (ffn_rank, stage)
+        n = self.topology.num_ffn * self.expert_map.experts_per_rank
+        self._counts_host = torch.zeros(n, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+
+    def __call__(self, layer_idx: int, x: torch.Tensor, routing: Any) -> torch.Tensor:
+        self.send(layer_idx, x, routing)
+        return self.recv()
+
+    def _acquire_stage(self, ffn_rank: int) -> int:
+        for stage in range(self.window.geometry.ring_depth):
+            if (ffn_rank, stage) not in self._in_flight:
+                self._in_flight.add((ffn_rank, stage))
+                return stage
+        raise RingExhausted(
+            f"attention rank {self.role_rank} has {self.window.geometry.ring_depth} message(s) in flight to FFN "
+            f"rank {ffn_rank} already (ring_depth={self.window.geometry.ring_depth}); every send needs its recv "
+            "first — ring_depth must cover the stages in flight"
+        )
+
+    def send(self, layer_idx: int, x: torch.Tensor, routing: Any) -> PendingExchange:
+        """Dispatch x: [T, H] model dtype with routing (topk_ids [T, K] int64, topk_weights [T, K] fp32)."""
+        if routing is None:
+            raise ValueError("the async connector needs the gate on attention; set compute_gate_on_attention=true")
+        if x.dim() != 2 or x.shape[1] != self.hidden_size or x.dtype != self.dtype:
+            raise ValueError(
+                f"exchange input must be [T, {self.hidden_size}] {self.dtype}, got {list(x.shape)} {x.dtype}"
+            )
+        topk_ids, topk_weights = routing.topk_ids, routing.topk_weights
+        num_tokens = x.shape[0]
+        if topk_ids.shape != (num_tokens, self.topk):
+            raise ValueError(f"topk_ids must be [{num_tokens}, {self.topk}], got {list(topk_ids.shape)}")
+        if num_tokens > self.window.layout.token_cap:
+            raise ValueError(f"{num_tokens} tokens exceed max_num_batched_tokens={self.window.layout.token_cap}")
+        plan = plan_dispatch(topk_ids, self.expert_map, counts_host=self._counts_host)
+        weights = topk_weights.reshape(-1).to(torch.float32)[plan.order]  # [T*K]
+        sent: dict[int, InFlight] = {}
+        num_ffn = self.topology.num_ffn
+        for f in plan.dest_ranks():
+            stage = self._acquire_stage(f)
+            tok = plan.token_index[plan.segment(f)]  # [R_f]
+            shared_tok = shared_token_index(f, num_tokens, num_ffn, x.device)  # [S_f]
+            header = SlotHeader(
+                layer_idx=layer_idx,
+                num_tokens=num_tokens,
+                routed_tokens=plan.dest_counts[f],
+                shared_tokens=plan.shared_counts[f],
+                expert_counts=tuple(plan.group_sizes[f]),
+            )
+            seq = self.window.write_slot(
+                self.peer_world(f),
+                self.role_rank,
+                stage,
+                header,
+                route_table=tok.to(torch.int32),
+                routed_x=x.index_select(0, tok),
+                shared_idx=shared_tok.to(torch.int32),
+                shared_x=x.index_select(0, shared_tok),
+            )
+            sent[f] = InFlight(stage, seq)
+        pending = PendingExchange(layer_idx, num_tokens, x.dtype, plan, weights, sent)
+        self._pending.append(pending)
+        return pending
+
+    def recv(self) -> torch.Tensor:
+        """Combine the oldest pending send: [T, H] in the model dtype (accumulated in fp32)."""
+        pending = self._pending.popleft()
+        plan, num_ffn = pending.plan, self.topology.num_ffn
+        acc = torch.zeros(pending.num_tokens, self.hidden_size, dtype=torch.float32, device=self.device)  # [T, H]
+        waiting = dict(pending.sent)
+        deadline = time.monotonic() + self.timeout_s
+        while waiting:
+            expect = {f: s.seq for f, s in waiting.items()}
+            msg = self.window.poll(self.poll_timeout_s, expect_echo=expect)
+            if msg is None:
+                self.check_peers_alive(sorted(waiting))
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"attention rank {self.role_rank} waited {self.timeout_s:.0f}s for layer {pending.layer_idx} "
+                        f"results from FFN ranks {sorted(waiting)}"
+                    )
+                continue
+            f, h = msg.region, msg.header
+            if h.is_shutdown:
+                self.peers_closed.add(f)
+                raise ConnectorShutdown(f"FFN rank {f} announced shutdown")
+            if f not in waiting or msg.stage != waiting[f].stage or not h.is_response:
+                raise WindowProtocolError(f"unexpected message from FFN rank {f} (stage {msg.stage}, flags {h.flags})")
+            seg = plan.segment(f)
+            if (
+                h.layer_idx != pending.layer_idx
+                or h.routed_tokens != plan.dest_counts[f]
+                or (h.shared_tokens != plan.shared_counts[f])
+            ):
+                raise WindowProtocolError(
+                    f"FFN rank {f} answered layer {h.layer_idx} with {h.routed_tokens}/{h.shared_tokens} rows; "
+                    f"sent layer {pending.layer_idx} with {plan.dest_counts[f]}/{plan.shared_counts[f]}"
+                )
+            combine_scatter(acc, msg.routed_x, plan.token_index[seg], pending.weights[seg])
+            combine_scatter(acc, msg.shared_x, shared_token_index(f, pending.num_tokens, num_ffn, self.device))
+            self._in_flight.discard((f, waiting.pop(f).stage))
+        return acc.to(pending.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# FFN side
+
+
+class AsyncFFNServer(_AsyncEndpoint):
+    """FFN side: pulls work items from its window, computes local + shared experts, answers."""
+
+    role: Role = "ffn"
+
+    def __init__(self, store: dist.Store, topology: AsyncTopology, ffn_rank: int, **kwargs: Any) -> None:
+        super().__init__(store, topology, ffn_rank, **kwargs)
+        self.num_local_experts = self.expert_map.num_local[ffn_rank]
+        self.items_served = 0
+
+    def step(self, ffn_model: FFNModelLike, max_items: int | None = None) -> int:
+        """Drain up to `max_items` (default num_layers) work items; returns early on a poll timeout.
+
+        Raises ConnectorShutdown once every attention rank has announced shutdown, PeerDied if
+        one is gone without it. No device synchronize: ordering is the stream's.
+        """
+        limit = max_items if max_items is not None else self.num_layers
+        served = 0
+        while served < limit:
+            msg = self.window.poll(self.poll_timeout_s)
+            if msg is None:
+                self.check_peers_alive()
+                break
+            if msg.header.is_shutdown:
+                self.peers_closed.add(msg.region)
+                logger.debug("FFN rank %d: attention rank %d shut down", self.role_rank, msg.region)
+                if len(self.peers_closed) == self.num_peers:
+                    raise ConnectorShutdown("every attention rank announced shutdown")
+                continue
+            self._serve(ffn_model, msg)
+            served += 1
+        if time.monotonic() - self._last_liveness > max(1.0, self.poll_timeout_s):
+            self.check_peers_alive()
+        return served
+
+    def _serve(self, ffn_model: FFNModelLike, msg: Any) -> None:
+        h = msg.header
+        if h.is_response or not 0 <= h.layer_idx < self.num_layers or msg.region >= self.topology.num_attention:
+            raise WindowProtocolError(
+                f"FFN rank {self.role_rank} got a malformed work item from region {msg.region} (layer {h.layer_idx}, "
+                f"flags {h.flags})"
+            )
+        group_sizes = list(h.expert_counts[: self.num_local_experts])
+        # top-1 grouped problem over the local experts; unweighted (weights stay on attention)
+        routed_out = ffn_model.experts(h.layer_idx, msg.routed_x, group_sizes) if h.routed_tokens else None
+        shared_out = ffn_model.shared(h.layer_idx, msg.shared_x) if h.shared_tokens else None
+        reply = SlotHeader(
+            layer_idx=h.layer_idx,
+            num_tokens=h.num_tokens,
+            routed_tokens=h.routed_tokens,
+            shared_tokens=h.shared_tokens,
+            echo_seq=h.seq,
+            flags=FLAG_RESPONSE,
+            expert_counts=h.expert_counts,
+        )
+        self.window.write_slot(
+            self.peer_world(msg.region), self.role_rank, msg.stage, reply, routed_x=routed_out, shared_x=shared_out
+        )
+        self.items_served += 1
+
+    def serve(self, ffn_model: FFNModelLike, stop_event: threading.Event | None = None) -> None:
+        """Run until every attention rank shut down (normal return) or `stop_event` is set."""
+        try:
+            while stop_event is None or not stop_event.is_set():
+                self.step(ffn_model)
+        except ConnectorShutdown as e:
+            logger.info("FFN rank %d: %s after %d work items", self.role_rank, e, self.items_served)
+
+
+def run_ffn_loop(server: AsyncFFNServer, ffn_model: FFNModelLike, stop_event: threading.Event | None = None) -> None:
+    """The self-driven FFN loop; closes the server (announcing shutdown) on the way out."""
+    try:
+        server.serve(ffn_model, stop_event)
+    finally:
+        server.close()
+
+
+def build_async_connector(
+    role: Role, store: dist.Store, topology: AsyncTopology, role_rank: int, **kwargs: Any
+) -> AsyncAttentionExchange | AsyncFFNServer:
+    """The role's endpoint; kwargs as `_AsyncEndpoint` (hidden_size, topk, num_layers, dtype, device,
+    max_num_batched_tokens, extra_config, heap_factory, namespace, timeout_s)."""
+    if role == "attention":
+        return AsyncAttentionExchange(store, topology, role_rank, **kwargs)
+    if role == "ffn":
+        return AsyncFFNServer(store, topology, role_rank, **kwargs)
+    raise ValueError(f"unknown role {role!r}; expected 'attention' or 'ffn'")
