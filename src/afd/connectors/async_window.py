@@ -193,6 +193,7 @@ class _AsyncEndpoint:
                     f"died without announcing shutdown; {self.role} rank {self.role_rank} gives up"
                 )
 
+    @torch.inference_mode()
     def announce_shutdown(self) -> None:
         """Write the shutdown bit into every opposite-role peer still running; never raises."""
         if self.device.type == "cuda":
@@ -427,6 +428,7 @@ class AsyncFFNServer(_AsyncEndpoint):
         )
         self.items_served += 1
 
+    @torch.inference_mode()
     def serve(self, ffn_model: FFNModelLike, stop_event: threading.Event | None = None) -> None:
         """Run until every attention rank shut down (normal return) or `stop_event` is set."""
         try:

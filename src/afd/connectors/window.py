@@ -395,6 +395,7 @@ class Window:
 
     # -- send ----------------------------------------------------------------------------------
 
+    @torch.inference_mode()  # staging buffers may be first made inside the engine's inference mode
     def write_slot(
         self,
         peer: int,
@@ -475,6 +476,7 @@ class Window:
             self._poll_stream.synchronize()
         return self._host_header.tolist()
 
+    @torch.inference_mode()
     def poll(
         self,
         timeout_s: float,

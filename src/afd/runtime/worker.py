@@ -67,11 +67,14 @@ class ReplicaStats:
 
     def __init__(self) -> None:
         self.start = time.perf_counter()
+        self.start_unix = time.time()
+        self.num_steps = 0
         self.first_token: dict[int, float] = {}
         self.end = self.start
 
     def observe(self, engine: Engine, finished: list[Output]) -> None:
         now = time.perf_counter()
+        self.num_steps += 1
         for seq in engine.running:
             if seq.token_ids and seq.request_id not in self.first_token:
                 self.first_token[seq.request_id] = now - self.start
@@ -80,9 +83,12 @@ class ReplicaStats:
         self.end = now
 
     def to_json(self) -> dict:
+        """Times relative to the replica's start, plus that start on the wall clock to line replicas up."""
         return {
             "ttft_s": [self.first_token[k] for k in sorted(self.first_token)],
             "elapsed_s": self.end - self.start,
+            "start_unix": self.start_unix,
+            "num_steps": self.num_steps,
         }
 
 

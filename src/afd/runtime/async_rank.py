@@ -1,0 +1,86 @@
+"""One rank of an `async` run: an attention replica that never waits for the others, or a self-driven FFN rank.
+
+The world store (the same rendezvous as p2p, attention ranks first) carries only the bootstrap: the
+window geometry, the heap handles and the liveness records. After that every byte moves through the
+symmetric windows.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from afd.connectors.async_window import AsyncAttentionExchange, AsyncFFNServer, run_ffn_loop
+from afd.distributed import World, init_world
+from afd.runtime.worker import RankJob, drive_replica, select_device, write_outputs
+from afd.topology import AsyncTopology
+from afd.transport.shm import ShmHeap
+from afd.transport.symm_heap import SymmetricHeap, default_heap_factory
+from afd.weights import load_attention_model, load_ffn_model, load_model_config, resolve_dtype
+
+log = logging.getLogger(__name__)
+
+
+def heap_factory(job: RankJob, world: World, device: torch.device) -> Callable[[int], SymmetricHeap]:
+    """Shared memory named after the launcher's run token (so it can clean up after a crash), or NVSHMEM."""
+    rank, size = world.me.world_rank, world.world_size
+    if device.type == "cpu" and job.run_token != "afd":
+        return lambda nbytes: ShmHeap(world.store, rank, size, nbytes, run_token=job.run_token, timeout_s=job.timeout_s)
+    return default_heap_factory(world.store, rank, size, device, job.timeout_s)
+
+
+def run_async_rank(job: RankJob) -> None:
+    cfg = job.config
+    model_config = load_model_config(job.model)
+    topo = AsyncTopology(cfg.num_attention_ranks, cfg.num_ffn_ranks, model_config.n_routed_experts)
+    world_rank = topo.world_rank(job.role, job.role_rank)
+    device = select_device(job, world_rank)
+    world = init_world(
+        cfg.host,
+        cfg.port,
+        world_rank,
+        topo.world_size,
+        "gloo",
+        job.timeout_s,
+        num_attention=cfg.num_attention_ranks,
+        num_ffn=cfg.num_ffn_ranks,
+        world_order="attention_first",
+        local_host=job.local_host,
+    )
+    endpoint_args = dict(
+        hidden_size=model_config.hidden_size,
+        topk=model_config.num_experts_per_tok,
+        num_layers=model_config.num_hidden_layers,
+        dtype=resolve_dtype(job.dtype),
+        device=device,
+        max_num_batched_tokens=job.max_num_batched_tokens,
+        extra_config=cfg.connector_extra_config,
+        heap_factory=heap_factory(job, world, device),
+        timeout_s=job.timeout_s,
+    )
+    load_args = dict(dtype=job.dtype, device=device, gate_on_attention=True, seed=job.seed)
+    try:
+        if job.role == "attention":
+            model = load_attention_model(job.model, **load_args)
+            exchange = AsyncAttentionExchange(world.store, topo, job.role_rank, **endpoint_args)
+            try:
+                from afd.engine import Engine
+
+                engine = Engine(model, exchange, job.max_num_batched_tokens)
+                outputs, stats = drive_replica(engine, job, lambda has_work: has_work)  # no wave: runs on its own
+            finally:
+                exchange.close()  # the shutdown bit to every FFN rank
+            write_outputs(job, outputs, stats)
+        else:
+            experts = topo.expert_ranges[job.role_rank]
+            ffn_model = load_ffn_model(job.model, expert_range=experts, **load_args)
+            server = AsyncFFNServer(world.store, topo, job.role_rank, **endpoint_args)
+            run_ffn_loop(server, ffn_model)
+            log.info("ffn rank %d: every attention rank shut down", job.role_rank)
+        world.close()
+    except BaseException as exc:
+        log.error("%s failed: %s", world.me.name, exc)
+        world.close(error=exc)
+        raise
