@@ -301,6 +301,25 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-token", default="afd", help="names this run's shared resources (set by afd launch)")
 
 
+# ---------------------------------------------------------------- afd demo
+def cmd_demo(args: argparse.Namespace) -> int:
+    from afd.demo import format_table, run_demo
+
+    def progress(msg: str) -> None:
+        print(f"[afd demo] {msg}", file=sys.stderr, flush=True)
+
+    reference, runs, ok = run_demo(
+        model=args.model,
+        num_attn=args.attention,
+        num_ffn=args.ffn,
+        max_new_tokens=args.max_new_tokens,
+        progress=progress,
+    )
+    print(format_table(reference, runs))
+    print("every connector matches the reference" if ok else "MISMATCH: a connector differs from the reference")
+    return 0 if ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="afd", description="Attention-FFN disaggregated serving of DeepSeek-V2/V3 MoE models.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -326,6 +345,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("worker", help="start one rank (by hand, e.g. on another host)")
     add_worker_arguments(p)
     p.set_defaults(func=cmd_worker)
+    p = sub.add_parser("demo", help="the embedded end-to-end check: reference vs every connector, on CPU")
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--attention", type=positive_int, default=2)
+    p.add_argument("--ffn", type=positive_int, default=2)
+    p.add_argument("--max-new-tokens", type=positive_int, default=8)
+    p.set_defaults(func=cmd_demo)
     for register in EXTRA_COMMANDS:
         register(sub)
     return parser

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import logging
 import random
-import statistics
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
+from afd.config import parse_config
 from afd.engine import Output
 
 log = logging.getLogger(__name__)
@@ -21,10 +19,12 @@ log = logging.getLogger(__name__)
 LOGPROB_TOLERANCE = 1e-4  # float32
 
 
-def uneven_prompts(vocab_size: int, *, seed: int = 0, count: int = 8) -> list[list[int]]:
-    """Deliberately uneven: a few long prompts among many short ones, so replicas get different loads."""
+DEMO_LENGTHS = [96, 3, 80, 2, 64, 5, 48, 4]  # prompt i -> replica i % 2: replica 0 long, replica 1 short
+
+
+def uneven_prompts(vocab_size: int, *, seed: int = 0, lengths: list[int] = DEMO_LENGTHS) -> list[list[int]]:
+    """Deliberately uneven: with 2 replicas, one gets every long prompt and the other every short one."""
     rng = random.Random(seed)
-    lengths = [96, 3, 5, 64, 2, 7, 4, 48][:count] + [rng.randint(2, 12) for _ in range(max(0, count - 8))]
     return [[rng.randrange(vocab_size) for _ in range(n)] for n in lengths]
 
 
@@ -77,15 +77,67 @@ def format_table(reference: RunResult, runs: list[RunResult]) -> str:
     return "\n".join(lines)
 
 
-def timed(fn: Callable[[], tuple[list[Output], list[float]]]) -> tuple[list[Output], list[float], float]:
-    start = time.perf_counter()
-    outputs, ttft = fn()
-    return outputs, ttft, time.perf_counter() - start
+def run_reference(model: str, prompts: list[list[int]], max_new_tokens: int) -> RunResult:
+    """The single-process engine, timed the same way as a replica."""
+    from afd.engine import Engine, LocalExchange
+    from afd.runtime.worker import RankJob, drive_replica
+    from afd.weights import load_attention_model, load_ffn_model
+
+    engine = Engine(load_attention_model(model), LocalExchange(load_ffn_model(model)), max(map(len, prompts)) * 4)
+    job = RankJob(
+        config=parse_config({}),
+        role="attention",
+        role_rank=0,
+        model=model,
+        max_new_tokens=max_new_tokens,
+        prompt_logprobs=True,
+        prompts=tuple(map(tuple, prompts)),
+    )
+    outputs, stats = drive_replica(engine, job, lambda has_work: has_work)
+    return RunResult("none", "1 proc", outputs, stats.end - stats.start, stats.to_json()["ttft_s"])
 
 
-def summarize_ttft(stats: dict) -> list[float]:
-    return [t for replica in stats.get("replicas", []) for t in replica.get("ttft_s", [])]
+def run_connector(
+    connector: str, num_attn: int, num_ffn: int, model: str, prompts: list[list[int]], max_new_tokens: int
+) -> RunResult:
+    from afd.runtime.launch import RunSpec, free_port, launch
+
+    config = parse_config(
+        {"connector": connector, "num_attention_ranks": num_attn, "num_ffn_ranks": num_ffn, "port": free_port()}
+    )
+    spec = RunSpec(model=model, max_new_tokens=max_new_tokens, prompt_logprobs=True, timeout_s=300)
+    outputs, stats = launch(config, spec, prompts)
+    replicas = stats["replicas"]
+    elapsed = max((r["elapsed_s"] for r in replicas), default=0.0)
+    ttft = [t for r in replicas for t in r.get("ttft_s", [])]
+    return RunResult(connector, f"{num_attn}A{num_ffn}F", outputs, elapsed, ttft)
 
 
-def median(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")
+CONNECTORS = ("p2p", "async")
+
+
+def run_demo(
+    *, model: str = "tiny", num_attn: int = 2, num_ffn: int = 2, max_new_tokens: int = 8, progress=None
+) -> tuple[RunResult, list[RunResult], bool]:
+    """Reference, then every connector on the same uneven prompts; True if every output matches."""
+    from afd.weights import load_model_config
+
+    say = progress or (lambda msg: log.info(msg))
+    prompts = uneven_prompts(load_model_config(model).vocab_size)
+    lengths = ", ".join(str(len(p)) for p in prompts)
+    say(f"{len(prompts)} prompts of {lengths} tokens, {max_new_tokens} new tokens each, model {model!r}")
+    say("running the single-process reference ...")
+    reference = run_reference(model, prompts, max_new_tokens)
+    runs, ok = [], True
+    for connector in CONNECTORS:
+        say(f"running {connector} {num_attn}A{num_ffn}F (one process per rank) ...")
+        run = run_connector(connector, num_attn, num_ffn, model, prompts, max_new_tokens)
+        diff = max_logprob_diff(reference.outputs, run.outputs)
+        matched = diff <= LOGPROB_TOLERANCE
+        ok &= matched
+        say(
+            f"  {connector}: {'matches the reference' if matched else 'DIFFERS from the reference'} "
+            f"(max |Δ logprob| {diff:.2e})"
+        )
+        runs.append(run)
+    return reference, runs, ok
