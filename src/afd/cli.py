@@ -350,6 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", type=positive_int, default=2)
     p.add_argument("--ffn", type=positive_int, default=2)
     p.add_argument("--max-new-tokens", type=positive_int, default=8)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--connectors", default="p2p,async", choices=["p2p,async", "p2p", "async", "async,p2p"])
     p.set_defaults(func=cmd_demo)
     for register in EXTRA_COMMANDS:
         register(sub)

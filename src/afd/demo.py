@@ -77,13 +77,14 @@ def format_table(reference: RunResult, runs: list[RunResult]) -> str:
     return "\n".join(lines)
 
 
-def run_reference(model: str, prompts: list[list[int]], max_new_tokens: int) -> RunResult:
+def run_reference(model: str, prompts: list[list[int]], max_new_tokens: int, device: str = "cpu") -> RunResult:
     """The single-process engine, timed the same way as a replica."""
     from afd.engine import Engine, LocalExchange
     from afd.runtime.worker import RankJob, drive_replica
     from afd.weights import load_attention_model, load_ffn_model
 
-    engine = Engine(load_attention_model(model), LocalExchange(load_ffn_model(model)), max(map(len, prompts)) * 4)
+    attn, ffn = load_attention_model(model, device=device), load_ffn_model(model, device=device)
+    engine = Engine(attn, LocalExchange(ffn), max(map(len, prompts)) * 4)
     job = RankJob(
         config=parse_config({}),
         role="attention",
@@ -98,14 +99,20 @@ def run_reference(model: str, prompts: list[list[int]], max_new_tokens: int) -> 
 
 
 def run_connector(
-    connector: str, num_attn: int, num_ffn: int, model: str, prompts: list[list[int]], max_new_tokens: int
+    connector: str,
+    num_attn: int,
+    num_ffn: int,
+    model: str,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    device: str = "cpu",
 ) -> RunResult:
     from afd.runtime.launch import RunSpec, free_port, launch
 
     config = parse_config(
         {"connector": connector, "num_attention_ranks": num_attn, "num_ffn_ranks": num_ffn, "port": free_port()}
     )
-    spec = RunSpec(model=model, max_new_tokens=max_new_tokens, prompt_logprobs=True, timeout_s=300)
+    spec = RunSpec(model=model, device=device, max_new_tokens=max_new_tokens, prompt_logprobs=True, timeout_s=300)
     outputs, stats = launch(config, spec, prompts)
     replicas = stats["replicas"]
     elapsed = max((r["elapsed_s"] for r in replicas), default=0.0)
@@ -117,7 +124,14 @@ CONNECTORS = ("p2p", "async")
 
 
 def run_demo(
-    *, model: str = "tiny", num_attn: int = 2, num_ffn: int = 2, max_new_tokens: int = 8, progress=None
+    *,
+    model: str = "tiny",
+    num_attn: int = 2,
+    num_ffn: int = 2,
+    max_new_tokens: int = 8,
+    device: str = "cpu",
+    connectors: tuple[str, ...] = CONNECTORS,
+    progress=None,
 ) -> tuple[RunResult, list[RunResult], bool]:
     """Reference, then every connector on the same uneven prompts; True if every output matches."""
     from afd.weights import load_model_config
@@ -125,13 +139,13 @@ def run_demo(
     say = progress or (lambda msg: log.info(msg))
     prompts = uneven_prompts(load_model_config(model).vocab_size)
     lengths = ", ".join(str(len(p)) for p in prompts)
-    say(f"{len(prompts)} prompts of {lengths} tokens, {max_new_tokens} new tokens each, model {model!r}")
+    say(f"on {device}: {len(prompts)} prompts of {lengths} tokens, {max_new_tokens} new tokens each, model {model!r}")
     say("running the single-process reference ...")
-    reference = run_reference(model, prompts, max_new_tokens)
+    reference = run_reference(model, prompts, max_new_tokens, device)
     runs, ok = [], True
-    for connector in CONNECTORS:
+    for connector in connectors:
         say(f"running {connector} {num_attn}A{num_ffn}F (one process per rank) ...")
-        run = run_connector(connector, num_attn, num_ffn, model, prompts, max_new_tokens)
+        run = run_connector(connector, num_attn, num_ffn, model, prompts, max_new_tokens, device)
         diff = max_logprob_diff(reference.outputs, run.outputs)
         matched = diff <= LOGPROB_TOLERANCE
         ok &= matched
