@@ -119,3 +119,17 @@ def test_expert_ranges_spread_the_remainder_over_earlier_ranks() -> None:
 def test_bad_sizes_rejected(bad: object) -> None:
     with pytest.raises(ValueError, match="num_attention_ranks must be a positive integer"):
         SyncTopology(bad, 2)  # type: ignore[arg-type]
+
+
+def test_gpu_placement_packs_p2p_without_sharing_a_communicator_gpu() -> None:
+    from afd.topology import gpu_placement
+
+    assert gpu_placement("p2p", 2, 2, 4) == [0, 1, 2, 3]
+    # world order F0 F1 A0 A1: groups {F0, A0} and {F1, A1}, EP {F0, F1}
+    assert gpu_placement("p2p", 2, 2, 2) == [0, 1, 1, 0]
+    assert gpu_placement("p2p", 1, 1, 2) == [0, 1]
+    assert gpu_placement("async", 2, 2, 2) == [0, 1, 0, 1]  # one attention and one FFN rank per GPU
+    with pytest.raises(ValueError, match="needs more than 2 GPUs"):
+        gpu_placement("p2p", 2, 1, 2)  # {F0, A0, A1} cannot fit on 2 GPUs
+    with pytest.raises(ValueError, match="no GPU"):
+        gpu_placement("p2p", 1, 1, 0)

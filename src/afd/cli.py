@@ -191,6 +191,16 @@ def run_generate(args: argparse.Namespace) -> tuple[list, dict]:
         return outputs, {}
     from afd.runtime.launch import RunSpec, free_port, launch
 
+    if args.device == "cuda":
+        import torch
+
+        from afd.topology import gpu_placement
+
+        try:
+            gpu_placement(args.connector, args.attention, args.ffn, torch.cuda.device_count())
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+
     base = parse_config(args.config) if args.config else parse_config({})
     config = base.replace(
         connector=args.connector,

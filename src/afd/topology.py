@@ -196,3 +196,35 @@ class AsyncTopology:
     def shared_rows(self, ffn_rank: int, num_tokens: int) -> range:
         """Tokens whose shared-expert rows go to `ffn_rank`: `arange(f, T, F)`."""
         return range(ffn_rank, num_tokens, self.num_ffn)
+
+
+def gpu_placement(connector: str, num_attention: int, num_ffn: int, num_gpus: int) -> list[int]:
+    """GPU of each world rank. One GPU per rank when there are enough; otherwise pack ranks so that no
+    NCCL communicator holds two ranks of one GPU (NCCL refuses that), which p2p needs and async does not.
+
+    p2p packing: FFN rank f on GPU f % n; the members of a sync group other than its FFN hub on the
+    GPUs after the hub's. Raises ValueError when the layout cannot avoid a shared GPU in a communicator.
+    """
+    if num_gpus < 1:
+        raise ValueError("no GPU is visible; use --device cpu")
+    world_size = num_attention + num_ffn
+    if num_gpus >= world_size or connector == "async":
+        return [r % num_gpus for r in range(world_size)]  # async: attention-first order, PEs spread evenly
+    topo = SyncTopology(num_attention, num_ffn)
+    gpu = [0] * world_size
+    for f in range(num_ffn):
+        gpu[topo.world_rank("ffn", f)] = f % num_gpus
+    for group in topo.groups:
+        base = group.ffn_ranks[0] % num_gpus
+        for i, a in enumerate(group.attn_ranks):
+            gpu[topo.world_rank("attention", a)] = (base + len(group.ffn_ranks) + i) % num_gpus
+    communicators = [topo.group_world_ranks(g) for g in topo.groups] + [list(range(num_ffn))]
+    needed = max(len(c) for c in communicators)
+    for ranks in communicators:
+        used = [gpu[r] for r in ranks]
+        if len(set(used)) != len(used):
+            raise ValueError(
+                f"p2p {num_attention}A{num_ffn}F needs more than {num_gpus} GPUs: NCCL cannot hold two ranks of one "
+                f"communicator on one GPU; use {needed} or more GPUs, or the async connector"
+            )
+    return gpu

@@ -19,7 +19,7 @@ import torch
 
 from afd.config import AFDConfig
 from afd.engine import Engine, Output, Request
-from afd.topology import Role, SyncTopology, expert_ranges
+from afd.topology import Role, SyncTopology, expert_ranges, gpu_placement
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +54,15 @@ class RankJob:
 
 
 def select_device(job: RankJob, world_rank: int) -> torch.device:
-    """One GPU per rank by default: world rank modulo the visible GPUs."""
+    """One GPU per rank when there are enough; otherwise packed as `gpu_placement` says."""
     if job.device != "cuda":
         # ranks of one host share its cores: oversubscribed intra-op threads made every exchange ~7x slower
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.config.world_size))
         return torch.device("cpu")
-    index = world_rank % torch.cuda.device_count()
+    cfg = job.config
+    index = gpu_placement(cfg.connector, cfg.num_attention_ranks, cfg.num_ffn_ranks, torch.cuda.device_count())[
+        world_rank
+    ]
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
 

@@ -1,0 +1,313 @@
+"""async end to end on CPU: real rank processes over POSIX shared memory, started by the launcher.
+
+Every run is compared with the single-process reference engine, leaves no `afd worker` process and no
+/dev/shm/afd_* segment behind, and kills whatever is left on the way out.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from e2e_util import MAX_NEW_TOKENS, MODEL, assert_matches_reference
+
+from afd.config import parse_config
+from afd.engine import generate
+from afd.runtime.launch import RunSpec, free_port, launch
+
+VOCAB = 256  # the tiny preset
+
+
+# ---------------------------------------------------------------- helpers
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, VOCAB) for _ in range(n)]
+
+
+def uneven_prompts(num_attn: int) -> list[list[int]]:
+    """Prompt i goes to replica i % A: replica 0 gets long prompts, replica 1 short ones, and (A >= 3)
+    the last replica gets none."""
+    if num_attn == 1:
+        return [tokens(100, 1), [7, 3], tokens(60, 2), [11]]
+    if num_attn == 2:
+        return [tokens(120, 1), [3], tokens(60, 2), [5, 9], tokens(90, 3), [200, 1, 42]]
+    # one prompt each for replicas 0..A-2 (long, short, then medium); replica A-1 gets nothing
+    return [tokens(120, 1), [3, 8]] + [tokens(7, 10 + a) for a in range(2, num_attn - 1)]
+
+
+def shm_segments() -> set[str]:
+    return set(glob.glob("/dev/shm/afd_*"))
+
+
+def worker_pids() -> set[int]:
+    """Live `afd worker` processes on this machine."""
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"afd" in cmdline and b"worker" in cmdline:
+                pids.add(int(entry.name))
+    return pids
+
+
+def role_of(pid: int) -> str | None:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    for role in ("attention", "ffn"):
+        if f"\0--role\0{role}\0".encode() in cmdline:
+            return role
+    return None
+
+
+def wait_gone(pids: set[int], timeout_s: float) -> set[int]:
+    deadline = time.monotonic() + timeout_s
+    while (pids & worker_pids()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return pids & worker_pids()
+
+
+def kill_pids(pids: set[int]) -> None:
+    for pid in pids & worker_pids():
+        try:
+            os.killpg(pid, signal.SIGKILL)  # every rank is its own process group (start_new_session)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+class Leftovers:
+    """Snapshot of workers and segments before a run; `check()` asserts the run added none."""
+
+    def __init__(self) -> None:
+        self.pids = worker_pids()
+        self.segments = shm_segments()
+
+    def new_pids(self) -> set[int]:
+        return worker_pids() - self.pids
+
+    def new_segments(self) -> set[str]:
+        return shm_segments() - self.segments
+
+    def check(self, timeout_s: float = 10) -> None:
+        assert not wait_gone(self.new_pids(), timeout_s), "afd worker processes left behind"
+        assert not self.new_segments(), f"shared-memory segments left behind: {sorted(self.new_segments())}"
+
+    def cleanup(self) -> None:
+        kill_pids(self.new_pids())
+        for path in self.new_segments():
+            Path(path).unlink(missing_ok=True)
+
+
+def run_async(
+    num_attn: int,
+    num_ffn: int,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int = MAX_NEW_TOKENS,
+    max_num_batched_tokens: int = 2048,
+    run_dir: Path | None = None,
+):
+    config = parse_config(
+        {
+            "connector": "async",
+            "num_attention_ranks": num_attn,
+            "num_ffn_ranks": num_ffn,
+            "port": free_port(),
+            "connector_extra_config": {"recv_poll_timeout_ms": 100},
+        }
+    )
+    spec = RunSpec(
+        model=MODEL,
+        dtype="float32",
+        max_new_tokens=max_new_tokens,
+        prompt_logprobs=True,
+        max_num_batched_tokens=max_num_batched_tokens,
+        timeout_s=90,
+    )
+    leftovers = Leftovers()
+    try:
+        outputs, stats = launch(config, spec, prompts, run_dir=run_dir)
+        leftovers.check()
+    finally:
+        leftovers.cleanup()
+    return outputs, stats
+
+
+def reference(prompts: list[list[int]], max_new_tokens: int = MAX_NEW_TOKENS):
+    return generate(MODEL, prompts, max_new_tokens=max_new_tokens, prompt_logprobs=True)
+
+
+# ---------------------------------------------------------------- correctness under uneven load
+TOPOLOGIES = [(1, 1), (2, 2), (3, 2), (1, 3), (4, 2)]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("num_attn, num_ffn", TOPOLOGIES, ids=[f"{a}A{f}F" for a, f in TOPOLOGIES])
+def test_async_matches_reference_with_uneven_replicas(num_attn: int, num_ffn: int, tmp_path: Path) -> None:
+    prompts = uneven_prompts(num_attn)
+    outputs, stats = run_async(num_attn, num_ffn, prompts, run_dir=tmp_path)
+    assert_matches_reference(outputs, reference(prompts))
+    replicas = stats["replicas"]
+    assert len(replicas) == num_attn
+    if num_attn >= 3:
+        assert replicas[-1]["num_steps"] == 0, "the replica with no prompt must not step (no dummy steps)"
+
+
+# ---------------------------------------------------------------- no lockstep
+LONG_PROMPT = 3000  # ~5 s of prefill on one CPU core; the short replica is done in well under 1 s
+
+
+@pytest.mark.timeout(120)
+def test_replica_finishes_while_another_is_in_its_first_prefill(tmp_path: Path) -> None:
+    """2A1F: replica 0's first step is one 3000-token prefill; replica 1 (two short prompts, a few
+    tokens) starts, decodes and finishes before replica 0 has its first token."""
+    long = tokens(LONG_PROMPT, 99)
+    # replica 0: [long, [7]] (the 1-token prompt waits for the long prefill: one step more);
+    # replica 1: [[1, 2], [3]] (both prefilled in its first step)
+    prompts = [long, [1, 2], [7], [3]]
+    outputs, stats = run_async(2, 1, prompts, max_new_tokens=3, max_num_batched_tokens=LONG_PROMPT, run_dir=tmp_path)
+    slow, fast = stats["replicas"]
+    slow_first_token = slow["start_unix"] + slow["ttft_s"][0]
+    fast_end = fast["start_unix"] + fast["elapsed_s"]
+    assert fast_end < slow_first_token, (
+        f"replica 1 ended at +{fast_end - slow['start_unix']:.2f} s, replica 0's first token came at "
+        f"+{slow['ttft_s'][0]:.2f} s: the replicas ran in lockstep"
+    )
+    assert fast["num_steps"] == 3 and slow["num_steps"] == 4, stats
+    assert_matches_reference(outputs, reference(prompts, max_new_tokens=3))
+
+
+# ---------------------------------------------------------------- stress
+@pytest.mark.timeout(90)
+def test_many_single_token_decode_steps() -> None:
+    """1A2F, one 1-token prompt, 300 decode steps of one token each: every step's 3 routed rows may all
+    land on one FFN rank; no ring slot may leak on the other."""
+    prompts = [[42]]
+    outputs, stats = run_async(1, 2, prompts, max_new_tokens=300)
+    assert stats["replicas"][0]["num_steps"] == 300
+    assert_matches_reference(outputs, reference(prompts, max_new_tokens=300))
+
+
+@pytest.mark.timeout(60)
+def test_fewer_tokens_than_ffn_ranks() -> None:
+    """1A3F with a 1-token prompt: 1 token's shared rows go to FFN rank 0 only and its 3 routed rows to at
+    most 3 ranks, so some FFN ranks get nothing in some steps."""
+    prompts = [[9]]
+    outputs, _ = run_async(1, 3, prompts)
+    assert_matches_reference(outputs, reference(prompts))
+
+
+# ---------------------------------------------------------------- failure
+def start_long_async_launch(port: int) -> subprocess.Popen:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "afd",
+            "launch",
+            "--model",
+            MODEL,
+            "--connector",
+            "async",
+            "--attention",
+            "2",
+            "--ffn",
+            "2",
+            "--prompt-ids",
+            "1,2,3;4,5",
+            "--max-new-tokens",
+            "4000",
+            "--port",
+            str(port),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+@pytest.mark.timeout(90)
+def test_killed_attention_rank_ends_the_run_and_cleans_up() -> None:
+    leftovers = Leftovers()
+    launcher = start_long_async_launch(free_port())
+    try:
+        # wait until all 4 windows exist (every rank is past init), then let the decode loop run
+        deadline = time.monotonic() + 45
+        while len(leftovers.new_segments()) < 4:
+            assert launcher.poll() is None, launcher.communicate()[1]
+            assert time.monotonic() < deadline, "the async run did not create its 4 windows within 45 s"
+            time.sleep(0.1)
+        time.sleep(1.5)
+        assert launcher.poll() is None, "the run ended before the kill"
+        pids = leftovers.new_pids()
+        victim = next(p for p in sorted(pids) if role_of(p) == "attention")
+        killed = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        _, err = launcher.communicate(timeout=30)
+        assert time.monotonic() - killed < 30
+        assert launcher.returncode != 0
+        assert "rank" in err and "Traceback" not in err, err
+        assert not wait_gone(pids, 10), "afd worker processes left behind"
+        assert not leftovers.new_segments(), f"segments left behind: {sorted(leftovers.new_segments())}"
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait(10)
+        leftovers.cleanup()
+
+
+def afd_worker(config: dict, role: str, rank: int, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "afd", "worker", "--config", json.dumps(config), "--role", role]
+    cmd += ["--rank", str(rank), "--model", MODEL, *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+@pytest.mark.timeout(60)
+def test_ffn_rank_gives_up_on_its_own_when_attention_dies() -> None:
+    """No launcher to stop it: an FFN rank whose only attention peer is SIGKILLed mid-run exits non-zero
+    by itself in bounded time, naming that rank, and unlinks its own window."""
+    config = {
+        "connector": "async",
+        "port": free_port(),
+        "num_attention_ranks": 1,
+        "num_ffn_ranks": 1,
+        "connector_extra_config": {"recv_poll_timeout_ms": 100},
+    }
+    leftovers = Leftovers()
+    ffn = afd_worker(config, "ffn", 0)
+    attn = afd_worker(config, "attention", 0, "--prompt-ids", "1,2,3", "--max-new-tokens", "4000")
+    try:
+        deadline = time.monotonic() + 45
+        while len(leftovers.new_segments()) < 2:
+            assert ffn.poll() is None and attn.poll() is None, (ffn.communicate()[1], attn.communicate()[1])
+            assert time.monotonic() < deadline, "the 1A1F async run did not create its windows within 45 s"
+            time.sleep(0.1)
+        (ffn_segment,) = [s for s in leftovers.new_segments() if s.endswith("_1")]
+        time.sleep(1.0)
+        assert attn.poll() is None, "the attention rank ended before the kill"
+        killed = time.monotonic()
+        os.kill(attn.pid, signal.SIGKILL)
+        _, err = ffn.communicate(timeout=20)
+        assert time.monotonic() - killed < 20
+        assert ffn.returncode != 0
+        assert "attention rank 0" in err and "died" in err and "Traceback" not in err, err
+        assert not os.path.exists(ffn_segment), "the FFN rank did not unlink its own window"
+    finally:
+        for p in (ffn, attn):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(10)
+        leftovers.cleanup()  # the killed attention rank's window: no launcher here to remove it
