@@ -330,6 +330,32 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+# ---------------------------------------------------------------- afd bench
+def cmd_bench(args: argparse.Namespace) -> int:
+    from afd.bench import Workload, format_bench, run_bench
+
+    check_prompts(args.model, [], args.device)
+    connectors = tuple(c for c in args.connectors.split(",") if c)
+    bad = [c for c in connectors if c not in ("p2p", "async")]
+    if bad or not connectors:
+        raise UsageError(f"--connectors takes p2p and/or async separated by ',', got {args.connectors!r}")
+    result = run_bench(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        num_attn=args.attention,
+        num_ffn=args.ffn,
+        connectors=connectors,
+        workload=Workload(args.requests, args.long_len, args.short_len, args.max_new_tokens),
+        score=not args.no_score,
+        progress=lambda msg: print(f"[afd bench] {msg}", file=sys.stderr, flush=True),
+    )
+    print(format_bench(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="afd", description="Attention-FFN disaggregated serving of DeepSeek-V2/V3 MoE models.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -363,6 +389,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--connectors", default="p2p,async", choices=["p2p,async", "p2p", "async", "async,p2p"])
     p.set_defaults(func=cmd_demo)
+    p = sub.add_parser("bench", help="connectors side by side on an uneven request mix, plus numerics")
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--attention", type=positive_int, default=2)
+    p.add_argument("--ffn", type=positive_int, default=2)
+    p.add_argument("--connectors", default="p2p,async")
+    p.add_argument("--requests", type=positive_int, default=8, help="prompts per replica")
+    p.add_argument("--long-len", type=positive_int, default=1024, help="prompt length on replica 0")
+    p.add_argument("--short-len", type=positive_int, default=32, help="prompt length on the other replicas")
+    p.add_argument("--max-new-tokens", type=positive_int, default=32)
+    p.add_argument("--no-score", action="store_true", help="skip the numerics comparison")
+    p.add_argument("--json", help="also write the raw result here")
+    p.set_defaults(func=cmd_bench)
     for register in EXTRA_COMMANDS:
         register(sub)
     return parser

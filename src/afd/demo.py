@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from afd.config import parse_config
 from afd.engine import Output
+from afd.runtime.launch import RunSpec
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ class RunResult:
     outputs: list[Output]
     elapsed_s: float
     ttft_s: list[float]
+    replicas: list[dict] = field(default_factory=list)
 
     @property
     def generated_tokens(self) -> int:
@@ -77,47 +79,40 @@ def format_table(reference: RunResult, runs: list[RunResult]) -> str:
     return "\n".join(lines)
 
 
-def run_reference(model: str, prompts: list[list[int]], max_new_tokens: int, device: str = "cpu") -> RunResult:
+def run_reference(spec: RunSpec, prompts: list[list[int]]) -> RunResult:
     """The single-process engine, timed the same way as a replica."""
     from afd.engine import Engine, LocalExchange
     from afd.runtime.worker import RankJob, drive_replica
     from afd.weights import load_attention_model, load_ffn_model
 
-    attn, ffn = load_attention_model(model, device=device), load_ffn_model(model, device=device)
-    engine = Engine(attn, LocalExchange(ffn), max(map(len, prompts)) * 4)
+    load = dict(dtype=spec.dtype, device=spec.device, seed=spec.seed)
+    attn, ffn = load_attention_model(spec.model, **load), load_ffn_model(spec.model, **load)
+    engine = Engine(attn, LocalExchange(ffn), max(spec.max_num_batched_tokens, *map(len, prompts)))
     job = RankJob(
         config=parse_config({}),
         role="attention",
         role_rank=0,
-        model=model,
-        max_new_tokens=max_new_tokens,
-        prompt_logprobs=True,
+        model=spec.model,
+        max_new_tokens=spec.max_new_tokens,
+        prompt_logprobs=spec.prompt_logprobs,
         prompts=tuple(map(tuple, prompts)),
     )
     outputs, stats = drive_replica(engine, job, lambda has_work: has_work)
-    return RunResult("none", "1 proc", outputs, stats.end - stats.start, stats.to_json()["ttft_s"])
+    return RunResult("none", "1 proc", outputs, stats.end - stats.start, stats.to_json()["ttft_s"], [stats.to_json()])
 
 
-def run_connector(
-    connector: str,
-    num_attn: int,
-    num_ffn: int,
-    model: str,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    device: str = "cpu",
-) -> RunResult:
-    from afd.runtime.launch import RunSpec, free_port, launch
+def run_connector(connector: str, num_attn: int, num_ffn: int, spec: RunSpec, prompts: list[list[int]]) -> RunResult:
+    """One launched run; elapsed is the slowest replica's engine time (process start and loading excluded)."""
+    from afd.runtime.launch import free_port, launch
 
     config = parse_config(
         {"connector": connector, "num_attention_ranks": num_attn, "num_ffn_ranks": num_ffn, "port": free_port()}
     )
-    spec = RunSpec(model=model, device=device, max_new_tokens=max_new_tokens, prompt_logprobs=True, timeout_s=300)
     outputs, stats = launch(config, spec, prompts)
     replicas = stats["replicas"]
-    elapsed = max((r["elapsed_s"] for r in replicas), default=0.0)
+    elapsed = max((r["elapsed_s"] for r in replicas if r), default=0.0)
     ttft = [t for r in replicas for t in r.get("ttft_s", [])]
-    return RunResult(connector, f"{num_attn}A{num_ffn}F", outputs, elapsed, ttft)
+    return RunResult(connector, f"{num_attn}A{num_ffn}F", outputs, elapsed, ttft, replicas)
 
 
 CONNECTORS = ("p2p", "async")
@@ -141,11 +136,12 @@ def run_demo(
     lengths = ", ".join(str(len(p)) for p in prompts)
     say(f"on {device}: {len(prompts)} prompts of {lengths} tokens, {max_new_tokens} new tokens each, model {model!r}")
     say("running the single-process reference ...")
-    reference = run_reference(model, prompts, max_new_tokens, device)
+    spec = RunSpec(model=model, device=device, max_new_tokens=max_new_tokens, prompt_logprobs=True, timeout_s=300)
+    reference = run_reference(spec, prompts)
     runs, ok = [], True
     for connector in connectors:
         say(f"running {connector} {num_attn}A{num_ffn}F (one process per rank) ...")
-        run = run_connector(connector, num_attn, num_ffn, model, prompts, max_new_tokens, device)
+        run = run_connector(connector, num_attn, num_ffn, spec, prompts)
         diff = max_logprob_diff(reference.outputs, run.outputs)
         matched = diff <= LOGPROB_TOLERANCE
         ok &= matched

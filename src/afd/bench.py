@@ -1,0 +1,165 @@
+"""`afd bench`: connectors side by side on an uneven request mix, and numerics against the reference.
+
+Throughput: replica 0 gets long prompts, every other replica short ones, so a synchronous DP wave
+makes the short replicas wait on the long one while `async` lets them run ahead. All runs of one
+bench use the same prompts, the same model and the same machine, so their ratios are meaningful.
+
+Numerics: every run scores the same sequences (prompt + the reference's greedy continuation) and
+the per-position probabilities are compared with the single-process reference, as the issue asks.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+import platform
+import random
+from dataclasses import asdict, dataclass
+
+from afd.demo import RunResult, percentile, run_connector, run_reference
+from afd.runtime.launch import RunSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Replica 0: `requests` prompts of `long_len` tokens; every other replica: `requests` of `short_len`."""
+
+    requests: int = 8
+    long_len: int = 1024
+    short_len: int = 32
+    max_new_tokens: int = 32
+    seed: int = 0
+
+    def prompts(self, vocab_size: int, num_attn: int) -> list[list[int]]:
+        """Prompt i goes to replica i % A, so position decides which replica gets a long prompt."""
+        rng = random.Random(self.seed)
+        out = []
+        for i in range(self.requests * num_attn):
+            n = self.long_len if i % num_attn == 0 else self.short_len
+            out.append([rng.randrange(vocab_size) for _ in range(n)])
+        return out
+
+
+def run_summary(run: RunResult) -> dict:
+    replicas = [
+        {
+            "elapsed_s": r.get("elapsed_s"),
+            "num_steps": r.get("num_steps"),
+            "ttft_p50_s": percentile(r.get("ttft_s", []), 50),
+        }
+        for r in run.replicas
+    ]
+    return {
+        "connector": run.connector,
+        "topology": run.topology,
+        "generated_tokens": run.generated_tokens,
+        "elapsed_s": run.elapsed_s,
+        "tokens_per_s": run.tokens_per_s,
+        "ttft_p50_s": percentile(run.ttft_s, 50),
+        "ttft_p99_s": percentile(run.ttft_s, 99),
+        "replicas": replicas,
+    }
+
+
+def probability_diff(reference: RunResult, run: RunResult) -> dict:
+    """Mean and max |p_run - p_ref| over every scored position (prompt logprobs of identical sequences)."""
+    diffs = []
+    for ref, out in zip(reference.outputs, run.outputs, strict=True):
+        for a, b in zip(ref.prompt_logprobs[1:], out.prompt_logprobs[1:], strict=True):
+            diffs.append(abs(math.exp(a) - math.exp(b)))
+    return {
+        "positions": len(diffs),
+        "mean_abs_dprob": sum(diffs) / len(diffs) if diffs else 0.0,
+        "max_abs_dprob": max(diffs, default=0.0),
+    }
+
+
+def device_name(device: str) -> str:
+    if device == "cuda":
+        import torch
+
+        return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
+def run_bench(
+    *,
+    model: str,
+    dtype: str,
+    device: str,
+    num_attn: int,
+    num_ffn: int,
+    connectors: tuple[str, ...],
+    workload: Workload,
+    score: bool = True,
+    progress=None,
+) -> dict:
+    from afd.weights import load_model_config
+
+    say = progress or log.info
+    vocab = load_model_config(model).vocab_size
+    prompts = workload.prompts(vocab, num_attn)
+    budget = max(2048, workload.long_len * 2)
+    spec = RunSpec(
+        model=model,
+        dtype=dtype,
+        device=device,
+        max_new_tokens=workload.max_new_tokens,
+        max_num_batched_tokens=budget,
+        timeout_s=900,
+    )
+    result: dict = {
+        "date": datetime.date.today().isoformat(),
+        "device": device_name(device),
+        "model": model,
+        "dtype": dtype,
+        "topology": f"{num_attn}A{num_ffn}F",
+        "workload": asdict(workload),
+        "runs": [],
+    }
+    for connector in connectors:
+        say(f"throughput: {connector} {num_attn}A{num_ffn}F ...")
+        result["runs"].append(run_summary(run_connector(connector, num_attn, num_ffn, spec, prompts)))
+    if score:
+        say("numerics: single-process reference ...")
+        reference = run_reference(spec, prompts)
+        scored = [p + o.token_ids for p, o in zip(prompts, reference.outputs, strict=True)]
+        score_spec = RunSpec(
+            model=model,
+            dtype=dtype,
+            device=device,
+            max_new_tokens=1,
+            prompt_logprobs=True,
+            max_num_batched_tokens=budget + workload.max_new_tokens,
+            timeout_s=900,
+        )
+        ref_scores = run_reference(score_spec, scored)
+        result["numerics"] = {}
+        for connector in connectors:
+            say(f"numerics: {connector} scoring the reference's sequences ...")
+            run = run_connector(connector, num_attn, num_ffn, score_spec, scored)
+            result["numerics"][connector] = probability_diff(ref_scores, run)
+    return result
+
+
+def format_bench(result: dict) -> str:
+    lines = [
+        f"{result['model']} {result['dtype']} on {result['device']}, {result['topology']}",
+        f"workload {result['workload']}",
+        f"{'connector':<10} {'tok/s':>9} {'TTFT p50':>10} {'TTFT p99':>10}  per-replica elapsed (s)",
+    ]
+    for run in result["runs"]:
+        per = " / ".join(f"{r['elapsed_s']:.2f}" for r in run["replicas"])
+        lines.append(
+            f"{run['connector']:<10} {run['tokens_per_s']:>9.1f} {run['ttft_p50_s'] * 1e3:>8.1f}ms "
+            f"{run['ttft_p99_s'] * 1e3:>8.1f}ms  {per}"
+        )
+    for connector, n in result.get("numerics", {}).items():
+        lines.append(
+            f"numerics {connector}: {n['positions']} positions, mean |Δp| {n['mean_abs_dprob']:.2e}, "
+            f"max |Δp| {n['max_abs_dprob']:.2e}"
+        )
+    return "\n".join(lines)
