@@ -414,7 +414,9 @@ EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = []
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
+        level=logging.INFO
+        if args.verbose or args.command == "worker"
+        else logging.WARNING,  # a rank logs like a server
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
         stream=sys.stderr,
     )

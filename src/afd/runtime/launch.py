@@ -199,6 +199,8 @@ def launch(
     finally:
         stop_all(ranks)
         _cleanup_transport(config, run_dir)
+        if log.isEnabledFor(logging.INFO):
+            _echo_rank_logs(ranks)
         if _in_main_thread():
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -232,6 +234,18 @@ def _wait_for_ranks(ranks: list[RankProcess], timeout_s: float, on_progress) -> 
             names = ", ".join(r.name for r in pending)
             raise LaunchError(f"the run did not finish within {timeout_s:.0f} s; still running: {names}")
         time.sleep(0.02)
+
+
+def _echo_rank_logs(ranks: list[RankProcess]) -> None:
+    """With -v, the ranks' own log lines (window sizes, rendezvous, shutdown) reach the user's terminal."""
+    for rank in ranks:
+        try:
+            lines = rank.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            if " afd." in line:
+                log.info("[%s] %s", rank.name, line.split(" ", 2)[-1])
 
 
 def _cleanup_transport(config: AFDConfig, run_dir: Path) -> None:
