@@ -256,7 +256,18 @@ def read_worker_prompts(args: argparse.Namespace) -> list[list[int]]:
 def cmd_worker(args: argparse.Namespace) -> int:
     from afd.runtime.worker import RankJob, exit_now, run_rank
 
-    config = parse_config(args.config)
+    config = parse_config(args.config) if args.config else parse_config({})
+    overrides = {
+        "connector": args.connector,
+        "num_attention_ranks": args.attention,
+        "num_ffn_ranks": args.ffn,
+        "host": args.host,
+        "port": args.port,
+    }
+    changes = {k: v for k, v in overrides.items() if v is not None}
+    if "connector" in changes and changes["connector"] != config.connector:
+        changes["connector_extra_config"] = {}  # the other connector's extra keys do not apply
+    config = config.replace(**changes) if changes else config
     role = args.role or config.role
     if role is None:
         raise UsageError("the rank's role is unknown; pass --role attention or --role ffn (or set role in the config)")
@@ -293,9 +304,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def add_worker_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", required=True, help="AFD config (file or JSON): connector, sizes, host:port")
-    p.add_argument("--role", choices=["attention", "ffn"], help="overrides the config's role")
+    p.add_argument("--config", help="AFD config (file or JSON); the flags below override its keys")
+    p.add_argument("--role", choices=["attention", "ffn"], help="this rank's role (overrides the config's)")
     p.add_argument("--rank", type=non_negative_int, required=True, help="role rank")
+    p.add_argument("--connector", choices=["p2p", "async"])
+    p.add_argument("--attention", type=positive_int, help="num_attention_ranks")
+    p.add_argument("--ffn", type=positive_int, help="num_ffn_ranks")
+    p.add_argument("--host", help="host of the world store")
+    p.add_argument("--port", type=positive_int, help="port of the world store")
     p.add_argument("--model", required=True)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
