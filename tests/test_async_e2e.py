@@ -239,16 +239,16 @@ def start_long_async_launch(port: int) -> subprocess.Popen:
     )
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(120)
 def test_killed_attention_rank_ends_the_run_and_cleans_up() -> None:
     leftovers = Leftovers()
     launcher = start_long_async_launch(free_port())
     try:
         # wait until all 4 windows exist (every rank is past init), then let the decode loop run
-        deadline = time.monotonic() + 45
+        deadline = time.monotonic() + 60
         while len(leftovers.new_segments()) < 4:
             assert launcher.poll() is None, launcher.communicate()[1]
-            assert time.monotonic() < deadline, "the async run did not create its 4 windows within 45 s"
+            assert time.monotonic() < deadline, "the async run did not create its 4 windows within 60 s"
             time.sleep(0.1)
         time.sleep(1.5)
         assert launcher.poll() is None, "the run ended before the kill"
@@ -275,7 +275,7 @@ def afd_worker(config: dict, role: str, rank: int, *extra: str) -> subprocess.Po
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(100)
 def test_ffn_rank_gives_up_on_its_own_when_attention_dies() -> None:
     """No launcher to stop it: an FFN rank whose only attention peer is SIGKILLed mid-run exits non-zero
     by itself in bounded time, naming that rank, and unlinks its own window."""
@@ -290,10 +290,10 @@ def test_ffn_rank_gives_up_on_its_own_when_attention_dies() -> None:
     ffn = afd_worker(config, "ffn", 0)
     attn = afd_worker(config, "attention", 0, "--prompt-ids", "1,2,3", "--max-new-tokens", "4000")
     try:
-        deadline = time.monotonic() + 45
+        deadline = time.monotonic() + 60
         while len(leftovers.new_segments()) < 2:
             assert ffn.poll() is None and attn.poll() is None, (ffn.communicate()[1], attn.communicate()[1])
-            assert time.monotonic() < deadline, "the 1A1F async run did not create its windows within 45 s"
+            assert time.monotonic() < deadline, "the 1A1F async run did not create its windows within 60 s"
             time.sleep(0.1)
         (ffn_segment,) = [s for s in leftovers.new_segments() if s.endswith("_1")]
         time.sleep(1.0)
