@@ -1,11 +1,7 @@
 #!/usr/bin/env bash
 # Side-by-side connector benchmarks on the device machine (nvidia-h200-x2); raw JSON lands in $OUT.
 set -u
-OUT=${OUT:-/tmp/afd_gpu}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source "$(dirname "$0")/device_env.sh"
 bench() {
   local name=$1; shift
   echo "== $name: afd bench $*"

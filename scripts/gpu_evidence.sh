@@ -2,11 +2,7 @@
 # The GPU evidence, run on the device machine (nvidia-h200-x2) from the repo root with the
 # nvshmem4py-cu13 wheel carried in .whl/. Logs and JSON land in $OUT.
 set -u
-OUT=${OUT:-/tmp/afd_gpu}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source "$(dirname "$0")/device_env.sh"
 nvidia-smi -L
 python3 -c "import torch, nvshmem.core; print('torch', torch.__version__, 'gpus', torch.cuda.device_count())"
 PROMPTS="5,17,33,2,9,41,7,3,19,23,11;4,8;100,3,77,12,9,250;1"

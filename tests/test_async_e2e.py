@@ -6,18 +6,23 @@ Every run is compared with the single-process reference engine, leaves no `afd w
 
 from __future__ import annotations
 
-import glob
-import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from e2e_util import MAX_NEW_TOKENS, MODEL, assert_matches_reference
+from e2e_util import (
+    MAX_NEW_TOKENS,
+    MODEL,
+    Leftovers,
+    afd_worker,
+    assert_matches_reference,
+    role_of,
+    start_long_launch,
+    wait_gone,
+)
 
 from afd.config import parse_config
 from afd.engine import generate
@@ -41,73 +46,6 @@ def uneven_prompts(num_attn: int) -> list[list[int]]:
         return [tokens(120, 1), [3], tokens(60, 2), [5, 9], tokens(90, 3), [200, 1, 42]]
     # one prompt each for replicas 0..A-2 (long, short, then medium); replica A-1 gets nothing
     return [tokens(120, 1), [3, 8]] + [tokens(7, 10 + a) for a in range(2, num_attn - 1)]
-
-
-def shm_segments() -> set[str]:
-    return set(glob.glob("/dev/shm/afd_*"))
-
-
-def worker_pids() -> set[int]:
-    """Live `afd worker` processes on this machine."""
-    pids = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"afd" in cmdline and b"worker" in cmdline:
-                pids.add(int(entry.name))
-    return pids
-
-
-def role_of(pid: int) -> str | None:
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return None
-    for role in ("attention", "ffn"):
-        if f"\0--role\0{role}\0".encode() in cmdline:
-            return role
-    return None
-
-
-def wait_gone(pids: set[int], timeout_s: float) -> set[int]:
-    deadline = time.monotonic() + timeout_s
-    while (pids & worker_pids()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return pids & worker_pids()
-
-
-def kill_pids(pids: set[int]) -> None:
-    for pid in pids & worker_pids():
-        try:
-            os.killpg(pid, signal.SIGKILL)  # every rank is its own process group (start_new_session)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-class Leftovers:
-    """Snapshot of workers and segments before a run; `check()` asserts the run added none."""
-
-    def __init__(self) -> None:
-        self.pids = worker_pids()
-        self.segments = shm_segments()
-
-    def new_pids(self) -> set[int]:
-        return worker_pids() - self.pids
-
-    def new_segments(self) -> set[str]:
-        return shm_segments() - self.segments
-
-    def check(self, timeout_s: float = 10) -> None:
-        assert not wait_gone(self.new_pids(), timeout_s), "afd worker processes left behind"
-        assert not self.new_segments(), f"shared-memory segments left behind: {sorted(self.new_segments())}"
-
-    def cleanup(self) -> None:
-        kill_pids(self.new_pids())
-        for path in self.new_segments():
-            Path(path).unlink(missing_ok=True)
 
 
 def run_async(
@@ -210,39 +148,10 @@ def test_fewer_tokens_than_ffn_ranks() -> None:
 
 
 # ---------------------------------------------------------------- failure
-def start_long_async_launch(port: int) -> subprocess.Popen:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "afd",
-            "launch",
-            "--model",
-            MODEL,
-            "--connector",
-            "async",
-            "--attention",
-            "2",
-            "--ffn",
-            "2",
-            "--prompt-ids",
-            "1,2,3;4,5",
-            "--max-new-tokens",
-            "4000",
-            "--port",
-            str(port),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-
-
 @pytest.mark.timeout(120)
 def test_killed_attention_rank_ends_the_run_and_cleans_up() -> None:
     leftovers = Leftovers()
-    launcher = start_long_async_launch(free_port())
+    launcher = start_long_launch(free_port(), "async", max_new_tokens=4000)
     try:
         # wait until all 4 windows exist (every rank is past init), then let the decode loop run
         deadline = time.monotonic() + 60
@@ -267,12 +176,6 @@ def test_killed_attention_rank_ends_the_run_and_cleans_up() -> None:
             os.killpg(launcher.pid, signal.SIGKILL)
             launcher.wait(10)
         leftovers.cleanup()
-
-
-def afd_worker(config: dict, role: str, rank: int, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "afd", "worker", "--config", json.dumps(config), "--role", role]
-    cmd += ["--rank", str(rank), "--model", MODEL, *extra]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
 @pytest.mark.timeout(100)

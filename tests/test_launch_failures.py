@@ -8,69 +8,24 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from e2e_util import MAX_NEW_TOKENS, MODEL, PROMPTS, assert_matches_reference, reference
+from e2e_util import (
+    MAX_NEW_TOKENS,
+    PROMPTS,
+    afd_worker,
+    assert_matches_reference,
+    kill_all,
+    reference,
+    start_long_launch,
+    wait_for_workers,
+    wait_gone,
+    worker_pids,
+)
 
 from afd.runtime.launch import free_port
-
-
-def afd_worker(config: dict, role: str, rank: int, *extra: str, bind_host: str | None = None) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-m",
-        "afd",
-        "worker",
-        "--config",
-        json.dumps(config),
-        "--role",
-        role,
-        "--rank",
-        str(rank),
-        "--model",
-        MODEL,
-        "--max-new-tokens",
-        str(MAX_NEW_TOKENS),
-        *extra,
-    ]
-    if bind_host:
-        cmd += ["--bind-host", bind_host]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-
-
-def worker_pids() -> set[int]:
-    """Live `afd worker` processes on this machine (tests run one at a time, so these are ours)."""
-    pids = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"afd" in cmdline and b"worker" in cmdline:
-                pids.add(int(entry.name))
-    return pids
-
-
-def kill_all(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait(10)
-
-
-def wait_gone(pids: set[int], timeout_s: float) -> set[int]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        left = pids & worker_pids()
-        if not left:
-            return set()
-        time.sleep(0.1)
-    return pids & worker_pids()
 
 
 @pytest.mark.timeout(120)
@@ -100,6 +55,8 @@ def test_multi_host_ranks_started_by_hand(tmp_path: Path) -> None:
                     "--output",
                     str(out),
                     "--prompt-logprobs",
+                    "--max-new-tokens",
+                    str(MAX_NEW_TOKENS),
                     bind_host="127.0.0.1",
                 )
             )
@@ -178,51 +135,10 @@ def test_mismatched_rank_counts_are_named() -> None:
         kill_all(procs)
 
 
-def start_long_launch(port: int, connector: str = "p2p") -> subprocess.Popen:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "afd",
-            "launch",
-            "--model",
-            MODEL,
-            "--connector",
-            connector,
-            "--attention",
-            "2",
-            "--ffn",
-            "2",
-            "--prompt-ids",
-            "1,2,3;4,5",
-            "--max-new-tokens",
-            "100000",
-            "--port",
-            str(port),
-            "--max-num-batched-tokens",
-            "200000",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-
-
-def wait_for_workers(count: int, timeout_s: float = 30) -> set[int]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        pids = worker_pids()
-        if len(pids) >= count:
-            return pids
-        time.sleep(0.2)
-    raise AssertionError(f"only {len(worker_pids())} of {count} workers started within {timeout_s} s")
-
-
 @pytest.mark.timeout(90)
 def test_sigterm_to_launch_ends_the_whole_tree() -> None:
     before = worker_pids()
-    launcher = start_long_launch(free_port())
+    launcher = start_long_launch(free_port(), "p2p")
     try:
         pids = wait_for_workers(len(before) + 4) - before
         time.sleep(3)  # let the run get going
@@ -238,7 +154,7 @@ def test_sigterm_to_launch_ends_the_whole_tree() -> None:
 @pytest.mark.timeout(90)
 def test_killed_rank_fails_the_run_naming_it() -> None:
     before = worker_pids()
-    launcher = start_long_launch(free_port())
+    launcher = start_long_launch(free_port(), "p2p")
     try:
         pids = wait_for_workers(len(before) + 4) - before
         time.sleep(3)

@@ -127,23 +127,47 @@ def rank_main(spec: dict) -> None:
         torch.cuda.set_device(device)
     world = None
     try:
-        world = init_world("127.0.0.1", spec["port"], spec["world_rank"], num_attn + num_ffn, backend,
-                           spec["timeout"], num_attention=num_attn, num_ffn=num_ffn,
-                           local_host=spec.get("local_host"))
+        world = init_world(
+            "127.0.0.1",
+            spec["port"],
+            spec["world_rank"],
+            num_attn + num_ffn,
+            backend,
+            spec["timeout"],
+            num_attention=num_attn,
+            num_ffn=num_ffn,
+            local_host=spec.get("local_host"),
+        )
         topo = SyncTopology(num_attn, num_ffn)
         for phase, gate_on_attention in enumerate(spec["gates"]):
             name = f"p2p{phase}"
             if world.me.role == "ffn":
                 model = StandInFFN(expert_ranges(E, num_ffn)[world.me.role_rank])
-                loop = P2pFFNLoop(world, topo, model, num_experts=E, topk=K, hidden_size=H, dtype=torch.float32,
-                                  boundary_layers=boundary(gate_on_attention), gate_on_attention=gate_on_attention,
-                                  dense_layers=() if gate_on_attention else DENSE, name=name)
+                loop = P2pFFNLoop(
+                    world,
+                    topo,
+                    model,
+                    num_experts=E,
+                    topk=K,
+                    hidden_size=H,
+                    dtype=torch.float32,
+                    boundary_layers=boundary(gate_on_attention),
+                    gate_on_attention=gate_on_attention,
+                    dense_layers=() if gate_on_attention else DENSE,
+                    name=name,
+                )
                 steps = loop.run()
                 Path(spec["out"], f"ffn{world.me.role_rank}_{phase}.json").write_text(json.dumps(steps))
                 continue
             a = world.me.role_rank
-            ex = P2pAttentionExchange(world, topo, gate_on_attention=gate_on_attention, topk=K,
-                                      boundary_layers=boundary(gate_on_attention), name=name)
+            ex = P2pAttentionExchange(
+                world,
+                topo,
+                gate_on_attention=gate_on_attention,
+                topk=K,
+                boundary_layers=boundary(gate_on_attention),
+                name=name,
+            )
             busy, outs, step = schedule(a, spec.get("steps")), [], 0
             while ex.step_wave(step < len(busy)):
                 if step == spec.get("kill_at_step"):
@@ -202,8 +226,10 @@ def run_ranks(tmp_path: Path, specs: list[dict], limit_s: float) -> dict[int, Re
 
 def topology_specs(num_attn: int, num_ffn: int, seed: int, **extra) -> list[dict]:
     port, rng = _free_port(), random.Random(seed)
-    specs = [dict(port=port, world_rank=r, A=num_attn, F=num_ffn, timeout=20.0, delay=rng.random() * 0.3, **extra)
-             for r in range(num_attn + num_ffn)]
+    specs = [
+        dict(port=port, world_rank=r, A=num_attn, F=num_ffn, timeout=20.0, delay=rng.random() * 0.3, **extra)
+        for r in range(num_attn + num_ffn)
+    ]
     rng.shuffle(specs)  # ranks start in any order
     return specs
 
@@ -219,8 +245,9 @@ def assert_ok(results: dict[int, Result]) -> None:
 def test_outputs_match_single_process(tmp_path: Path, num_attn: int, num_ffn: int) -> None:
     """Both gate placements in one world (two connector instances), ragged and idle replicas."""
     gates = [True, False]
-    results = run_ranks(tmp_path, topology_specs(num_attn, num_ffn, seed=num_attn * 10 + num_ffn, gates=gates),
-                        limit_s=40)
+    results = run_ranks(
+        tmp_path, topology_specs(num_attn, num_ffn, seed=num_attn * 10 + num_ffn, gates=gates), limit_s=40
+    )
     assert_ok(results)
     wave = max(len(schedule(a)) for a in range(num_attn))
     model = StandInFFN()
@@ -234,8 +261,13 @@ def test_outputs_match_single_process(tmp_path: Path, num_attn: int, num_ffn: in
             for step, out in enumerate(outs):
                 num_tokens = busy[step] if step < len(busy) else 0
                 want = attention_forward(None, model, rows(a, step, num_tokens), gate_on_attention)
-                torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5,
-                                           msg=f"attention {a} step {step} gate_on_attention={gate_on_attention}")
+                torch.testing.assert_close(
+                    out,
+                    want,
+                    atol=1e-5,
+                    rtol=1e-5,
+                    msg=f"attention {a} step {step} gate_on_attention={gate_on_attention}",
+                )
 
 
 @pytest.mark.gpu
@@ -285,8 +317,10 @@ def test_missing_store_host_is_named(tmp_path: Path) -> None:
 @pytest.mark.timeout(30)
 def test_mismatched_sizes_are_named(tmp_path: Path) -> None:
     port = _free_port()
-    specs = [dict(port=port, world_rank=0, A=1, F=2, timeout=5.0, gates=[True]),
-             dict(port=port, world_rank=1, A=2, F=1, timeout=5.0, gates=[True])]
+    specs = [
+        dict(port=port, world_rank=0, A=1, F=2, timeout=5.0, gates=[True]),
+        dict(port=port, world_rank=1, A=2, F=1, timeout=5.0, gates=[True]),
+    ]
     results = run_ranks(tmp_path, specs, limit_s=15)
     for res in results.values():
         assert res.exitcode not in (0, None)

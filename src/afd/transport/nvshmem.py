@@ -190,12 +190,11 @@ class NvshmemHeap(SymmetricHeap):
         _KEEP_ALIVE.append(self.local)
         self.local.zero_()
         torch.cuda.synchronize(index)
-        self._views: dict[int, torch.Tensor] = {world_rank: self.local}
+        self._views[world_rank] = self.local
         for r in range(world_size):
             if r != world_rank:
                 self._views[r] = self._map_peer(nvshmem, r)
         _KEEP_ALIVE.extend(self._views.values())
-        self._closed = False
 
     def _map_peer(self, nvshmem: Any, peer: int) -> torch.Tensor:
         try:
@@ -211,14 +210,6 @@ class NvshmemHeap(SymmetricHeap):
                 "the async connector on CUDA is single node only and needs P2P/NVLink between all GPUs"
             )
         return view
-
-    def peer_view(self, world_rank: int) -> torch.Tensor:
-        if self._closed:
-            raise RuntimeError("the NVSHMEM heap is closed")
-        try:
-            return self._views[world_rank]
-        except KeyError:
-            raise ValueError(f"no window for world rank {world_rank} in a world of {self.world_size}") from None
 
     def close(self) -> None:
         """Stop handing out views; deliberately no nvshmem free/finalize (collective, may hang)."""

@@ -120,9 +120,7 @@ class ShmHeap(SymmetricHeap):
             run_token = read_run_token(store, timeout_s)
         self.run_token = run_token
         self._maps: dict[int, mmap.mmap] = {}
-        self._views: dict[int, torch.Tensor] = {}
         self._owns_segment = False
-        self._closed = False
         try:
             self._maps[world_rank] = _map(self.segment, nbytes, create=True)
         except FileExistsError as e:
@@ -149,14 +147,6 @@ class ShmHeap(SymmetricHeap):
     @property
     def segment(self) -> str:
         return segment_name(self.run_token, self.world_rank)
-
-    def peer_view(self, world_rank: int) -> torch.Tensor:
-        if self._closed:
-            raise RuntimeError("the shared-memory heap is closed")
-        try:
-            return self._views[world_rank]
-        except KeyError:
-            raise ValueError(f"no window for world rank {world_rank} in a world of {self.world_size}") from None
 
     def close(self) -> None:
         """Unlink own segment, drop mappings. Tensors still held elsewhere keep their mapping alive."""

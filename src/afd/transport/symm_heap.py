@@ -87,14 +87,21 @@ class SymmetricHeap(ABC):
         self.world_size = world_size
         self.nbytes = nbytes
         self._barrier_count = 0
+        self._views: dict[int, torch.Tensor] = {}
+        self._closed = False
 
     @property
     def device(self) -> torch.device:
         return self.local.device
 
-    @abstractmethod
     def peer_view(self, world_rank: int) -> torch.Tensor:
-        """[nbytes] uint8 tensor aliasing `world_rank`'s window."""
+        """[nbytes] uint8 tensor aliasing `world_rank`'s window (mapped once, at init, into `_views`)."""
+        if self._closed:
+            raise RuntimeError(f"the {type(self).__name__} is closed")
+        try:
+            return self._views[world_rank]
+        except KeyError:
+            raise ValueError(f"no window for world rank {world_rank} in a world of {self.world_size}") from None
 
     def barrier(self, tag: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         """Store barrier over the whole world; every rank must call it with the same tags in order."""
