@@ -349,12 +349,15 @@ class MLAttention(nn.Module):
             kv = self.kv_b_proj(seq_kv_c).view(L, nh, c.qk_nope_head_dim + c.v_head_dim)
             k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)  # [L, nh, *]
             k = torch.cat([k_nope, seq_k_pe.unsqueeze(1).expand(L, nh, c.qk_rope_head_dim)], dim=-1)
-            is_visible = torch.ones(n, L, dtype=torch.bool, device=x.device).tril(diagonal=ctx)  # [n, L]
+            # A decode token sees its whole context and a fresh prompt is plainly causal: neither needs a
+            # mask, which keeps SDPA off its slow masked path. Only a chunk after cached context builds one.
+            is_visible = None if n == 1 or ctx == 0 else torch.ones(n, L, dtype=torch.bool, device=x.device).tril(ctx)
             o = F.scaled_dot_product_attention(
                 q[row : row + n].transpose(0, 1),  # [nh, n, D]
                 k.transpose(0, 1),  # [nh, L, D]
                 v.transpose(0, 1),  # [nh, L, Dv]
                 attn_mask=is_visible,
+                is_causal=n > 1 and ctx == 0,
                 scale=self.softmax_scale,
             )
             out[row : row + n] = o.transpose(0, 1)
