@@ -382,32 +382,12 @@ class P2pFFNLoop:
 
     def _moe(self, layer_idx: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x: [N, H], ids/weights: [N, K] -> [N, H]; joins the EP all-to-all even when N == 0."""
-        ep, num_ffn = self.groups.ep, self.topology.num_ffn
-        what = f"layer {layer_idx} expert all-to-all"
-        plan = plan_ep_dispatch(ids, weights, self.num_experts, num_ffn)
-        max_local = plan.counts.shape[1]
-
-        recv_counts = torch.empty_like(plan.counts)  # [F_src, max_local]
-        self.world.wait(ep.pg.alltoall_base(recv_counts.view(-1), plan.counts.view(-1).contiguous(),
-                                            [max_local] * num_ffn, [max_local] * num_ffn), what + " (counts)")
-        host_counts = recv_counts.cpu()
-        send_splits, recv_splits = plan.send_splits, host_counts.sum(1).tolist()
-
+        plan = plan_ep_dispatch(ids, weights, self.num_experts, self.topology.num_ffn)
         send_rows = x[plan.token]  # [P, H], sorted by (owner, local expert)
-        recv_rows = x.new_empty(sum(recv_splits), x.shape[1])  # [R, H], by (source, local expert)
-        self.world.wait(ep.pg.alltoall_base(recv_rows, send_rows, recv_splits, send_splits), what + " (rows)")
-
-        # Regroup by local expert across sources for the grouped expert call.
-        local = torch.arange(max_local).repeat(num_ffn).repeat_interleave(host_counts.view(-1))  # [R]
-        perm = torch.argsort(local, stable=True).to(x.device)  # [R]
-        group_sizes = host_counts.sum(0)[: len(self.local_experts)].tolist()
-        expert_out = torch.empty_like(recv_rows)  # [R, H]
-        if recv_rows.shape[0]:
-            expert_out[perm] = self.model.experts(layer_idx, recv_rows[perm], group_sizes).to(x.dtype)
-
-        back = x.new_empty(send_rows.shape)  # [P, H]
-        self.world.wait(ep.pg.alltoall_base(back, expert_out, send_splits, recv_splits), what + " (results)")
-
+        if self.topology.num_ffn == 1:  # every expert is local and the pairs are grouped already
+            back = self.model.experts(layer_idx, send_rows, plan.counts[0].tolist()).to(x.dtype)  # [P, H]
+        else:
+            back = self._expert_all_to_all(layer_idx, plan, send_rows)  # [P, H]
         acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [N, H] fp32
         acc.index_add_(0, plan.token, back.float() * plan.weight[:, None])
         if x.shape[0]:
@@ -415,6 +395,32 @@ class P2pFFNLoop:
             if shared is not None:
                 acc += shared.float()
         return acc.to(x.dtype)
+
+    def _expert_all_to_all(self, layer_idx: int, plan: EpDispatch, send_rows: torch.Tensor) -> torch.Tensor:
+        """send_rows: [P, H] by (owner, local expert) -> their expert outputs [P, H], computed by the owners."""
+        ep, num_ffn = self.groups.ep, self.topology.num_ffn
+        what = f"layer {layer_idx} expert all-to-all"
+        max_local = plan.counts.shape[1]
+        recv_counts = torch.empty_like(plan.counts)  # [F_src, max_local]
+        self.world.wait(ep.pg.alltoall_base(recv_counts.view(-1), plan.counts.view(-1).contiguous(),
+                                            [max_local] * num_ffn, [max_local] * num_ffn), what + " (counts)")
+        host_counts = recv_counts.cpu()
+        send_splits, recv_splits = plan.send_splits, host_counts.sum(1).tolist()
+
+        recv_rows = send_rows.new_empty(sum(recv_splits), send_rows.shape[1])  # [R, H], by (source, local expert)
+        self.world.wait(ep.pg.alltoall_base(recv_rows, send_rows, recv_splits, send_splits), what + " (rows)")
+
+        # Regroup by local expert across sources for the grouped expert call.
+        local = torch.arange(max_local).repeat(num_ffn).repeat_interleave(host_counts.view(-1))  # [R]
+        perm = torch.argsort(local, stable=True).to(send_rows.device)  # [R]
+        group_sizes = host_counts.sum(0)[: len(self.local_experts)].tolist()
+        expert_out = torch.empty_like(recv_rows)  # [R, H]
+        if recv_rows.shape[0]:
+            expert_out[perm] = self.model.experts(layer_idx, recv_rows[perm], group_sizes).to(send_rows.dtype)
+
+        back = send_rows.new_empty(send_rows.shape)  # [P, H]
+        self.world.wait(ep.pg.alltoall_base(back, expert_out, send_splits, recv_splits), what + " (results)")
+        return back
 
     def close(self) -> None:
         """Nothing to release beyond the world's groups; present for symmetry with other connectors."""
