@@ -203,25 +203,30 @@ class Engine:
         return self._postprocess(scheduled, hidden)
 
     def _postprocess(self, scheduled: list[_Scheduled], hidden: torch.Tensor) -> list[Output]:
-        finished = []
+        """Sample every sequence at once: one lm_head call and one device->host copy per step."""
+        last_rows, prompt_rows = [], []
         row = 0
         for s in scheduled:
-            seq, n = s.seq, len(s.input_ids)
-            is_prefill = s.start == 0
-            want_prompt = is_prefill and seq.request.prompt_logprobs
-            rows = hidden[row : row + n] if want_prompt else hidden[row + n - 1 : row + n]
-            logprobs = torch.log_softmax(self.model.compute_logits(rows), dim=-1)  # [rows, V] fp32
+            n = len(s.input_ids)
+            last_rows.append(row + n - 1)
+            if s.start == 0 and s.seq.request.prompt_logprobs:
+                prompt_rows.append((s, row, n))
             row += n
-            if want_prompt:
-                targets = torch.tensor(seq.request.prompt_ids[1:], device=logprobs.device)
-                picked = logprobs[:-1].gather(1, targets[:, None]).squeeze(1)
-                seq.prompt_logprobs = [None, *picked.tolist()]
-            seq.num_cached = s.start + n
+        logprobs = torch.log_softmax(self.model.compute_logits(hidden[last_rows]), dim=-1)  # [B, V] fp32
+        best = logprobs.argmax(dim=-1)  # [B]
+        picked = logprobs.gather(1, best[:, None]).squeeze(1)  # [B]
+        tokens, token_logprobs = torch.stack([best.double(), picked.double()]).tolist()
+        for s, first, n in prompt_rows:  # prompt scoring is rare: its own lm_head call over the prompt
+            rows = torch.log_softmax(self.model.compute_logits(hidden[first : first + n - 1]), dim=-1)  # [n-1, V]
+            targets = torch.tensor(s.seq.request.prompt_ids[1:], device=rows.device)
+            s.seq.prompt_logprobs = [None, *rows.gather(1, targets[:, None]).squeeze(1).tolist()]
+        finished = []
+        for s, token, logprob in zip(scheduled, tokens, token_logprobs, strict=True):
+            seq = s.seq
+            seq.num_cached = s.start + len(s.input_ids)
             if len(seq.token_ids) < seq.request.max_new_tokens:
-                last = logprobs[-1]
-                token = int(torch.argmax(last))
-                seq.token_ids.append(token)
-                seq.logprobs.append(float(last[token]))
+                seq.token_ids.append(int(token))
+                seq.logprobs.append(float(logprob))
             if len(seq.token_ids) >= seq.request.max_new_tokens:
                 finished.append(self._finish(seq))
         return finished
