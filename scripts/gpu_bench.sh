@@ -14,3 +14,4 @@ bench lite_bf16_2a2f --model deepseek-v2-lite --dtype bfloat16 --device cuda --a
   --requests 8 --long-len 1024 --short-len 32 --max-new-tokens 64 "$@"
 bench lite_bf16_1a1f --model deepseek-v2-lite --dtype bfloat16 --device cuda --attention 1 --ffn 1 \
   --requests 8 --long-len 512 --short-len 32 --max-new-tokens 64 "$@"
+for f in "$OUT"/*.json; do echo "== raw $f"; cat "$f"; echo; done
