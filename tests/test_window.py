@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from afd.connectors.window import (
+from afd.connectors.window import Window
+from afd.connectors.wire import (
     ALIGN,
     FLAG_RESPONSE,
     FLAG_SHUTDOWN,
@@ -18,7 +19,6 @@ from afd.connectors.window import (
     VERSION,
     SlotHeader,
     SlotLayout,
-    Window,
     WindowGeometry,
     WindowOverflow,
     WindowProtocolError,

@@ -36,12 +36,12 @@ import torch.distributed as dist
 
 from afd.config import AsyncExtraConfig
 from afd.connectors.dispatch import DispatchPlan, ExpertMap, combine_scatter, plan_dispatch, shared_token_index
-from afd.connectors.window import (
+from afd.connectors.window import Window
+from afd.connectors.wire import (
     FLAG_RESPONSE,
     FLAG_SHUTDOWN,
     SlotHeader,
     SlotLayout,
-    Window,
     WindowGeometry,
     WindowProtocolError,
 )

@@ -1,0 +1,310 @@
+"""The `async` connector's wire format, pure: slot layout, in-band header codec, window geometry.
+
+    window = [ flag[num_regions * ring_depth] int64 | slot(0,0) | slot(0,1) | ... ]
+    slot   = [ header | route_table | routed_x | shared_idx | shared_x ]   every field 256 B aligned
+
+Dispatch (A→F) and combine (F→A) share one slot layout. Everything here is arithmetic on sizes and
+int32 words, so it is tested without processes; `afd.connectors.window` does the I/O.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+import torch.distributed as dist
+
+from afd.transport.symm_heap import DEFAULT_TIMEOUT_S, wait_keys
+
+logger = logging.getLogger("afd.connectors.window")
+
+MAGIC = int.from_bytes(b"AFDG", "little")
+VERSION = 1
+HEADER_WORDS = 12
+ALIGN = 256
+FLAG_RESPONSE = 1 << 0  # FFN → attention (combine) message
+FLAG_SHUTDOWN = 1 << 1  # the sender is going away; no payload
+# header word indices
+W_MAGIC, W_VERSION, W_FLAGS, W_LAYER, W_NUM_TOKENS, W_ROUTED, W_SHARED, W_SEQ, W_ECHO_SEQ, W_STAGE = range(10)
+_INT32_MAX = 2**31 - 1
+
+
+class WindowProtocolError(RuntimeError):
+    """A slot's content breaks the protocol (bad magic, version, echo_seq, counts)."""
+
+
+class WindowOverflow(ValueError):
+    """A message does not fit the slot capacity; raised at write time, never truncated."""
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+# ---------------------------------------------------------------------------------------------
+# header
+
+
+@dataclass(frozen=True)
+class SlotHeader:
+    """The 12 fixed int32 words plus `expert_counts[experts_per_rank]` of one message."""
+
+    layer_idx: int = 0
+    num_tokens: int = 0
+    routed_tokens: int = 0
+    shared_tokens: int = 0
+    seq: int = 0
+    echo_seq: int = 0
+    stage: int = 0
+    flags: int = 0
+    expert_counts: tuple[int, ...] = ()
+
+    @property
+    def is_shutdown(self) -> bool:
+        return bool(self.flags & FLAG_SHUTDOWN)
+
+    @property
+    def is_response(self) -> bool:
+        return bool(self.flags & FLAG_RESPONSE)
+
+
+def encode_header(header: SlotHeader, experts_per_rank: int) -> list[int]:
+    """Header → `12 + experts_per_rank` int32 words."""
+    if len(header.expert_counts) > experts_per_rank:
+        raise ValueError(f"{len(header.expert_counts)} expert counts do not fit a header of {experts_per_rank}")
+    words = [0] * (HEADER_WORDS + experts_per_rank)
+    words[W_MAGIC] = MAGIC
+    words[W_VERSION] = VERSION
+    words[W_FLAGS] = header.flags
+    words[W_LAYER] = header.layer_idx
+    words[W_NUM_TOKENS] = header.num_tokens
+    words[W_ROUTED] = header.routed_tokens
+    words[W_SHARED] = header.shared_tokens
+    words[W_SEQ] = header.seq
+    words[W_ECHO_SEQ] = header.echo_seq
+    words[W_STAGE] = header.stage
+    words[HEADER_WORDS : HEADER_WORDS + len(header.expert_counts)] = header.expert_counts
+    if any(not 0 <= w <= _INT32_MAX for w in words[1:]):
+        raise ValueError(f"header words must be non-negative int32, got {words}")
+    return words
+
+
+def decode_header(
+    words: list[int],
+    experts_per_rank: int,
+    *,
+    expect_seq: int | None = None,
+    expect_echo_seq: int | None = None,
+) -> SlotHeader:
+    """Words → header; raises WindowProtocolError on bad magic, version, seq or echo_seq."""
+    if len(words) < HEADER_WORDS + experts_per_rank:
+        raise WindowProtocolError(f"header has {len(words)} words, expected {HEADER_WORDS + experts_per_rank}")
+    if words[W_MAGIC] != MAGIC:
+        raise WindowProtocolError(f"bad slot magic {words[W_MAGIC]:#x} (expected {MAGIC:#x} 'AFDG')")
+    if words[W_VERSION] != VERSION:
+        raise WindowProtocolError(f"window protocol version {words[W_VERSION]}, this build speaks {VERSION}")
+    header = SlotHeader(
+        layer_idx=words[W_LAYER],
+        num_tokens=words[W_NUM_TOKENS],
+        routed_tokens=words[W_ROUTED],
+        shared_tokens=words[W_SHARED],
+        seq=words[W_SEQ],
+        echo_seq=words[W_ECHO_SEQ],
+        stage=words[W_STAGE],
+        flags=words[W_FLAGS],
+        expert_counts=tuple(words[HEADER_WORDS : HEADER_WORDS + experts_per_rank]),
+    )
+    if expect_seq is not None and header.seq != expect_seq:
+        raise WindowProtocolError(f"header seq {header.seq} does not match its flag {expect_seq}")
+    if expect_echo_seq is not None and not header.is_shutdown and header.echo_seq != expect_echo_seq:
+        raise WindowProtocolError(
+            f"response echoes seq {header.echo_seq} but the request in flight had seq {expect_echo_seq}"
+        )
+    return header
+
+
+# ---------------------------------------------------------------------------------------------
+# layout
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    offset: int  # bytes from the slot start, multiple of ALIGN
+    nbytes: int  # aligned size
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass
+class SlotViews:
+    """Typed views of one slot (local or a peer's)."""
+
+    header: torch.Tensor  # [12 + experts_per_rank] int32
+    route_table: torch.Tensor  # [routed_cap] int32: token index of each routed row
+    routed_x: torch.Tensor  # [routed_cap, hidden] dtype
+    shared_idx: torch.Tensor  # [shared_cap] int32: token index of each shared row
+    shared_x: torch.Tensor  # [shared_cap, hidden] dtype
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    """Byte layout of one slot; identical on every rank (checked through the store)."""
+
+    hidden_size: int
+    dtype: torch.dtype
+    experts_per_rank: int
+    token_cap: int
+    routed_cap: int
+    shared_cap: int
+
+    @classmethod
+    def for_model(
+        cls,
+        *,
+        hidden_size: int,
+        dtype: torch.dtype,
+        topk: int,
+        num_ffn: int,
+        experts_per_rank: int,
+        max_num_batched_tokens: int,
+        routed_cap_multiplier: float = 2.0,
+    ) -> SlotLayout:
+        """token_cap = max_num_batched_tokens; routed_cap = ceil(token_cap*topk/F) * multiplier
+        (capped at the worst case token_cap*topk); shared_cap = ceil(token_cap/F) (round robin)."""
+        token_cap = max_num_batched_tokens
+        even = -(-token_cap * topk // num_ffn)
+        routed_cap = min(int(-(-even * routed_cap_multiplier // 1)), token_cap * topk)
+        return cls(
+            hidden_size=hidden_size,
+            dtype=dtype,
+            experts_per_rank=experts_per_rank,
+            token_cap=token_cap,
+            routed_cap=max(routed_cap, 1),
+            shared_cap=-(-token_cap // num_ffn),
+        )
+
+    @cached_property
+    def fields(self) -> dict[str, Field]:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        specs = [
+            ("header", torch.int32, (HEADER_WORDS + self.experts_per_rank,)),
+            ("route_table", torch.int32, (self.routed_cap,)),
+            ("routed_x", self.dtype, (self.routed_cap, self.hidden_size)),
+            ("shared_idx", torch.int32, (self.shared_cap,)),
+            ("shared_x", self.dtype, (self.shared_cap, self.hidden_size)),
+        ]
+        out: dict[str, Field] = {}
+        offset = 0
+        for name, dtype, shape in specs:
+            size = 4 if dtype == torch.int32 else elem
+            for d in shape:
+                size *= d
+            out[name] = Field(name, offset, _align(size), dtype, shape)
+            offset += _align(size)
+        return out
+
+    @property
+    def slot_bytes(self) -> int:
+        last = list(self.fields.values())[-1]
+        return last.offset + last.nbytes
+
+    def views(self, slot: torch.Tensor) -> SlotViews:
+        """slot: [slot_bytes] uint8 → typed views (no copy)."""
+
+        def view(f: Field) -> torch.Tensor:
+            numel = 1
+            for d in f.shape:
+                numel *= d
+            raw = slot[f.offset : f.offset + f.nbytes].view(f.dtype)
+            return raw[:numel].view(f.shape)
+
+        return SlotViews(**{name: view(f) for name, f in self.fields.items()})
+
+    def describe(self) -> str:
+        return ", ".join(f"{f.name} {f.nbytes}" for f in self.fields.values())
+
+
+@dataclass(frozen=True)
+class WindowGeometry:
+    """Where each (region, stage) slot sits in a window."""
+
+    layout: SlotLayout
+    num_regions: int
+    ring_depth: int
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_regions * self.ring_depth
+
+    @property
+    def flags_bytes(self) -> int:
+        return _align(8 * self.num_slots)
+
+    @property
+    def nbytes(self) -> int:
+        return self.flags_bytes + self.num_slots * self.layout.slot_bytes
+
+    def slot_index(self, region: int, stage: int) -> int:
+        if not (0 <= region < self.num_regions and 0 <= stage < self.ring_depth):
+            raise IndexError(f"slot (region {region}, stage {stage}) outside {self.num_regions}x{self.ring_depth}")
+        return region * self.ring_depth + stage
+
+    def slot_offset(self, region: int, stage: int) -> int:
+        return self.flags_bytes + self.slot_index(region, stage) * self.layout.slot_bytes
+
+    def as_dict(self) -> dict[str, object]:
+        lay = self.layout
+        return {
+            "version": VERSION,
+            "num_regions": self.num_regions,
+            "ring_depth": self.ring_depth,
+            "hidden_size": lay.hidden_size,
+            "dtype": str(lay.dtype).removeprefix("torch."),
+            "experts_per_rank": lay.experts_per_rank,
+            "token_cap": lay.token_cap,
+            "routed_cap": lay.routed_cap,
+            "shared_cap": lay.shared_cap,
+            "slot_bytes": lay.slot_bytes,
+            "window_bytes": self.nbytes,
+        }
+
+    def describe(self) -> str:
+        return (
+            f"{self.nbytes} bytes ({self.nbytes / 2**20:.1f} MiB) = flags {self.flags_bytes} + "
+            f"{self.num_regions} regions x {self.ring_depth} ring x slot {self.layout.slot_bytes} "
+            f"({self.layout.describe()}; token_cap {self.layout.token_cap}, routed_cap "
+            f"{self.layout.routed_cap}, shared_cap {self.layout.shared_cap})"
+        )
+
+
+def check_geometry(
+    store: dist.Store,
+    world_rank: int,
+    world_size: int,
+    geometry: Mapping[str, object],
+    *,
+    namespace: str = "afd_async",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> None:
+    """Publish this rank's geometry and compare every peer's; a mismatch names the parameter."""
+    store.set(f"{namespace}/geometry/{world_rank}", json.dumps(dict(geometry)))
+    keys = [f"{namespace}/geometry/{r}" for r in range(world_size)]
+    wait_keys(store, keys, timeout_s, f"window geometry of all {world_size} ranks")
+    for r, key in enumerate(keys):
+        theirs = json.loads(store.get(key))
+        for name, value in geometry.items():
+            if theirs.get(name) != value:
+                raise ValueError(
+                    f"window geometry differs: {name}={value} on world rank {world_rank} but "
+                    f"{theirs.get(name)} on world rank {r}; start every rank with the same model, "
+                    "max_num_batched_tokens and connector_extra_config"
+                )
+
+
+# ---------------------------------------------------------------------------------------------
+# the window
