@@ -159,7 +159,8 @@ def test_grouped_experts_agree_with_topk_form():
 def test_presets_and_errors():
     lite = load_model_config("deepseek-v2-lite")
     with torch.device("meta"):
-        from afd.model import AttentionModel, FFNModel
+        from afd.ffn_model import FFNModel
+        from afd.model import AttentionModel
 
         n = sum(p.numel() for m in (AttentionModel(lite), FFNModel(lite)) for p in m.parameters())
     assert abs(n - 15.7e9) / 15.7e9 < 0.01, n

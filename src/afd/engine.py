@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from afd.model import AttentionModel, Batch, Exchange, FFNModel, KVCache
+from afd.ffn_model import FFNModel
+from afd.model import AttentionModel, Batch, Exchange, KVCache
 from afd.moe import Routing
 
 logger = logging.getLogger(__name__)

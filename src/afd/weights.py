@@ -20,7 +20,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from afd.model import AttentionModel, FFNModel, ModelConfig
+from afd.ffn_model import FFNModel
+from afd.model import AttentionModel, ModelConfig
 
 logger = logging.getLogger(__name__)
 
