@@ -280,7 +280,7 @@ class P2pAttentionExchange:
 # FFN side
 # ---------------------------------------------------------------------------------------------
 class FFNModelLike(Protocol):
-    """The part of afd.model.FFNModel the FFN loop uses (docs/architecture.md)."""
+    """The part of afd.ffn_model.FFNModel the FFN loop uses (docs/architecture.md)."""
 
     def route(self, layer_idx: int, x: torch.Tensor) -> Any: ...
     def dense(self, layer_idx: int, x: torch.Tensor) -> torch.Tensor: ...
