@@ -11,7 +11,7 @@ for run in $RUNS; do
   connector=${run%%:*}; shape=${run#*:}; a=${shape%x*}; f=${shape#*x}
   name="${connector}_${a}a${f}f"
   t0=$SECONDS
-  timeout 300 python3 -m afd generate "${COMMON[@]}" --connector "$connector" --attention "$a" --ffn "$f" \
+  timeout "${STEP_TIMEOUT:-300}" python3 -m afd generate "${COMMON[@]}" --connector "$connector" --attention "$a" --ffn "$f" \
     >"$DIR/$name.json" 2>"$DIR/$name.err"
   rc=$?
   printf '%-14s rc=%s %3ss  ' "$name" "$rc" "$((SECONDS - t0))"
