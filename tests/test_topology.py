@@ -131,5 +131,8 @@ def test_gpu_placement_packs_p2p_without_sharing_a_communicator_gpu() -> None:
     assert gpu_placement("async", 2, 2, 2) == [0, 1, 0, 1]  # one attention and one FFN rank per GPU
     with pytest.raises(ValueError, match="needs more than 2 GPUs"):
         gpu_placement("p2p", 2, 1, 2)  # {F0, A0, A1} cannot fit on 2 GPUs
+    with pytest.raises(ValueError, match="same number on every GPU"):
+        gpu_placement("async", 2, 1, 2)  # 3 PEs on 2 GPUs hung in NVSHMEM init
+    assert gpu_placement("async", 6, 2, 2) == [0, 1] * 4
     with pytest.raises(ValueError, match="no GPU"):
         gpu_placement("p2p", 1, 1, 0)

@@ -208,6 +208,11 @@ def gpu_placement(connector: str, num_attention: int, num_ffn: int, num_gpus: in
     if num_gpus < 1:
         raise ValueError("no GPU is visible; use --device cpu")
     world_size = num_attention + num_ffn
+    if connector == "async" and world_size > num_gpus and world_size % num_gpus:
+        raise ValueError(
+            f"async {num_attention}A{num_ffn}F puts {world_size} NVSHMEM PEs on {num_gpus} GPUs; NVSHMEM needs the "
+            f"same number on every GPU (unbalanced placement hangs in its init): use a multiple of {num_gpus} ranks"
+        )
     if num_gpus >= world_size or connector == "async":
         return [r % num_gpus for r in range(world_size)]  # async: attention-first order, PEs spread evenly
     topo = SyncTopology(num_attention, num_ffn)
