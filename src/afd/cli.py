@@ -253,6 +253,7 @@ def read_worker_prompts(args: argparse.Namespace) -> list[list[int]]:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    from afd.runtime.launch import RunSpec
     from afd.runtime.worker import RankJob, exit_now, run_rank
 
     config = parse_config(args.config) if args.config else parse_config({})
@@ -281,13 +282,15 @@ def cmd_worker(args: argparse.Namespace) -> int:
         config=config,
         role=role,
         role_rank=args.rank,
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        seed=args.seed,
-        max_new_tokens=args.max_new_tokens,
-        prompt_logprobs=args.prompt_logprobs,
-        max_num_batched_tokens=max([args.max_num_batched_tokens, *(len(p) for p in prompts)]),
+        spec=RunSpec(
+            model=args.model,
+            dtype=args.dtype,
+            device=args.device,
+            seed=args.seed,
+            max_new_tokens=args.max_new_tokens,
+            prompt_logprobs=args.prompt_logprobs,
+            max_num_batched_tokens=max([args.max_num_batched_tokens, *(len(p) for p in prompts)]),
+        ),
         prompts=tuple(tuple(p) for p in prompts),
         output_path=Path(args.output) if args.output else None,
         run_token=args.run_token,

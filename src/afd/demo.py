@@ -92,9 +92,7 @@ def run_reference(spec: RunSpec, prompts: list[list[int]]) -> RunResult:
         config=parse_config({}),
         role="attention",
         role_rank=0,
-        model=spec.model,
-        max_new_tokens=spec.max_new_tokens,
-        prompt_logprobs=spec.prompt_logprobs,
+        spec=spec,
         prompts=tuple(map(tuple, prompts)),
     )
     outputs, stats = drive_replica(engine, job, lambda has_work: has_work)

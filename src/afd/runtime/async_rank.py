@@ -33,7 +33,7 @@ def heap_factory(job: RankJob, world: World, device: torch.device) -> Callable[[
 
 def run_async_rank(job: RankJob) -> None:
     cfg = job.config
-    model_config = load_model_config(job.model)
+    model_config = load_model_config(job.spec.model)
     topo = AsyncTopology(cfg.num_attention_ranks, cfg.num_ffn_ranks, model_config.n_routed_experts)
     world_rank = topo.world_rank(job.role, job.role_rank)
     device = select_device(job, world_rank)
@@ -53,29 +53,29 @@ def run_async_rank(job: RankJob) -> None:
         hidden_size=model_config.hidden_size,
         topk=model_config.num_experts_per_tok,
         num_layers=model_config.num_hidden_layers,
-        dtype=resolve_dtype(job.dtype),
+        dtype=resolve_dtype(job.spec.dtype),
         device=device,
-        max_num_batched_tokens=job.max_num_batched_tokens,
+        max_num_batched_tokens=job.spec.max_num_batched_tokens,
         extra_config=cfg.connector_extra_config,
         heap_factory=heap_factory(job, world, device),
         timeout_s=job.timeout_s,
     )
-    load_args = dict(dtype=job.dtype, device=device, gate_on_attention=True, seed=job.seed)
+    load_args = dict(dtype=job.spec.dtype, device=device, gate_on_attention=True, seed=job.spec.seed)
     try:
         if job.role == "attention":
-            model = load_attention_model(job.model, **load_args)
+            model = load_attention_model(job.spec.model, **load_args)
             exchange = AsyncAttentionExchange(world.store, topo, job.role_rank, **endpoint_args)
             try:
                 from afd.engine import Engine
 
-                engine = Engine(model, exchange, job.max_num_batched_tokens)
+                engine = Engine(model, exchange, job.spec.max_num_batched_tokens)
                 outputs, stats = drive_replica(engine, job, lambda has_work: has_work)  # no wave: runs on its own
             finally:
                 exchange.close()  # the shutdown bit to every FFN rank
             write_outputs(job, outputs, stats)
         else:
             experts = topo.expert_ranges[job.role_rank]
-            ffn_model = load_ffn_model(job.model, expert_range=experts, **load_args)
+            ffn_model = load_ffn_model(job.spec.model, expert_range=experts, **load_args)
             server = AsyncFFNServer(world.store, topo, job.role_rank, **endpoint_args)
             run_ffn_loop(server, ffn_model)
             log.info("ffn rank %d: every attention rank shut down", job.role_rank)

@@ -19,6 +19,7 @@ import torch
 
 from afd.config import AFDConfig
 from afd.engine import Engine, Output, Request
+from afd.runtime.launch import RunSpec
 from afd.topology import Role, SyncTopology, expert_ranges, gpu_placement
 
 log = logging.getLogger(__name__)
@@ -31,13 +32,7 @@ class RankJob:
     config: AFDConfig
     role: Role
     role_rank: int
-    model: str
-    dtype: str = "float32"
-    device: str = "cpu"
-    seed: int = 0
-    max_new_tokens: int = 16
-    prompt_logprobs: bool = False
-    max_num_batched_tokens: int = 2048
+    spec: RunSpec
     prompts: tuple[tuple[int, ...], ...] = ()
     output_path: Path | None = None
     run_token: str = "afd"
@@ -45,7 +40,7 @@ class RankJob:
 
     @property
     def backend(self) -> str:
-        return "nccl" if self.device == "cuda" else "gloo"
+        return "nccl" if self.spec.device == "cuda" else "gloo"
 
     @property
     def timeout_s(self) -> float:
@@ -55,7 +50,7 @@ class RankJob:
 
 def select_device(job: RankJob, world_rank: int) -> torch.device:
     """One GPU per rank when there are enough; otherwise packed as `gpu_placement` says."""
-    if job.device != "cuda":
+    if job.spec.device != "cuda":
         # ranks of one host share its cores: oversubscribed intra-op threads made every exchange ~7x slower
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.config.world_size))
         return torch.device("cpu")
@@ -100,7 +95,7 @@ class ReplicaStats:
 def drive_replica(engine: Engine, job: RankJob, step_gate) -> tuple[list[Output], ReplicaStats]:
     """Run the replica's requests to completion; `step_gate(has_work)` says whether to step again."""
     for prompt in job.prompts:
-        engine.add(Request(list(prompt), job.max_new_tokens, job.prompt_logprobs))
+        engine.add(Request(list(prompt), job.spec.max_new_tokens, job.spec.prompt_logprobs))
     stats = ReplicaStats()
     outputs: dict[int, Output] = {}
     while step_gate(engine.has_work()):
@@ -128,7 +123,7 @@ def run_p2p_rank(job: RankJob) -> None:
     topo = SyncTopology(cfg.num_attention_ranks, cfg.num_ffn_ranks)
     world_rank = topo.world_rank(job.role, job.role_rank)
     device = select_device(job, world_rank)
-    model_config = load_model_config(job.model)
+    model_config = load_model_config(job.spec.model)
     gate_on_attention = cfg.compute_gate_on_attention
     world = init_world(
         cfg.host,
@@ -142,9 +137,9 @@ def run_p2p_rank(job: RankJob) -> None:
         local_host=job.local_host,
     )
     try:
-        common = dict(dtype=job.dtype, device=device, gate_on_attention=gate_on_attention, seed=job.seed)
+        common = dict(dtype=job.spec.dtype, device=device, gate_on_attention=gate_on_attention, seed=job.spec.seed)
         if job.role == "attention":
-            model = load_attention_model(job.model, **common)
+            model = load_attention_model(job.spec.model, **common)
             exchange = P2pAttentionExchange(
                 world,
                 topo,
@@ -152,12 +147,12 @@ def run_p2p_rank(job: RankJob) -> None:
                 topk=model_config.num_experts_per_tok,
                 boundary_layers=model.boundary_layers,
             )
-            engine = Engine(model, exchange, job.max_num_batched_tokens)
+            engine = Engine(model, exchange, job.spec.max_num_batched_tokens)
             outputs, stats = drive_replica(engine, job, exchange.step_wave)
             write_outputs(job, outputs, stats)
         else:
             experts = expert_ranges(model_config.n_routed_experts, cfg.num_ffn_ranks)[job.role_rank]
-            ffn_model = load_ffn_model(job.model, expert_range=experts, **common)
+            ffn_model = load_ffn_model(job.spec.model, expert_range=experts, **common)
             boundary = list(range(model_config.num_hidden_layers)) if not gate_on_attention else model_config.moe_layers
             dense = [i for i in boundary if not model_config.is_moe_layer(i)]
             steps = P2pFFNLoop(
@@ -167,7 +162,7 @@ def run_p2p_rank(job: RankJob) -> None:
                 num_experts=model_config.n_routed_experts,
                 topk=model_config.num_experts_per_tok,
                 hidden_size=model_config.hidden_size,
-                dtype=resolve_dtype(job.dtype),
+                dtype=resolve_dtype(job.spec.dtype),
                 boundary_layers=boundary,
                 gate_on_attention=gate_on_attention,
                 dense_layers=dense,
