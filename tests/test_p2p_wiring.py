@@ -121,3 +121,9 @@ def test_expert_count_not_divisible_by_ffn_ranks() -> None:
     assert [len(r) for r in expert_ranges(7, 4)] == [2, 2, 2, 1]
     plan = plan_ep_dispatch(torch.arange(7).view(7, 1), torch.ones(7, 1), 7, 4)
     assert plan.counts.tolist() == [[1, 1], [1, 1], [1, 1], [1, 0]]
+
+
+def test_plan_ep_dispatch_rejects_expert_ids_out_of_range() -> None:
+    ids = torch.tensor([[0, 7]])
+    with pytest.raises(ValueError, match=r"expert ids must lie in \[0, 7\)"):
+        plan_ep_dispatch(ids, torch.ones(1, 2), num_experts=7, num_ffn=2)

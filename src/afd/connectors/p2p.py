@@ -106,14 +106,14 @@ def plan_ep_dispatch(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_exp
     """topk_ids: [T, K] int64, topk_weights: [T, K] -> the dispatch of the T*K pairs."""
     num_tokens, topk = topk_ids.shape
     flat = topk_ids.reshape(-1)  # [P]
-    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= num_experts):
-        raise ValueError(f"expert ids must lie in [0, {num_experts}), got {flat.min()}..{flat.max()}")
     order = torch.argsort(flat, stable=True)  # [P]
     ranges = expert_ranges(num_experts, num_ffn)
     max_local = max(len(r) for r in ranges)
     slot = torch.tensor([f * max_local + e - r.start for f, r in enumerate(ranges) for e in r],
                         dtype=torch.long, device=flat.device)  # [E]
-    per_expert = torch.bincount(flat, minlength=num_experts)  # [E]
+    per_expert = torch.bincount(flat, minlength=num_experts)  # [E]; rejects negative ids itself
+    if per_expert.numel() != num_experts:  # an id >= E grew the histogram: no extra host round-trip to find it
+        raise ValueError(f"expert ids must lie in [0, {num_experts}), got one of {per_expert.numel() - 1}")
     counts = torch.zeros(num_ffn * max_local, dtype=torch.long, device=flat.device)
     counts.index_add_(0, slot, per_expert)
     return EpDispatch(
