@@ -8,6 +8,7 @@ side never calls expert weights: a boundary layer hands `(layer_idx, x, routing)
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Callable
@@ -297,6 +298,14 @@ class KVCache:
         buf[start:end] = torch.cat([kv_c, k_pe], dim=-1)
         return buf[:end].split([self.config.kv_lora_rank, self.config.qk_rope_head_dim], dim=-1)
 
+    def append_one(self, layer_idx: int, slot: int, start: int, latent: torch.Tensor) -> torch.Tensor:
+        """Write one token's latent [C + R] at `start`; return everything cached ([start + 1, C + R])."""
+        buf = self.buffers[slot][layer_idx]
+        if start >= buf.shape[0]:
+            raise ValueError(f"slot {slot} holds {buf.shape[0]} tokens; cannot write token {start}")
+        buf[start] = latent
+        return buf[: start + 1]
+
 
 # --- attention side --------------------------------------------------------------------------------
 
@@ -340,8 +349,21 @@ class MLAttention(nn.Module):
         q = torch.cat([q_nope, q_pe], dim=-1)  # [T, nh, D]
 
         out = x.new_empty(T, nh, c.v_head_dim)  # [T, nh, Dv]
+        starts = [0, *itertools.accumulate(batch.query_lens)]
+        decode = [i for i, n in enumerate(batch.query_lens) if n == 1] if kv_cache is not None else []
+        batched = set(decode) if len(decode) > 1 else set()
+        if batched:  # one pass over every single-token sequence instead of a loop over them
+            rows = [starts[i] for i in decode]
+            latents = [
+                kv_cache.append_one(self.layer_idx, batch.slots[i], batch.context_lens[i], latent)
+                for i, latent in zip(decode, torch.cat([kv_c, k_pe], dim=-1)[rows], strict=True)
+            ]
+            out[rows] = self._decode_attention(q_nope[rows], q_pe[rows], latents)
         row = 0
-        for slot, n, ctx in zip(batch.slots, batch.query_lens, batch.context_lens, strict=True):
+        for i, (slot, n, ctx) in enumerate(zip(batch.slots, batch.query_lens, batch.context_lens, strict=True)):
+            if i in batched:
+                row += n
+                continue
             seq_kv_c, seq_k_pe = kv_c[row : row + n], k_pe[row : row + n]
             if kv_cache is not None:
                 seq_kv_c, seq_k_pe = kv_cache.update(self.layer_idx, slot, ctx, seq_kv_c, seq_k_pe)
@@ -365,6 +387,26 @@ class MLAttention(nn.Module):
             out[row : row + n] = o.transpose(0, 1)
             row += n
         return self.o_proj(out.view(T, nh * c.v_head_dim))  # [T, H]
+
+    def _decode_attention(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latents: list[torch.Tensor]) -> torch.Tensor:
+        """Single-token queries against their cached latents, keys and values never expanded (absorbed MLA).
+
+        q_nope: [B, nh, Dn], q_pe: [B, nh, R], latents[b]: [L_b, C + R] -> [B, nh, Dv]. Scores are
+        `(q_nope W_uk) . kv_c + q_pe . k_pe`, the output `(probs . kv_c) W_uv`: the same products as
+        expanding K and V, associated the other way, so nothing of size L x heads is built.
+        """
+        c, nh = self.config, self.num_heads
+        lengths = torch.tensor([len(t) for t in latents], device=q_nope.device)  # [B]
+        padded = nn.utils.rnn.pad_sequence(latents, batch_first=True)  # [B, L, C + R]
+        kv_c, k_pe = padded.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)  # [B, L, C], [B, L, R]
+        w = self.kv_b_proj.weight.view(nh, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        w_uk, w_uv = w.split([c.qk_nope_head_dim, c.v_head_dim], dim=1)  # [nh, Dn, C], [nh, Dv, C]
+        q_latent = torch.einsum("bhd,hdc->bhc", q_nope, w_uk)  # [B, nh, C]
+        scores = torch.einsum("bhc,blc->bhl", q_latent, kv_c) + torch.einsum("bhr,blr->bhl", q_pe, k_pe)
+        is_valid = torch.arange(padded.shape[1], device=q_nope.device)[None, :] < lengths[:, None]  # [B, L]
+        scores = scores.float().mul_(self.softmax_scale).masked_fill_(~is_valid[:, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1).to(kv_c.dtype)  # [B, nh, L]
+        return torch.einsum("bhc,hvc->bhv", torch.einsum("bhl,blc->bhc", probs, kv_c), w_uv)  # [B, nh, Dv]
 
 
 class AttentionLayer(nn.Module):
