@@ -4,7 +4,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from afd.topology import AsyncTopology, SyncTopology, even_split, expert_owner, expert_ranges
+from afd.connectors.dispatch import shared_token_index
+from afd.connectors.p2p import ffn_recvs
+from afd.topology import AsyncTopology, SyncTopology, even_split, expert_ranges
 
 sizes = st.integers(min_value=1, max_value=64)
 
@@ -57,7 +59,7 @@ def test_async_expert_ownership_covers_each_expert_once(num_attn: int, num_ffn: 
     assert all(len(r) >= 1 for r in topo.expert_ranges)
     assert max(len(r) for r in topo.expert_ranges) == topo.experts_per_rank
     assert topo.num_regions == max(num_attn, num_ffn)
-    shared = sorted(t for f in range(num_ffn) for t in topo.shared_rows(f, 37))
+    shared = sorted(t for f in range(num_ffn) for t in shared_token_index(f, 37, num_ffn, "cpu").tolist())
     assert shared == list(range(37))
 
 
@@ -102,16 +104,16 @@ def test_world_order_ffn_first_for_p2p_attention_first_for_async() -> None:
     assert asyn.role_of_world(4) == ("ffn", 1)
 
 
-def test_ffn_row_counts_use_each_peers_own_count() -> None:
-    topo = SyncTopology(2, 1)
-    assert topo.ffn_row_counts(0, {0: 7, 1: 2}) == {0: 7, 1: 2}
+def test_ffn_rows_use_each_peers_own_count() -> None:
+    """Per-peer counts, never one replica's count reused for every peer (a prior 2A1F hang)."""
+    rows = [(s.attn_rank, s.num_rows) for s in ffn_recvs(SyncTopology(2, 1), 0, {0: 7, 1: 2})]
+    assert rows == [(0, 7), (1, 2)]
     topo = SyncTopology(1, 3)
-    assert [topo.ffn_row_counts(f, {0: 4}) for f in range(3)] == [{0: 2}, {0: 1}, {0: 1}]
+    assert [[s.num_rows for s in ffn_recvs(topo, f, {0: 4})] for f in range(3)] == [[2], [1], [1]]
 
 
 def test_expert_ranges_spread_the_remainder_over_earlier_ranks() -> None:
     assert [list(r) for r in expert_ranges(10, 3)] == [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9]]
-    assert expert_owner(10, 3) == [0, 0, 0, 0, 1, 1, 1, 2, 2, 2]
     assert even_split(7, 3) == [3, 2, 2]
 
 

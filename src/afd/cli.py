@@ -9,7 +9,7 @@ import argparse
 import json
 import logging
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from afd.config import ConfigError, parse_config
@@ -421,12 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-score", action="store_true", help="skip the numerics comparison")
     p.add_argument("--json", help="also write the raw result here")
     p.set_defaults(func=cmd_bench)
-    for register in EXTRA_COMMANDS:
-        register(sub)
     return parser
-
-
-EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = []
 
 
 def main(argv: Sequence[str] | None = None) -> int:

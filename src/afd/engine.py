@@ -72,10 +72,6 @@ class _Sequence:
     prompt_logprobs: list[float | None] | None = None
 
     @property
-    def is_prefilled(self) -> bool:
-        return self.num_cached > 0
-
-    @property
     def capacity(self) -> int:
         """Cache rows the sequence ever needs: the last sampled token is never fed back."""
         return len(self.request.prompt_ids) + max(self.request.max_new_tokens - 1, 0)

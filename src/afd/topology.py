@@ -112,15 +112,6 @@ class SyncTopology:
         """Token counts an attention rank sends to each FFN member of its group (ascending FFN rank)."""
         return even_split(num_tokens, len(self.group("attention", attn_rank).ffn_ranks))
 
-    def ffn_row_counts(self, ffn_rank: int, attn_tokens: dict[int, int]) -> dict[int, int]:
-        """Rows this FFN rank receives from each attention peer, given every peer's step token count."""
-        group = self.group("ffn", ffn_rank)
-        if len(group.ffn_ranks) == 1:
-            return {a: attn_tokens[a] for a in group.attn_ranks}
-        (hub,) = group.attn_ranks
-        share = even_split(attn_tokens[hub], len(group.ffn_ranks))
-        return {hub: share[group.ffn_ranks.index(ffn_rank)]}
-
     def to_json(self, num_tokens: int | None = None) -> dict:
         out: dict = {
             "attention": self.num_attention,
@@ -140,15 +131,6 @@ def expert_ranges(num_experts: int, num_ffn: int) -> list[range]:
     sizes = even_split(num_experts, num_ffn)
     starts = [sum(sizes[:i]) for i in range(num_ffn)]
     return [range(s, s + n) for s, n in zip(starts, sizes, strict=True)]
-
-
-def expert_owner(num_experts: int, num_ffn: int) -> list[int]:
-    """FFN rank owning each routed expert: `owner[e]`."""
-    owner = [0] * num_experts
-    for f, r in enumerate(expert_ranges(num_experts, num_ffn)):
-        for e in r:
-            owner[e] = f
-    return owner
 
 
 @dataclass(frozen=True)
@@ -193,9 +175,6 @@ class AsyncTopology:
         """Largest local expert count: sizes the header's expert_counts field."""
         return -(-self.num_experts // self.num_ffn)
 
-    def shared_rows(self, ffn_rank: int, num_tokens: int) -> range:
-        """Tokens whose shared-expert rows go to `ffn_rank`: `arange(f, T, F)`."""
-        return range(ffn_rank, num_tokens, self.num_ffn)
 
 
 def gpu_placement(connector: str, num_attention: int, num_ffn: int, num_gpus: int) -> list[int]:

@@ -50,9 +50,6 @@ from afd.transport.symm_heap import DEFAULT_TIMEOUT_S, HeapFactory, default_heap
 
 logger = logging.getLogger("afd.connectors.async_window")
 
-CONFIG_NAMES = ("async", "GpuAsyncAFDConnector")
-
-
 class ConnectorShutdown(Exception):
     """The opposite role announced shutdown: a normal exit, not an error."""
 
@@ -444,15 +441,3 @@ def run_ffn_loop(server: AsyncFFNServer, ffn_model: FFNModelLike, stop_event: th
         server.serve(ffn_model, stop_event)
     finally:
         server.close()
-
-
-def build_async_connector(
-    role: Role, store: dist.Store, topology: AsyncTopology, role_rank: int, **kwargs: Any
-) -> AsyncAttentionExchange | AsyncFFNServer:
-    """The role's endpoint; kwargs as `_AsyncEndpoint` (hidden_size, topk, num_layers, dtype, device,
-    max_num_batched_tokens, extra_config, heap_factory, namespace, timeout_s)."""
-    if role == "attention":
-        return AsyncAttentionExchange(store, topology, role_rank, **kwargs)
-    if role == "ffn":
-        return AsyncFFNServer(store, topology, role_rank, **kwargs)
-    raise ValueError(f"unknown role {role!r}; expected 'attention' or 'ffn'")

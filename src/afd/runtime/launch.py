@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from afd.config import AFDConfig
@@ -45,9 +45,6 @@ class RunSpec:
     prompt_logprobs: bool = False
     max_num_batched_tokens: int = 2048
     timeout_s: float = 300.0  # the whole run, launcher side
-
-    def to_json(self) -> dict:
-        return asdict(self)
 
 
 @dataclass
