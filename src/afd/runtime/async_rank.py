@@ -14,6 +14,7 @@ import torch
 
 from afd.connectors.async_window import AsyncAttentionExchange, AsyncFFNServer, run_ffn_loop
 from afd.distributed import World, init_world
+from afd.engine import Engine
 from afd.runtime.worker import RankJob, drive_replica, select_device, write_outputs
 from afd.topology import AsyncTopology
 from afd.transport.shm import ShmHeap
@@ -66,8 +67,6 @@ def run_async_rank(job: RankJob) -> None:
             model = load_attention_model(job.spec.model, **load_args)
             exchange = AsyncAttentionExchange(world.store, topo, job.role_rank, **endpoint_args)
             try:
-                from afd.engine import Engine
-
                 engine = Engine(model, exchange, job.spec.max_num_batched_tokens)
                 outputs, stats = drive_replica(engine, job, lambda has_work: has_work)  # no wave: runs on its own
             finally:
