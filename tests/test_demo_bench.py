@@ -1,0 +1,68 @@
+"""The README's main job (`afd demo`) and `afd bench`, run as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def run_afd(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "afd", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.timeout(240)
+def test_demo_runs_every_connector_and_passes() -> None:
+    proc = run_afd("demo", timeout=220)
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.split()[:1]}
+    assert {"none", "p2p", "async"} <= set(rows)
+    assert rows["p2p"][1] == rows["async"][1] == "2A2F"
+    for connector in ("p2p", "async"):
+        assert float(rows[connector][-1]) <= 1e-4  # max |Δ logprob| against the reference
+    assert "every connector matches the reference" in proc.stdout
+    assert "running p2p 2A2F" in proc.stderr and "running async 2A2F" in proc.stderr  # progress while it runs
+
+
+@pytest.mark.timeout(240)
+def test_bench_writes_raw_json_with_side_by_side_runs(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    proc = run_afd(
+        "bench",
+        "--attention",
+        "2",
+        "--ffn",
+        "1",
+        "--requests",
+        "2",
+        "--long-len",
+        "24",
+        "--short-len",
+        "3",
+        "--max-new-tokens",
+        "3",
+        "--json",
+        str(out),
+        timeout=220,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert result["topology"] == "2A1F" and result["model"] == "tiny"
+    runs = {r["connector"]: r for r in result["runs"]}
+    assert set(runs) == {"p2p", "async"}
+    for run in runs.values():
+        assert run["generated_tokens"] == 2 * 2 * 3 and run["tokens_per_s"] > 0
+        assert len(run["replicas"]) == 2
+    # every replica scores prompt + the reference's continuation: (24 + 3 - 1) or (3 + 3 - 1) positions each
+    for numerics in result["numerics"].values():
+        assert numerics["positions"] == 2 * (24 + 3 - 1) + 2 * (3 + 3 - 1)
+        assert numerics["max_abs_dprob"] < 1e-4  # float32
+
+
+@pytest.mark.timeout(30)
+def test_bench_rejects_unknown_connector() -> None:
+    proc = run_afd("bench", "--connectors", "p2p,nccl", timeout=25)
+    assert proc.returncode == 2 and "--connectors takes p2p and/or async" in proc.stderr
