@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from afd.config import ConfigError, parse_config
-from afd.runtime.launch import LaunchError
+from afd.runtime.launch import LaunchError, RunSpec
 from afd.topology import SyncTopology
 
 EXIT_USAGE = 2
@@ -144,24 +144,43 @@ def check_prompts(model: str, prompts: list[list[int]], device: str) -> None:
             raise UsageError("--device cuda was given but no CUDA device is visible; use --device cpu")
 
 
-def add_run_arguments(p: argparse.ArgumentParser) -> None:
-    """Flags shared by `generate` and `launch`."""
+def add_model_arguments(p: argparse.ArgumentParser, *, prompts_required: bool) -> None:
+    """The model, its numerics and the prompts: shared by `generate`, `launch` and `worker`."""
     p.add_argument("--model", required=True, help="checkpoint directory or preset (tiny, deepseek-v2-lite)")
-    p.add_argument("--connector", default="none", choices=["none", "p2p", "async"], help="none: one process")
-    p.add_argument("--attention", type=positive_int, default=1, help="attention ranks (A)")
-    p.add_argument("--ffn", type=positive_int, default=1, help="FFN ranks (F)")
-    source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--prompt-ids", help='prompts as token ids, e.g. "1,2,3;4,5,6,7"')
-    source.add_argument("--prompts-file", help='JSONL, one {"prompt_ids": [...]} per line')
-    p.add_argument("--max-new-tokens", type=non_negative_int, default=16)
-    p.add_argument("--prompt-logprobs", action="store_true", help="also score every prompt token")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--seed", type=non_negative_int, default=0, help="seed of preset weights")
+    p.add_argument("--max-new-tokens", type=non_negative_int, default=16)
+    p.add_argument("--prompt-logprobs", action="store_true", help="also score every prompt token")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
+    source = p.add_mutually_exclusive_group(required=prompts_required)
+    source.add_argument("--prompt-ids", help='prompts as token ids, e.g. "1,2,3;4,5,6,7"')
+    source.add_argument("--prompts-file", help='JSONL, one {"prompt_ids": [...]} per line')
+
+
+def run_spec(args: argparse.Namespace, prompts: list[list[int]], **extra) -> RunSpec:
+    """What every rank of a run agrees on; the token budget always fits the longest prompt."""
+    return RunSpec(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+        prompt_logprobs=args.prompt_logprobs,
+        max_num_batched_tokens=max([args.max_num_batched_tokens, *(len(p) for p in prompts)]),
+        **extra,
+    )
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags shared by `generate` and `launch`."""
+    add_model_arguments(p, prompts_required=True)
+    p.add_argument("--connector", default="none", choices=["none", "p2p", "async"], help="none: one process")
+    p.add_argument("--attention", type=positive_int, default=1, help="attention ranks (A)")
+    p.add_argument("--ffn", type=positive_int, default=1, help="FFN ranks (F)")
     p.add_argument("--gate-on-ffn", action="store_true", help="run the MoE gate on the FFN side (p2p only)")
     p.add_argument("--config", help="AFD config (file or JSON) for host, port and connector_extra_config")
     p.add_argument("--port", type=positive_int, help="rendezvous port (default: a free one)")
-    p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before the whole run is given up")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -188,7 +207,7 @@ def run_generate(args: argparse.Namespace) -> tuple[list, dict]:
             max_num_batched_tokens=args.max_num_batched_tokens,
         )
         return outputs, {}
-    from afd.runtime.launch import RunSpec, free_port, launch
+    from afd.runtime.launch import free_port, launch
 
     if args.device == "cuda":
         import torch
@@ -209,17 +228,7 @@ def run_generate(args: argparse.Namespace) -> tuple[list, dict]:
         port=args.port or (base.port if args.config else free_port(base.host)),
         connector_extra_config=base.to_dict()["connector_extra_config"] if base.connector == args.connector else {},
     )
-    spec = RunSpec(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        seed=args.seed,
-        max_new_tokens=args.max_new_tokens,
-        prompt_logprobs=args.prompt_logprobs,
-        max_num_batched_tokens=max(args.max_num_batched_tokens, max(len(p) for p in prompts)),
-        timeout_s=args.timeout,
-    )
-    return launch(config, spec, prompts)
+    return launch(config, run_spec(args, prompts, timeout_s=args.timeout), prompts)
 
 
 def output_json(output, with_prompt_logprobs: bool) -> dict:
@@ -253,7 +262,6 @@ def read_worker_prompts(args: argparse.Namespace) -> list[list[int]]:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from afd.runtime.launch import RunSpec
     from afd.runtime.worker import RankJob, exit_now, run_rank
 
     config = parse_config(args.config) if args.config else parse_config({})
@@ -282,15 +290,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         config=config,
         role=role,
         role_rank=args.rank,
-        spec=RunSpec(
-            model=args.model,
-            dtype=args.dtype,
-            device=args.device,
-            seed=args.seed,
-            max_new_tokens=args.max_new_tokens,
-            prompt_logprobs=args.prompt_logprobs,
-            max_num_batched_tokens=max([args.max_num_batched_tokens, *(len(p) for p in prompts)]),
-        ),
+        spec=run_spec(args, prompts),
         prompts=tuple(tuple(p) for p in prompts),
         output_path=Path(args.output) if args.output else None,
         run_token=args.run_token,
@@ -314,16 +314,7 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ffn", type=positive_int, help="num_ffn_ranks")
     p.add_argument("--host", help="host of the world store")
     p.add_argument("--port", type=positive_int, help="port of the world store")
-    p.add_argument("--model", required=True)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--seed", type=non_negative_int, default=0)
-    p.add_argument("--max-new-tokens", type=non_negative_int, default=16)
-    p.add_argument("--prompt-logprobs", action="store_true")
-    p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
-    source = p.add_mutually_exclusive_group()
-    source.add_argument("--prompt-ids", help="attention ranks: this replica's prompts")
-    source.add_argument("--prompts-file", help="attention ranks: JSONL prompts of this replica")
+    add_model_arguments(p, prompts_required=False)  # prompts: attention ranks only, this replica's
     p.add_argument("--output", help="attention ranks: write this replica's outputs (JSON) here")
     p.add_argument("--bind-host", help="the address this rank binds to (default: derived from the config's host)")
     p.add_argument("--run-token", default="afd", help="names this run's shared resources (set by afd launch)")
