@@ -404,8 +404,8 @@ class P2pFFNLoop:
         recv_counts = torch.empty_like(plan.counts)  # [F_src, max_local]
         self.world.wait(ep.pg.alltoall_base(recv_counts.view(-1), plan.counts.view(-1).contiguous(),
                                             [max_local] * num_ffn, [max_local] * num_ffn), what + " (counts)")
-        host_counts = recv_counts.cpu()
-        send_splits, recv_splits = plan.send_splits, host_counts.sum(1).tolist()
+        sent_host, host_counts = torch.stack([plan.counts, recv_counts]).cpu()  # one host copy for both sides
+        send_splits, recv_splits = sent_host.sum(1).tolist(), host_counts.sum(1).tolist()
 
         recv_rows = send_rows.new_empty(sum(recv_splits), send_rows.shape[1])  # [R, H], by (source, local expert)
         self.world.wait(ep.pg.alltoall_base(recv_rows, send_rows, recv_splits, send_splits), what + " (rows)")
