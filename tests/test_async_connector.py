@@ -214,7 +214,7 @@ def test_killed_attention_rank_does_not_hang_ffn() -> None:
             p.join(10)
             assert not p.is_alive()
         token = read_run_token(store, timeout_s=5)
-        assert cleanup_segments(token) == [f"afd_{token}_0"]  # only the killed rank's segment was left
+        assert cleanup_segments(token) == []  # every segment was unlinked once all ranks had mapped it
         assert segments(store) == []
     finally:
         stop(procs, store)

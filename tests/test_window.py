@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import threading
 
@@ -17,6 +19,8 @@ from afd.connectors.wire import (
     HEADER_WORDS,
     MAGIC,
     VERSION,
+    W_ECHO_SEQ,
+    W_SEQ,
     SlotHeader,
     SlotLayout,
     WindowGeometry,
@@ -25,6 +29,7 @@ from afd.connectors.wire import (
     check_geometry,
     decode_header,
     encode_header,
+    seq_matches,
 )
 from afd.transport.symm_heap import SymmetricHeap
 
@@ -63,8 +68,8 @@ def make_pair(geometry: WindowGeometry) -> tuple[Window, Window]:
 def test_slot_fields_disjoint_aligned_in_bounds(dtype: torch.dtype, hidden: int) -> None:
     layout = make_layout(hidden, dtype)
     fields = list(layout.fields.values())
-    assert [f.name for f in fields] == ["header", "route_table", "routed_x", "shared_idx", "shared_x"]
-    elem = torch.empty((), dtype=f.dtype).element_size() if (f := fields[2]) else 0
+    assert [f.name for f in fields] == ["header", "routed_x", "shared_x"]
+    elem = torch.empty((), dtype=f.dtype).element_size() if (f := fields[1]) else 0
     for f in fields:
         assert f.offset % ALIGN == 0 and f.nbytes % ALIGN == 0
         numel = 1
@@ -83,8 +88,9 @@ def test_every_offset_viewable_under_its_dtype() -> None:
     window = torch.zeros(geom.nbytes, dtype=torch.uint8)
     base = window.data_ptr()
     owner = torch.zeros(geom.nbytes, dtype=torch.int32)  # how many fields claim each byte
-    owner[: 8 * geom.num_slots] += 1  # flags
-    assert geom.flags_bytes % ALIGN == 0
+    owner[: 8 * geom.num_flags] += 1  # slot flags and shutdown flags
+    assert geom.num_flags == 3 * 2 + 3 and geom.shutdown_index(2) == 8
+    assert geom.flags_bytes % ALIGN == 0 and geom.flags_bytes >= 8 * geom.num_flags
     for region in range(3):
         for stage in range(2):
             off = geom.slot_offset(region, stage)
@@ -164,22 +170,12 @@ def test_write_then_poll_zero_copy() -> None:
     assert receiver.poll(0.0) is None
     x = torch.arange(12, dtype=torch.float32).view(3, 4)
     header = SlotHeader(layer_idx=2, num_tokens=3, routed_tokens=3, shared_tokens=2, expert_counts=(1, 2, 0))
-    seq = sender.write_slot(
-        1,
-        region=1,
-        stage=0,
-        header=header,
-        route_table=torch.tensor([0, 2, 1], dtype=torch.int32),
-        routed_x=x,
-        shared_idx=torch.tensor([0, 1], dtype=torch.int32),
-        shared_x=x[:2] * 10,
-    )
+    seq = sender.write_slot(1, region=1, stage=0, header=header, routed_x=x, shared_x=x[:2] * 10)
     msg = receiver.poll(1.0)
     assert msg is not None and msg.region == 1 and msg.stage == 0
     assert msg.header.seq == seq and msg.header.layer_idx == 2 and msg.header.expert_counts == (1, 2, 0)
     torch.testing.assert_close(msg.routed_x, x)
     torch.testing.assert_close(msg.shared_x, x[:2] * 10)
-    assert msg.route_table.tolist() == [0, 2, 1]
     local = receiver.heap.local
     assert local.data_ptr() <= msg.routed_x.data_ptr() < local.data_ptr() + local.numel()  # a view, no copy
     assert receiver.poll(0.0) is None  # seen mirror: no second delivery
@@ -247,3 +243,106 @@ def test_geometry_mismatch_names_the_parameter() -> None:
 def test_geometry_wait_is_bounded() -> None:
     with pytest.raises(TimeoutError, match="window geometry"):
         check_geometry(dist.HashStore(), 0, 2, {"x": 1}, timeout_s=0.2)
+
+
+# --------------------------------------------------------------------------------------------- issue 9
+
+SEQ_BOUNDARIES = [2**31 - 1, 2**32 - 1]
+
+
+@pytest.mark.parametrize("seq", [0, 1, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**32 + 7, 2**40 + 3, 2**63 - 1])
+def test_seq_codec_keeps_low_32_bits_and_restores_the_flag(seq: int) -> None:
+    """seq/echo_seq travel as the int32 bit pattern of their low 32 bits; a match mod 2**32 restores them."""
+    echo = max(seq - 1, 0)
+    words = encode_header(SlotHeader(seq=seq, echo_seq=echo, flags=FLAG_RESPONSE), 2)
+    stored = torch.tensor(words, dtype=torch.int32).tolist()  # what a slot's header really holds
+    assert stored == words
+    assert (stored[W_SEQ] % 2**32, stored[W_ECHO_SEQ] % 2**32) == (seq % 2**32, echo % 2**32)
+    back = decode_header(stored, 2, expect_seq=seq, expect_echo_seq=echo)
+    assert (back.seq, back.echo_seq) == (seq, echo)  # the full values, as the flag and the request had them
+    raw = decode_header(stored, 2)  # no expectation: the unsigned low 32 bits
+    assert (raw.seq, raw.echo_seq) == (seq % 2**32, echo % 2**32)
+    with pytest.raises(WindowProtocolError, match="does not match its flag"):
+        decode_header(stored, 2, expect_seq=seq + 1)
+    with pytest.raises(WindowProtocolError, match="echoes"):
+        decode_header(stored, 2, expect_echo_seq=echo + 1)
+
+
+def test_seq_comparison_is_mod_2_32() -> None:
+    assert seq_matches(2**32 + 5, 5) and seq_matches(2**31, 2**31 + 2**32)
+    assert not seq_matches(2**32 - 1, 2**32) and not seq_matches(0, 2**31)
+    with pytest.raises(ValueError, match="non-negative"):
+        encode_header(SlotHeader(seq=-1), 2)
+
+
+@pytest.mark.parametrize("boundary", SEQ_BOUNDARIES)
+def test_window_request_response_across_seq_boundary(boundary: int) -> None:
+    """Both sides' counters start just below 2**31 - 1 / 2**32 - 1 and cross it: every round trip
+    checks seq against the flag and echo_seq against the request, as a run does."""
+    geom = WindowGeometry(make_layout(hidden=4, dtype=torch.float32), num_regions=2, ring_depth=1)
+    attn, ffn = make_pair(geom)  # world rank 0 = attention 0, world rank 1 = FFN 0
+    attn._seq = boundary - 2
+    ffn._seq = boundary - 3
+    for step in range(4):
+        x = torch.full((2, 4), float(step))
+        req = SlotHeader(layer_idx=1, num_tokens=2, routed_tokens=2, shared_tokens=1, expert_counts=(2,))
+        seq = attn.write_slot(1, 0, 0, req, routed_x=x, shared_x=x[:1])
+        assert seq == boundary - 1 + step
+        got = ffn.poll(1.0)
+        assert got is not None and got.header.seq == seq
+        torch.testing.assert_close(got.routed_x, x)
+        reply = dataclasses.replace(got.header, echo_seq=got.header.seq, flags=FLAG_RESPONSE)
+        ffn.write_slot(0, 0, 0, reply, routed_x=got.routed_x * 2, shared_x=got.shared_x * 3)
+        back = attn.poll(1.0, expect_echo={0: seq})
+        assert back is not None and back.header.echo_seq == seq and back.header.is_response
+        torch.testing.assert_close(back.routed_x, x * 2)
+        torch.testing.assert_close(back.shared_x, x[:1] * 3)
+    assert attn._seq > boundary and ffn._seq > boundary
+
+
+def test_shutdown_has_its_own_flag_and_leaves_the_slot_intact() -> None:
+    """A shutdown raised while the peer reads a message in stage 0 does not touch that message."""
+    geom = WindowGeometry(make_layout(hidden=4, dtype=torch.float32), num_regions=2, ring_depth=1)
+    sender, receiver = make_pair(geom)
+    x = torch.ones(1, 4)
+    seq = sender.write_slot(1, 0, 0, SlotHeader(num_tokens=1, shared_tokens=1), shared_x=x)
+    flags = receiver._read_flags()
+    receiver._read_flags = lambda: flags  # the receiver read the flags before the shutdown ...
+    before = receiver.heap.local[geom.flags_bytes :].clone()
+    sender.write_shutdown(1, 0)
+    assert torch.equal(receiver.heap.local[geom.flags_bytes :], before)  # ... and no slot byte changed
+    msg = receiver.poll(0.0)
+    assert msg is not None and msg.header.seq == seq and not msg.header.is_shutdown
+    del receiver._read_flags
+    msg = receiver.poll(0.0)
+    assert msg is not None and msg.header.is_shutdown and msg.region == 0 and msg.stage == -1
+    assert receiver.poll(0.0) is None
+
+
+def test_shutdown_drops_what_the_departed_sender_left_unread() -> None:
+    geom = WindowGeometry(make_layout(hidden=4, dtype=torch.float32), num_regions=2, ring_depth=2)
+    sender, receiver = make_pair(geom)
+    sender.write_slot(1, 1, 0, SlotHeader())
+    sender.write_slot(1, 0, 0, SlotHeader())
+    sender.write_shutdown(1, 1)
+    msg = receiver.poll(0.0)
+    assert msg.header.is_shutdown and msg.region == 1
+    msg = receiver.poll(0.0)
+    assert not msg.header.is_shutdown and msg.region == 0
+    assert receiver.poll(0.0) is None
+    with pytest.raises(ValueError, match="write_shutdown"):
+        sender.write_slot(1, 0, 0, SlotHeader(flags=FLAG_SHUTDOWN))
+
+
+def test_version_2_slot_has_no_index_tables_and_v1_peers_are_refused() -> None:
+    """route_table and shared_idx were written on every send and never read: gone, and the version says so."""
+    layout = make_layout(hidden=64, dtype=torch.bfloat16)
+    assert VERSION == 2 and "route_table" not in layout.fields and "shared_idx" not in layout.fields
+    words = encode_header(SlotHeader(), 3)
+    with pytest.raises(WindowProtocolError, match="version 1, this build speaks 2"):
+        decode_header([words[0], 1, *words[2:]], 3)
+    store = dist.HashStore()
+    mine = WindowGeometry(layout, 2, 1).as_dict()
+    store.set("afd_async/geometry/1", json.dumps({**mine, "version": 1}))
+    with pytest.raises(ValueError, match="protocol version 2 on world rank 0 but 1 on world rank 1"):
+        check_geometry(store, 0, 2, mine, timeout_s=1.0)

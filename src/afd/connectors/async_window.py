@@ -13,9 +13,10 @@ Launch (every rank, same arguments except role/role_rank):
     server = AsyncFFNServer(store, topology, ffn_rank, hidden_size=..., ...)
     run_ffn_loop(server, ffn_model, stop_event)   # returns when every attention rank shut down
 
-Shutdown: `close()` broadcasts the header's shutdown bit to every opposite-role peer; the FFN loop
-returns normally once all attention ranks announced it. `recv_poll_timeout_ms` is the second line:
-every wait wakes up at that period to check the stop event and whether its peers are alive.
+Shutdown: `close()` raises this rank's shutdown flag (its own flag per region, never a ring slot) in
+every opposite-role peer's window; the FFN loop returns normally once all attention ranks announced
+it. `recv_poll_timeout_ms` is the second line: every wait wakes up at that period to check the stop
+event and whether its peers are alive.
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ from afd.connectors.dispatch import DispatchPlan, ExpertMap, combine_scatter, pl
 from afd.connectors.window import Window
 from afd.connectors.wire import (
     FLAG_RESPONSE,
-    FLAG_SHUTDOWN,
     SlotHeader,
     SlotLayout,
     WindowGeometry,
@@ -49,6 +49,7 @@ from afd.topology import AsyncTopology, Role
 from afd.transport.symm_heap import DEFAULT_TIMEOUT_S, HeapFactory, default_heap_factory, wait_keys
 
 logger = logging.getLogger("afd.connectors.async_window")
+
 
 class ConnectorShutdown(Exception):
     """The opposite role announced shutdown: a normal exit, not an error."""
@@ -170,12 +171,21 @@ class _AsyncEndpoint:
         self.window = Window.create(
             store, self.world_rank, world, geometry, factory, namespace=namespace, timeout_s=timeout_s
         )
-        keys = [f"{namespace}/proc/{topology.world_rank(self.opposite, r)}" for r in range(self.num_peers)]
-        wait_keys(store, keys, timeout_s, f"process info of the {self.opposite} ranks")
-        self._peer_proc = [json.loads(store.get(k)) for k in keys]
-        self.peers_closed: set[int] = set()  # opposite-role ranks that announced shutdown
         self._closed = False
+        try:
+            keys = [f"{namespace}/proc/{topology.world_rank(self.opposite, r)}" for r in range(self.num_peers)]
+            wait_keys(store, keys, timeout_s, f"process info of the {self.opposite} ranks")
+            self._peer_proc = [json.loads(store.get(k)) for k in keys]
+        except BaseException:
+            self._abandon()
+            raise
+        self.peers_closed: set[int] = set()  # opposite-role ranks that announced shutdown
         self._last_liveness = time.monotonic()
+
+    def _abandon(self) -> None:
+        """Release the window of an endpoint whose construction failed (no peer was told anything)."""
+        self._closed = True
+        self.window.close()
 
     def peer_world(self, peer: int) -> int:
         return self.topology.world_rank(self.opposite, peer)
@@ -192,15 +202,18 @@ class _AsyncEndpoint:
 
     @torch.inference_mode()
     def announce_shutdown(self) -> None:
-        """Write the shutdown bit into every opposite-role peer still running; never raises."""
+        """Raise this rank's shutdown flag in every opposite-role peer still running; never raises.
+
+        The flag is separate from the ring slots, so a message still in flight in any stage is left
+        intact: the peer reads either that message or the shutdown, never a mix of both.
+        """
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # staging buffers of earlier writes are reused below
-        flags = FLAG_SHUTDOWN | (FLAG_RESPONSE if self.role == "ffn" else 0)
+            torch.cuda.synchronize(self.device)  # earlier writes land before the shutdown flag
         for p in range(self.num_peers):
             if p in self.peers_closed:
                 continue
             try:
-                self.window.write_slot(self.peer_world(p), self.role_rank, 0, SlotHeader(flags=flags))
+                self.window.write_shutdown(self.peer_world(p), self.role_rank)
             except Exception:
                 logger.warning(
                     "%s rank %d could not announce shutdown to %s rank %d",
@@ -260,16 +273,19 @@ class AsyncAttentionExchange(_AsyncEndpoint):
         self._pending: deque[PendingExchange] = deque()
         self._in_flight: set[tuple[int, int]] = set()  # (ffn_rank, stage)
         n = self.topology.num_ffn * self.expert_map.experts_per_rank
-        self._counts_host = torch.zeros(n, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        try:
+            self._counts_host = torch.zeros(n, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        except BaseException:
+            self._abandon()
+            raise
 
     def __call__(self, layer_idx: int, x: torch.Tensor, routing: Any) -> torch.Tensor:
         self.send(layer_idx, x, routing)
         return self.recv()
 
-    def _acquire_stage(self, ffn_rank: int) -> int:
+    def _free_stage(self, ffn_rank: int) -> int:
         for stage in range(self.window.geometry.ring_depth):
             if (ffn_rank, stage) not in self._in_flight:
-                self._in_flight.add((ffn_rank, stage))
                 return stage
         raise RingExhausted(
             f"attention rank {self.role_rank} has {self.window.geometry.ring_depth} message(s) in flight to FFN "
@@ -293,30 +309,36 @@ class AsyncAttentionExchange(_AsyncEndpoint):
             raise ValueError(f"{num_tokens} tokens exceed max_num_batched_tokens={self.window.layout.token_cap}")
         plan = plan_dispatch(topk_ids, self.expert_map, counts_host=self._counts_host)
         weights = topk_weights.reshape(-1).to(torch.float32)[plan.order]  # [T*K]
-        sent: dict[int, InFlight] = {}
         num_ffn = self.topology.num_ffn
-        for f in plan.dest_ranks():
-            stage = self._acquire_stage(f)
-            tok = plan.token_index[plan.segment(f)]  # [R_f]
-            shared_tok = shared_token_index(f, num_tokens, num_ffn, x.device)  # [S_f]
-            header = SlotHeader(
+        headers = {
+            f: SlotHeader(
                 layer_idx=layer_idx,
                 num_tokens=num_tokens,
                 routed_tokens=plan.dest_counts[f],
                 shared_tokens=plan.shared_counts[f],
                 expert_counts=tuple(plan.group_sizes[f]),
             )
+            for f in plan.dest_ranks()
+        }
+        # all or nothing: every destination must fit and have a free ring slot before the first write,
+        # else an overflow on a later destination would leave earlier messages published and in flight
+        for f, header in headers.items():
+            self.window.layout.check_fits(header, self.peer_world(f))
+        stages = {f: self._free_stage(f) for f in headers}
+        sent: dict[int, InFlight] = {}
+        for f, header in headers.items():
+            tok = plan.token_index[plan.segment(f)]  # [R_f]
+            shared_tok = shared_token_index(f, num_tokens, num_ffn, x.device)  # [S_f]
             seq = self.window.write_slot(
                 self.peer_world(f),
                 self.role_rank,
-                stage,
+                stages[f],
                 header,
-                route_table=tok.to(torch.int32),
                 routed_x=x.index_select(0, tok),
-                shared_idx=shared_tok.to(torch.int32),
                 shared_x=x.index_select(0, shared_tok),
             )
-            sent[f] = InFlight(stage, seq)
+            self._in_flight.add((f, stages[f]))
+            sent[f] = InFlight(stages[f], seq)
         pending = PendingExchange(layer_idx, num_tokens, x.dtype, plan, weights, sent)
         self._pending.append(pending)
         return pending
@@ -371,7 +393,7 @@ class AsyncFFNServer(_AsyncEndpoint):
     role: Role = "ffn"
 
     def __init__(self, store: dist.Store, topology: AsyncTopology, ffn_rank: int, **kwargs: Any) -> None:
-        super().__init__(store, topology, ffn_rank, **kwargs)
+        super().__init__(store, topology, ffn_rank, **kwargs)  # closes its window itself if it fails
         self.num_local_experts = self.expert_map.num_local[ffn_rank]
         self.items_served = 0
 

@@ -1,14 +1,16 @@
-"""The `async` connector's wire format: slot layout, in-band header, one-sided write, poll.
+"""The `async` connector's window I/O: one-sided write of a slot, shutdown flag, poll.
 
-    window = [ flag[num_regions * ring_depth] int64 | slot(0,0) | slot(0,1) | ... ]
-    slot   = [ header | route_table | routed_x | shared_idx | shared_x ]   every field 256 B aligned
+    window = [ flag[num_regions * ring_depth] int64 | shutdown[num_regions] int64 | slot(0,0) | ... ]
+    slot   = [ header | routed_x | shared_x ]   every field 256 B aligned   (layout: afd.connectors.wire)
 
 A sender writes only region == its own role rank of the receiver's window, so every offset is
 computed locally and no remote atomics are needed. Dispatch (A→F) and combine (F→A) share one
 slot layout. Write order: payload, header, then the flag (the sender's monotonically increasing
-seq) — same stream on GPU, program order on CPU. The receiver keeps a host mirror of the flag
-values it has seen; `poll` reads all flags at once and returns the first changed slot, starting
-its scan after the last hit so no region starves.
+int64 seq; the header keeps its low 32 bits) — same stream on GPU, program order on CPU. The
+receiver keeps a host mirror of the flag values it has seen; `poll` reads every flag at once
+(slots and shutdown flags) and returns the first changed slot, starting its scan after the last
+hit so no region starves. Shutdown has its own flag per region: announcing it never rewrites a
+slot whose message the peer may be reading.
 """
 
 from __future__ import annotations
@@ -23,11 +25,11 @@ import torch
 import torch.distributed as dist
 
 from afd.connectors.wire import (
+    FLAG_SHUTDOWN,
     HEADER_WORDS,
     SlotHeader,
     SlotViews,
     WindowGeometry,
-    WindowOverflow,
     WindowProtocolError,
     check_geometry,
     decode_header,
@@ -43,11 +45,9 @@ class Message:
     """One received slot; tensors are zero-copy views into the local window, trimmed to the counts."""
 
     region: int  # sender's role rank
-    stage: int
-    header: SlotHeader
-    route_table: torch.Tensor  # [routed_tokens] int32
-    routed_x: torch.Tensor  # [routed_tokens, hidden]
-    shared_idx: torch.Tensor  # [shared_tokens] int32
+    stage: int  # ring slot; -1 for a shutdown (it has its own flag, no slot)
+    header: SlotHeader  # seq / echo_seq restored to the full values (flag, request in flight)
+    routed_x: torch.Tensor  # [routed_tokens, hidden], grouped by local expert
     shared_x: torch.Tensor  # [shared_tokens, hidden]
 
 
@@ -69,15 +69,18 @@ class Window:
         heap.barrier("window_zeroed", timeout_s)
 
         n = geometry.num_slots
-        self._flags = self._flag_view(heap.local)  # [num_slots] int64
+        self._flags = self._flag_view(heap.local)  # [num_flags] int64: slot flags, then shutdown flags
         self._local_slots = [self._slot_views(heap.local, i) for i in range(n)]
-        self._seen = [0] * n  # host mirror of the flag values already returned
+        self._seen = [0] * geometry.num_flags  # host mirror of the flag values already returned
         self._scan = 0
-        self._seq = 0  # this rank's send counter: every flag it writes is a new, larger value
+        # this rank's send counter: every flag it writes is a new, larger int64 (never wraps in practice:
+        # 2**63 messages); headers carry its low 32 bits and compare them mod 2**32
+        self._seq = 0
         self._peer_flags: dict[int, torch.Tensor] = {}
         self._staging: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._shutdown_staging: dict[int, torch.Tensor] = {}
         pin = self._is_cuda
-        self._host_flags = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
+        self._host_flags = torch.zeros(geometry.num_flags, dtype=torch.int64, pin_memory=pin)
         self._host_header = torch.zeros(HEADER_WORDS + self.layout.experts_per_rank, dtype=torch.int32, pin_memory=pin)
         self._poll_stream = torch.cuda.Stream(self.device) if self._is_cuda else None
 
@@ -109,7 +112,12 @@ class Window:
     # -- views ---------------------------------------------------------------------------------
 
     def _flag_view(self, window: torch.Tensor) -> torch.Tensor:
-        return window[: 8 * self.geometry.num_slots].view(torch.int64)
+        return window[: 8 * self.geometry.num_flags].view(torch.int64)
+
+    def _peer_flag_view(self, peer: int, window: torch.Tensor) -> torch.Tensor:
+        if peer not in self._peer_flags:
+            self._peer_flags[peer] = self._flag_view(window)
+        return self._peer_flags[peer]
 
     def _slot_views(self, window: torch.Tensor, index: int) -> SlotViews:
         start = self.geometry.flags_bytes + index * self.layout.slot_bytes
@@ -125,48 +133,51 @@ class Window:
         stage: int,
         header: SlotHeader,
         *,
-        route_table: torch.Tensor | None = None,  # [routed] int32
         routed_x: torch.Tensor | None = None,  # [routed, hidden]
-        shared_idx: torch.Tensor | None = None,  # [shared] int32
         shared_x: torch.Tensor | None = None,  # [shared, hidden]
     ) -> int:
         """One-sided write of a message into world rank `peer`'s slot (region, stage): payload, then
-        header, then flag. Returns the seq stamped into header and flag. Raises WindowOverflow."""
+        header, then flag. Returns the seq stamped into header and flag. Raises WindowOverflow before
+        writing anything."""
         lay = self.layout
-        if header.routed_tokens > lay.routed_cap:
-            raise WindowOverflow(
-                f"{header.routed_tokens} routed rows do not fit routed_cap={lay.routed_cap} of the window "
-                f"(world rank {peer}); raise connector_extra_config.routed_cap_multiplier"
-            )
-        if header.shared_tokens > lay.shared_cap or header.num_tokens > lay.token_cap:
-            raise WindowOverflow(
-                f"{header.num_tokens} tokens ({header.shared_tokens} shared rows) exceed token_cap="
-                f"{lay.token_cap} (shared_cap={lay.shared_cap}); raise max_num_batched_tokens"
-            )
+        if header.is_shutdown:
+            raise ValueError("a shutdown has its own flag and no slot; use write_shutdown")
+        lay.check_fits(header, peer)
+        for name, src, count in (
+            ("routed_x", routed_x, header.routed_tokens),
+            ("shared_x", shared_x, header.shared_tokens),
+        ):
+            if src is not None and src.shape[0] != count:
+                raise ValueError(f"{name} has {src.shape[0]} rows but the header says {count}")
         index = self.geometry.slot_index(region, stage)
         self._seq += 1
         header = dataclasses.replace(header, seq=self._seq, stage=stage)
         window = self.heap.peer_view(peer)
         dst = self._slot_views(window, index)
-        for name, src, count in (
-            ("route_table", route_table, header.routed_tokens),
-            ("routed_x", routed_x, header.routed_tokens),
-            ("shared_idx", shared_idx, header.shared_tokens),
-            ("shared_x", shared_x, header.shared_tokens),
-        ):
-            if src is None:
-                continue
-            if src.shape[0] != count:
-                raise ValueError(f"{name} has {src.shape[0]} rows but the header says {count}")
-            getattr(dst, name)[:count].copy_(src, non_blocking=True)
+        if routed_x is not None:
+            dst.routed_x[: header.routed_tokens].copy_(routed_x, non_blocking=True)
+        if shared_x is not None:
+            dst.shared_x[: header.shared_tokens].copy_(shared_x, non_blocking=True)
         header_stage, flag_stage = self._staging_for(peer, stage)
         header_stage.copy_(torch.tensor(encode_header(header, lay.experts_per_rank), dtype=torch.int32))
         dst.header.copy_(header_stage, non_blocking=True)
         flag_stage.fill_(header.seq)
-        if peer not in self._peer_flags:
-            self._peer_flags[peer] = self._flag_view(window)
-        self._peer_flags[peer][index : index + 1].copy_(flag_stage, non_blocking=True)
+        self._peer_flag_view(peer, window)[index : index + 1].copy_(flag_stage, non_blocking=True)
         return header.seq
+
+    @torch.inference_mode()
+    def write_shutdown(self, peer: int, region: int) -> int:
+        """Raise `region`'s shutdown flag in world rank `peer`'s window (a new seq); touches no slot,
+        so a message the peer is still reading stays intact. Returns the seq written."""
+        index = self.geometry.shutdown_index(region)
+        self._seq += 1
+        window = self.heap.peer_view(peer)
+        if peer not in self._shutdown_staging:
+            self._shutdown_staging[peer] = torch.zeros(1, dtype=torch.int64, pin_memory=self._is_cuda)
+        stage = self._shutdown_staging[peer]
+        stage.fill_(self._seq)
+        self._peer_flag_view(peer, window)[index : index + 1].copy_(stage, non_blocking=True)
+        return self._seq
 
     def _staging_for(self, peer: int, stage: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Source buffers of the async header/flag copies, one pair per (peer, ring slot): a shared
@@ -206,17 +217,27 @@ class Window:
         regions: set[int] | None = None,
         expect_echo: Mapping[int, int] | None = None,
     ) -> Message | None:
-        """Wait up to `timeout_s` for a slot whose flag changed; None on timeout.
+        """Wait up to `timeout_s` for a slot whose flag changed, or a region's shutdown; None on timeout.
 
         regions: only these sender regions (default all). expect_echo: region → seq that a
-        response from that region must echo (attention side).
+        response from that region must echo (attention side). A region's shutdown is returned
+        (stage -1) before any message of that region still unread, which is dropped: its sender is
+        gone and reads nothing more.
         """
-        n = self.geometry.num_slots
-        depth = self.geometry.ring_depth
+        geom = self.geometry
+        n, depth = geom.num_slots, geom.ring_depth
         deadline = time.monotonic() + timeout_s
         spins = 0
         while True:
-            flags = self._read_flags()
+            flags = self._read_flags()  # one read: slot flags and shutdown flags of the same instant
+            for region in range(geom.num_regions):
+                sd = geom.shutdown_index(region)
+                if flags[sd] != self._seen[sd] and (regions is None or region in regions):
+                    self._seen[sd] = flags[sd]
+                    for stage in range(depth):  # drop what the departed sender left unread
+                        idx = geom.slot_index(region, stage)
+                        self._seen[idx] = flags[idx]
+                    return self._shutdown_message(region, flags[sd])
             for i in range(n):
                 idx = (self._scan + i) % n
                 if flags[idx] == self._seen[idx]:
@@ -254,13 +275,17 @@ class Window:
             )
         r, s = header.routed_tokens, header.shared_tokens
         return Message(
+            region=region, stage=stage, header=header, routed_x=views.routed_x[:r], shared_x=views.shared_x[:s]
+        )
+
+    def _shutdown_message(self, region: int, flag: int) -> Message:
+        views = self._local_slots[self.geometry.slot_index(region, 0)]
+        return Message(
             region=region,
-            stage=stage,
-            header=header,
-            route_table=views.route_table[:r],
-            routed_x=views.routed_x[:r],
-            shared_idx=views.shared_idx[:s],
-            shared_x=views.shared_x[:s],
+            stage=-1,
+            header=SlotHeader(flags=FLAG_SHUTDOWN, seq=flag),
+            routed_x=views.routed_x[:0],
+            shared_x=views.shared_x[:0],
         )
 
     def close(self) -> None:

@@ -1,14 +1,24 @@
 """The `async` connector's wire format, pure: slot layout, in-band header codec, window geometry.
 
-    window = [ flag[num_regions * ring_depth] int64 | slot(0,0) | slot(0,1) | ... ]
-    slot   = [ header | route_table | routed_x | shared_idx | shared_x ]   every field 256 B aligned
+    window = [ flag[num_regions * ring_depth] int64 | shutdown[num_regions] int64 | slot(0,0) | slot(0,1) | ... ]
+    slot   = [ header | routed_x | shared_x ]   every field 256 B aligned
 
-Dispatch (A→F) and combine (F→A) share one slot layout. Everything here is arithmetic on sizes and
-int32 words, so it is tested without processes; `afd.connectors.window` does the I/O.
+Dispatch (A→F) and combine (F→A) share one slot layout. The receiver knows which token each row
+belongs to without an index table: it is the sender that scatters the reply (its plan has the
+order), and the shared rows are the round robin `arange(f, T, F)`. Shutdown has its own flag per
+sender region, so announcing it never touches a slot a message may still be in.
+
+Sequence numbers: flags carry the sender's full int64 seq; the header carries its low 32 bits
+(`seq` and `echo_seq` words, as the int32 bit pattern) and every comparison is mod 2**32, so a
+counter past 2**31 or 2**32 never stops a run.
+
+Everything here is arithmetic on sizes and int32 words, so it is tested without processes;
+`afd.connectors.window` does the I/O.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Mapping
@@ -23,7 +33,9 @@ from afd.transport.symm_heap import DEFAULT_TIMEOUT_S, wait_keys
 logger = logging.getLogger("afd.connectors.window")
 
 MAGIC = int.from_bytes(b"AFDG", "little")
-VERSION = 1
+# 1: the seed's slot with route_table/shared_idx, shutdown written into ring stage 0.
+# 2: no route_table/shared_idx, a shutdown flag per region, seq words mod 2**32.
+VERSION = 2
 HEADER_WORDS = 12
 ALIGN = 256
 FLAG_RESPONSE = 1 << 0  # FFN → attention (combine) message
@@ -31,6 +43,23 @@ FLAG_SHUTDOWN = 1 << 1  # the sender is going away; no payload
 # header word indices
 W_MAGIC, W_VERSION, W_FLAGS, W_LAYER, W_NUM_TOKENS, W_ROUTED, W_SHARED, W_SEQ, W_ECHO_SEQ, W_STAGE = range(10)
 _INT32_MAX = 2**31 - 1
+SEQ_MOD = 2**32  # the header keeps seq/echo_seq modulo this
+
+
+def seq32(seq: int) -> int:
+    """The low 32 bits of a sequence number (what the header carries), as an unsigned value."""
+    return seq % SEQ_MOD
+
+
+def seq_matches(a: int, b: int) -> bool:
+    """Wrap-safe equality of two sequence numbers of which at least one may be truncated to 32 bits."""
+    return seq32(a) == seq32(b)
+
+
+def _seq_word(seq: int) -> int:
+    """Low 32 bits of `seq` as the int32 bit pattern stored in a header word."""
+    low = seq32(seq)
+    return low - SEQ_MOD if low > _INT32_MAX else low
 
 
 class WindowProtocolError(RuntimeError):
@@ -73,9 +102,11 @@ class SlotHeader:
 
 
 def encode_header(header: SlotHeader, experts_per_rank: int) -> list[int]:
-    """Header → `12 + experts_per_rank` int32 words."""
+    """Header → `12 + experts_per_rank` int32 words; seq/echo_seq keep their low 32 bits (int32 pattern)."""
     if len(header.expert_counts) > experts_per_rank:
         raise ValueError(f"{len(header.expert_counts)} expert counts do not fit a header of {experts_per_rank}")
+    if header.seq < 0 or header.echo_seq < 0:
+        raise ValueError(f"sequence numbers are non-negative, got seq {header.seq}, echo_seq {header.echo_seq}")
     words = [0] * (HEADER_WORDS + experts_per_rank)
     words[W_MAGIC] = MAGIC
     words[W_VERSION] = VERSION
@@ -84,12 +115,12 @@ def encode_header(header: SlotHeader, experts_per_rank: int) -> list[int]:
     words[W_NUM_TOKENS] = header.num_tokens
     words[W_ROUTED] = header.routed_tokens
     words[W_SHARED] = header.shared_tokens
-    words[W_SEQ] = header.seq
-    words[W_ECHO_SEQ] = header.echo_seq
     words[W_STAGE] = header.stage
     words[HEADER_WORDS : HEADER_WORDS + len(header.expert_counts)] = header.expert_counts
     if any(not 0 <= w <= _INT32_MAX for w in words[1:]):
         raise ValueError(f"header words must be non-negative int32, got {words}")
+    words[W_SEQ] = _seq_word(header.seq)
+    words[W_ECHO_SEQ] = _seq_word(header.echo_seq)
     return words
 
 
@@ -100,7 +131,12 @@ def decode_header(
     expect_seq: int | None = None,
     expect_echo_seq: int | None = None,
 ) -> SlotHeader:
-    """Words → header; raises WindowProtocolError on bad magic, version, seq or echo_seq."""
+    """Words → header; raises WindowProtocolError on bad magic, version, seq or echo_seq.
+
+    The header holds only the low 32 bits of seq/echo_seq: they are compared with `expect_seq` /
+    `expect_echo_seq` mod 2**32, and a match restores the full value (the flag's, the request's);
+    without an expectation the field is the unsigned low 32 bits.
+    """
     if len(words) < HEADER_WORDS + experts_per_rank:
         raise WindowProtocolError(f"header has {len(words)} words, expected {HEADER_WORDS + experts_per_rank}")
     if words[W_MAGIC] != MAGIC:
@@ -112,18 +148,25 @@ def decode_header(
         num_tokens=words[W_NUM_TOKENS],
         routed_tokens=words[W_ROUTED],
         shared_tokens=words[W_SHARED],
-        seq=words[W_SEQ],
-        echo_seq=words[W_ECHO_SEQ],
+        seq=seq32(words[W_SEQ]),
+        echo_seq=seq32(words[W_ECHO_SEQ]),
         stage=words[W_STAGE],
         flags=words[W_FLAGS],
         expert_counts=tuple(words[HEADER_WORDS : HEADER_WORDS + experts_per_rank]),
     )
-    if expect_seq is not None and header.seq != expect_seq:
-        raise WindowProtocolError(f"header seq {header.seq} does not match its flag {expect_seq}")
-    if expect_echo_seq is not None and not header.is_shutdown and header.echo_seq != expect_echo_seq:
-        raise WindowProtocolError(
-            f"response echoes seq {header.echo_seq} but the request in flight had seq {expect_echo_seq}"
-        )
+    if expect_seq is not None:
+        if not seq_matches(header.seq, expect_seq):
+            raise WindowProtocolError(
+                f"header seq {header.seq} does not match its flag {expect_seq} (mod 2**32: {seq32(expect_seq)})"
+            )
+        header = dataclasses.replace(header, seq=expect_seq)
+    if expect_echo_seq is not None and not header.is_shutdown:
+        if not seq_matches(header.echo_seq, expect_echo_seq):
+            raise WindowProtocolError(
+                f"response echoes seq {header.echo_seq} but the request in flight had seq {expect_echo_seq} "
+                f"(mod 2**32: {seq32(expect_echo_seq)})"
+            )
+        header = dataclasses.replace(header, echo_seq=expect_echo_seq)
     return header
 
 
@@ -145,10 +188,8 @@ class SlotViews:
     """Typed views of one slot (local or a peer's)."""
 
     header: torch.Tensor  # [12 + experts_per_rank] int32
-    route_table: torch.Tensor  # [routed_cap] int32: token index of each routed row
-    routed_x: torch.Tensor  # [routed_cap, hidden] dtype
-    shared_idx: torch.Tensor  # [shared_cap] int32: token index of each shared row
-    shared_x: torch.Tensor  # [shared_cap, hidden] dtype
+    routed_x: torch.Tensor  # [routed_cap, hidden] dtype, grouped by local expert
+    shared_x: torch.Tensor  # [shared_cap, hidden] dtype, tokens arange(f, T, F)
 
 
 @dataclass(frozen=True)
@@ -193,9 +234,7 @@ class SlotLayout:
         elem = torch.empty((), dtype=self.dtype).element_size()
         specs = [
             ("header", torch.int32, (HEADER_WORDS + self.experts_per_rank,)),
-            ("route_table", torch.int32, (self.routed_cap,)),
             ("routed_x", self.dtype, (self.routed_cap, self.hidden_size)),
-            ("shared_idx", torch.int32, (self.shared_cap,)),
             ("shared_x", self.dtype, (self.shared_cap, self.hidden_size)),
         ]
         out: dict[str, Field] = {}
@@ -228,10 +267,28 @@ class SlotLayout:
     def describe(self) -> str:
         return ", ".join(f"{f.name} {f.nbytes}" for f in self.fields.values())
 
+    def check_fits(self, header: SlotHeader, peer: int) -> None:
+        """Raise WindowOverflow if the message of `header` does not fit a slot (checked before any
+        slot is reserved or written, so an overflow leaves nothing half sent)."""
+        if header.routed_tokens > self.routed_cap:
+            raise WindowOverflow(
+                f"{header.routed_tokens} routed rows do not fit routed_cap={self.routed_cap} of the window "
+                f"(world rank {peer}); raise connector_extra_config.routed_cap_multiplier"
+            )
+        if header.shared_tokens > self.shared_cap or header.num_tokens > self.token_cap:
+            raise WindowOverflow(
+                f"{header.num_tokens} tokens ({header.shared_tokens} shared rows) exceed token_cap="
+                f"{self.token_cap} (shared_cap={self.shared_cap}); raise max_num_batched_tokens"
+            )
+
 
 @dataclass(frozen=True)
 class WindowGeometry:
-    """Where each (region, stage) slot sits in a window."""
+    """Where each (region, stage) slot and each flag sits in a window.
+
+    The flag area is `num_slots` message flags (index `region * ring_depth + stage`) followed by
+    `num_regions` shutdown flags (index `num_slots + region`): one read of `num_flags` int64 sees both.
+    """
 
     layout: SlotLayout
     num_regions: int
@@ -242,8 +299,18 @@ class WindowGeometry:
         return self.num_regions * self.ring_depth
 
     @property
+    def num_flags(self) -> int:
+        return self.num_slots + self.num_regions
+
+    def shutdown_index(self, region: int) -> int:
+        """Index of `region`'s shutdown flag in the flag area."""
+        if not 0 <= region < self.num_regions:
+            raise IndexError(f"region {region} outside 0..{self.num_regions - 1}")
+        return self.num_slots + region
+
+    @property
     def flags_bytes(self) -> int:
-        return _align(8 * self.num_slots)
+        return _align(8 * self.num_flags)
 
     @property
     def nbytes(self) -> int:
@@ -298,13 +365,14 @@ def check_geometry(
     for r, key in enumerate(keys):
         theirs = json.loads(store.get(key))
         for name, value in geometry.items():
+            if name == "version" and theirs.get(name) != value:
+                raise ValueError(
+                    f"window protocol version {value} on world rank {world_rank} but {theirs.get(name)} on "
+                    f"world rank {r}; run the same afd build on every rank"
+                )
             if theirs.get(name) != value:
                 raise ValueError(
                     f"window geometry differs: {name}={value} on world rank {world_rank} but "
                     f"{theirs.get(name)} on world rank {r}; start every rank with the same model, "
                     "max_num_batched_tokens and connector_extra_config"
                 )
-
-
-# ---------------------------------------------------------------------------------------------
-# the window

@@ -5,14 +5,20 @@ NVSHMEM world, with PE == AFD world rank; no process group covers it, so no team
 and none is attempted.
 
 Bootstrap (seen working, see shared/probes/nvshmem_bootstrap.py):
-  1. every rank publishes host / GPU uuid / window size through the store; a second host
-     (single node only), an unequal number of ranks per GPU (3 PEs on 2 GPUs hung in init) or
-     an unequal window size is refused *before* init, which would otherwise hang;
+  1. every rank publishes host / GPU uuid / window size through the store and waits (bounded by
+     the connector's timeout, naming the world ranks that never published) for all of them; a
+     second host (single node only), an unequal number of ranks per GPU (3 PEs on 2 GPUs hung in
+     init) or an unequal window size is refused *before* init, which would otherwise hang;
   2. NVSHMEM_SYMMETRIC_SIZE is derived from the window size (unless already large enough);
-  3. world rank 0 mints a unique id, the others read it from the store; init with "uid";
+  3. world rank 0 mints a unique id, the others read it from the store (bounded); init with "uid";
   4. `my_pe() == world_rank` is asserted; one symmetric uint8 tensor is the window;
   5. peers are mapped with `get_peer_tensor` (nvshmem_ptr): a failed / NULL mapping means the
      peer is not P2P-reachable, a hard error (single node with NVLink/P2P only).
+
+`nvshmem.init` itself is collective and has no timeout of ours: a peer killed after publishing its
+placement but before init leaves the others inside init. That wait is bounded by the AFD world's
+heartbeat watchdog (afd.distributed), which ends a rank whose peer went silent and names that peer;
+nothing here can interrupt init.
 
 close() never frees or finalizes: `nvshmem free` and `finalize` are collective, so a rank that
 closes while a peer is still running (or dead) would block forever — finalize was seen not
@@ -108,6 +114,27 @@ def check_placement(placements: list[dict]) -> None:
         )
 
 
+def exchange_placement(
+    store: dist.Store, world_rank: int, world_size: int, mine: dict, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> list[dict]:
+    """Publish this rank's placement and read every rank's, waiting at most `timeout_s`.
+
+    A timeout names the world ranks that never published (they died or never started), so nobody
+    enters the collective `nvshmem.init` without every peer having reached this point.
+    """
+    store.set(f"{_PLACEMENT_KEY}/{world_rank}", json.dumps(mine))
+    keys = [f"{_PLACEMENT_KEY}/{r}" for r in range(world_size)]
+    try:
+        wait_keys(store, keys, timeout_s, f"GPU placement of all {world_size} NVSHMEM ranks")
+    except TimeoutError:
+        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        raise TimeoutError(
+            f"world rank {world_rank} waited {timeout_s:.1f}s for the GPU placement of world ranks {missing} "
+            "before NVSHMEM init; they died or were never started"
+        ) from None
+    return [json.loads(store.get(k)) for k in keys]
+
+
 def heap_size_for(nbytes: int) -> int:
     """Symmetric heap bytes for one window of `nbytes`: window + slack, rounded to 2 MiB."""
     need = nbytes + _HEAP_SLACK
@@ -159,10 +186,7 @@ class NvshmemHeap(SymmetricHeap):
         torch.cuda.set_device(index)
 
         mine = {"host": socket.gethostname(), "gpu": _gpu_identity(index), "nbytes": nbytes}
-        store.set(f"{_PLACEMENT_KEY}/{world_rank}", json.dumps(mine))
-        keys = [f"{_PLACEMENT_KEY}/{r}" for r in range(world_size)]
-        wait_keys(store, keys, timeout_s, f"GPU placement of all {world_size} NVSHMEM ranks")
-        check_placement([json.loads(store.get(k)) for k in keys])
+        check_placement(exchange_placement(store, world_rank, world_size, mine, timeout_s))
 
         _set_heap_size(nbytes)
         dev = _cuda_core_device(index)
@@ -178,6 +202,7 @@ class NvshmemHeap(SymmetricHeap):
         logger.info(
             "world rank %d: nvshmem init (%d PEs, heap %d bytes)", world_rank, world_size, heap_size_for(nbytes)
         )
+        # collective, no timeout of its own: the world's heartbeat watchdog bounds it (module docstring)
         nvshmem.init(device=dev, uid=uid, rank=world_rank, nranks=world_size, initializer_method="uid")
         _INITIALIZED = True
         if nvshmem.my_pe() != world_rank or nvshmem.n_pes() != world_size:

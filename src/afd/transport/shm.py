@@ -4,16 +4,20 @@ Segment names are `afd_<run_token>_<world_rank>`. The run token is minted by wor
 shared through the store (or passed in by the launcher), so two runs on one host never collide
 and the launcher can remove every segment of a crashed run with `cleanup_segments(run_token)`.
 
-Order at init: create + zero own segment → barrier → map peers → barrier. The second barrier
-means no rank can unlink its segment (close) before every peer has mapped it.
+Order at init: create + zero own segment → barrier → map peers → barrier → unlink own segment.
+After the second barrier every peer holds a mapping of every segment, so each creator unlinks its
+name at once: the memory lives on in the mappings and goes away with the last process, so a rank
+that crashes afterwards (even `kill -9`) leaves nothing in /dev/shm. Only a crash during init can
+leave a name behind; the launcher removes those with `cleanup_segments(run_token)`.
 
 Segments are opened with shm_open + mmap, not `multiprocessing.shared_memory`: Python's
 `resource_tracker` (shared by spawned children) registers every attach and unlinks or warns at
-exit about segments the process does not own. Here only the creator unlinks its segment (close),
-and the launcher removes what a crashed run left (`cleanup_segments`).
+exit about segments the process does not own. Here only the creator unlinks its segment.
 
-Write ordering: payload then flag, in program order. x86 keeps stores ordered (and glibc
-fences its non-temporal memcpy paths), so a reader that sees the flag sees the payload.
+Write ordering: payload then flag, in program order, with no fences. That is correct only where
+stores become visible in program order (x86 TSO; glibc fences its non-temporal memcpy paths), so a
+reader that sees the flag sees the payload. Weaker memory models (aarch64, e.g. Grace hosts) could
+show the flag first: `ShmHeap` refuses to run there.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import glob
 import logging
 import mmap
 import os
+import platform
 import uuid
 
 import torch
@@ -38,6 +43,18 @@ logger = logging.getLogger("afd.transport.shm")
 
 SEGMENT_PREFIX = "afd_"
 RUN_TOKEN_KEY = "afd_shm/run_token"
+_TSO_MACHINES = ("x86_64", "amd64", "i386", "i686")  # total store order: payload-then-flag needs no fence
+
+
+def check_store_ordering(machine: str | None = None) -> None:
+    """Refuse hosts whose stores may become visible out of program order (the window has no fences)."""
+    machine = machine if machine is not None else platform.machine()
+    if machine.lower() not in _TSO_MACHINES:
+        raise RuntimeError(
+            f"the async connector's shared-memory window needs x86-64 store ordering but this host is "
+            f"{machine or 'of unknown architecture'}: run async on an x86-64 host or use the p2p connector here "
+            "(fences for weaker memory models are not supported yet)"
+        )
 
 
 def segment_name(run_token: str, world_rank: int) -> str:
@@ -113,6 +130,7 @@ class ShmHeap(SymmetricHeap):
         run_token: str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
+        check_store_ordering()
         super().__init__(store, world_rank, world_size, nbytes)
         if run_token is None:
             if world_rank == 0:
@@ -137,8 +155,10 @@ class ShmHeap(SymmetricHeap):
                 if r != world_rank:
                     self._maps[r] = _map(segment_name(run_token, r), nbytes, create=False)
                     self._views[r] = torch.frombuffer(self._maps[r], dtype=torch.uint8, count=nbytes)
-            # nobody unlinks (closes) before every peer has mapped every segment
+            # nobody unlinks before every peer has mapped every segment
             self.barrier("shm_mapped", timeout_s)
+            # every peer holds a mapping now: drop the name, so no crash from here on leaks the segment
+            self._unlink_own()
         except BaseException:
             self.close()
             raise
@@ -148,8 +168,14 @@ class ShmHeap(SymmetricHeap):
     def segment(self) -> str:
         return segment_name(self.run_token, self.world_rank)
 
+    def _unlink_own(self) -> None:
+        if self._owns_segment:
+            self._owns_segment = False
+            _shm_unlink(self.segment)
+
     def close(self) -> None:
-        """Unlink own segment, drop mappings. Tensors still held elsewhere keep their mapping alive."""
+        """Drop mappings (and unlink own segment if init failed before doing so). Tensors still held
+        elsewhere keep their mapping alive."""
         if self._closed:
             return
         self._closed = True
@@ -161,6 +187,4 @@ class ShmHeap(SymmetricHeap):
             except BufferError:
                 pass  # a tensor view is still alive; the mapping goes away with it
         self._maps.clear()
-        if self._owns_segment:
-            self._owns_segment = False
-            _shm_unlink(self.segment)
+        self._unlink_own()
