@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -43,48 +44,103 @@ def assert_matches_reference(outputs: list[Output], ref: tuple[Output, ...] | li
             assert abs(a - b) <= TOLERANCE
 
 
+TEST_TAG_VAR = "AFD_TEST_TAG"  # set per test by conftest; every process a test starts inherits it
+
+
+def test_tag() -> str:
+    return os.environ.get(TEST_TAG_VAR, "untagged")
+
+
 def afd_worker(config: dict, role: str, rank: int, *extra: str, bind_host: str | None = None) -> subprocess.Popen:
-    """One `afd worker` rank started by hand, in its own process group."""
+    """One `afd worker` rank started by hand, in its own process group.
+
+    Its shared-memory run token is derived from this test's tag and the run's port, so the test can find
+    (and clean up) exactly its own segments; pass `--run-token` in `extra` to choose another."""
     cmd = [sys.executable, "-m", "afd", "worker", "--config", json.dumps(config), "--role", role, "--rank", str(rank)]
     cmd += ["--model", MODEL, *extra] + (["--bind-host", bind_host] if bind_host else [])
+    if "--run-token" not in extra:
+        cmd += ["--run-token", f"{test_tag()}p{config.get('port', 0)}"]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
-def start_long_launch(port: int, connector: str, max_new_tokens: int = 100_000) -> subprocess.Popen:
-    """`afd launch` of 2A2F with a generation long enough to be interrupted."""
+def start_long_launch(port: int, connector: str, max_new_tokens: int = 4000) -> subprocess.Popen:
+    """`afd launch` of 2A2F with a generation long enough to be interrupted (within tiny's 4096 positions)."""
     cmd = [sys.executable, "-m", "afd", "launch", "--model", MODEL, "--connector", connector]
     cmd += ["--attention", "2", "--ffn", "2", "--prompt-ids", "1,2,3;4,5", "--port", str(port)]
     cmd += ["--max-new-tokens", str(max_new_tokens), "--max-num-batched-tokens", str(max_new_tokens + 16)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
-def shm_segments() -> set[str]:
-    return set(glob.glob("/dev/shm/afd_*"))
+# ---------------------------------------------------------------- this test's processes and segments
+# Everything below is scoped to the current test: processes by the AFD_TEST_TAG in their environment,
+# shared-memory segments by the run tokens of those processes. Another afd run on the same machine (a
+# service, another test session) is never looked at, waited for or killed.
+
+_TOKENS_SEEN: set[str] = set()  # run tokens of this session's tagged workers, recorded while they were alive
+
+
+def _tagged(pid: int, tag: str) -> bool:
+    try:
+        return f"{TEST_TAG_VAR}={tag}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+
+
+def _cmdline(pid: int) -> list[bytes]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return []
 
 
 def worker_pids() -> set[int]:
-    """Live `afd worker` processes on this machine."""
-    pids = set()
+    """Live `afd worker` processes started (directly or through `afd launch`) by the current test."""
+    tag, pids = test_tag(), set()
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"afd" in cmdline and b"worker" in cmdline:
-                pids.add(int(entry.name))
+        if not entry.name.isdigit():
+            continue
+        cmdline = _cmdline(int(entry.name))
+        if b"afd" in cmdline and b"worker" in cmdline and _tagged(int(entry.name), tag):
+            pids.add(int(entry.name))
+            if b"--run-token" in cmdline:
+                i = cmdline.index(b"--run-token")
+                if i + 1 < len(cmdline):
+                    _TOKENS_SEEN.add(cmdline[i + 1].decode())
     return pids
 
 
 def role_of(pid: int) -> str | None:
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return None
+    cmdline = b"\0".join(_cmdline(pid))
     for role in ("attention", "ffn"):
         if f"\0--role\0{role}\0".encode() in cmdline:
             return role
     return None
+
+
+def mapped_windows(pid: int) -> set[str]:
+    """The afd shared-memory windows process `pid` has mapped (also after they were unlinked)."""
+    try:
+        lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    except OSError:
+        return set()
+    return {ln.split("/dev/shm/", 1)[1].split()[0] for ln in lines if "/dev/shm/afd_" in ln}
+
+
+def wait_until_mapped(pids: set[int], num_windows: int, procs: list[subprocess.Popen], timeout_s: float = 60) -> None:
+    """Until every pid has mapped `num_windows` windows (the whole async world is past its init)."""
+    deadline = time.monotonic() + timeout_s
+    while not all(len(mapped_windows(p)) >= num_windows for p in pids):
+        for proc in procs:
+            assert proc.poll() is None, f"a process ended during init: {proc.communicate()[1][-2000:]}"
+        assert time.monotonic() < deadline, f"the async world did not map its {num_windows} windows in {timeout_s} s"
+        time.sleep(0.1)
+
+
+def shm_segments() -> set[str]:
+    """Shared-memory segments of the current test's runs (hand-started tokens and every token seen)."""
+    worker_pids()  # record the tokens of the workers alive now
+    tokens = _TOKENS_SEEN | {test_tag()}
+    return {p for p in glob.glob("/dev/shm/afd_*") if any(f"afd_{t}" in p for t in tokens)}
 
 
 def wait_for_workers(count: int, timeout_s: float = 60) -> set[int]:
@@ -120,11 +176,19 @@ def kill_all(procs: list[subprocess.Popen]) -> None:
 
 
 class Leftovers:
-    """Snapshot of workers and segments before a run; `check()` asserts the run added none."""
+    """Watches the current test's workers while it runs (a thread records their run tokens); `check()`
+    asserts the test's runs left no worker and no segment, `cleanup()` removes only those."""
 
     def __init__(self) -> None:
         self.pids = worker_pids()
         self.segments = shm_segments()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.1):
+            worker_pids()
 
     def new_pids(self) -> set[int]:
         return worker_pids() - self.pids
@@ -137,6 +201,8 @@ class Leftovers:
         assert not self.new_segments(), f"shared-memory segments left behind: {sorted(self.new_segments())}"
 
     def cleanup(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
         kill_pids(self.new_pids())
         for path in self.new_segments():
             Path(path).unlink(missing_ok=True)

@@ -138,3 +138,79 @@ def test_gpu_placement_packs_p2p_without_sharing_a_communicator_gpu() -> None:
     assert gpu_placement("async", 6, 2, 2) == [0, 1] * 4
     with pytest.raises(ValueError, match="no GPU"):
         gpu_placement("p2p", 1, 1, 0)
+
+
+def test_gpu_placement_uses_every_gpu_before_sharing_one() -> None:
+    from afd.topology import gpu_placement
+
+    # 3A2F on 4 GPUs: the old packing put F1 and A0 on GPU 1 and left GPU 3 idle
+    placement = gpu_placement("p2p", 3, 2, 4)
+    assert sorted(set(placement)) == [0, 1, 2, 3], placement
+    assert max(placement.count(g) for g in range(4)) == 2
+
+
+@given(st.integers(1, 12), st.integers(1, 12), st.integers(1, 16))
+def test_gpu_placement_properties(num_attn: int, num_ffn: int, num_gpus: int) -> None:
+    """Whenever p2p packing succeeds: every GPU is busy before any holds two ranks, and no communicator
+    (sync group, FFN expert group) holds two ranks of one GPU."""
+    from afd.topology import gpu_placement
+
+    try:
+        placement = gpu_placement("p2p", num_attn, num_ffn, num_gpus)
+    except ValueError as exc:
+        assert "needs more than" in str(exc)
+        return
+    world = num_attn + num_ffn
+    assert len(placement) == world and all(0 <= g < num_gpus for g in placement)
+    assert len(set(placement)) == min(world, num_gpus), placement
+    for ranks in _communicators(num_attn, num_ffn):
+        used = [placement[r] for r in ranks]
+        assert len(set(used)) == len(used), (ranks, used)
+
+
+def _communicators(num_attn: int, num_ffn: int) -> list[list[int]]:
+    topo = SyncTopology(num_attn, num_ffn)
+    return [topo.group_world_ranks(g) for g in topo.groups] + [list(range(num_ffn))]
+
+
+SMALL_LAYOUTS = [(a, f, g) for a in (1, 2, 3, 4) for f in (1, 2, 3) for g in (2, 3, 4)]
+
+
+@pytest.mark.parametrize("num_attn, num_ffn, num_gpus", SMALL_LAYOUTS)
+def test_gpu_placement_is_as_light_as_any(num_attn: int, num_ffn: int, num_gpus: int) -> None:
+    """Against brute force over every assignment: the busiest GPU holds no more ranks than it must."""
+    import itertools
+
+    from afd.topology import gpu_placement
+
+    world, comms = num_attn + num_ffn, _communicators(num_attn, num_ffn)
+    valid = [
+        p
+        for p in itertools.product(range(num_gpus), repeat=world)
+        if all(len({p[r] for r in c}) == len(c) for c in comms)
+    ]
+    if not valid:
+        with pytest.raises(ValueError, match="needs more than"):
+            gpu_placement("p2p", num_attn, num_ffn, num_gpus)
+        return
+    best = min(max(p.count(g) for g in range(num_gpus)) for p in valid)
+    placement = gpu_placement("p2p", num_attn, num_ffn, num_gpus)
+    assert max(placement.count(g) for g in range(num_gpus)) == best, placement
+
+
+def test_local_gpu_index_follows_torchrun_conventions() -> None:
+    from afd.topology import local_gpu_index
+
+    assert local_gpu_index(3, 1, None, 4) == 3  # --device-index wins
+    assert local_gpu_index(None, 1, None, 4) == 1  # then LOCAL_RANK
+    assert local_gpu_index(None, None, ["1"], 1) == 0  # then the only visible GPU
+    # one rank per host on four single-GPU hosts: each sees one GPU, whatever the world size
+    assert all(local_gpu_index(None, None, None, 1) == 0 for _ in range(4))
+    with pytest.raises(ValueError, match="cannot tell which is its own"):
+        local_gpu_index(None, None, ["0", "1"], 2)
+    with pytest.raises(ValueError, match="LOCAL_RANK=2 is outside"):
+        local_gpu_index(None, 2, None, 2)
+    with pytest.raises(ValueError, match="--device-index=5 is outside"):
+        local_gpu_index(5, None, None, 2)
+    with pytest.raises(ValueError, match="no CUDA device"):
+        local_gpu_index(0, None, None, 0)

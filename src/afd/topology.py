@@ -178,11 +178,13 @@ class AsyncTopology:
 
 
 def gpu_placement(connector: str, num_attention: int, num_ffn: int, num_gpus: int) -> list[int]:
-    """GPU of each world rank. One GPU per rank when there are enough; otherwise pack ranks so that no
-    NCCL communicator holds two ranks of one GPU (NCCL refuses that), which p2p needs and async does not.
+    """GPU of each world rank for `afd launch` on one host. One GPU per rank when there are enough;
+    otherwise pack ranks so that every GPU is used before any is shared and no NCCL communicator holds
+    two ranks of one GPU (NCCL refuses that), which p2p needs and async does not.
 
-    p2p packing: FFN rank f on GPU f % n; the members of a sync group other than its FFN hub on the
-    GPUs after the hub's. Raises ValueError when the layout cannot avoid a shared GPU in a communicator.
+    p2p packing, in world order (FFN ranks first): each rank takes the least-loaded GPU (lowest index
+    on ties) that no rank of a communicator it belongs to (its sync group, the FFN role's expert group)
+    already holds. Raises ValueError when no such GPU is left.
     """
     if num_gpus < 1:
         raise ValueError("no GPU is visible; use --device cpu")
@@ -195,20 +197,85 @@ def gpu_placement(connector: str, num_attention: int, num_ffn: int, num_gpus: in
     if num_gpus >= world_size or connector == "async":
         return [r % num_gpus for r in range(world_size)]  # async: attention-first order, PEs spread evenly
     topo = SyncTopology(num_attention, num_ffn)
-    gpu = [0] * world_size
-    for f in range(num_ffn):
-        gpu[topo.world_rank("ffn", f)] = f % num_gpus
-    for group in topo.groups:
-        base = group.ffn_ranks[0] % num_gpus
-        for i, a in enumerate(group.attn_ranks):
-            gpu[topo.world_rank("attention", a)] = (base + len(group.ffn_ranks) + i) % num_gpus
-    communicators = [topo.group_world_ranks(g) for g in topo.groups] + [list(range(num_ffn))]
-    needed = max(len(c) for c in communicators)
-    for ranks in communicators:
-        used = [gpu[r] for r in ranks]
-        if len(set(used)) != len(used):
-            raise ValueError(
-                f"p2p {num_attention}A{num_ffn}F needs more than {num_gpus} GPUs: NCCL cannot hold two ranks of one "
-                f"communicator on one GPU; use {needed} or more GPUs, or the async connector"
-            )
+    needed = max([num_ffn] + [len(topo.group_world_ranks(g)) for g in topo.groups])
+    if needed > num_gpus:
+        raise ValueError(
+            f"p2p {num_attention}A{num_ffn}F needs more than {num_gpus} GPUs: NCCL cannot hold two ranks of one "
+            f"communicator on one GPU; use {needed} or more GPUs, or the async connector"
+        )
+    # GPUs are interchangeable, so FFN rank f (the expert group needs them apart) takes GPU f. Then the
+    # attention ranks: the lightest busiest-GPU load that a flow from groups to GPUs can carry.
+    ffn_gpu = list(range(num_ffn))
+    groups = [(sorted(g.attn_ranks), {ffn_gpu[f] for f in g.ffn_ranks}) for g in topo.groups]
+    for cap in range(-(-world_size // num_gpus), world_size + 1):
+        per_group = _spread_attention(groups, num_gpus, [cap - (g < num_ffn) for g in range(num_gpus)])
+        if per_group is not None:
+            break
+    else:  # pragma: no cover - cap = world_size always fits once every communicator fits
+        raise AssertionError("no placement found")
+    gpu = ffn_gpu + [0] * num_attention
+    for (attn, _), gpus in zip(groups, per_group, strict=True):
+        for a, g in zip(attn, sorted(gpus), strict=True):
+            gpu[topo.world_rank("attention", a)] = g
+    # every GPU busy before any is shared: an attention rank may always move to an idle GPU
+    for g in range(num_gpus):
+        if g not in gpu:
+            shared = next((r for r in range(num_ffn, world_size) if gpu.count(gpu[r]) > 1), None)
+            if shared is None:
+                break
+            gpu[shared] = g
     return gpu
+
+
+def _spread_attention(
+    groups: list[tuple[list[int], set[int]]], num_gpus: int, room: list[int]
+) -> list[set[int]] | None:
+    """Max flow source → group (its attention ranks) → GPU (1 each, not its FFN ranks' GPUs) → sink (`room`).
+
+    Returns the GPU set of each group's attention ranks, or None when they do not all fit."""
+    flow: dict[tuple[int, int], int] = {}  # (group, gpu) -> 0/1
+    used = [0] * num_gpus
+
+    def augment(group: int, seen: set[int]) -> bool:
+        for g in range(num_gpus):
+            if g in groups[group][1] or flow.get((group, g)) or g in seen:
+                continue
+            seen.add(g)
+            if used[g] < room[g]:
+                used[g] += 1
+                flow[(group, g)] = 1
+                return True
+            # reroute a group that uses g to another GPU, freeing g for this one
+            for other in range(len(groups)):
+                if flow.get((other, g)) and augment(other, seen):
+                    flow[(other, g)] = 0
+                    flow[(group, g)] = 1
+                    return True
+        return False
+
+    for i, (attn, _) in enumerate(groups):
+        for _ in attn:
+            if not augment(i, set()):
+                return None
+    return [{g for g in range(num_gpus) if flow.get((i, g))} for i in range(len(groups))]
+
+
+def local_gpu_index(
+    device_index: int | None, local_rank: int | None, visible: list[str] | None, num_gpus: int
+) -> int:
+    """Which local GPU a hand-started rank (`afd worker`) uses, by torchrun's conventions: an explicit
+    `--device-index`, else LOCAL_RANK, else the only visible GPU. Raises ValueError saying what to pass."""
+    if num_gpus < 1:
+        raise ValueError("--device cuda was given but no CUDA device is visible; use --device cpu")
+    for index, source in ((device_index, "--device-index"), (local_rank, "LOCAL_RANK")):
+        if index is not None:
+            if not 0 <= index < num_gpus:
+                raise ValueError(f"{source}={index} is outside the {num_gpus} visible GPU(s) (0..{num_gpus - 1})")
+            return index
+    if num_gpus == 1:
+        return 0
+    shown = f" (CUDA_VISIBLE_DEVICES={','.join(visible)})" if visible is not None else ""
+    raise ValueError(
+        f"this rank sees {num_gpus} GPUs{shown} and cannot tell which is its own; pass --device-index N, "
+        "set LOCAL_RANK, or make one GPU visible with CUDA_VISIBLE_DEVICES"
+    )

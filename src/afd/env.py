@@ -1,0 +1,40 @@
+"""Every environment variable afd reads, in one place (the CLI and the runtime ask here, never `os.environ`).
+
+- `AFD_SECRET`: the run's shared secret; every rank of a run must be given the same one. `afd launch`
+  mints one per run and hands it to its ranks through the environment (never on a command line).
+- `AFD_LAUNCHER_PID`: set by `afd launch` for its ranks; a rank whose launcher is gone stops.
+- `LOCAL_RANK`: torchrun's convention for which local GPU a hand-started rank uses.
+- `CUDA_VISIBLE_DEVICES`: which GPUs this process may see.
+"""
+
+from __future__ import annotations
+
+import os
+
+SECRET_VAR = "AFD_SECRET"
+LAUNCHER_PID_VAR = "AFD_LAUNCHER_PID"
+
+
+def secret() -> str:
+    """The run's shared secret, or '' when none was given (then ranks are not authenticated)."""
+    return os.environ.get(SECRET_VAR, "")
+
+
+def launcher_pid() -> int | None:
+    """The pid of the `afd launch` that started this rank, or None for a rank started by hand."""
+    value = os.environ.get(LAUNCHER_PID_VAR, "")
+    return int(value) if value.isdigit() else None
+
+
+def local_rank() -> int | None:
+    """torchrun's LOCAL_RANK, or None when unset or not a non-negative integer."""
+    value = os.environ.get("LOCAL_RANK", "")
+    return int(value) if value.isdigit() else None
+
+
+def visible_devices() -> list[str] | None:
+    """CUDA_VISIBLE_DEVICES as a list of entries, or None when unset (every GPU is visible)."""
+    value = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return None
+    return [d.strip() for d in value.split(",") if d.strip()]
