@@ -42,7 +42,8 @@ def test_batching_does_not_change_results():
     got = engine.run()
     assert [o.request_id for o in got] == ids
     assert [o.token_ids for o in got] == want
-    assert not engine.kv_cache.buffers and engine.cache_tokens_used == 0
+    assert engine.kv_cache.num_sequences == 0 and engine.cache_tokens_used == 0
+    assert engine.kv_cache.pool.num_free == engine.kv_cache.num_blocks
 
 
 class _Recorder:

@@ -15,7 +15,17 @@ from pathlib import Path
 import torch
 
 from afd.ffn_model import FFNModel
-from afd.model import AttentionModel, Batch, Exchange, KVCache
+from afd.kv_cache import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    PagedLatentCache,
+    activation_bytes_estimate,
+    blocks_needed,
+    device_memory,
+    latent_bytes_per_token,
+    num_cache_blocks,
+)
+from afd.model import AttentionModel, Batch, Exchange
 from afd.moe import Routing
 
 logger = logging.getLogger(__name__)
@@ -85,7 +95,14 @@ class _Scheduled:
 
 
 class Engine:
-    """Greedy continuous batching over one `AttentionModel` and an `exchange` to the FFN side."""
+    """Greedy continuous batching over one `AttentionModel` and an `exchange` to the FFN side.
+
+    The MLA cache is one paged pool (`afd.kv_cache`), sized once here: `num_blocks` if given, else
+    `max_cache_tokens` tokens, else on CUDA `gpu_memory_utilization` of the GPU's memory less the weights
+    and the activation peak, else (CPU) a 4 GiB budget; never more than `max_num_seqs` sequences of
+    `max_model_len` tokens could use. A request reserves its blocks at admission; while the pool is full,
+    new requests wait in the queue.
+    """
 
     def __init__(
         self,
@@ -95,20 +112,47 @@ class Engine:
         *,
         max_num_seqs: int = 256,
         max_cache_tokens: int | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        num_blocks: int | None = None,
+        gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+        max_model_len: int | None = None,
     ) -> None:
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be at least 1")
+        if num_blocks is not None and num_blocks < 1:
+            raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
         self.model, self.exchange = model, exchange
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.max_cache_tokens = max_cache_tokens
         self.device = model.embed_tokens.weight.device
-        self.kv_cache = KVCache(model.config, dtype=model.embed_tokens.weight.dtype, device=self.device)
+        dtype = model.embed_tokens.weight.dtype
+        config = model.config
+        max_model_len = max_model_len or config.max_position_embeddings
+        if num_blocks is None:
+            cuda = self.device.type == "cuda"
+            num_blocks = num_cache_blocks(
+                block_size=block_size,
+                bytes_per_token=latent_bytes_per_token(config, dtype),
+                max_useful_tokens=max_num_seqs * max_model_len,
+                max_cache_tokens=max_cache_tokens,
+                memory=device_memory(self.device) if cuda and max_cache_tokens is None else None,
+                gpu_memory_utilization=gpu_memory_utilization,
+                activation_bytes=activation_bytes_estimate(config, dtype, max_num_batched_tokens) if cuda else 0,
+            )
+        self.kv_cache = PagedLatentCache(
+            config,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            dtype=dtype,
+            device=self.device,
+            max_blocks_per_seq=blocks_needed(max_model_len, block_size),
+        )
+        logger.info("KV cache: %s", self.kv_cache.describe())
         self.waiting: deque[_Sequence] = deque()
         self.running: list[_Sequence] = []
-        self.cache_tokens_used = 0
+        self.cache_tokens_used = 0  # tokens reserved by running sequences (their capacities)
         self._next_id = 0
-        self._free_slots: list[int] = []
-        self._next_slot = 0
 
     # --- requests ---
 
@@ -126,6 +170,15 @@ class Engine:
                 f"a prompt of {len(request.prompt_ids)} tokens exceeds max_num_batched_tokens "
                 f"({self.max_num_batched_tokens}); raise it or shorten the prompt"
             )
+        cache = self.kv_cache
+        tokens = _Sequence(-1, request).capacity
+        if cache.blocks_for(tokens) > cache.num_blocks:
+            raise ValueError(
+                f"a request of {len(request.prompt_ids)} prompt tokens and {request.max_new_tokens} new tokens "
+                f"needs {cache.blocks_for(tokens)} KV-cache blocks of {cache.block_size} tokens ({tokens} tokens) "
+                f"but the whole cache holds {cache.num_blocks} blocks ({cache.num_tokens} tokens); shorten it, "
+                "lower max_new_tokens or give the cache more memory"
+            )
 
     def add(self, request: Request) -> int:
         """Queue a request; returns its id (carried by its Output)."""
@@ -141,23 +194,19 @@ class Engine:
     # --- scheduling and cache bookkeeping ---
 
     def can_allocate(self, seq: _Sequence) -> bool:
-        if self.max_cache_tokens is None:
-            return True
-        return self.cache_tokens_used + seq.capacity <= self.max_cache_tokens
+        return self.kv_cache.can_allocate(seq.capacity)
 
     def allocate(self, seq: _Sequence) -> None:
-        seq.slot = self._free_slots.pop() if self._free_slots else self._next_slot
-        self._next_slot = max(self._next_slot, seq.slot + 1)
-        self.kv_cache.allocate(seq.slot, seq.capacity)
+        seq.slot = self.kv_cache.allocate(seq.capacity)
         self.cache_tokens_used += seq.capacity
 
     def free(self, seq: _Sequence) -> None:
         self.kv_cache.free(seq.slot)
-        self._free_slots.append(seq.slot)
         self.cache_tokens_used -= seq.capacity
 
     def schedule(self) -> list[_Scheduled]:
-        """One decode token per running sequence, then whole prompts while the token budget lasts."""
+        """One decode token per running sequence, then whole prompts while the token budget and the free
+        cache blocks last. The queue is first come, first served: when its head does not fit, it waits."""
         budget = self.max_num_batched_tokens
         out = []
         for seq in self.running[:budget]:
@@ -179,41 +228,38 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[Output]:
-        """Run one forward over all scheduled tokens; returns the requests that finished."""
+        """Run one forward over all scheduled tokens; returns the requests that finished.
+
+        Host->device: one copy (token ids, positions, sampled rows and the cache metadata together);
+        device->host: one copy of the sampled tokens and their logprobs.
+        """
         scheduled = self.schedule()
+        query_lens = [len(s.input_ids) for s in scheduled]
+        batch = Batch(
+            slots=[s.seq.slot for s in scheduled], query_lens=query_lens, context_lens=[s.start for s in scheduled]
+        )
         input_ids = [t for s in scheduled for t in s.input_ids]
         positions = [s.start + i for s in scheduled for i in range(len(s.input_ids))]
-        batch = Batch(
-            slots=[s.seq.slot for s in scheduled],
-            query_lens=[len(s.input_ids) for s in scheduled],
-            context_lens=[s.start for s in scheduled],
+        last_rows = [start + n - 1 for start, n in zip(batch.starts, query_lens, strict=True)]
+        ids, pos, last = self.kv_cache.prepare(
+            batch, *(torch.tensor(v, dtype=torch.long) for v in (input_ids, positions, last_rows))
         )
         if hasattr(self.exchange, "begin_step"):
             self.exchange.begin_step(len(input_ids))
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            torch.tensor(positions, dtype=torch.long, device=self.device),
-            batch,
-            self.kv_cache,
-            self.exchange,
-        )  # [T, H]
-        return self._postprocess(scheduled, hidden)
+        hidden = self.model(ids, pos, batch, self.kv_cache, self.exchange)  # [T, H]
+        return self._postprocess(scheduled, batch, hidden, last)
 
-    def _postprocess(self, scheduled: list[_Scheduled], hidden: torch.Tensor) -> list[Output]:
+    def _postprocess(
+        self, scheduled: list[_Scheduled], batch: Batch, hidden: torch.Tensor, last_rows: torch.Tensor
+    ) -> list[Output]:
         """Sample every sequence at once: one lm_head call and one device->host copy per step."""
-        last_rows, prompt_rows = [], []
-        row = 0
-        for s in scheduled:
-            n = len(s.input_ids)
-            last_rows.append(row + n - 1)
-            if s.start == 0 and s.seq.request.prompt_logprobs:
-                prompt_rows.append((s, row, n))
-            row += n
         logprobs = torch.log_softmax(self.model.compute_logits(hidden[last_rows]), dim=-1)  # [B, V] fp32
         best = logprobs.argmax(dim=-1)  # [B]
         picked = logprobs.gather(1, best[:, None]).squeeze(1)  # [B]
         tokens, token_logprobs = torch.stack([best.double(), picked.double()]).tolist()
-        for s, first, n in prompt_rows:  # prompt scoring is rare: its own lm_head call over the prompt
+        for s, first, n in zip(scheduled, batch.starts, batch.query_lens, strict=True):
+            if s.start != 0 or not s.seq.request.prompt_logprobs:
+                continue  # prompt scoring is rare: its own lm_head call over the prompt
             rows = torch.log_softmax(self.model.compute_logits(hidden[first : first + n - 1]), dim=-1)  # [n-1, V]
             targets = torch.tensor(s.seq.request.prompt_ids[1:], device=rows.device)
             s.seq.prompt_logprobs = [None, *rows.gather(1, targets[:, None]).squeeze(1).tolist()]

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from afd.kv_cache import PagedLatentCache
 from afd.moe import Routing, select_experts
 
 logger = logging.getLogger(__name__)
@@ -244,67 +245,40 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
-# --- batch and KV cache ----------------------------------------------------------------------------
+# --- batch -----------------------------------------------------------------------------------------
 
 
 @dataclass
 class Batch:
     """Where each sequence of a flattened step sits: `query_lens[i]` consecutive rows, cache `slots[i]`,
-    `context_lens[i]` tokens already cached before this step."""
+    `context_lens[i]` tokens already cached before this step.
+
+    The device fields are filled once per step by `PagedLatentCache.prepare` and read by every layer.
+    """
 
     slots: list[int] = field(default_factory=list)
     query_lens: list[int] = field(default_factory=list)
     context_lens: list[int] = field(default_factory=list)
+    slot_mapping: torch.Tensor | None = None  # [T] flat cache row of every token of the step
+    decode_token_rows: torch.Tensor | None = None  # [Bd] rows of the step that `decode_seqs` sit at
+    decode_rows: torch.Tensor | None = None  # [Bd, L] cache rows of their contexts (padding: the zero row)
+    decode_valid: torch.Tensor | None = None  # [Bd, L] which of those are real
+    context_rows: dict[int, torch.Tensor] = field(default_factory=dict)  # i -> [ctx + n] rows, other cached seqs
 
     @property
     def num_tokens(self) -> int:
         return sum(self.query_lens)
 
+    @property
+    def starts(self) -> list[int]:
+        """First row of each sequence in the flattened step."""
+        return [0, *itertools.accumulate(self.query_lens)][:-1]
 
-class KVCache:
-    """MLA cache: per layer and sequence slot, the normalized latent kv_c and the roped k_pe.
-
-    One `[capacity, kv_lora_rank + qk_rope_head_dim]` buffer per (slot, layer); expanded keys and
-    values are never stored.
-    """
-
-    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device | str) -> None:
-        self.config = config
-        self.dtype = dtype
-        self.device = torch.device(device)
-        self.buffers: dict[int, list[torch.Tensor]] = {}
-
-    def allocate(self, slot: int, capacity: int) -> None:
-        width = self.config.kv_lora_rank + self.config.qk_rope_head_dim
-        self.buffers[slot] = [
-            torch.empty(capacity, width, dtype=self.dtype, device=self.device)
-            for _ in range(self.config.num_hidden_layers)
-        ]
-
-    def free(self, slot: int) -> None:
-        self.buffers.pop(slot, None)
-
-    def capacity(self, slot: int) -> int:
-        return self.buffers[slot][0].shape[0]
-
-    def update(
-        self, layer_idx: int, slot: int, start: int, kv_c: torch.Tensor, k_pe: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write kv_c [n, C], k_pe [n, R] at `start`; return everything cached so far ([start+n, C], [start+n, R])."""
-        buf = self.buffers[slot][layer_idx]  # [cap, C + R]
-        end = start + kv_c.shape[0]
-        if end > buf.shape[0]:
-            raise ValueError(f"slot {slot} holds {buf.shape[0]} tokens; cannot write up to {end}")
-        buf[start:end] = torch.cat([kv_c, k_pe], dim=-1)
-        return buf[:end].split([self.config.kv_lora_rank, self.config.qk_rope_head_dim], dim=-1)
-
-    def append_one(self, layer_idx: int, slot: int, start: int, latent: torch.Tensor) -> torch.Tensor:
-        """Write one token's latent [C + R] at `start`; return everything cached ([start + 1, C + R])."""
-        buf = self.buffers[slot][layer_idx]
-        if start >= buf.shape[0]:
-            raise ValueError(f"slot {slot} holds {buf.shape[0]} tokens; cannot write token {start}")
-        buf[start] = latent
-        return buf[: start + 1]
+    @property
+    def decode_seqs(self) -> list[int]:
+        """Single-token sequences attended in one batched pass (absorbed MLA); only worth it for two or more."""
+        decode = [i for i, n in enumerate(self.query_lens) if n == 1]
+        return decode if len(decode) > 1 else []
 
 
 # --- attention side --------------------------------------------------------------------------------
@@ -332,7 +306,7 @@ class MLAttention(nn.Module):
         self.o_proj = nn.Linear(c.num_attention_heads * c.v_head_dim, c.hidden_size, bias=c.attention_bias)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Batch, kv_cache: KVCache | None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Batch, kv_cache: PagedLatentCache | None
     ) -> torch.Tensor:
         c, nh = self.config, self.num_heads
         T = x.shape[0]
@@ -347,28 +321,27 @@ class MLAttention(nn.Module):
         q_pe = apply_rope(q_pe, cos, sin, c.rope_interleave)  # [T, nh, R]
         k_pe = apply_rope(k_pe, cos, sin, c.rope_interleave)  # [T, R]
         q = torch.cat([q_nope, q_pe], dim=-1)  # [T, nh, D]
+        if kv_cache is not None:  # every token of the step at once, before any sequence reads its context
+            kv_cache.write(self.layer_idx, batch.slot_mapping, torch.cat([kv_c, k_pe], dim=-1))
 
         out = x.new_empty(T, nh, c.v_head_dim)  # [T, nh, Dv]
-        starts = [0, *itertools.accumulate(batch.query_lens)]
-        decode = [i for i, n in enumerate(batch.query_lens) if n == 1] if kv_cache is not None else []
-        batched = set(decode) if len(decode) > 1 else set()
+        batched = set(batch.decode_seqs) if kv_cache is not None else set()
         if batched:  # one pass over every single-token sequence instead of a loop over them
-            rows = [starts[i] for i in decode]
-            latents = [
-                kv_cache.append_one(self.layer_idx, batch.slots[i], batch.context_lens[i], latent)
-                for i, latent in zip(decode, torch.cat([kv_c, k_pe], dim=-1)[rows], strict=True)
-            ]
-            out[rows] = self._decode_attention(q_nope[rows], q_pe[rows], latents)
+            rows = batch.decode_token_rows  # [Bd]
+            context = kv_cache.read(self.layer_idx, batch.decode_rows)  # [Bd, L, C + R]
+            out[rows] = self._decode_attention(q_nope[rows], q_pe[rows], context, batch.decode_valid)
         row = 0
-        for i, (slot, n, ctx) in enumerate(zip(batch.slots, batch.query_lens, batch.context_lens, strict=True)):
+        for i, (n, ctx) in enumerate(zip(batch.query_lens, batch.context_lens, strict=True)):
             if i in batched:
                 row += n
                 continue
-            seq_kv_c, seq_k_pe = kv_c[row : row + n], k_pe[row : row + n]
-            if kv_cache is not None:
-                seq_kv_c, seq_k_pe = kv_cache.update(self.layer_idx, slot, ctx, seq_kv_c, seq_k_pe)
-            elif ctx:
+            if ctx == 0:  # a fresh prompt attends to its own new latents
+                seq_kv_c, seq_k_pe = kv_c[row : row + n], k_pe[row : row + n]
+            elif kv_cache is None:
                 raise ValueError("a sequence with cached context needs a kv_cache")
+            else:
+                latents = kv_cache.read(self.layer_idx, batch.context_rows[i])  # [ctx + n, C + R]
+                seq_kv_c, seq_k_pe = latents.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
             L = seq_kv_c.shape[0]
             kv = self.kv_b_proj(seq_kv_c).view(L, nh, c.qk_nope_head_dim + c.v_head_dim)
             k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)  # [L, nh, *]
@@ -388,22 +361,21 @@ class MLAttention(nn.Module):
             row += n
         return self.o_proj(out.view(T, nh * c.v_head_dim))  # [T, H]
 
-    def _decode_attention(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latents: list[torch.Tensor]) -> torch.Tensor:
+    def _decode_attention(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, context: torch.Tensor, is_valid: torch.Tensor
+    ) -> torch.Tensor:
         """Single-token queries against their cached latents, keys and values never expanded (absorbed MLA).
 
-        q_nope: [B, nh, Dn], q_pe: [B, nh, R], latents[b]: [L_b, C + R] -> [B, nh, Dv]. Scores are
-        `(q_nope W_uk) . kv_c + q_pe . k_pe`, the output `(probs . kv_c) W_uv`: the same products as
-        expanding K and V, associated the other way, so nothing of size L x heads is built.
+        q_nope: [B, nh, Dn], q_pe: [B, nh, R], context: [B, L, C + R] (padding rows zero), is_valid: [B, L]
+        -> [B, nh, Dv]. Scores are `(q_nope W_uk) . kv_c + q_pe . k_pe`, the output `(probs . kv_c) W_uv`:
+        the same products as expanding K and V, associated the other way, so nothing of size L x heads is built.
         """
         c, nh = self.config, self.num_heads
-        lengths = torch.tensor([len(t) for t in latents], device=q_nope.device)  # [B]
-        padded = nn.utils.rnn.pad_sequence(latents, batch_first=True)  # [B, L, C + R]
-        kv_c, k_pe = padded.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)  # [B, L, C], [B, L, R]
+        kv_c, k_pe = context.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)  # [B, L, C], [B, L, R]
         w = self.kv_b_proj.weight.view(nh, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
         w_uk, w_uv = w.split([c.qk_nope_head_dim, c.v_head_dim], dim=1)  # [nh, Dn, C], [nh, Dv, C]
         q_latent = torch.einsum("bhd,hdc->bhc", q_nope, w_uk)  # [B, nh, C]
         scores = torch.einsum("bhc,blc->bhl", q_latent, kv_c) + torch.einsum("bhr,blr->bhl", q_pe, k_pe)
-        is_valid = torch.arange(padded.shape[1], device=q_nope.device)[None, :] < lengths[:, None]  # [B, L]
         scores = scores.float().mul_(self.softmax_scale).masked_fill_(~is_valid[:, None, :], float("-inf"))
         probs = scores.softmax(dim=-1).to(kv_c.dtype)  # [B, nh, L]
         return torch.einsum("bhc,hvc->bhv", torch.einsum("bhl,blc->bhc", probs, kv_c), w_uv)  # [B, nh, Dv]
@@ -431,7 +403,7 @@ class AttentionLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         batch: Batch,
-        kv_cache: KVCache | None,
+        kv_cache: PagedLatentCache | None,
         exchange: Exchange,
     ) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, kv_cache) * self.scale
@@ -480,12 +452,14 @@ class AttentionModel(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         batch: Batch,
-        kv_cache: KVCache | None,
+        kv_cache: PagedLatentCache | None,
         exchange: Exchange,
     ) -> torch.Tensor:
         """input_ids, positions: [T] int64 -> final-normed hidden [T, H] model dtype."""
         if batch.num_tokens != input_ids.shape[0]:
             raise ValueError(f"batch covers {batch.num_tokens} tokens but {input_ids.shape[0]} were given")
+        if kv_cache is not None and batch.slot_mapping is None:  # a caller that did not prepare the step
+            kv_cache.prepare(batch)
         cos, sin = self.rope(positions)  # [T, R/2]
         h = self.embed_tokens(input_ids) * self.scale  # [T, H]
         for layer in self.layers:
