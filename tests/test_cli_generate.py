@@ -61,7 +61,7 @@ def test_generate_prompts_file_and_prompt_logprobs(tmp_path: Path) -> None:
         (["--model", "tiny", "--prompt-ids", "1,2;999"], "outside the vocabulary"),
         (["--model", "tiny", "--prompt-ids", "1,2;"], "is empty"),
         (["--model", "tiny", "--prompt-ids", "1,x"], "must be integers"),
-        (["--model", "tiny", "--prompts-file", "/no/such.jsonl"], "cannot read prompts file"),
+        (["--model", "tiny", "--prompts-file", "/no/such.jsonl"], "prompts file '/no/such.jsonl' does not exist"),
         (["--model", "tiny", "--prompt-ids", "1", "--max-new-tokens", "-1"], "non-negative"),
         (["--model", "tiny", "--prompt-ids", "1", "--attention", "2"], "need a connector"),
         (["--model", "tiny", "--prompt-ids", "1", "--connector", "async", "--gate-on-ffn"], "gate on attention"),

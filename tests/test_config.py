@@ -48,7 +48,7 @@ def test_defaults_and_sources(tmp_path) -> None:
         ({"port": 70000}, "port must be between 1 and 65535"),
         ({"port": "80"}, "port must be an integer"),
         ({"host": ""}, "host must be a non-empty"),
-        ({"num_attention_ranks": 0}, "num_attention_ranks must be at least 1"),
+        ({"num_attention_ranks": 0}, "num_attention_ranks must be between 1 and 1024"),
         ({"num_ffn_ranks": 1.5}, "num_ffn_ranks must be an integer"),
         ({"num_ffn_ranks": True}, "num_ffn_ranks must be an integer"),
         ({"compute_gate_on_attention": "yes"}, "compute_gate_on_attention must be true or false"),

@@ -66,3 +66,29 @@ def test_bench_writes_raw_json_with_side_by_side_runs(tmp_path: Path) -> None:
 def test_bench_rejects_unknown_connector() -> None:
     proc = run_afd("bench", "--connectors", "p2p,nccl", timeout=25)
     assert proc.returncode == 2 and "--connectors takes p2p and/or async" in proc.stderr
+
+
+def test_demo_times_a_warm_reference_and_says_what_the_numbers_mean(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reference row was one cold run whose tok/s swung 14-311 across five runs."""
+    import afd.demo as demo
+
+    runs = []
+
+    def fake_reference(spec, prompts):
+        runs.append(len(prompts))
+        return demo.RunResult("none", "1 proc", [], elapsed_s=float(len(runs)), ttft_s=[0.01])
+
+    monkeypatch.setattr(demo, "run_reference", fake_reference)
+    reference, connector_runs, ok = demo.run_demo(connectors=(), progress=lambda msg: None)
+    assert runs == [8, 8] and reference.elapsed_s == 2.0  # an untimed warm-up, then the timed run
+    assert connector_runs == [] and ok
+    table = " ".join(demo.format_table(reference, []).split())
+    assert "after an untimed warm-up run" in table and "tok/s: generated tokens / engine time" in table
+
+
+def test_bench_prompts_must_fit_the_models_positions(capsys: pytest.CaptureFixture) -> None:
+    from afd.cli import main
+
+    assert main(["bench", "--long-len", "4064", "--max-new-tokens", "32"]) == 2  # + 1 scored token: 4097 > 4096
+    err = capsys.readouterr().err
+    assert "prompt 0 has 4064 tokens and --max-new-tokens is 33: 4097 positions" in err

@@ -1,6 +1,7 @@
 """The `afd` command line. It only builds validated objects and calls the library.
 
-Bad input is one sentence on stderr and exit status 2, never a traceback.
+Bad input is one sentence on stderr and exit status 2, never a traceback. A signal (Ctrl-C, SIGTERM,
+SIGHUP) ends any command with one line and exit status 128 + the signal number, as shells expect.
 """
 
 from __future__ import annotations
@@ -8,43 +9,101 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from afd.config import ConfigError, parse_config
-from afd.runtime.launch import LaunchError, RunSpec
+from afd import signals
+from afd.config import MAX_RANKS_PER_ROLE, DuplicateKeyError, InputError, parse_config, read_text_file, unique_keys
 from afd.topology import SyncTopology
 
+if TYPE_CHECKING:
+    from afd.runtime.launch import RunSpec
+
 EXIT_USAGE = 2
+MAX_PROMPTS_FILE_BYTES = 256 << 20  # ~40 M token ids of JSON; more is the wrong file, not a workload
+MAX_BATCHED_TOKENS = 1 << 20  # the async window is sized by it: a typo must not ask for terabytes
+MAX_TOKEN_ID_DIGITS = 18  # no vocabulary comes near; longer digit strings are refused before int()
 
 
 class UsageError(Exception):
     """Bad input from the user: printed as one sentence, exit status 2."""
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every flag's help ends with its default, when it has one worth showing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        hidden = default is None or default is False or default == argparse.SUPPRESS  # 0 is shown, False is not
+        if action.option_strings and "%(default)" not in text and not hidden:
+            text += " (default: %(default)s)"
+        return text
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(EXIT_USAGE, f"afd: error: {message}\n")
 
 
-def int_at_least(minimum: int, what: str):
-    """An argparse type: an integer >= minimum, or one sentence saying what was expected."""
+def int_in_range(minimum: int, maximum: int | None, what: str) -> Callable[[str], int]:
+    """An argparse type: an integer in [minimum, maximum], or one sentence saying what was expected."""
 
     def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
+        stripped = text.strip()
+        digits = stripped[1:] if stripped[:1] == "-" else stripped
+        value = int(stripped) if digits.isascii() and digits.isdigit() and len(digits) <= 30 else None
         if value is None or value < minimum:
             raise argparse.ArgumentTypeError(f"expected a {what} integer, got {text!r}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"expected a {what} integer of at most {maximum}, got {text!r}")
         return value
 
     return parse
 
 
+def int_at_least(minimum: int, what: str) -> Callable[[str], int]:
+    return int_in_range(minimum, None, what)
+
+
 positive_int = int_at_least(1, "positive")
 non_negative_int = int_at_least(0, "non-negative")
+rank_count = int_in_range(1, MAX_RANKS_PER_ROLE, "positive")
+port_number = int_in_range(1, 65535, "port (1-65535)")
+batched_tokens = int_in_range(1, MAX_BATCHED_TOKENS, "positive")
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds greater than 0 (`nan` would disable the bound)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds greater than 0, got {text!r}")
+    return value
+
+
+CONNECTOR_NAMES = ("p2p", "async")
+
+
+def connector_list(text: str) -> tuple[str, ...]:
+    """An argparse type: a comma-separated list of p2p and async, in the order given, without repeats."""
+    names = [n.strip() for n in text.split(",")]
+    bad = [n for n in names if n not in CONNECTOR_NAMES]
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"--connectors takes p2p and/or async separated by ',' (e.g. p2p,async), got {bad[0]!r} in {text!r}"
+        )
+    return tuple(dict.fromkeys(names))
 
 
 # ---------------------------------------------------------------- afd topology
@@ -87,52 +146,106 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------- afd generate
+PROMPT_IDS_GRAMMAR = (
+    "token ids in ASCII digits, ',' between the ids of a prompt and ';' between prompts "
+    '(spaces allowed around them), e.g. "1,2,3;4,5"'
+)
+
+
 def parse_prompt_ids(text: str) -> list[list[int]]:
-    """`"1,2,3;4,5"` -> `[[1, 2, 3], [4, 5]]`."""
+    """`"1,2,3;4,5"` -> `[[1, 2, 3], [4, 5]]`: the one grammar for prompt ids on a command line.
+
+    prompts := prompt (';' prompt)*, prompt := id (',' id)*, id := [0-9]+, spaces around any of them.
+    Strict on purpose: `int()` would also take `+3`, `1_0` and non-ASCII digits, and a skipped empty
+    item (`1,,2`) silently changes the prompt.
+    """
+    if not text.strip(" "):
+        raise UsageError(f"--prompt-ids is empty; give {PROMPT_IDS_GRAMMAR}")
     prompts = []
     for i, chunk in enumerate(text.split(";")):
-        try:
-            ids = [int(t) for t in chunk.split(",") if t.strip()]
-        except ValueError:
-            raise UsageError(f"--prompt-ids must be integers separated by ',' and ';', got {chunk.strip()!r}") from None
-        if not ids:
+        if not chunk.strip(" "):
             raise UsageError(f"prompt {i} in --prompt-ids is empty; every prompt needs at least one token id")
+        ids = []
+        for item in chunk.split(","):
+            token = item.strip(" ")
+            if not token:
+                raise UsageError(
+                    f"prompt {i} in --prompt-ids has an empty token id (',' twice in a row or at an end); "
+                    f"--prompt-ids takes {PROMPT_IDS_GRAMMAR}"
+                )
+            if not (token.isascii() and token.isdigit()):
+                raise UsageError(f"--prompt-ids must be integers, got {token!r}; it takes {PROMPT_IDS_GRAMMAR}")
+            if len(token) > MAX_TOKEN_ID_DIGITS:
+                raise UsageError(f"token id {token[:MAX_TOKEN_ID_DIGITS]}... in --prompt-ids is far too large")
+            ids.append(int(token))
         prompts.append(ids)
     return prompts
 
 
-def read_prompts_file(path: str) -> list[list[int]]:
-    """One `{"prompt_ids": [...]}` per line."""
+def _prompt_line(line: str, n: int, path: str) -> list[int]:
+    """One line of a prompts file: a JSON object whose `prompt_ids` is a non-empty list of integers."""
+    what = f"line {n} of {path!r}"
     try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as exc:
-        raise UsageError(f"cannot read prompts file {path!r} ({exc.strerror or type(exc).__name__})") from None
-    prompts = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            ids = json.loads(line)["prompt_ids"]
-            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise TypeError
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise UsageError(f"line {n} of {path!r} is not a JSON object with a list of integer prompt_ids") from None
-        if not ids:
-            raise UsageError(f"line {n} of {path!r} has an empty prompt; every prompt needs at least one token id")
-        prompts.append(ids)
-    if not prompts:
+        obj = json.loads(line, object_pairs_hook=unique_keys)
+    except json.JSONDecodeError:
+        raise UsageError(f'{what} is not JSON; each line must be an object such as {{"prompt_ids": [1, 2]}}') from None
+    except DuplicateKeyError as exc:
+        raise UsageError(f"{what} gives the key {exc.key!r} twice; keep one") from None
+    ids = obj.get("prompt_ids") if isinstance(obj, dict) else None
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise UsageError(f"{what} is not a JSON object with a list of integer prompt_ids")
+    if not ids:
+        raise UsageError(f"{what} has an empty prompt; every prompt needs at least one token id")
+    return ids
+
+
+def read_prompts_file(path: str, *, allow_empty: bool = False) -> list[list[int]]:
+    """One `{"prompt_ids": [...]}` per line; blank lines are skipped. A regular UTF-8 file of bounded size."""
+    try:
+        text = read_text_file(path, "prompts file", MAX_PROMPTS_FILE_BYTES)
+    except InputError as exc:
+        raise UsageError(str(exc)) from None
+    prompts = [_prompt_line(line, n, path) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    if not prompts and not allow_empty:
         raise UsageError(f"prompts file {path!r} holds no prompt")
     return prompts
 
 
-def check_prompts(model: str, prompts: list[list[int]], device: str) -> None:
-    """Fail before anything starts: unknown model, ids outside the vocabulary, no CUDA."""
+def read_prompts(args: argparse.Namespace, *, allow_empty: bool = False) -> list[list[int]]:
+    """The prompts of --prompt-ids or --prompts-file (an empty string is a value, not a missing flag)."""
+    if args.prompt_ids is not None:
+        return parse_prompt_ids(args.prompt_ids)
+    if args.prompts_file is not None:
+        return read_prompts_file(args.prompts_file, allow_empty=allow_empty)
+    return []
+
+
+def check_prompts(model: str, prompts: list[list[int]], device: str, max_new_tokens: int = 0):
+    """Fail before anything starts: unknown model, prompts beyond the model's positions, ids outside the
+    vocabulary, no CUDA. Returns the model's config."""
     from afd.weights import load_model_config
 
     try:
         config = load_model_config(model)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    except KeyError as exc:
+        raise UsageError(f"the config.json of {model!r} lacks the key {exc.args[0]!r}") from None
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise UsageError(f"the config.json of {model!r} cannot be read ({reason})") from None
+    limit = config.max_position_embeddings
+    for i, prompt in enumerate(prompts):
+        if len(prompt) > limit:
+            raise UsageError(
+                f"prompt {i} has {len(prompt)} tokens, more than the {limit} positions of {model!r}; shorten it"
+            )
+        if len(prompt) + max_new_tokens > limit:
+            raise UsageError(
+                f"prompt {i} has {len(prompt)} tokens and --max-new-tokens is {max_new_tokens}: "
+                f"{len(prompt) + max_new_tokens} positions, more than the {limit} of {model!r}; "
+                f"lower --max-new-tokens to {limit - len(prompt)} or shorten the prompt"
+            )
     for prompt in prompts:
         bad = [t for t in prompt if not 0 <= t < config.vocab_size]
         if bad:
@@ -142,24 +255,74 @@ def check_prompts(model: str, prompts: list[list[int]], device: str) -> None:
 
         if not torch.cuda.is_available():
             raise UsageError("--device cuda was given but no CUDA device is visible; use --device cpu")
+    return config
+
+
+def check_resources(
+    args: argparse.Namespace,
+    model_config,
+    *,
+    connector: str,
+    num_attention: int = 1,
+    num_ffn: int = 1,
+    prompts: Sequence[Sequence[int]] = (),
+    max_new_tokens: int = 0,
+    placement: list[int] | None = None,
+    gate_on_attention: bool = True,
+) -> None:
+    """Refuse a run this machine cannot hold (processes per core, host and GPU memory), with the numbers,
+    before anything starts; `--skip-resource-check` starts it anyway."""
+    if args.skip_resource_check:
+        return
+    from afd import resources
+
+    needs = resources.run_needs(
+        model_config,
+        dtype=getattr(args, "dtype", "float32"),
+        device=args.device,
+        connector=connector,
+        num_attention=num_attention,
+        num_ffn=num_ffn,
+        gate_on_attention=gate_on_attention,
+        prompt_lengths=[len(p) for p in prompts],
+        max_new_tokens=max_new_tokens,
+        placement=placement,
+    )
+    problem = resources.check(needs, resources.probe_machine(gpus=args.device == "cuda"))
+    if problem:
+        raise UsageError(
+            f"{problem}; use fewer ranks, a smaller model or --dtype, or pass --skip-resource-check to start anyway"
+        )
 
 
 def add_model_arguments(p: argparse.ArgumentParser, *, prompts_required: bool) -> None:
     """The model, its numerics and the prompts: shared by `generate`, `launch` and `worker`."""
-    p.add_argument("--model", required=True, help="checkpoint directory or preset (tiny, deepseek-v2-lite)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--model", required=True, help="checkpoint directory (config.json + *.safetensors) or preset")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights dtype")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the ranks compute")
     p.add_argument("--seed", type=non_negative_int, default=0, help="seed of preset weights")
-    p.add_argument("--max-new-tokens", type=non_negative_int, default=16)
+    p.add_argument(
+        "--max-new-tokens",
+        type=non_negative_int,
+        default=16,
+        help="tokens generated per prompt (prompt + new tokens must fit the model's positions)",
+    )
     p.add_argument("--prompt-logprobs", action="store_true", help="also score every prompt token")
-    p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=batched_tokens,
+        default=2048,
+        help="token budget of one engine step (raised to the longest prompt)",
+    )
     source = p.add_mutually_exclusive_group(required=prompts_required)
-    source.add_argument("--prompt-ids", help='prompts as token ids, e.g. "1,2,3;4,5,6,7"')
-    source.add_argument("--prompts-file", help='JSONL, one {"prompt_ids": [...]} per line')
+    source.add_argument("--prompt-ids", help="prompts as token ids, e.g. \"1,2,3;4,5,6,7\" (',' ids, ';' prompts)")
+    source.add_argument("--prompts-file", help='JSONL file, one {"prompt_ids": [...]} per line')
 
 
 def run_spec(args: argparse.Namespace, prompts: list[list[int]], **extra) -> RunSpec:
     """What every rank of a run agrees on; the token budget always fits the longest prompt."""
+    from afd.runtime.launch import RunSpec
+
     return RunSpec(
         model=args.model,
         dtype=args.dtype,
@@ -172,29 +335,49 @@ def run_spec(args: argparse.Namespace, prompts: list[list[int]], **extra) -> Run
     )
 
 
+def add_skip_resource_check(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--skip-resource-check",
+        action="store_true",
+        help="start even when the run looks too large for this machine (processes per core, memory)",
+    )
+
+
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     """Flags shared by `generate` and `launch`."""
     add_model_arguments(p, prompts_required=True)
-    p.add_argument("--connector", default="none", choices=["none", "p2p", "async"], help="none: one process")
-    p.add_argument("--attention", type=positive_int, default=1, help="attention ranks (A)")
-    p.add_argument("--ffn", type=positive_int, default=1, help="FFN ranks (F)")
+    p.add_argument(
+        "--connector", default="none", choices=["none", "p2p", "async"], help="none: the single-process reference"
+    )
+    p.add_argument("--attention", type=rank_count, default=1, help="attention ranks (A)")
+    p.add_argument("--ffn", type=rank_count, default=1, help="FFN ranks (F)")
     p.add_argument("--gate-on-ffn", action="store_true", help="run the MoE gate on the FFN side (p2p only)")
     p.add_argument("--config", help="AFD config (file or JSON) for host, port and connector_extra_config")
-    p.add_argument("--port", type=positive_int, help="rendezvous port (default: a free one)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds before the whole run is given up")
+    p.add_argument("--port", type=port_number, help="rendezvous port (default: a free one, or the config's)")
+    p.add_argument("--timeout", type=positive_seconds, default=600.0, help="seconds before the whole run is given up")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_skip_resource_check(p)
 
 
 def run_generate(args: argparse.Namespace) -> tuple[list, dict]:
-    prompts = parse_prompt_ids(args.prompt_ids) if args.prompt_ids else read_prompts_file(args.prompts_file)
-    check_prompts(args.model, prompts, args.device)
+    prompts = read_prompts(args)
+    model_config = check_prompts(args.model, prompts, args.device, args.max_new_tokens)
     if args.connector == "none":
         if getattr(args, "launch", False):
             raise UsageError("afd launch needs --connector p2p or --connector async")
         if (args.attention, args.ffn) != (1, 1):
             raise UsageError("--attention/--ffn need a connector; pass --connector p2p or --connector async")
+        check_resources(
+            args,
+            model_config,
+            connector="none",
+            prompts=prompts,
+            max_new_tokens=args.max_new_tokens,
+            gate_on_attention=not args.gate_on_ffn,
+        )
         from afd.engine import generate
 
+        signals.raise_if_signalled()
         outputs = generate(
             args.model,
             prompts,
@@ -209,16 +392,6 @@ def run_generate(args: argparse.Namespace) -> tuple[list, dict]:
         return outputs, {}
     from afd.runtime.launch import free_port, launch
 
-    if args.device == "cuda":
-        import torch
-
-        from afd.topology import gpu_placement
-
-        try:
-            gpu_placement(args.connector, args.attention, args.ffn, torch.cuda.device_count())
-        except ValueError as exc:
-            raise UsageError(str(exc)) from None
-
     base = parse_config(args.config) if args.config else parse_config({})
     config = base.replace(
         connector=args.connector,
@@ -228,6 +401,28 @@ def run_generate(args: argparse.Namespace) -> tuple[list, dict]:
         port=args.port or (base.port if args.config else free_port(base.host)),
         connector_extra_config=base.to_dict()["connector_extra_config"] if base.connector == args.connector else {},
     )
+    placement = None
+    if args.device == "cuda":
+        import torch
+
+        from afd.topology import gpu_placement
+
+        try:
+            placement = gpu_placement(args.connector, args.attention, args.ffn, torch.cuda.device_count())
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    check_resources(
+        args,
+        model_config,
+        connector=args.connector,
+        num_attention=args.attention,
+        num_ffn=args.ffn,
+        prompts=prompts,
+        max_new_tokens=args.max_new_tokens,
+        placement=placement,
+        gate_on_attention=not args.gate_on_ffn,
+    )
+    signals.raise_if_signalled()
     return launch(config, run_spec(args, prompts, timeout_s=args.timeout), prompts)
 
 
@@ -250,17 +445,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------- afd worker
-def read_worker_prompts(args: argparse.Namespace) -> list[list[int]]:
-    """A replica may legitimately get no prompt, so an empty prompts file is fine here."""
-    if args.prompt_ids:
-        return parse_prompt_ids(args.prompt_ids)
-    if args.prompts_file:
-        if Path(args.prompts_file).is_file() and not Path(args.prompts_file).read_text().strip():
-            return []
-        return read_prompts_file(args.prompts_file)
-    return []
-
-
 def cmd_worker(args: argparse.Namespace) -> int:
     from afd.runtime.worker import RankJob, exit_now, run_rank
 
@@ -282,10 +466,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
     size = config.num_attention_ranks if role == "attention" else config.num_ffn_ranks
     if args.rank >= size:
         raise UsageError(f"--rank {args.rank} is out of range for {size} {role} rank(s)")
-    prompts = read_worker_prompts(args)
+    prompts = read_prompts(args, allow_empty=True)  # a replica may legitimately get no prompt
     if prompts and role != "attention":
         raise UsageError("prompts go to attention ranks; an FFN rank takes none")
-    check_prompts(args.model, prompts, args.device)
+    check_prompts(args.model, prompts, args.device, args.max_new_tokens)
     job = RankJob(
         config=config,
         role=role,
@@ -295,43 +479,109 @@ def cmd_worker(args: argparse.Namespace) -> int:
         output_path=Path(args.output) if args.output else None,
         run_token=args.run_token,
         local_host=args.bind_host,
+        device_index=worker_gpu(args),
     )
+    name = f"{role} rank {args.rank}"
+    log = logging.getLogger("afd.worker")
+    watchdog.configure(signals.WORKER_SIGNAL_GRACE_S, lambda line: log.warning("%s: %s", name, line), exit_now)
+    signals.raise_if_signalled()
     try:
         code = run_rank(job)
     except BaseException as exc:  # a rank's failure: one line naming it, then leave without teardown
-        logging.getLogger("afd.worker").error("%s rank %d: error: %s", role, args.rank, exc)
-        exit_now(1)
+        signum = getattr(exc, "signum", signal.SIGINT) if isinstance(exc, KeyboardInterrupt) else signals.last_signal()
+        if signum is not None:  # also when cleanup turned the interrupt into another error
+            log.warning("%s: interrupted by %s", name, signals.signal_name(signum))
+            exit_now(128 + signum)
+        log.error("%s: error: %s", name, exc)
+        exit_now(getattr(exc, "exit_status", 1))  # 2: refused at rendezvous (another run's store, port taken)
     exit_now(code)
     return code
+
+
+def worker_gpu(args: argparse.Namespace) -> int | None:
+    """The local GPU of a CUDA rank, checked before it starts (torchrun's conventions); None on CPU."""
+    if args.device != "cuda":
+        return None
+    import torch
+
+    from afd import env
+    from afd.topology import local_gpu_index
+
+    try:
+        return local_gpu_index(args.device_index, env.local_rank(), env.visible_devices(), torch.cuda.device_count())
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="AFD config (file or JSON); the flags below override its keys")
     p.add_argument("--role", choices=["attention", "ffn"], help="this rank's role (overrides the config's)")
     p.add_argument("--rank", type=non_negative_int, required=True, help="role rank")
-    p.add_argument("--connector", choices=["p2p", "async"])
-    p.add_argument("--attention", type=positive_int, help="num_attention_ranks")
-    p.add_argument("--ffn", type=positive_int, help="num_ffn_ranks")
-    p.add_argument("--host", help="host of the world store")
-    p.add_argument("--port", type=positive_int, help="port of the world store")
+    p.add_argument("--connector", choices=["p2p", "async"], help="overrides the config's connector")
+    p.add_argument("--attention", type=rank_count, help="num_attention_ranks (overrides the config's)")
+    p.add_argument("--ffn", type=rank_count, help="num_ffn_ranks (overrides the config's)")
+    p.add_argument("--host", help="host of the world store (overrides the config's)")
+    p.add_argument("--port", type=port_number, help="port of the world store (overrides the config's)")
     add_model_arguments(p, prompts_required=False)  # prompts: attention ranks only, this replica's
     p.add_argument("--output", help="attention ranks: write this replica's outputs (JSON) here")
     p.add_argument("--bind-host", help="the address this rank binds to (default: derived from the config's host)")
+    p.add_argument(
+        "--device-index",
+        type=non_negative_int,
+        help="CUDA: this rank's local GPU (default: LOCAL_RANK, else the only visible GPU; afd launch sets it)",
+    )
     p.add_argument("--run-token", default="afd", help="names this run's shared resources (set by afd launch)")
 
 
 # ---------------------------------------------------------------- afd demo
+def check_launched_runs(args: argparse.Namespace, model_config, connectors: tuple[str, ...], **lengths) -> None:
+    """The demo and the bench run the single-process reference and then each connector: check them all."""
+    check_resources(args, model_config, connector="none", **lengths)
+    for connector in connectors:
+        placement = None
+        if args.device == "cuda":
+            import torch
+
+            from afd.topology import gpu_placement
+
+            try:
+                placement = gpu_placement(connector, args.attention, args.ffn, torch.cuda.device_count())
+            except ValueError as exc:
+                raise UsageError(str(exc)) from None
+        check_resources(
+            args,
+            model_config,
+            connector=connector,
+            num_attention=args.attention,
+            num_ffn=args.ffn,
+            placement=placement,
+            **lengths,
+        )
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
-    from afd.demo import format_table, run_demo
+    from afd.demo import DEMO_LENGTHS, format_table, run_demo
+
+    model_config = check_prompts(args.model, [[0] * n for n in DEMO_LENGTHS], args.device, args.max_new_tokens)
+    check_launched_runs(
+        args,
+        model_config,
+        args.connectors,
+        prompts=[[0] * n for n in DEMO_LENGTHS],
+        max_new_tokens=args.max_new_tokens,
+    )
 
     def progress(msg: str) -> None:
         print(f"[afd demo] {msg}", file=sys.stderr, flush=True)
 
+    signals.raise_if_signalled()
     reference, runs, ok = run_demo(
         model=args.model,
         num_attn=args.attention,
         num_ffn=args.ffn,
         max_new_tokens=args.max_new_tokens,
+        device=args.device,
+        connectors=args.connectors,
         progress=progress,
     )
     print(format_table(reference, runs))
@@ -343,19 +593,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from afd.bench import Workload, format_bench, run_bench
 
-    check_prompts(args.model, [], args.device)
-    connectors = tuple(c for c in args.connectors.split(",") if c)
-    bad = [c for c in connectors if c not in ("p2p", "async")]
-    if bad or not connectors:
-        raise UsageError(f"--connectors takes p2p and/or async separated by ',', got {args.connectors!r}")
+    workload = Workload(args.requests, args.long_len, args.short_len, args.max_new_tokens)
+    prompts = [[0] * len(p) for p in workload.prompts(1, args.attention)]
+    # scoring feeds prompt + continuation back in and asks for one more token
+    model_config = check_prompts(args.model, prompts, args.device, args.max_new_tokens + (0 if args.no_score else 1))
+    check_launched_runs(args, model_config, args.connectors, prompts=prompts, max_new_tokens=args.max_new_tokens + 1)
+    signals.raise_if_signalled()
     result = run_bench(
         model=args.model,
         dtype=args.dtype,
         device=args.device,
         num_attn=args.attention,
         num_ffn=args.ffn,
-        connectors=connectors,
-        workload=Workload(args.requests, args.long_len, args.short_len, args.max_new_tokens),
+        connectors=args.connectors,
+        workload=workload,
         score=not args.no_score,
         progress=lambda msg: print(f"[afd bench] {msg}", file=sys.stderr, flush=True),
     )
@@ -367,12 +618,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="afd", description="Attention-FFN disaggregated serving of DeepSeek-V2/V3 MoE models.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level (every rank's log lines)")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("topology", help="show the p2p sync groups and token splits of an A:F layout")
-    p.add_argument("--attention", type=positive_int, required=True, help="number of attention ranks (A)")
-    p.add_argument("--ffn", type=positive_int, required=True, help="number of FFN ranks (F)")
+    p.add_argument("--attention", type=rank_count, required=True, help="number of attention ranks (A)")
+    p.add_argument("--ffn", type=rank_count, required=True, help="number of FFN ranks (F)")
     p.add_argument("--tokens", type=non_negative_int, help="tokens per attention rank, to show the splits")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_topology)
@@ -391,31 +642,66 @@ def build_parser() -> argparse.ArgumentParser:
     add_worker_arguments(p)
     p.set_defaults(func=cmd_worker)
     p = sub.add_parser("demo", help="the embedded end-to-end check: reference vs every connector, on CPU")
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--attention", type=positive_int, default=2)
-    p.add_argument("--ffn", type=positive_int, default=2)
-    p.add_argument("--max-new-tokens", type=positive_int, default=8)
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--connectors", default="p2p,async", choices=["p2p,async", "p2p", "async", "async,p2p"])
+    p.add_argument("--model", default="tiny", help="checkpoint directory or preset")
+    p.add_argument("--attention", type=rank_count, default=2, help="attention ranks (A) of each connector run")
+    p.add_argument("--ffn", type=rank_count, default=2, help="FFN ranks (F) of each connector run")
+    p.add_argument("--max-new-tokens", type=positive_int, default=8, help="tokens generated per prompt")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the ranks compute")
+    p.add_argument(
+        "--connectors", type=connector_list, default="p2p,async", help="comma-separated connectors to run, in order"
+    )
+    add_skip_resource_check(p)
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("bench", help="connectors side by side on an uneven request mix, plus numerics")
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--attention", type=positive_int, default=2)
-    p.add_argument("--ffn", type=positive_int, default=2)
-    p.add_argument("--connectors", default="p2p,async")
+    p.add_argument("--model", default="tiny", help="checkpoint directory or preset")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights dtype")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the ranks compute")
+    p.add_argument("--attention", type=rank_count, default=2, help="attention ranks (A)")
+    p.add_argument("--ffn", type=rank_count, default=2, help="FFN ranks (F)")
+    p.add_argument(
+        "--connectors", type=connector_list, default="p2p,async", help="comma-separated connectors to run, in order"
+    )
     p.add_argument("--requests", type=positive_int, default=8, help="prompts per replica")
     p.add_argument("--long-len", type=positive_int, default=1024, help="prompt length on replica 0")
     p.add_argument("--short-len", type=positive_int, default=32, help="prompt length on the other replicas")
-    p.add_argument("--max-new-tokens", type=positive_int, default=32)
+    p.add_argument("--max-new-tokens", type=positive_int, default=32, help="tokens generated per prompt")
     p.add_argument("--no-score", action="store_true", help="skip the numerics comparison")
-    p.add_argument("--json", help="also write the raw result here")
+    p.add_argument("--json", help="also write the raw result (JSON) to this file")
+    add_skip_resource_check(p)
     p.set_defaults(func=cmd_bench)
     return parser
 
 
+# ---------------------------------------------------------------- main
+watchdog = signals.SignalWatchdog()  # the running command's; cmd_worker shortens its grace
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    global watchdog
+    watchdog = signals.SignalWatchdog()
+    previous = signals.install_handlers()
+    watchdog.start()
+    try:
+        return _run(argv)
+    except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM, SIGHUP: here or inside the launcher
+        signum = int(getattr(exc, "signum", signal.SIGINT))
+        print(f"afd: interrupted by {signals.signal_name(signum)}", file=sys.stderr)
+        return 128 + signum
+    except Exception:
+        seen = signals.last_signal()
+        if seen is None:
+            raise
+        # the interrupt hit an import and came out as another error (numpy: "cannot load module more than once")
+        print(f"afd: interrupted by {signals.signal_name(seen)}", file=sys.stderr)
+        return 128 + seen
+    finally:
+        watchdog.stop()
+        signals.restore_handlers(previous)
+
+
+def _run(argv: Sequence[str] | None) -> int:
+    """The command itself. torch and the runtime are imported only in here, after the signal handlers are
+    in place: a Ctrl-C during those seconds of imports is then one line too, not a traceback."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO
@@ -426,9 +712,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         return args.func(args)
-    except (UsageError, ConfigError) as exc:
+    except (UsageError, InputError) as exc:
         print(f"afd: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except LaunchError as exc:
+    except Exception as exc:
+        launch = sys.modules.get("afd.runtime.launch")  # loaded whenever a LaunchError can have been raised
+        if launch is None or not isinstance(exc, launch.LaunchError):
+            raise
         print(f"afd: error: {exc}", file=sys.stderr)
-        return 1
+        return getattr(exc, "exit_status", 1)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import stat
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -22,10 +24,70 @@ CONNECTOR_ALIASES = {
 KEY_ALIASES = {"afd_role": "role", "afd_connector": "connector", "afd_host": "host", "afd_port": "port"}
 ROLES = ("attention", "ffn")
 DEFAULT_PORT = 6239
+# Far above any machine we can build (a rank is an OS process, and NVSHMEM / NCCL worlds of this size are
+# untested), yet low enough that a typo such as 100000000000 fails at once instead of starting to fork.
+MAX_RANKS_PER_ROLE = 1024
+MAX_CONFIG_BYTES = 1 << 20  # a config is a few hundred bytes; anything this large is the wrong file
 
 
-class ConfigError(ValueError):
+class InputError(ValueError):
+    """A file or value given by the user that cannot be used; the message is one sentence."""
+
+
+class ConfigError(InputError):
     """A config that cannot run; the message is one sentence naming the key and what is accepted."""
+
+
+class DuplicateKeyError(InputError):
+    """A JSON object names one key twice; `json` would silently keep the last value."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"key {key!r} is given twice")
+        self.key = key
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """`object_pairs_hook` for `json.loads`: a dict, or DuplicateKeyError naming the repeated key."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKeyError(key)
+        out[key] = value
+    return out
+
+
+def read_text_file(path: str | Path, what: str, max_bytes: int) -> str:
+    """The UTF-8 text of a regular file of at most `max_bytes`, or InputError in one sentence.
+
+    Opened non-blocking and checked with fstat before reading, so a FIFO or a device such as /dev/zero
+    is refused at once instead of blocking forever or filling the memory.
+    """
+    name = f"{what} {str(path)!r}"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise InputError(f"{name} does not exist") from None
+    except OSError as exc:
+        raise InputError(f"{name} cannot be opened ({exc.strerror or type(exc).__name__})") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_size > max_bytes:
+        os.close(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise InputError(f"{name} is a directory; pass a regular file")
+        if not stat.S_ISREG(info.st_mode):
+            raise InputError(f"{name} is not a regular file (a FIFO, socket or device); pass a regular file")
+        raise InputError(f"{name} is larger than {max_bytes} bytes, the most afd reads as {what}")
+    with os.fdopen(fd, "rb") as handle:
+        try:
+            data = handle.read(max_bytes + 1)  # bounded even if the file grows while it is read
+        except OSError as exc:
+            raise InputError(f"{name} cannot be read ({exc.strerror or type(exc).__name__})") from None
+    if len(data) > max_bytes:
+        raise InputError(f"{name} is larger than {max_bytes} bytes, the most afd reads as {what}")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{name} is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})") from None
 
 
 def _check_int(key: str, value: Any, *, minimum: int, maximum: int | None = None) -> int:
@@ -80,6 +142,7 @@ class AsyncExtraConfig:
     async_moe_ubatching: bool = False
     async_moe_num_ubatches: int = 2
     async_moe_split: str = "token"
+    timeout_s: float = 120.0  # bound on every rendezvous and window wait, as p2p's
 
     @classmethod
     def from_dict(cls, raw: dict) -> AsyncExtraConfig:
@@ -102,6 +165,7 @@ class AsyncExtraConfig:
                 key + "async_moe_num_ubatches", raw.get("async_moe_num_ubatches", d.async_moe_num_ubatches), minimum=1
             ),
             async_moe_split=raw.get("async_moe_split", d.async_moe_split),
+            timeout_s=_check_float(key + "timeout_s", raw.get("timeout_s", d.timeout_s), above=0),
         )
         if cfg.async_moe_split not in ("token",):
             raise ConfigError(f"{key}async_moe_split must be 'token', got {cfg.async_moe_split!r}")
@@ -156,23 +220,25 @@ def _load_raw(source: dict | str | Path) -> dict:
         stripped = source.strip()
         text = stripped if stripped.startswith("{") else _read_file(Path(source))
     try:
-        raw = json.loads(text)
+        raw = json.loads(text, object_pairs_hook=unique_keys)
     except json.JSONDecodeError as exc:
         raise ConfigError(
             f"the config is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})"
         ) from None
+    except DuplicateKeyError as exc:
+        raise ConfigError(f"key {exc.key!r} is given twice in the config; keep one") from None
     if not isinstance(raw, dict):
         raise ConfigError('the config must be a JSON object, such as {"connector": "p2p"}')
     return raw
 
 
 def _read_file(path: Path) -> str:
+    if not os.path.lexists(path):
+        raise ConfigError(f"config file {str(path)!r} does not exist; pass a JSON file or a JSON object")
     try:
-        return path.read_text()
-    except FileNotFoundError:
-        raise ConfigError(f"config file {str(path)!r} does not exist; pass a JSON file or a JSON object") from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"config file {str(path)!r} cannot be read ({type(exc).__name__})") from None
+        return read_text_file(path, "config file", MAX_CONFIG_BYTES)
+    except InputError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def parse_config(source: dict | str | Path) -> AFDConfig:
@@ -201,8 +267,10 @@ def parse_config(source: dict | str | Path) -> AFDConfig:
     if not isinstance(host, str) or not host.strip():
         raise ConfigError(f"host must be a non-empty host name or IP address, got {host!r}")
     port = _check_int("port", folded.get("port", DEFAULT_PORT), minimum=1, maximum=65535)
-    num_attn = _check_int("num_attention_ranks", folded.get("num_attention_ranks", 1), minimum=1)
-    num_ffn = _check_int("num_ffn_ranks", folded.get("num_ffn_ranks", 1), minimum=1)
+    num_attn = _check_int(
+        "num_attention_ranks", folded.get("num_attention_ranks", 1), minimum=1, maximum=MAX_RANKS_PER_ROLE
+    )
+    num_ffn = _check_int("num_ffn_ranks", folded.get("num_ffn_ranks", 1), minimum=1, maximum=MAX_RANKS_PER_ROLE)
     gate_on_attn = _check_bool("compute_gate_on_attention", folded.get("compute_gate_on_attention", True))
     extra_raw = folded.get("connector_extra_config") or {}
     if not isinstance(extra_raw, dict):

@@ -1,25 +1,49 @@
-"""The AFD world: one TCPStore, prefixed subgroups, bounded waits, and failures that name a rank.
+"""The AFD world: one store per run, a private namespace, prefixed subgroups, bounded waits, failures that name a rank.
 
-Every rank of a topology connects to ONE store at the configured `host:port`, hosted by
-world rank 0 (`STORE_HOST_RANK`; with the `p2p` world order that is FFN rank 0). Every
-subgroup (p2p sync groups, the FFN role's expert-parallel group, the attention role's wave
-group, control channels) is a gloo/NCCL process group built on `PrefixStore(prefix, store)`:
-no port other than the store's is ever opened by hand, so ranks on different hosts work
+Store. Every rank of a topology connects to ONE TCPStore at the configured `host:port`. Under
+`afd launch` the launcher process hosts it (`host_store`; every rank is a client, `store_external`),
+so the store lives exactly as long as the run. For ranks started by hand, world rank 0
+(`STORE_HOST_RANK`; FFN rank 0 in the `p2p` order, attention rank 0 in the `async` order) hosts it,
+and on a normal close it stays for as long as any peer is still working (its heartbeat advances),
+so a rank that finished early never brings down the ranks still working. Every subgroup (p2p sync
+groups, the expert-parallel group, the wave group, control channels) is a gloo/NCCL process group
+built on `PrefixStore(prefix, store)`: no other port is ever opened by hand, so multi-host works
 (DESIGN.md §1.1, §4).
 
-Rendezvous: each rank claims `claim/{rank}`, publishes `arrived/{rank}` (its role, role rank,
-A, F, world order, host, pid) and waits, bounded, for every other rank; a rank that never
-arrives is named, and so is one started with different A/F.
+Security. torch's TCPStore server would listen on every interface; `host_store` binds the listening
+socket to the configured host itself and hands it over (`master_listen_fd`). A shared secret
+(`AFD_SECRET`, `afd.env.secret()`; `afd launch` mints one per run) yields, by HMAC-SHA256, a
+private namespace (every world key lives under it, so two runs on one store never meet) and a
+public run tag that the store's creator writes under `RUN_TAG_KEY`: a rank that finds another tag
+stops at once (`ForeignRunError`). Arrival, done and failure records carry an HMAC of their key
+and content; a record that does not verify is logged and never trusted, so nobody without the
+secret can stop the run or pose as a rank. (TCPStore can list its keys: the namespace keeps runs
+apart, it is not hidden; on an untrusted network, bind a private address.)
 
-Failures: a watchdog thread per rank bumps `alive/{rank}` every `heartbeat_s`. When a
-communication op fails, the rank looks for ranks whose heartbeat stopped without a
-`done/{rank}` and publishes one `first_failure` line naming them; the watchdogs of all other
-ranks see it and end their process (fail-fast, like NCCL's watchdog), because a gloo op
-blocked on a live-but-failed peer cannot be interrupted otherwise. Gloo timeouts bound the rest.
+Rendezvous: each rank claims `claim/{rank}`, publishes `arrived/{rank}` (role, role rank, A, F,
+world order, host, pid) and waits, bounded, for every other rank; a rank that never arrives is
+named, and so is one started with different A/F.
+
+Failures. A watchdog per rank (its own store client) bumps `alive/{rank}` every `heartbeat_s` and:
+- ends the process when another rank published a failure (fail-fast, like NCCL's watchdog: a gloo
+  op blocked on a live-but-failed peer cannot be interrupted otherwise);
+- watches every peer's heartbeat, independently of any op (NCCL waits on the stream, `nvshmem.init`
+  is collective with no timeout): a peer silent for `peer_silence_s` without `done` is published
+  once as "world rank N (role r) stopped without a word (killed or crashed)";
+- ends the process when the store host stops answering: a TCPStore op against a frozen (SIGSTOPped)
+  server never returns, whatever its timeout (measured on torch 2.13), so a second thread times the
+  last successful round instead of trusting the op timeout;
+- ends the process when `watch_pid` (the launcher) is gone.
+`peer_silence_s` = min(timeout, max(8 s, 32 heartbeats)): on CI's 2 overloaded cores a heartbeat
+thread was seen starved for 1-2 s, so 8 s leaves a wide margin for busy-but-alive ranks, and it is
+never longer than the bound on every other wait. Gloo/NCCL timeouts (the same bound) cover the rest.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import hmac
 import json
 import logging
 import os
@@ -34,11 +58,15 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from afd import env
 from afd.topology import Role
 
 logger = logging.getLogger(__name__)
 
 STORE_HOST_RANK = 0
+RUN_TAG_KEY = "afd/run_tag"  # the one key outside every run's namespace: who the store belongs to
+MIN_PEER_SILENCE_S = 8.0
+FAILING_LINGER_S = 3.0  # a failing store host stays this long at most so the others can read why
 WorldOrder = Literal["ffn_first", "attention_first"]
 Backend = Literal["gloo", "nccl"]
 
@@ -46,9 +74,202 @@ Backend = Literal["gloo", "nccl"]
 class RendezvousError(RuntimeError):
     """The world could not be formed (missing rank, mismatched sizes, unreachable store)."""
 
+    exit_status = 1
+
+
+class ForeignRunError(RendezvousError):
+    """The store at host:port belongs to another run (another secret): a usage error, exit status 2."""
+
+    exit_status = 2
+
+
+class PortInUseError(RendezvousError):
+    """The store's port is taken on that address (another run, or another program): exit status 2."""
+
+    exit_status = 2
+
 
 class PeerFailure(RuntimeError):
     """A communication op failed; the message names the rank(s) that caused it."""
+
+
+# ---------------------------------------------------------------- the run's keys
+@dataclass(frozen=True)
+class RunKeys:
+    """What the shared secret yields: a private key namespace, a public run tag and a record-signing key.
+
+    All three are HMAC-SHA256 of the secret under distinct labels, so none reveals another or the secret.
+    """
+
+    namespace: str
+    tag: str
+    _mac_key: bytes
+
+    @classmethod
+    def from_secret(cls, secret: str) -> RunKeys:
+        def derive(label: str) -> bytes:
+            return hmac.new(secret.encode(), label.encode(), hashlib.sha256).digest()
+
+        return cls(
+            namespace=f"afd/{derive('afd-namespace').hex()[:32]}/",
+            tag=derive("afd-run-tag").hex(),
+            _mac_key=derive("afd-records"),
+        )
+
+    def _mac(self, key: str, body: str) -> str:
+        return hmac.new(self._mac_key, f"{key}\0{body}".encode(), hashlib.sha256).hexdigest()
+
+    def sign(self, key: str, body: str) -> str:
+        """The value to store under `key`: `body` with an HMAC over key and body."""
+        return json.dumps({"body": body, "mac": self._mac(key, body)})
+
+    def verify(self, key: str, raw: bytes | str) -> str | None:
+        """The body of a signed record, or None when it was not signed with this run's secret."""
+        try:
+            record = json.loads(raw)
+            body, mac = record["body"], record["mac"]
+        except (ValueError, TypeError, KeyError):
+            return None
+        if not isinstance(body, str) or not isinstance(mac, str) or not hmac.compare_digest(mac, self._mac(key, body)):
+            return None
+        return body
+
+
+_REFUSED: set[tuple[str, bytes]] = set()  # records already logged as refused (log each once)
+
+
+def _read_record(store: dist.Store, keys: RunKeys, key: str) -> str | None:
+    """A verified record's body; None when absent; a record that does not verify is logged and ignored."""
+    if not store.check([key]):
+        return None
+    raw = store.get(key)
+    body = keys.verify(key, raw)
+    if body is None and (key, raw) not in _REFUSED:
+        _REFUSED.add((key, raw))
+        logger.warning("ignoring store record %s: it is not signed with this run's secret", key)
+    return body
+
+
+def _publish_failure(store: dist.Store, keys: RunKeys, world_rank: int, msg: str) -> None:
+    """Record `msg` as world rank's failure; the failure with the lowest sequence number is the run's."""
+    seq = int(store.add("failures", 1))
+    key = f"failed/{world_rank}"
+    store.set(key, keys.sign(key, json.dumps({"seq": seq, "msg": msg})))
+
+
+def _read_first_failure(store: dist.Store, keys: RunKeys, world_size: int) -> str | None:
+    """The run's first verified failure, or None when there is none (yet)."""
+    if int(store.add("failures", 0)) == 0:
+        return None
+    first: dict | None = None
+    for r in range(world_size):
+        body = _read_record(store, keys, f"failed/{r}")
+        if body is not None:
+            record = json.loads(body)
+            if first is None or record["seq"] < first["seq"]:
+                first = record
+    return None if first is None else str(first["msg"])
+
+
+def _departed(store: dist.Store, keys: RunKeys, world_rank: int) -> bool:
+    """Whether a rank has said it is done or has failed (verified records only)."""
+    return any(_read_record(store, keys, f"{what}/{world_rank}") is not None for what in ("done", "failed"))
+
+
+# ---------------------------------------------------------------- the store
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to `host:port` only, listening; one sentence when that is impossible."""
+    try:
+        infos = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise RendezvousError(f"cannot resolve the store host {host!r} ({exc.strerror})") from None
+    infos.sort(key=lambda info: info[0] != socket.AF_INET)  # IPv4 first, as TCPStore clients try it first
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT only: a listener still refuses
+        sock.bind(addr)
+        sock.listen(1024)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise PortInUseError(
+                f"port {port} on {host} is already in use (another afd run, or another program); "
+                "pick another port, or leave --port out to get a free one"
+            ) from None
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise RendezvousError(
+                f"{host} is not an address of this machine, so the world store cannot listen on it; "
+                "the store host must be this machine's own address"
+            ) from None
+        raise RendezvousError(f"cannot listen on {host}:{port} for the world store ({exc.strerror})") from None
+    return sock
+
+
+def host_store(host: str, port: int, timeout_s: float, secret: str | None = None) -> dist.TCPStore:
+    """Host the world store on `host:port` only (never every interface) and write the run's tag.
+
+    The returned store is the server; keep it referenced for as long as any rank may use it.
+    """
+    keys = RunKeys.from_secret(env.secret() if secret is None else secret)
+    sock = _listening_socket(host, port)
+    fd = sock.detach()  # the store's server owns the socket from here on
+    try:
+        store = dist.TCPStore(
+            host,
+            port,
+            None,
+            True,
+            timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+            master_listen_fd=fd,
+            use_libuv=True,
+        )
+    except Exception as exc:  # noqa: BLE001 - torch raises several types here
+        os.close(fd)
+        raise RendezvousError(f"could not host the AFD world store on {host}:{port}: {exc}") from exc
+    store.set(RUN_TAG_KEY, keys.tag)
+    logger.info("hosting the AFD world store on %s:%d", host, port)
+    return store
+
+
+def _check_run_tag(store: dist.Store, keys: RunKeys, host: str, port: int, timeout_s: float, who: str) -> None:
+    """Refuse, in one sentence, a store that belongs to another run."""
+    try:
+        wait_until(lambda: store.check([RUN_TAG_KEY]), timeout_s, f"the run tag of the store at {host}:{port}")
+        tag = store.get(RUN_TAG_KEY).decode(errors="replace")
+    except TimeoutError:
+        raise RendezvousError(
+            f"{who}: the server at {host}:{port} shows no afd run tag after {timeout_s:.1f}s; "
+            "is it an AFD world store of this afd version?"
+        ) from None
+    if not hmac.compare_digest(tag, keys.tag):
+        raise ForeignRunError(
+            f"{who}: the world store at {host}:{port} belongs to another run: its ranks use a different "
+            "AFD_SECRET; give every rank of one run the same AFD_SECRET, or use another port"
+        )
+
+
+def role_of_world(world_rank: int, num_attention: int, num_ffn: int, world_order: WorldOrder) -> tuple[Role, int]:
+    """(role, role rank) of a world rank under a world order."""
+    first: Role = "ffn" if world_order == "ffn_first" else "attention"
+    second: Role = "attention" if first == "ffn" else "ffn"
+    num_first = num_ffn if first == "ffn" else num_attention
+    return (first, world_rank) if world_rank < num_first else (second, world_rank - num_first)
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.02) -> None:
+    """Poll `predicate` until true; after `timeout_s` raise TimeoutError saying what was awaited."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"gave up after {timeout_s:.1f}s waiting for {what}")
+        time.sleep(poll_s)
+
+
+def peer_silence_bound(timeout_s: float, heartbeat_s: float) -> float:
+    """How long a peer's heartbeat may stand still before it is declared dead (module docstring)."""
+    return min(timeout_s, max(MIN_PEER_SILENCE_S, 32 * heartbeat_s))
 
 
 @dataclass(frozen=True)
@@ -72,23 +293,6 @@ class RankInfo:
         return self.num_attention, self.num_ffn, self.world_order
 
 
-def role_of_world(world_rank: int, num_attention: int, num_ffn: int, world_order: WorldOrder) -> tuple[Role, int]:
-    """(role, role rank) of a world rank under a world order."""
-    first: Role = "ffn" if world_order == "ffn_first" else "attention"
-    second: Role = "attention" if first == "ffn" else "ffn"
-    num_first = num_ffn if first == "ffn" else num_attention
-    return (first, world_rank) if world_rank < num_first else (second, world_rank - num_first)
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.02) -> None:
-    """Poll `predicate` until true; after `timeout_s` raise TimeoutError saying what was awaited."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"gave up after {timeout_s:.1f}s waiting for {what}")
-        time.sleep(poll_s)
-
-
 @dataclass
 class Group:
     """One subgroup: a process group plus the world ranks it maps to (group rank i = world_ranks[i])."""
@@ -109,7 +313,11 @@ class Group:
 
 @dataclass
 class World:
-    """Handle of this rank in the AFD world. Build it with `init_world`; end it with `close`."""
+    """Handle of this rank in the AFD world. Build it with `init_world`; end it with `close`.
+
+    `store` is the run's private namespace of the world store (a PrefixStore); everything a rank
+    or a connector keeps there is invisible to other runs on the same store.
+    """
 
     me: RankInfo
     world_size: int
@@ -118,9 +326,14 @@ class World:
     store: dist.Store
     store_addr: tuple[str, int]
     peers: dict[int, RankInfo]
+    keys: RunKeys
     local_host: str | None = None
     heartbeat_s: float = 0.25
+    hosts_store: bool = False
+    store_host: str = f"world rank {STORE_HOST_RANK}"
+    watch_pid: int | None = None
     groups: dict[str, Group] = field(default_factory=dict)
+    _server: dist.Store | None = None  # the TCPStore server when this rank hosts it: keep it alive
     _watchdog: _Watchdog | None = None
     _closed: bool = False
 
@@ -128,15 +341,23 @@ class World:
     def rank(self) -> int:
         return self.me.world_rank
 
+    @property
+    def peer_silence_s(self) -> float:
+        return peer_silence_bound(self.timeout.total_seconds(), self.heartbeat_s)
+
     def name_of(self, world_rank: int) -> str:
         return self.peers[world_rank].name
+
+    def describe_store_host(self) -> str:
+        host, port = self.store_addr
+        return f"{self.store_host}, the store host at {host}:{port},"
 
     # -- subgroups ---------------------------------------------------------------------------
     def new_group(self, name: str, world_ranks: Sequence[int], backend: Backend | None = None) -> Group | None:
         """Create subgroup `name` over `world_ranks` (group rank order = that order).
 
         Collective over its members only; returns None on a non-member without blocking. Members
-        must create their common groups in the same order.
+        must create their common groups in the same order. NCCL groups get the world's timeout.
         """
         ranks = tuple(world_ranks)
         if len(set(ranks)) != len(ranks) or not all(0 <= r < self.world_size for r in ranks):
@@ -146,19 +367,22 @@ class World:
         if name in self.groups:
             raise ValueError(f"group {name!r} already exists on {self.me.name}")
         backend = backend or self.backend
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"unknown backend {backend!r}; use 'gloo' or 'nccl'")
         store = dist.PrefixStore(f"group/{name}/", self.store)
         rank = ranks.index(self.rank)
-        if backend == "gloo":
-            opts = dist.ProcessGroupGloo._Options()
-            opts._timeout = self.timeout
-            opts._devices = [self._gloo_device()]
-            pg = dist.ProcessGroupGloo(store, rank, len(ranks), opts)
-        elif backend == "nccl":
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = self.timeout
-            pg = dist.ProcessGroupNCCL(store, rank, len(ranks), opts)
-        else:
-            raise ValueError(f"unknown backend {backend!r}; use 'gloo' or 'nccl'")
+        try:
+            if backend == "gloo":
+                opts = dist.ProcessGroupGloo._Options()
+                opts._timeout = self.timeout
+                opts._devices = [self._gloo_device()]
+                pg = dist.ProcessGroupGloo(store, rank, len(ranks), opts)
+            else:
+                opts = dist.ProcessGroupNCCL.Options()
+                opts._timeout = self.timeout
+                pg = dist.ProcessGroupNCCL(store, rank, len(ranks), opts)
+        except RuntimeError as exc:  # a member or the store host died while the group was being wired
+            raise self.fail(f"creating group {name!r} failed") from exc
         group = Group(name=name, pg=pg, world_ranks=ranks, rank=rank, backend=backend)
         self.groups[name] = group
         logger.debug("%s: group %s over world ranks %s (%s)", self.me.name, name, ranks, backend)
@@ -197,7 +421,7 @@ class World:
                 return f"caused by an earlier failure: {first}"
             silent = self._silent_ranks()
         except Exception:  # noqa: BLE001 - any store error means the store host is gone
-            return f"{self.name_of(STORE_HOST_RANK)} (the store host) is unreachable; it probably died"
+            return f"{self.describe_store_host()} is unreachable; it probably died"
         if silent:
             names = ", ".join(self.name_of(r) for r in silent)
             return f"{names} stopped without a word (killed or crashed)"
@@ -206,29 +430,39 @@ class World:
     def _first_failure(self) -> str | None:
         if int(self.store.add("failures", 0)) == 0:
             return None
-        key = "first_failure"
-        wait_until(lambda: self.store.check([key]), 2.0, "the first failure's description")
-        return self.store.get(key).decode()
+        found: list[str] = []
+
+        def read() -> bool:
+            first = _read_first_failure(self.store, self.keys, self.world_size)
+            if first:
+                found.append(first)
+            return bool(first)
+
+        try:
+            wait_until(read, 2.0, "the first failure's description")
+        except TimeoutError:
+            return None  # a counter without a verified record: nothing to trust
+        return found[0]
 
     def _silent_ranks(self) -> list[int]:
+        """Ranks whose heartbeat stood still for a few beats without saying done or failed.
+
+        A short window is enough here: an op has already failed, so someone is gone.
+        """
         others = [r for r in range(self.world_size) if r != self.rank]
         before = {r: int(self.store.add(f"alive/{r}", 0)) for r in others}
         time.sleep(6 * self.heartbeat_s)
         return [
             r
             for r in others
-            if int(self.store.add(f"alive/{r}", 0)) == before[r]
-            and not self.store.check([f"done/{r}"])
-            and not self.store.check([f"failed/{r}"])
+            if int(self.store.add(f"alive/{r}", 0)) == before[r] and not _departed(self.store, self.keys, r)
         ]
 
     def _publish_failure(self, msg: str) -> None:
         if self._watchdog:
             self._watchdog.self_failed = True
         try:
-            self.store.set(f"failed/{self.rank}", msg)
-            if int(self.store.add("failures", 1)) == 1:
-                self.store.set("first_failure", msg)
+            _publish_failure(self.store, self.keys, self.rank, msg)
         except Exception:  # noqa: BLE001 - store host gone; the message still goes to our caller
             logger.debug("%s: could not publish failure", self.me.name)
 
@@ -236,19 +470,27 @@ class World:
     def close(self, error: BaseException | None = None) -> None:
         """Leave the world. With `error`, publish it first so the other ranks stop and name us.
 
-        The store host then waits (bounded by the timeout) until every other rank is done,
-        failed or silent, so their last store ops still find the store.
+        A rank that hosts the store then stays while its peers still need it: after a normal end,
+        until every other rank is done, failed, or silent for `peer_silence_s` (no fixed cap: a
+        replica that finished early must not bring down one still generating); after a failure, a
+        few seconds at most, so the others can read why.
         """
         if self._closed:
             return
         self._closed = True
+        if self._watchdog:
+            self._watchdog.finished = True  # from here on, others' failures are no reason to exit
         if error is not None and not isinstance(error, PeerFailure):
             self._publish_failure(f"{self.me.name} failed: {type(error).__name__}: {error}")
         try:
             if error is None:
-                self.store.set(f"done/{self.rank}", "1")
-            if self.rank == STORE_HOST_RANK:
-                self._wait_for_departures()
+                key = f"done/{self.rank}"
+                self.store.set(key, self.keys.sign(key, "1"))
+            if self.hosts_store:
+                if error is None:
+                    self._await_departures(self.store, self.peer_silence_s, None)
+                else:
+                    self._await_departures(self.store, 6 * self.heartbeat_s, FAILING_LINGER_S)
         except Exception:  # noqa: BLE001
             logger.debug("%s: store unavailable during close", self.me.name)
         if self._watchdog:
@@ -258,76 +500,169 @@ class World:
                 group.pg.shutdown()
         self.groups.clear()
 
-    def _wait_for_departures(self) -> None:
+    def _await_departures(self, store: dist.Store, silence_s: float, cap_s: float | None) -> None:
+        """Keep hosting the store until every other rank is done, failed, or silent for `silence_s`."""
         pending = set(range(self.world_size)) - {self.rank}
-        deadline = time.monotonic() + self.timeout.total_seconds()
+        start = time.monotonic()
         last = {r: -1 for r in pending}
-        last_change = {r: time.monotonic() for r in pending}
-        while pending and time.monotonic() < deadline:
-            for r in list(pending):
-                if self.store.check([f"done/{r}"]) or self.store.check([f"failed/{r}"]):
-                    pending.discard(r)
-                    continue
-                beat = int(self.store.add(f"alive/{r}", 0))
+        last_change = {r: start for r in pending}
+        next_note = start + 30.0
+        while pending:
+            now = time.monotonic()
+            if cap_s is not None and now - start > cap_s:
+                break
+            for r in sorted(pending):
+                beat = int(store.add(f"alive/{r}", 0))
                 if beat != last[r]:
-                    last[r], last_change[r] = beat, time.monotonic()
-                elif time.monotonic() - last_change[r] > 6 * self.heartbeat_s:
-                    pending.discard(r)  # silent: gone
+                    last[r], last_change[r] = beat, now
+                    if not _departed(store, self.keys, r):
+                        continue
+                elif now - last_change[r] <= silence_s and not _departed(store, self.keys, r):
+                    continue
+                pending.discard(r)
+            if pending and now >= next_note:
+                logger.info(
+                    "%s: still hosting the world store for %s",
+                    self.me.name,
+                    ", ".join(self.name_of(r) for r in sorted(pending)),
+                )
+                next_note = now + 30.0
             time.sleep(self.heartbeat_s / 2)
         if pending:
-            logger.warning("%s: closing the store while %s may still use it", self.me.name,
-                           ", ".join(self.name_of(r) for r in sorted(pending)))
+            logger.warning(
+                "%s: closing the store while %s may still use it",
+                self.me.name,
+                ", ".join(self.name_of(r) for r in sorted(pending)),
+            )
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether `pid` still runs (a zombie, dead but not yet reaped, counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 class _Watchdog:
-    """Heartbeat + fail-fast: bumps `alive/{rank}`; ends the process when another rank failed."""
+    """Heartbeat, fail-fast, peer-death, store-host and launcher watch (module docstring)."""
 
-    def __init__(self, world: World) -> None:
+    def __init__(self, world: World, client: dist.Store) -> None:
         self.world = world
         self.self_failed = False
+        self.finished = False
+        self._store = dist.PrefixStore(world.keys.namespace, client)
+        self._client = client  # the PrefixStore keeps it alive too; explicit for clarity
         self._stop = threading.Event()
-        host, port = world.store_addr
-        # Own client: the main thread's store may be busy in a long blocking wait.
-        self._store = dist.TCPStore(host, port, None, False, world.timeout, wait_for_workers=False)
-        self._thread = threading.Thread(target=self._run, name=f"afd-watchdog-{world.rank}", daemon=True)
-        self._thread.start()
+        self._exiting = threading.Lock()
+        self._last_ok = time.monotonic()
+        now = time.monotonic()
+        self._beats = {r: (-1, now) for r in range(world.world_size) if r != world.rank}
+        self._parent_is_watched = world.watch_pid is not None and os.getppid() == world.watch_pid
+        self._threads = [
+            threading.Thread(target=self._beat, name=f"afd-watchdog-{world.rank}", daemon=True),
+            threading.Thread(target=self._supervise, name=f"afd-supervisor-{world.rank}", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
 
-    def _run(self) -> None:
-        me = self.world.me
-        misses = 0
+    # the beat thread: every store op of the watchdog happens here
+    def _beat(self) -> None:
+        errors = 0
         while not self._stop.wait(self.world.heartbeat_s):
             try:
-                self._store.add(f"alive/{me.world_rank}", 1)
-                failures = int(self._store.add("failures", 0))
-                misses = 0
-            except Exception:  # noqa: BLE001
-                misses += 1
-                if misses < 3 or self._stop.is_set():
-                    continue
-                self._exit(f"{self.world.name_of(STORE_HOST_RANK)} (the store host) is unreachable; "
-                           "it probably died")
-                return
-            if failures and not self.self_failed and not self._stop.is_set():
-                try:
-                    first = self._store.get("first_failure").decode()
-                except Exception:  # noqa: BLE001
-                    first = "another rank failed"
+                self._round()
+            except Exception as exc:  # noqa: BLE001 - the store refused: its host is gone
+                errors += 1
+                logger.debug("%s: watchdog store op failed: %s", self.world.me.name, exc)
+                if errors >= 3 and not self._stop.is_set():
+                    self._exit(f"{self.world.describe_store_host()} is unreachable; it probably died", publish=False)
+                    return
+                continue
+            errors = 0
+            self._last_ok = time.monotonic()
+
+    def _round(self) -> None:
+        world = self.world
+        self._store.add(f"alive/{world.rank}", 1)
+        if self.finished or self._stop.is_set():
+            return
+        if world.watch_pid is not None and not self._launcher_alive():
+            self._exit(f"its launcher (pid {world.watch_pid}) is gone", publish=False)
+        if int(self._store.add("failures", 0)) and not self.self_failed:
+            first = _read_first_failure(self._store, world.keys, world.world_size)
+            if first and not self.self_failed and not self.finished:  # no verified record (yet): not trusted
                 self._exit(f"another rank failed: {first}")
+        now = time.monotonic()
+        for r, (seen, since) in list(self._beats.items()):
+            beat = int(self._store.add(f"alive/{r}", 0))
+            if beat != seen:
+                self._beats[r] = (beat, now)
+            elif now - since > world.peer_silence_s:
+                if _departed(self._store, world.keys, r):
+                    del self._beats[r]  # done or failed: its silence is no news
+                elif not (self.finished or self.self_failed):
+                    msg = f"{world.name_of(r)} stopped without a word (killed or crashed)"
+                    self._exit(msg, published=f"{world.me.name}: {msg}")
+
+    def _launcher_alive(self) -> bool:
+        pid = self.world.watch_pid
+        assert pid is not None
+        if self._parent_is_watched:
+            return os.getppid() == pid  # reparented: the launcher died, even if not yet reaped
+        return _process_alive(pid)
+
+    # the supervisor thread: no store ops, so a frozen store cannot hold it
+    def _supervise(self) -> None:
+        """Count only time this thread was awake to see: a process starved as a whole (both threads
+        frozen by the scheduler) must not blame the store host when it wakes up."""
+        world = self.world
+        unanswered, seen_ok, tick = 0.0, self._last_ok, time.monotonic()
+        while not self._stop.wait(world.heartbeat_s):
+            now = time.monotonic()
+            gap, tick = now - tick, now
+            if self._last_ok != seen_ok or (self.finished and world.hosts_store):
+                unanswered, seen_ok = 0.0, self._last_ok
+                continue
+            unanswered += min(gap, 2 * world.heartbeat_s)
+            if unanswered > world.peer_silence_s:
+                self._exit(
+                    f"{world.describe_store_host()} has not answered for {unanswered:.0f}s "
+                    "(frozen, overloaded or dead)",
+                    publish=False,
+                )
                 return
 
-    def _exit(self, why: str) -> None:
-        msg = f"{self.world.me.name}: stopping because {why}\n"
-        logger.critical("%s", msg.strip())
-        try:
-            self._store.set(f"failed/{self.world.rank}", msg.strip())
-        except Exception:  # noqa: BLE001
-            pass
-        os.write(2, msg.encode())
+    def _exit(self, why: str, *, publish: bool = True, published: str | None = None) -> None:
+        """Say why, record it (when the store answers), let the others read it if we host the store, leave."""
+        if not self._exiting.acquire(blocking=False):
+            return
+        world = self.world
+        msg = f"{world.me.name}: stopping because {why}"
+        logger.critical("%s", msg)
+        os.write(2, (msg + "\n").encode())
+        if publish:
+            try:
+                _publish_failure(self._store, world.keys, world.rank, published or msg)
+                if world.hosts_store:
+                    world._await_departures(self._store, 6 * world.heartbeat_s, FAILING_LINGER_S)
+            except Exception:  # noqa: BLE001 - nothing more to tell anyone
+                pass
+        logging.shutdown()
         os._exit(1)
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5 * self.world.heartbeat_s + 1)
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=5 * self.world.heartbeat_s + 1)
 
 
 def init_world(
@@ -343,12 +678,17 @@ def init_world(
     world_order: WorldOrder = "ffn_first",
     local_host: str | None = None,
     heartbeat_s: float = 0.25,
+    store_external: bool = False,
+    secret: str | None = None,
+    watch_pid: int | None = None,
 ) -> World:
-    """Join the AFD world through the store at `host:port` (hosted by world rank 0).
+    """Join the AFD world through the store at `host:port`.
 
-    Ranks may start in any order; every wait is bounded by `timeout` seconds. `local_host` is the
-    address this rank's gloo connections bind to (default: 127.0.0.1 when the store is on
-    loopback, else the host's default interface).
+    The store is hosted by world rank 0, or, with `store_external`, by someone else (the launcher).
+    `secret` (default: `afd.env.secret()`) must be the same on every rank. `watch_pid`: a process
+    whose death ends this rank (the launcher). Ranks may start in any order; every wait is bounded
+    by `timeout` seconds. `local_host` is the address this rank's gloo connections bind to
+    (default: 127.0.0.1 when the store is on loopback, else the host's default interface).
     """
     if num_attention + num_ffn != world_size:
         raise RendezvousError(
@@ -358,64 +698,104 @@ def init_world(
     if not 0 <= world_rank < world_size:
         raise RendezvousError(f"world rank {world_rank} is outside a world of {world_size} ranks")
     role, role_rank = role_of_world(world_rank, num_attention, num_ffn, world_order)
-    me = RankInfo(world_rank, role, role_rank, num_attention, num_ffn, world_order, socket.gethostname(),
-                  os.getpid())
+    me = RankInfo(world_rank, role, role_rank, num_attention, num_ffn, world_order, socket.gethostname(), os.getpid())
     td = timedelta(seconds=timeout)
-    host_info = role_of_world(STORE_HOST_RANK, num_attention, num_ffn, world_order)
-    host_name = f"world rank {STORE_HOST_RANK} ({host_info[0]} {host_info[1]})"
-    is_host = world_rank == STORE_HOST_RANK
+    secret = env.secret() if secret is None else secret
+    keys = RunKeys.from_secret(secret)
+    if store_external:
+        host_name = "the afd launch process" + (f" (pid {watch_pid})" if watch_pid else "")
+    else:
+        host_name = "world rank {} ({} {})".format(
+            STORE_HOST_RANK, *role_of_world(STORE_HOST_RANK, num_attention, num_ffn, world_order)
+        )
+    is_host = world_rank == STORE_HOST_RANK and not store_external
+    server = None
     try:
-        store = dist.TCPStore(host, port, None, is_host, td, wait_for_workers=False)
-    except Exception as exc:  # noqa: BLE001 - torch raises several types here
         if is_host:
-            raise RendezvousError(f"{me.name} could not host the AFD world store on port {port}: {exc}") from exc
+            server = root = host_store(host, port, timeout, secret)  # the server is a client too
+        else:
+            root = dist.TCPStore(host, port, None, False, td, wait_for_workers=False)
+    except RendezvousError as exc:
+        raise type(exc)(f"{me.name} could not host the AFD world store: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - torch raises several types here
         raise RendezvousError(
             f"{me.name} could not reach the AFD world store at {host}:{port} within {timeout:.1f}s; "
-            f"it is hosted by {host_name}: is that rank started, and are host and port right?"
+            f"it is hosted by {host_name}: is it started, and are host and port right?"
         ) from exc
     if local_host is None and (host.startswith("127.") or host == "localhost"):
         local_host = "127.0.0.1"
-    peers = _rendezvous(store, me, world_size, timeout)
-    world = World(me=me, world_size=world_size, backend=backend, timeout=td, store=store,
-                  store_addr=(host, port), peers=peers, local_host=local_host, heartbeat_s=heartbeat_s)
-    world._watchdog = _Watchdog(world)
+    store = dist.PrefixStore(keys.namespace, root)
+    try:
+        _check_run_tag(root, keys, host, port, timeout, me.name)
+        peers = _rendezvous(store, keys, me, world_size, timeout, is_host)
+    except RendezvousError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a store op failed: its host went away
+        raise RendezvousError(
+            f"{me.name}: the AFD world store at {host}:{port}, hosted by {host_name}, went away during the "
+            f"rendezvous ({exc})"
+        ) from exc
+    world = World(
+        me=me,
+        world_size=world_size,
+        backend=backend,
+        timeout=td,
+        store=store,
+        store_addr=(host, port),
+        peers=peers,
+        keys=keys,
+        local_host=local_host,
+        heartbeat_s=heartbeat_s,
+        hosts_store=is_host,
+        store_host=host_name,
+        watch_pid=watch_pid,
+        _server=server,
+    )
+    # the watchdog's own client: the main thread's store may be busy in a long blocking wait
+    try:
+        watchdog_client = dist.TCPStore(
+            host, port, None, False, timedelta(seconds=world.peer_silence_s), wait_for_workers=False
+        )
+    except Exception as exc:  # noqa: BLE001 - torch raises several types here
+        raise RendezvousError(f"{me.name}: {world.describe_store_host()} went away after the rendezvous") from exc
+    world._watchdog = _Watchdog(world, watchdog_client)
     logger.info("%s joined a world of %d ranks at %s:%d (%s)", me.name, world_size, host, port, backend)
     return world
 
 
-def _rendezvous(store: dist.Store, me: RankInfo, world_size: int, timeout: float) -> dict[int, RankInfo]:
+def _rendezvous(
+    store: dist.Store, keys: RunKeys, me: RankInfo, world_size: int, timeout: float, is_host: bool
+) -> dict[int, RankInfo]:
     """Publish `arrived/{rank}` and collect every other rank's, checking they agree on the sizes."""
     if int(store.add(f"claim/{me.world_rank}", 1)) > 1:
         raise RendezvousError(f"two processes were started as {me.name}; each world rank must be started once")
-    store.set(f"arrived/{me.world_rank}", json.dumps(asdict(me)))
+    key = f"arrived/{me.world_rank}"
+    store.set(key, keys.sign(key, json.dumps(asdict(me))))
     peers = {me.world_rank: me}
     # The store host gives up last, so the others can still read the store when they give up.
-    deadline = time.monotonic() + timeout + (1.0 if me.world_rank == STORE_HOST_RANK else 0.0)
+    deadline = time.monotonic() + timeout + (1.0 if is_host else 0.0)
     while True:
-        try:
-            _collect_arrivals(store, me, world_size, peers)
-        except RendezvousError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the store went away
-            raise RendezvousError(
-                f"{me.name}: {_missing(me, world_size, peers)} did not arrive before the AFD world store "
-                f"(hosted by world rank {STORE_HOST_RANK}) went away: {exc}"
-            ) from exc
+        _collect_arrivals(store, keys, me, world_size, peers)  # a store error: init_world names the host
         if len(peers) == world_size:
             return peers
         if time.monotonic() >= deadline:
             raise RendezvousError(
                 f"{me.name}: {_missing(me, world_size, peers)} did not arrive within {timeout:.1f}s at the AFD "
-                "world store; start them, or check their host, port and sizes"
+                "world store; start them, or check their host, port, sizes and AFD_SECRET"
             )
         time.sleep(0.02)
 
 
-def _collect_arrivals(store: dist.Store, me: RankInfo, world_size: int, peers: dict[int, RankInfo]) -> None:
+def _collect_arrivals(
+    store: dist.Store, keys: RunKeys, me: RankInfo, world_size: int, peers: dict[int, RankInfo]
+) -> None:
     for r in range(world_size):
-        if r in peers or not store.check([f"arrived/{r}"]):
+        if r in peers:
             continue
-        info = RankInfo(**json.loads(store.get(f"arrived/{r}")))
+        body = _read_record(store, keys, f"arrived/{r}")
+        if body is None:
+            continue
+        info = RankInfo(**json.loads(body))
         if info.sizes() != me.sizes():
             raise RendezvousError(
                 f"{info.name} (pid {info.pid} on {info.host}) was started with num_attention="

@@ -2,7 +2,10 @@
 
 The world store (the same rendezvous as p2p, attention ranks first) carries only the bootstrap: the
 window geometry, the heap handles and the liveness records. After that every byte moves through the
-symmetric windows.
+symmetric windows. Replicas finish at different times (that is what `async` is for): the store is
+hosted by the launcher, or by attention rank 0 (world rank 0) which, finished, keeps hosting it until
+every other rank is done, so an early finish never ends the others. `timeout_s` in
+`connector_extra_config` bounds every wait, as in p2p.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import torch
 from afd.connectors.async_window import AsyncAttentionExchange, AsyncFFNServer, run_ffn_loop
 from afd.distributed import World, init_world
 from afd.engine import Engine
-from afd.runtime.worker import RankJob, drive_replica, select_device, write_outputs
+from afd.runtime.worker import RankJob, drive_replica, select_device, world_options, write_outputs
 from afd.topology import AsyncTopology
 from afd.transport.shm import ShmHeap
 from afd.transport.symm_heap import SymmetricHeap, default_heap_factory
@@ -48,7 +51,7 @@ def run_async_rank(job: RankJob) -> None:
         num_attention=cfg.num_attention_ranks,
         num_ffn=cfg.num_ffn_ranks,
         world_order="attention_first",
-        local_host=job.local_host,
+        **world_options(job),
     )
     endpoint_args = dict(
         hidden_size=model_config.hidden_size,

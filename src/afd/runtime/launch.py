@@ -1,9 +1,18 @@
 """`afd launch`: start a whole topology on this host, one OS process per rank, and gather the outputs.
 
 Each rank is `python -m afd worker ...` (the same entry a user runs by hand on another host). The
-launcher hands every rank the run's files through one run directory: `rank_spec.json` in, one
-`outputs_attn{r}.json` out per attention replica. It owns the process tree: a rank that fails ends the
-run (the others are stopped), and SIGTERM/SIGINT to the launcher stops every rank it started.
+launcher hands every rank the run's files through one run directory: `prompts_attn{r}.jsonl` in, one
+`outputs_attn{r}.json` out per attention replica, and one log per rank.
+
+The launcher owns the run:
+- it hosts the world store itself (bound to the configured host only), before any rank starts, so
+  the store outlives every rank; a port already in use fails the run at once, alone;
+- it mints a random secret per run and gives it to its ranks in the environment (`AFD_SECRET`, never
+  argv), with its own pid (`AFD_LAUNCHER_PID`): ranks die with it (parent-death signal + watchdog);
+- a rank that fails ends the run (the others are stopped); the error names the rank, quotes only the
+  log lines that explain the failure, and points at the run directory, which a failed run keeps;
+- SIGTERM, SIGINT and SIGHUP stop every rank it started and raise `Interrupted` (the CLI exits
+  with 128 + signum).
 """
 
 from __future__ import annotations
@@ -11,6 +20,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -22,7 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from afd.config import AFDConfig
+from afd.distributed import RendezvousError, host_store
 from afd.engine import Output
+from afd.env import LAUNCHER_PID_VAR, SECRET_VAR
+from afd.signals import Interrupted
 from afd.topology import Role, SyncTopology
 
 log = logging.getLogger(__name__)
@@ -30,8 +44,18 @@ log = logging.getLogger(__name__)
 STOP_GRACE_S = 5.0
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# "2026-01-01 10:00:00,123 afd.worker ERROR message": the rank log format set by the CLI
+_LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ \S+ (ERROR|CRITICAL) (.*)$")
+
+
 class LaunchError(RuntimeError):
-    """A rank failed or the run did not finish in time; the message names the rank."""
+    """A rank failed or the run did not finish in time; the message names the rank. `exit_status` 2: the
+    run was refused before any rank started (its port is taken)."""
+
+    def __init__(self, message: str, exit_status: int = 1) -> None:
+        super().__init__(message)
+        self.exit_status = exit_status
 
 
 @dataclass(frozen=True)
@@ -62,13 +86,40 @@ class RankProcess:
         return f"{self.role} rank {self.role_rank} (world rank {self.world_rank})"
 
     def last_error(self) -> str:
-        """The last meaningful line of the rank's log: what to show the user."""
+        """The rank's last log line that explains its failure, or '' (never an unrelated line)."""
         try:
-            lines = [ln.strip() for ln in self.log_path.read_text(errors="replace").splitlines() if ln.strip()]
+            return explain_failure(self.log_path.read_text(errors="replace"))
         except OSError:
-            return "no log"
-        errors = [ln for ln in lines if "error" in ln.lower()]
-        return (errors or lines or ["no output"])[-1]
+            return ""
+
+
+def explain_failure(log_text: str) -> str:
+    """The last line of a rank's log that explains a failure: an ERROR/CRITICAL record, the CLI's
+    one-line error, or the exception line that ends a Python traceback; '' when there is none."""
+    found = ""
+    in_traceback = False
+    for line in log_text.splitlines():
+        line = line.rstrip()
+        if line.startswith("Traceback (most recent call last)"):
+            in_traceback = True
+        elif in_traceback:
+            if line and not line[0].isspace():  # the exception line closes the traceback
+                found, in_traceback = line, False
+        elif match := _LOG_LINE.match(line):
+            found = match.group(2)
+        elif line.startswith("afd: error: "):
+            found = line[len("afd: ") :]
+    return found
+
+
+def describe_exit(code: int) -> str:
+    """'status 1', or 'status -9 (killed by SIGKILL)'."""
+    if code < 0:
+        try:
+            return f"status {code} (killed by {signal.Signals(-code).name})"
+        except ValueError:
+            pass
+    return f"status {code}"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -117,6 +168,14 @@ def worker_command(config: AFDConfig, spec: RunSpec, role: Role, role_rank: int,
     ]
     if spec.prompt_logprobs:
         cmd.append("--prompt-logprobs")
+    if spec.device == "cuda":  # the launcher packs the whole world onto this host's GPUs
+        import torch
+
+        from afd.topology import gpu_placement
+
+        placement = gpu_placement(config.connector, config.num_attention_ranks, config.num_ffn_ranks,
+                                  torch.cuda.device_count())
+        cmd += ["--device-index", str(placement[world_rank_of(config, role, role_rank)])]
     if role == "attention":
         cmd += [
             "--prompts-file",
@@ -151,6 +210,11 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
+def world_timeout(config: AFDConfig) -> float:
+    """The bound on every wait of the ranks (`connector_extra_config.timeout_s`)."""
+    return float(getattr(config.connector_extra_config, "timeout_s", 120.0))
+
+
 def launch(
     config: AFDConfig,
     spec: RunSpec,
@@ -159,7 +223,16 @@ def launch(
     run_dir: Path | None = None,
     on_progress=None,
 ) -> tuple[list[Output], dict]:
-    """Run `prompts` through a whole topology on this host; returns outputs in prompt order and run stats."""
+    """Run `prompts` through a whole topology on this host; returns outputs in prompt order and run stats.
+
+    Raises LaunchError (a rank failed, the port is taken, the run took too long; the run directory
+    is kept and named) or Interrupted (a stop signal; every rank was stopped).
+    """
+    secret = secrets.token_hex(16)  # per run: another run on this store is refused, and cannot stop us
+    try:
+        store = host_store(config.host, config.port, world_timeout(config), secret)
+    except RendezvousError as exc:
+        raise LaunchError(str(exc), exc.exit_status) from None
     owned_dir = run_dir is None
     run_dir = Path(tempfile.mkdtemp(prefix="afd_run_")) if run_dir is None else run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -167,16 +240,24 @@ def launch(
     for a, indices in enumerate(assignment):
         lines = [json.dumps({"prompt_ids": prompts[i]}) + "\n" for i in indices]
         (run_dir / f"prompts_attn{a}.jsonl").write_text("".join(lines))
+    rank_env = {**os.environ, "PYTHONUNBUFFERED": "1", SECRET_VAR: secret, LAUNCHER_PID_VAR: str(os.getpid())}
 
     ranks: list[RankProcess] = []
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    stopping = threading.Event()
 
     def on_signal(signum, _frame):
-        raise KeyboardInterrupt(f"signal {signum}")
+        if stopping.is_set():  # already stopping: let the cleanup finish
+            log.warning("%s: the run is already stopping", signal.Signals(signum).name)
+            return
+        stopping.set()
+        raise Interrupted(signum)
 
     if _in_main_thread():
-        for sig in previous:
-            signal.signal(sig, on_signal)
+        for sig, handler in previous.items():
+            if handler is not signal.SIG_IGN:  # under nohup, SIGHUP stays ignored
+                signal.signal(sig, on_signal)
+    keep_dir = True  # a failed run keeps its directory (logs, prompts) for the user to read
     try:
         order = [("ffn", f) for f in range(config.num_ffn_ranks)] + [
             ("attention", a) for a in range(config.num_attention_ranks)
@@ -190,18 +271,27 @@ def launch(
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
                     start_new_session=True,  # its own process group: stop_all reaches its children too
-                    env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                    env=rank_env,
                 )
             ranks.append(RankProcess(role, role_rank, world_rank_of(config, role, role_rank), proc, log_path))
         _wait_for_ranks(ranks, spec.timeout_s, on_progress)
+    except LaunchError as exc:
+        raise LaunchError(f"{exc}; logs: {run_dir}") from None
+    except Interrupted:
+        keep_dir = not owned_dir  # stopped on request: nothing failed, nothing to read
+        raise
     finally:
+        stopping.set()
         stop_all(ranks)
+        del store  # every rank is gone: the world store can go too
         _cleanup_transport(config, run_dir)
         if log.isEnabledFor(logging.INFO):
             _echo_rank_logs(ranks)
         if _in_main_thread():
             for sig, handler in previous.items():
-                signal.signal(sig, handler)
+                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        if not keep_dir:
+            _remove_tree(run_dir)
 
     outputs: list[Output | None] = [None] * len(prompts)
     stats: dict = {"replicas": []}
@@ -225,7 +315,8 @@ def _wait_for_ranks(ranks: list[RankProcess], timeout_s: float, on_progress) -> 
                 continue
             pending.remove(rank)
             if code != 0:
-                raise LaunchError(f"{rank.name} exited with status {code}: {rank.last_error()}")
+                why = rank.last_error()
+                raise LaunchError(f"{rank.name} exited with {describe_exit(code)}" + (f": {why}" if why else ""))
             if on_progress is not None:
                 on_progress(rank)
         if time.monotonic() > deadline:

@@ -4,23 +4,32 @@ An attention rank is an engine replica (its own requests, KV cache, prefill and 
 MoE layers go through the connector; an FFN rank serves its expert shard until the attention side is
 done. The connector decides the loop: `p2p` steps every replica in one DP wave, `async` lets each
 replica run on its own while the FFN loop drives itself.
+
+A rank started by `afd launch` (it finds `AFD_LAUNCHER_PID` in its environment) is a client of the
+launcher's world store, asks the kernel for SIGTERM when the launcher dies (`PR_SET_PDEATHSIG`), and
+its watchdog also stops it when the launcher is gone: a launcher killed with -9 orphans nothing. A
+rank started by hand hosts the store itself when it is world rank 0.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
+import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from afd import env
 from afd.config import AFDConfig
 from afd.engine import Engine, Output, Request
 from afd.runtime.launch import RunSpec
-from afd.topology import Role, SyncTopology, expert_ranges, gpu_placement
+from afd.topology import Role, SyncTopology, expert_ranges, local_gpu_index
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +46,7 @@ class RankJob:
     output_path: Path | None = None
     run_token: str = "afd"
     local_host: str | None = None  # the address this rank binds to (multi-host); default: derived from host
+    device_index: int | None = None  # CUDA: this rank's local GPU (afd launch sets it; by hand: LOCAL_RANK, ...)
 
     @property
     def backend(self) -> str:
@@ -49,17 +59,44 @@ class RankJob:
 
 
 def select_device(job: RankJob, world_rank: int) -> torch.device:
-    """One GPU per rank when there are enough; otherwise packed as `gpu_placement` says."""
+    """CPU: a share of the host's cores. CUDA: the GPU `afd launch` chose (`--device-index`, packed by
+    `gpu_placement`), or for a rank started by hand torchrun's conventions (`local_gpu_index`)."""
     if job.spec.device != "cuda":
         # ranks of one host share its cores: oversubscribed intra-op threads made every exchange ~7x slower
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.config.world_size))
         return torch.device("cpu")
-    cfg = job.config
-    index = gpu_placement(cfg.connector, cfg.num_attention_ranks, cfg.num_ffn_ranks, torch.cuda.device_count())[
-        world_rank
-    ]
+    index = local_gpu_index(job.device_index, env.local_rank(), env.visible_devices(), torch.cuda.device_count())
     torch.cuda.set_device(index)
+    log.info("world rank %d uses GPU %d of %d visible", world_rank, index, torch.cuda.device_count())
     return torch.device("cuda", index)
+
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+class LauncherGone(RuntimeError):
+    """The `afd launch` that started this rank is gone before the rank got going."""
+
+
+def die_with_launcher(launcher_pid: int | None) -> None:
+    """Have the kernel SIGTERM this rank when its launcher dies (Linux), then check the launcher is still here.
+
+    The check after prctl closes the race of a launcher that died before the request took effect.
+    """
+    if launcher_pid is None:
+        return
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+            log.warning("no parent-death signal (errno %d); the watchdog still checks the launcher", ctypes.get_errno())
+    if os.getppid() != launcher_pid:
+        raise LauncherGone(f"the afd launch that started this rank (pid {launcher_pid}) is gone")
+
+
+def world_options(job: RankJob) -> dict:
+    """How this rank joins the world: a client of the launcher's store, or (by hand) world rank 0 hosts it."""
+    launcher = env.launcher_pid()
+    return {"local_host": job.local_host, "store_external": launcher is not None, "watch_pid": launcher}
 
 
 class ReplicaStats:
@@ -134,7 +171,7 @@ def run_p2p_rank(job: RankJob) -> None:
         job.timeout_s,
         num_attention=cfg.num_attention_ranks,
         num_ffn=cfg.num_ffn_ranks,
-        local_host=job.local_host,
+        **world_options(job),
     )
     try:
         common = dict(dtype=job.spec.dtype, device=device, gate_on_attention=gate_on_attention, seed=job.spec.seed)
@@ -178,6 +215,7 @@ def run_p2p_rank(job: RankJob) -> None:
 # ---------------------------------------------------------------- entry
 def run_rank(job: RankJob) -> int:
     """Run one rank; exit status 0 on a normal end. Leaves through os._exit to skip a gloo teardown hang."""
+    die_with_launcher(env.launcher_pid())
     if job.config.connector == "p2p":
         run_p2p_rank(job)
     else:
