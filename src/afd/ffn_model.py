@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from afd.model import MLP, Gate, ModelConfig
-from afd.moe import Routing, group_by_expert, grouped_expert_mlp
+from afd.moe import Routing, grouped_expert_mlp, grouped_expert_mlp_offsets, routed_experts
 
 
 class Experts(nn.Module):
@@ -55,6 +55,9 @@ class FFNModel(nn.Module):
         self.expert_start, self.expert_stop = start, stop
         self.num_local_experts = stop - start
         self.scale = config.residual_scale(dtype)
+        # Routed-expert path of `experts_topk`: None picks the fixed-shape, host-sync-free one where
+        # `torch._grouped_mm` runs natively (CUDA sm90+, bf16) and the exact loop elsewhere (afd.moe).
+        self.fixed_shape_moe: bool | None = None
         layer_ids = [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i) or not gate_on_attention]
         self.layers = nn.ModuleDict(
             {str(i): FFNLayer(config, i, self.num_local_experts, gate_on_attention, dtype) for i in layer_ids}
@@ -79,13 +82,19 @@ class FFNModel(nn.Module):
         e = self._layer(layer_idx).experts
         return grouped_expert_mlp(x_grouped, group_sizes, e.w13, e.w2)
 
+    def experts_offsets(self, layer_idx: int, x_grouped: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """Like `experts` with the groups given as cumulative ends `offs [E_local] int32` on x's device, so
+        the sizes never go through the host; rows at and past `offs[-1]` come back undefined.
+        Needs `torch._grouped_mm` (native on CUDA sm90+ in bf16)."""
+        e = self._layer(layer_idx).experts
+        return grouped_expert_mlp_offsets(x_grouped, offs, e.w13, e.w2)
+
     def experts_topk(self, layer_idx: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """x [T, H] -> fp32 [T, H]: weighted sum over the (t, k) pairs whose expert is local (the p2p form)."""
-        groups = group_by_expert(routing.topk_ids, self.expert_start, self.expert_stop)
-        y = self.experts(layer_idx, x[groups.token_idx], groups.group_sizes)  # [N, H]
-        w = routing.topk_weights.reshape(-1)[groups.pair_idx]  # [N]
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
-        return out.index_add_(0, groups.token_idx, y.float() * w[:, None])
+        e = self._layer(layer_idx).experts
+        return routed_experts(
+            x, routing.topk_ids, routing.topk_weights, e.w13, e.w2, self.expert_start, fixed_shape=self.fixed_shape_moe
+        )
 
     def shared(self, layer_idx: int, x: torch.Tensor) -> torch.Tensor:
         """Shared experts: [T, H] -> [T, H] (zeros when the model has none)."""

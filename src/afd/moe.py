@@ -3,6 +3,16 @@
 The router is a pure function of the gate logits, so the attention side (gate on attention) and the
 FFN side (gate on FFN) select the same experts. Expert compute takes rows already grouped by local
 expert (the async form) and `group_by_expert` turns (rows, topk ids) (the p2p form) into that.
+
+Two ways to compute routed experts from (rows, routing), same result:
+- fixed shape (`routed_experts(..., fixed_shape=True)`, the default where `torch._grouped_mm` runs
+  natively: CUDA sm90+, bf16): every one of the T*K (token, k) pairs goes through the grouped GEMM, sorted by
+  local expert with the non-local ones last; counts and offsets stay on the device; the weighted combine sums
+  over k in fp32 in a fixed order. No host sync, every shape depends only on T (a CUDA graph can capture it),
+  and the same bits on every run.
+- exact loop (everywhere else, e.g. the CPU fp32 path the oracle tests check): only the local pairs, one
+  `F.linear` per expert, group sizes read back to the host.
+The router itself (`select_experts`) never reads device data on the host.
 """
 
 from __future__ import annotations
@@ -143,10 +153,7 @@ def grouped_expert_mlp(
     if use_grouped_mm is None:
         use_grouped_mm = _grouped_mm_supported(x.device, x.dtype)
     if use_grouped_mm and x.shape[0] > 0:
-        offs = torch.tensor(group_sizes, device=x.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        gate_up = torch._grouped_mm(x, w13.transpose(1, 2), offs=offs)  # [N, 2I]
-        gate, up = gate_up.chunk(2, dim=-1)
-        return torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offs)  # [N, H]
+        return grouped_expert_mlp_offsets(x, _offsets_on(group_sizes, x.device), w13, w2)
     out = x.new_empty(x.shape)  # [N, H]
     start = 0
     for e, n in enumerate(group_sizes):
@@ -157,3 +164,97 @@ def grouped_expert_mlp(
         out[start : start + n] = F.linear(F.silu(gate) * up, w2[e])
         start += n
     return out
+
+
+def _offsets_on(group_sizes: list[int], device: torch.device) -> torch.Tensor:
+    """Cumulative group ends `[E] int32` on `device` from host sizes.
+
+    On CUDA the sizes go through pinned memory with a non-blocking copy: a pageable
+    `torch.tensor(list, device=cuda)` blocks the host until the copy is done.
+    """
+    sizes = torch.tensor(group_sizes, dtype=torch.int32, pin_memory=device.type == "cuda")
+    return sizes.to(device, non_blocking=True).cumsum(0, dtype=torch.int32)
+
+
+def grouped_expert_mlp_offsets(
+    x: torch.Tensor, offs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
+    """SwiGLU experts by `torch._grouped_mm` over rows grouped by device offsets, unweighted; no host sync.
+
+    x: [N, H]; offs: [E] int32 cumulative group ends on x's device (rows `[offs[i-1], offs[i])` go to expert
+    i); w13: [E, 2I, H]; w2: [E, H, I]. Returns [N, H] in x.dtype. Rows at and past `offs[-1]` belong to no
+    group and their outputs are undefined (the kernel does not write them): callers must not read them.
+    """
+    gate_up = torch._grouped_mm(x, w13.transpose(1, 2), offs=offs)  # [N, 2I]
+    gate, up = gate_up.chunk(2, dim=-1)  # [N, I] each
+    return torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offs)  # [N, H]
+
+
+@dataclass
+class SortedPairs:
+    """All T*K (token, k) pairs of a routing sorted by local expert: fixed shape `[T*K]`, all on the device.
+
+    Pairs whose expert lies outside the range sort last and belong to no group. `pair_idx` indexes the
+    flattened `[T*K]` routing, `token_idx` is the row of x of each pair, `offs [E_local] int32` holds the
+    cumulative group ends, so `offs[-1]` is the number of local pairs.
+    """
+
+    pair_idx: torch.Tensor
+    token_idx: torch.Tensor
+    offs: torch.Tensor
+
+
+def sort_pairs_by_expert(topk_ids: torch.Tensor, expert_start: int, expert_stop: int) -> SortedPairs:
+    """Sort every (token, k) pair by local expert, non-local pairs last, without reading anything back.
+
+    One stable argsort over keys where a non-local expert gets the sentinel `expert_stop - expert_start`;
+    counts by `scatter_add_` (CUDA `bincount` reads the maximum back to the host) and `cumsum`, both on the
+    device. Ties keep pair order, so the local pairs come out exactly as `group_by_expert` orders them.
+    """
+    top_k, num_local = topk_ids.shape[1], expert_stop - expert_start
+    local = topk_ids.reshape(-1) - expert_start  # [T*K]
+    key = torch.where((local >= 0) & (local < num_local), local, num_local)  # [T*K], sentinel num_local
+    pair_idx = torch.argsort(key, stable=True)  # [T*K]
+    ones = torch.ones_like(key, dtype=torch.int32)
+    counts = torch.zeros(num_local + 1, dtype=torch.int32, device=key.device).scatter_add_(0, key, ones)
+    offs = counts[:num_local].cumsum(0, dtype=torch.int32)  # [E_local]
+    return SortedPairs(pair_idx=pair_idx, token_idx=pair_idx // top_k, offs=offs)
+
+
+def routed_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    expert_start: int = 0,
+    *,
+    fixed_shape: bool | None = None,
+) -> torch.Tensor:
+    """x [T, H] -> fp32 [T, H]: sum over the (t, k) pairs whose expert is one of the stacked local experts
+    `[expert_start, expert_start + E_local)` of `topk_weights[t, k] * expert(x[t])`; other pairs add nothing.
+
+    `fixed_shape=None` picks the fixed-shape path where `torch._grouped_mm` runs natively (CUDA sm90+, bf16)
+    and the exact loop elsewhere; see the module docstring.
+    """
+    num_local = w13.shape[0]
+    if fixed_shape is None:
+        fixed_shape = _grouped_mm_supported(x.device, x.dtype)
+    if not fixed_shape:
+        groups = group_by_expert(topk_ids, expert_start, expert_start + num_local)
+        y = grouped_expert_mlp(x[groups.token_idx], groups.group_sizes, w13, w2)  # [N, H]
+        w = topk_weights.reshape(-1)[groups.pair_idx]  # [N]
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
+        return out.index_add_(0, groups.token_idx, y.float() * w[:, None])
+    if x.shape[0] == 0 or num_local == 0:
+        return torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    pairs = sort_pairs_by_expert(topk_ids, expert_start, expert_start + num_local)
+    y = grouped_expert_mlp_offsets(x[pairs.token_idx], pairs.offs, w13, w2)  # [T*K, H]
+    w = topk_weights.reshape(-1)[pairs.pair_idx].float()  # [T*K]
+    # Rows past the last group were never written (possibly NaN): select zeros there rather than weigh them.
+    in_group = torch.arange(y.shape[0], device=y.device) < pairs.offs[-1]  # [T*K]
+    contrib = torch.where(in_group[:, None], y * w[:, None], 0.0)  # [T*K, H] fp32, sorted by expert
+    # Back to (t, k) order, then a sum over k: unlike an atomic index_add_, the same bits every run, eager or
+    # replayed from a CUDA graph.
+    by_pair = torch.empty_like(contrib).index_copy_(0, pairs.pair_idx, contrib)  # [T*K, H]
+    return by_pair.view(x.shape[0], topk_ids.shape[1], -1).sum(dim=1)  # [T, H]
