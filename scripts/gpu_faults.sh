@@ -36,6 +36,20 @@ wait $ATTN; RC=$?; T1=$(date +%s.%N)
 echo "attention rc=$RC, ended $(python3 -c "print(f'{$T1 - $T0:.1f}')") s after the kill"
 grep -v "^\s*$" "$OUT/kill_attn.err" | tail -n 3
 
+echo "== 2b. kill -9 FFN rank 1 (not the store host) of a hand-started p2p 2A2F GPU run: its NCCL peer A1 must name it"
+# by hand, one GPU each as afd launch would pack them: F0 and A1 on GPU 0, F1 and A0 on GPU 1
+CFG='{"connector": "p2p", "host": "127.0.0.1", "port": 29613, "num_attention_ranks": 2, "num_ffn_ranks": 2, "connector_extra_config": {"timeout_s": 30}}'
+W=(python3 -m afd worker --config "$CFG" --model tiny --device cuda)
+CUDA_VISIBLE_DEVICES=0 "${W[@]}" --role ffn --rank 0 2>"$OUT/k2_f0.err" & F0=$!
+CUDA_VISIBLE_DEVICES=1 "${W[@]}" --role ffn --rank 1 2>"$OUT/k2_f1.err" & F1=$!
+CUDA_VISIBLE_DEVICES=1 timeout 120 "${W[@]}" --role attention --rank 0 --prompt-ids "1,2,3" --max-new-tokens 4000 2>"$OUT/k2_a0.err" & A0=$!
+CUDA_VISIBLE_DEVICES=0 timeout 120 "${W[@]}" --role attention --rank 1 --prompt-ids "4,5" --max-new-tokens 4000 2>"$OUT/k2_a1.err" & A1=$!
+for _ in $(seq 120); do grep -q "joined a world" "$OUT/k2_a1.err" 2>/dev/null && break; sleep 0.5; done
+sleep 5
+T0=$(date +%s.%N); kill -9 $F1
+for p in $A0 $A1 $F0; do wait $p; echo "pid $p rc=$? at +$(python3 -c "import time; print(f'{time.time() - $T0:.1f}')") s"; done
+for r in a0 a1 f0; do echo "-- $r:"; grep -E "CRITICAL|ERROR|error" "$OUT/k2_$r.err" | tail -n 2; done
+
 echo "== 3. async on GPU (window protocol version 2)"
 for t in "1 1" "2 2"; do
   set -- $t
