@@ -51,6 +51,17 @@ def test_tag() -> str:
     return os.environ.get(TEST_TAG_VAR, "untagged")
 
 
+def hand_config(connector: str, num_attention: int, num_ffn: int, *, port: int, **extra_config: object) -> dict:
+    """The AFD config of a run whose ranks a test starts by hand (`connector_extra_config` from the keywords)."""
+    return {
+        "connector": connector,
+        "port": port,
+        "num_attention_ranks": num_attention,
+        "num_ffn_ranks": num_ffn,
+        "connector_extra_config": extra_config,
+    }
+
+
 def afd_worker(config: dict, role: str, rank: int, *extra: str, bind_host: str | None = None) -> subprocess.Popen:
     """One `afd worker` rank started by hand, in its own process group.
 

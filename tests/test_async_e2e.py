@@ -19,6 +19,8 @@ from e2e_util import (
     Leftovers,
     afd_worker,
     assert_matches_reference,
+    hand_config,
+    kill_all,
     role_of,
     start_long_launch,
     wait_for_workers,
@@ -180,13 +182,7 @@ def test_killed_attention_rank_ends_the_run_and_cleans_up() -> None:
 def test_ffn_rank_gives_up_on_its_own_when_attention_dies() -> None:
     """No launcher to stop it: an FFN rank whose only attention peer is SIGKILLed mid-run exits non-zero
     by itself in bounded time, naming that rank, and unlinks its own window."""
-    config = {
-        "connector": "async",
-        "port": free_port(),
-        "num_attention_ranks": 1,
-        "num_ffn_ranks": 1,
-        "connector_extra_config": {"recv_poll_timeout_ms": 100},
-    }
+    config = hand_config("async", 1, 1, port=free_port(), recv_poll_timeout_ms=100)
     leftovers = Leftovers()
     ffn = afd_worker(config, "ffn", 0)
     attn = afd_worker(config, "attention", 0, "--prompt-ids", "1,2,3", "--max-new-tokens", "4000")
@@ -202,8 +198,5 @@ def test_ffn_rank_gives_up_on_its_own_when_attention_dies() -> None:
         assert "attention rank 0" in err and "died" in err and "Traceback" not in err, err
         assert not leftovers.new_segments(), f"segments left behind: {sorted(leftovers.new_segments())}"
     finally:
-        for p in (ffn, attn):
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(10)
+        kill_all([ffn, attn])
         leftovers.cleanup()

@@ -19,7 +19,7 @@ import e2e_util
 import pytest
 import torch
 import torch.distributed as dist
-from e2e_util import Leftovers, afd_worker, wait_until_mapped
+from e2e_util import Leftovers, afd_worker, hand_config, kill_all, wait_until_mapped
 from test_async_connector import HIDDEN, NUM_EXPERTS, TOPK, StandInFFN, dims, reference, routing
 
 import afd.connectors.async_window as async_window
@@ -75,13 +75,7 @@ def test_kill9_of_a_hand_started_rank_leaves_no_segment() -> None:
     rank exits non-zero in bounded time and no /dev/shm/afd_<token>_* remains (the segments were unlinked
     as soon as both ranks had mapped them; before the fix the killed rank's segment stayed forever)."""
     token = f"{e2e_util.test_tag()}k{uuid.uuid4().hex[:8]}"
-    config = {
-        "connector": "async",
-        "port": free_port(),
-        "num_attention_ranks": 1,
-        "num_ffn_ranks": 1,
-        "connector_extra_config": {"recv_poll_timeout_ms": 100},
-    }
+    config = hand_config("async", 1, 1, port=free_port(), recv_poll_timeout_ms=100)
     leftovers = Leftovers()
     ffn = afd_worker(config, "ffn", 0, "--run-token", token)
     attn = afd_worker(config, "attention", 0, "--prompt-ids", "1,2,3", "--max-new-tokens", "4000", "--run-token", token)
@@ -99,10 +93,7 @@ def test_kill9_of_a_hand_started_rank_leaves_no_segment() -> None:
         assert segments_of(token) == [], "shared-memory segments left behind after kill -9"
         leftovers.check()
     finally:
-        for p in (ffn, attn):
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(10)
+        kill_all([ffn, attn])
         leftovers.cleanup()
         cleanup_segments(token)
 

@@ -22,6 +22,7 @@ from e2e_util import (
     Leftovers,
     afd_worker,
     assert_matches_reference,
+    hand_config,
     kill_all,
     reference,
     start_long_launch,
@@ -84,13 +85,7 @@ def test_multi_host_ranks_started_by_hand(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(60)
 def test_missing_rank_times_out_naming_it() -> None:
-    config = {
-        "connector": "p2p",
-        "port": free_port(),
-        "num_attention_ranks": 1,
-        "num_ffn_ranks": 2,
-        "connector_extra_config": {"timeout_s": 4},
-    }
+    config = hand_config("p2p", 1, 2, port=free_port(), timeout_s=4)
     procs = [afd_worker(config, "ffn", 0), afd_worker(config, "attention", 0, "--prompt-ids", "1,2")]
     try:
         start = time.monotonic()
@@ -107,13 +102,7 @@ def test_missing_rank_times_out_naming_it() -> None:
 @pytest.mark.timeout(60)
 def test_wrong_port_times_out_with_clear_message() -> None:
     """An attention rank pointed at a port where no store listens gives up in bounded time, saying why."""
-    config = {
-        "connector": "p2p",
-        "port": free_port(),
-        "num_attention_ranks": 1,
-        "num_ffn_ranks": 1,
-        "connector_extra_config": {"timeout_s": 4},
-    }
+    config = hand_config("p2p", 1, 1, port=free_port(), timeout_s=4)
     proc = afd_worker(config, "attention", 0, "--prompt-ids", "1,2")
     try:
         _, err = proc.communicate(timeout=45)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from e2e_util import MODEL, TOLERANCE, Leftovers, afd_worker, kill_all
+from e2e_util import MODEL, TOLERANCE, Leftovers, afd_worker, hand_config, kill_all
 
 from afd.engine import generate
 from afd.runtime.launch import free_port
@@ -36,13 +36,7 @@ def reference(prompts: list[list[int]], max_new_tokens: int):
 @pytest.mark.timeout(240)
 def test_replica_that_finishes_first_keeps_the_store_for_the_others(tmp_path: Path) -> None:
     port = free_port()
-    config = {
-        "connector": "async",
-        "port": port,
-        "num_attention_ranks": 2,
-        "num_ffn_ranks": 1,
-        "connector_extra_config": {"timeout_s": TIMEOUT_S},
-    }
+    config = hand_config("async", 2, 1, port=port, timeout_s=TIMEOUT_S)
     out0, out1 = tmp_path / "attn0.json", tmp_path / "attn1.json"
     long_ids = ";".join(",".join(map(str, p)) for p in LONG_PROMPTS)
     leftovers = Leftovers()

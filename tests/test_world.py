@@ -22,22 +22,20 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from e2e_util import MODEL, Leftovers, afd_worker, kill_all
+from e2e_util import MODEL, Leftovers, afd_worker, hand_config, kill_all
 
-from afd.distributed import (
-    MIN_PEER_SILENCE_S,
+from afd.distributed import MIN_PEER_SILENCE_S, init_world, peer_silence_bound
+from afd.engine import generate
+from afd.runtime.launch import free_port
+from afd.store import (
     RUN_TAG_KEY,
     ForeignRunError,
     PortInUseError,
     RunKeys,
-    _publish_failure,
-    _read_first_failure,
     host_store,
-    init_world,
-    peer_silence_bound,
+    publish_failure,
+    read_first_failure,
 )
-from afd.engine import generate
-from afd.runtime.launch import free_port
 
 
 class Drained:
@@ -112,10 +110,10 @@ def test_unverified_failure_records_are_never_trusted() -> None:
     keys, store = RunKeys.from_secret("s3cret"), dist.HashStore()
     store.add("failures", 1)
     store.set("failed/0", json.dumps({"body": json.dumps({"seq": 1, "msg": "stop"}), "mac": "0" * 64}))
-    assert _read_first_failure(store, keys, 3) is None
-    _publish_failure(store, keys, 2, "world rank 2 (ffn 0) failed: real")
-    _publish_failure(store, keys, 1, "world rank 1 (ffn 1): a later one")
-    assert _read_first_failure(store, keys, 3) == "world rank 2 (ffn 0) failed: real"
+    assert read_first_failure(store, keys, 3) is None
+    publish_failure(store, keys, 2, "world rank 2 (ffn 0) failed: real")
+    publish_failure(store, keys, 1, "world rank 1 (ffn 1): a later one")
+    assert read_first_failure(store, keys, 3) == "world rank 2 (ffn 0) failed: real"
 
 
 def test_peer_silence_bound() -> None:
@@ -169,7 +167,8 @@ def test_rank_with_another_secret_is_refused_at_once() -> None:
 RANK_SCRIPT = r"""
 import logging, sys
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-from afd.distributed import init_world, wait_until
+from afd.distributed import init_world
+from afd.store import wait_until
 port, rank = int(sys.argv[1]), int(sys.argv[2])
 world = init_world("127.0.0.1", port, rank, 3, "gloo", 60.0, num_attention=1, num_ffn=2)
 print("joined", flush=True)
@@ -208,13 +207,7 @@ def test_frozen_store_host_ends_every_other_rank_naming_it() -> None:
     """SIGSTOP on FFN rank 0 (the p2p store host) mid-run: a store op against it never returns, yet
     every other rank ends within the bound, naming it."""
     port = free_port()
-    config = {
-        "connector": "p2p",
-        "port": port,
-        "num_attention_ranks": 2,
-        "num_ffn_ranks": 1,
-        "connector_extra_config": {"timeout_s": 5},
-    }
+    config = hand_config("p2p", 2, 1, port=port, timeout_s=5)
     leftovers = Leftovers()
     host = Drained(afd_worker(config, "ffn", 0))
     attention = [
@@ -260,13 +253,7 @@ def test_wrong_secret_and_forged_failure_cannot_stop_a_run(monkeypatch: pytest.M
     """A rank with another AFD_SECRET is refused in one sentence, and a failure record written into the
     run's namespace without the secret is ignored: the run finishes and matches the reference."""
     port, new_tokens = free_port(), 200
-    config = {
-        "connector": "p2p",
-        "port": port,
-        "num_attention_ranks": 1,
-        "num_ffn_ranks": 1,
-        "connector_extra_config": {"timeout_s": 30},
-    }
+    config = hand_config("p2p", 1, 1, port=port, timeout_s=30)
     prompts = [[1, 2, 3], [4, 5]]
     leftovers = Leftovers()
     monkeypatch.setenv("AFD_SECRET", "right")

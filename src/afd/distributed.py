@@ -41,16 +41,13 @@ never longer than the bound on every other wait. Gloo/NCCL timeouts (the same bo
 
 from __future__ import annotations
 
-import errno
-import hashlib
-import hmac
 import json
 import logging
 import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Literal
@@ -59,195 +56,30 @@ import torch
 import torch.distributed as dist
 
 from afd import env
+from afd.store import (
+    RendezvousError,
+    RunKeys,
+    check_run_tag,
+    departed,
+    host_store,
+    publish_failure,
+    read_first_failure,
+    read_record,
+    wait_until,
+)
 from afd.topology import Role
 
 logger = logging.getLogger(__name__)
 
 STORE_HOST_RANK = 0
-RUN_TAG_KEY = "afd/run_tag"  # the one key outside every run's namespace: who the store belongs to
 MIN_PEER_SILENCE_S = 8.0
 FAILING_LINGER_S = 3.0  # a failing store host stays this long at most so the others can read why
 WorldOrder = Literal["ffn_first", "attention_first"]
 Backend = Literal["gloo", "nccl"]
 
 
-class RendezvousError(RuntimeError):
-    """The world could not be formed (missing rank, mismatched sizes, unreachable store)."""
-
-    exit_status = 1
-
-
-class ForeignRunError(RendezvousError):
-    """The store at host:port belongs to another run (another secret): a usage error, exit status 2."""
-
-    exit_status = 2
-
-
-class PortInUseError(RendezvousError):
-    """The store's port is taken on that address (another run, or another program): exit status 2."""
-
-    exit_status = 2
-
-
 class PeerFailure(RuntimeError):
     """A communication op failed; the message names the rank(s) that caused it."""
-
-
-# ---------------------------------------------------------------- the run's keys
-@dataclass(frozen=True)
-class RunKeys:
-    """What the shared secret yields: a private key namespace, a public run tag and a record-signing key.
-
-    All three are HMAC-SHA256 of the secret under distinct labels, so none reveals another or the secret.
-    """
-
-    namespace: str
-    tag: str
-    _mac_key: bytes
-
-    @classmethod
-    def from_secret(cls, secret: str) -> RunKeys:
-        def derive(label: str) -> bytes:
-            return hmac.new(secret.encode(), label.encode(), hashlib.sha256).digest()
-
-        return cls(
-            namespace=f"afd/{derive('afd-namespace').hex()[:32]}/",
-            tag=derive("afd-run-tag").hex(),
-            _mac_key=derive("afd-records"),
-        )
-
-    def _mac(self, key: str, body: str) -> str:
-        return hmac.new(self._mac_key, f"{key}\0{body}".encode(), hashlib.sha256).hexdigest()
-
-    def sign(self, key: str, body: str) -> str:
-        """The value to store under `key`: `body` with an HMAC over key and body."""
-        return json.dumps({"body": body, "mac": self._mac(key, body)})
-
-    def verify(self, key: str, raw: bytes | str) -> str | None:
-        """The body of a signed record, or None when it was not signed with this run's secret."""
-        try:
-            record = json.loads(raw)
-            body, mac = record["body"], record["mac"]
-        except (ValueError, TypeError, KeyError):
-            return None
-        if not isinstance(body, str) or not isinstance(mac, str) or not hmac.compare_digest(mac, self._mac(key, body)):
-            return None
-        return body
-
-
-_REFUSED: set[tuple[str, bytes]] = set()  # records already logged as refused (log each once)
-
-
-def _read_record(store: dist.Store, keys: RunKeys, key: str) -> str | None:
-    """A verified record's body; None when absent; a record that does not verify is logged and ignored."""
-    if not store.check([key]):
-        return None
-    raw = store.get(key)
-    body = keys.verify(key, raw)
-    if body is None and (key, raw) not in _REFUSED:
-        _REFUSED.add((key, raw))
-        logger.warning("ignoring store record %s: it is not signed with this run's secret", key)
-    return body
-
-
-def _publish_failure(store: dist.Store, keys: RunKeys, world_rank: int, msg: str) -> None:
-    """Record `msg` as world rank's failure; the failure with the lowest sequence number is the run's."""
-    seq = int(store.add("failures", 1))
-    key = f"failed/{world_rank}"
-    store.set(key, keys.sign(key, json.dumps({"seq": seq, "msg": msg})))
-
-
-def _read_first_failure(store: dist.Store, keys: RunKeys, world_size: int) -> str | None:
-    """The run's first verified failure, or None when there is none (yet)."""
-    if int(store.add("failures", 0)) == 0:
-        return None
-    first: dict | None = None
-    for r in range(world_size):
-        body = _read_record(store, keys, f"failed/{r}")
-        if body is not None:
-            record = json.loads(body)
-            if first is None or record["seq"] < first["seq"]:
-                first = record
-    return None if first is None else str(first["msg"])
-
-
-def _departed(store: dist.Store, keys: RunKeys, world_rank: int) -> bool:
-    """Whether a rank has said it is done or has failed (verified records only)."""
-    return any(_read_record(store, keys, f"{what}/{world_rank}") is not None for what in ("done", "failed"))
-
-
-# ---------------------------------------------------------------- the store
-def _listening_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to `host:port` only, listening; one sentence when that is impossible."""
-    try:
-        infos = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
-    except socket.gaierror as exc:
-        raise RendezvousError(f"cannot resolve the store host {host!r} ({exc.strerror})") from None
-    infos.sort(key=lambda info: info[0] != socket.AF_INET)  # IPv4 first, as TCPStore clients try it first
-    family, kind, proto, _, addr = infos[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT only: a listener still refuses
-        sock.bind(addr)
-        sock.listen(1024)
-    except OSError as exc:
-        sock.close()
-        if exc.errno == errno.EADDRINUSE:
-            raise PortInUseError(
-                f"port {port} on {host} is already in use (another afd run, or another program); "
-                "pick another port, or leave --port out to get a free one"
-            ) from None
-        if exc.errno == errno.EADDRNOTAVAIL:
-            raise RendezvousError(
-                f"{host} is not an address of this machine, so the world store cannot listen on it; "
-                "the store host must be this machine's own address"
-            ) from None
-        raise RendezvousError(f"cannot listen on {host}:{port} for the world store ({exc.strerror})") from None
-    return sock
-
-
-def host_store(host: str, port: int, timeout_s: float, secret: str | None = None) -> dist.TCPStore:
-    """Host the world store on `host:port` only (never every interface) and write the run's tag.
-
-    The returned store is the server; keep it referenced for as long as any rank may use it.
-    """
-    keys = RunKeys.from_secret(env.secret() if secret is None else secret)
-    sock = _listening_socket(host, port)
-    fd = sock.detach()  # the store's server owns the socket from here on
-    try:
-        store = dist.TCPStore(
-            host,
-            port,
-            None,
-            True,
-            timedelta(seconds=timeout_s),
-            wait_for_workers=False,
-            master_listen_fd=fd,
-            use_libuv=True,
-        )
-    except Exception as exc:  # noqa: BLE001 - torch raises several types here
-        os.close(fd)
-        raise RendezvousError(f"could not host the AFD world store on {host}:{port}: {exc}") from exc
-    store.set(RUN_TAG_KEY, keys.tag)
-    logger.info("hosting the AFD world store on %s:%d", host, port)
-    return store
-
-
-def _check_run_tag(store: dist.Store, keys: RunKeys, host: str, port: int, timeout_s: float, who: str) -> None:
-    """Refuse, in one sentence, a store that belongs to another run."""
-    try:
-        wait_until(lambda: store.check([RUN_TAG_KEY]), timeout_s, f"the run tag of the store at {host}:{port}")
-        tag = store.get(RUN_TAG_KEY).decode(errors="replace")
-    except TimeoutError:
-        raise RendezvousError(
-            f"{who}: the server at {host}:{port} shows no afd run tag after {timeout_s:.1f}s; "
-            "is it an AFD world store of this afd version?"
-        ) from None
-    if not hmac.compare_digest(tag, keys.tag):
-        raise ForeignRunError(
-            f"{who}: the world store at {host}:{port} belongs to another run: its ranks use a different "
-            "AFD_SECRET; give every rank of one run the same AFD_SECRET, or use another port"
-        )
 
 
 def role_of_world(world_rank: int, num_attention: int, num_ffn: int, world_order: WorldOrder) -> tuple[Role, int]:
@@ -256,15 +88,6 @@ def role_of_world(world_rank: int, num_attention: int, num_ffn: int, world_order
     second: Role = "attention" if first == "ffn" else "ffn"
     num_first = num_ffn if first == "ffn" else num_attention
     return (first, world_rank) if world_rank < num_first else (second, world_rank - num_first)
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.02) -> None:
-    """Poll `predicate` until true; after `timeout_s` raise TimeoutError saying what was awaited."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"gave up after {timeout_s:.1f}s waiting for {what}")
-        time.sleep(poll_s)
 
 
 def peer_silence_bound(timeout_s: float, heartbeat_s: float) -> float:
@@ -433,7 +256,7 @@ class World:
         found: list[str] = []
 
         def read() -> bool:
-            first = _read_first_failure(self.store, self.keys, self.world_size)
+            first = read_first_failure(self.store, self.keys, self.world_size)
             if first:
                 found.append(first)
             return bool(first)
@@ -455,14 +278,14 @@ class World:
         return [
             r
             for r in others
-            if int(self.store.add(f"alive/{r}", 0)) == before[r] and not _departed(self.store, self.keys, r)
+            if int(self.store.add(f"alive/{r}", 0)) == before[r] and not departed(self.store, self.keys, r)
         ]
 
     def _publish_failure(self, msg: str) -> None:
         if self._watchdog:
             self._watchdog.self_failed = True
         try:
-            _publish_failure(self.store, self.keys, self.rank, msg)
+            publish_failure(self.store, self.keys, self.rank, msg)
         except Exception:  # noqa: BLE001 - store host gone; the message still goes to our caller
             logger.debug("%s: could not publish failure", self.me.name)
 
@@ -515,9 +338,9 @@ class World:
                 beat = int(store.add(f"alive/{r}", 0))
                 if beat != last[r]:
                     last[r], last_change[r] = beat, now
-                    if not _departed(store, self.keys, r):
+                    if not departed(store, self.keys, r):
                         continue
-                elif now - last_change[r] <= silence_s and not _departed(store, self.keys, r):
+                elif now - last_change[r] <= silence_s and not departed(store, self.keys, r):
                     continue
                 pending.discard(r)
             if pending and now >= next_note:
@@ -597,7 +420,7 @@ class _Watchdog:
         if world.watch_pid is not None and not self._launcher_alive():
             self._exit(f"its launcher (pid {world.watch_pid}) is gone", publish=False)
         if int(self._store.add("failures", 0)) and not self.self_failed:
-            first = _read_first_failure(self._store, world.keys, world.world_size)
+            first = read_first_failure(self._store, world.keys, world.world_size)
             if first and not self.self_failed and not self.finished:  # no verified record (yet): not trusted
                 self._exit(f"another rank failed: {first}")
         now = time.monotonic()
@@ -606,7 +429,7 @@ class _Watchdog:
             if beat != seen:
                 self._beats[r] = (beat, now)
             elif now - since > world.peer_silence_s:
-                if _departed(self._store, world.keys, r):
+                if departed(self._store, world.keys, r):
                     del self._beats[r]  # done or failed: its silence is no news
                 elif not (self.finished or self.self_failed):
                     msg = f"{world.name_of(r)} stopped without a word (killed or crashed)"
@@ -650,7 +473,7 @@ class _Watchdog:
         os.write(2, (msg + "\n").encode())
         if publish:
             try:
-                _publish_failure(self._store, world.keys, world.rank, published or msg)
+                publish_failure(self._store, world.keys, world.rank, published or msg)
                 if world.hosts_store:
                     world._await_departures(self._store, 6 * world.heartbeat_s, FAILING_LINGER_S)
             except Exception:  # noqa: BLE001 - nothing more to tell anyone
@@ -726,7 +549,7 @@ def init_world(
         local_host = "127.0.0.1"
     store = dist.PrefixStore(keys.namespace, root)
     try:
-        _check_run_tag(root, keys, host, port, timeout, me.name)
+        check_run_tag(root, keys, host, port, timeout, me.name)
         peers = _rendezvous(store, keys, me, world_size, timeout, is_host)
     except RendezvousError:
         raise
@@ -792,7 +615,7 @@ def _collect_arrivals(
     for r in range(world_size):
         if r in peers:
             continue
-        body = _read_record(store, keys, f"arrived/{r}")
+        body = read_record(store, keys, f"arrived/{r}")
         if body is None:
             continue
         info = RankInfo(**json.loads(body))

@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from afd.config import AFDConfig
-from afd.distributed import RendezvousError, host_store
 from afd.engine import Output
 from afd.env import LAUNCHER_PID_VAR, SECRET_VAR
 from afd.signals import Interrupted
+from afd.store import RendezvousError, host_store
 from afd.topology import Role, SyncTopology
 
 log = logging.getLogger(__name__)
