@@ -81,6 +81,21 @@ port_number = int_in_range(1, 65535, "port (1-65535)")
 batched_tokens = int_in_range(1, MAX_BATCHED_TOKENS, "positive")
 
 
+block_size = int_in_range(1, 1024, "positive")
+max_num_seqs = int_in_range(1, 1 << 16, "positive")
+
+
+def memory_fraction(text: str) -> float:
+    """An argparse type: a fraction in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction greater than 0 and at most 1, got {text!r}")
+    return value
+
+
 def positive_seconds(text: str) -> float:
     """An argparse type: a finite number of seconds greater than 0 (`nan` would disable the bound)."""
     try:
@@ -258,6 +273,23 @@ def check_prompts(model: str, prompts: list[list[int]], device: str, max_new_tok
     return config
 
 
+def check_cache_fits(args: argparse.Namespace, prompts: list[list[int]]) -> None:
+    """With a fixed pool (`--num-gpu-blocks-override`), a request that can never fit is refused before start."""
+    from afd.kv_cache import blocks_needed
+
+    pool = getattr(args, "num_gpu_blocks_override", None)
+    if pool is None:
+        return
+    for i, prompt in enumerate(prompts):
+        tokens = len(prompt) + max(args.max_new_tokens - 1, 0)
+        need = blocks_needed(tokens, args.block_size)
+        if need > pool:
+            raise UsageError(
+                f"prompt {i} needs {need} KV-cache blocks of {args.block_size} tokens ({tokens} tokens) but "
+                f"--num-gpu-blocks-override gives each engine {pool}; raise it or lower --max-new-tokens"
+            )
+
+
 def check_resources(
     args: argparse.Namespace,
     model_config,
@@ -314,6 +346,20 @@ def add_model_arguments(p: argparse.ArgumentParser, *, prompts_required: bool) -
         default=2048,
         help="token budget of one engine step (raised to the longest prompt)",
     )
+    p.add_argument("--block-size", type=block_size, default=16, help="tokens per KV-cache block")
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=memory_fraction,
+        default=0.9,
+        help="fraction of a GPU's memory an engine may use for weights, activations and its KV cache, as in vLLM "
+        "(afd launch divides it among the ranks that share a GPU)",
+    )
+    p.add_argument(
+        "--num-gpu-blocks-override",
+        type=positive_int,
+        help="KV-cache blocks per engine, instead of sizing the cache from memory (any device)",
+    )
+    p.add_argument("--max-num-seqs", type=max_num_seqs, default=256, help="sequences an engine runs at once")
     source = p.add_mutually_exclusive_group(required=prompts_required)
     source.add_argument("--prompt-ids", help="prompts as token ids, e.g. \"1,2,3;4,5,6,7\" (',' ids, ';' prompts)")
     source.add_argument("--prompts-file", help='JSONL file, one {"prompt_ids": [...]} per line')
@@ -331,7 +377,22 @@ def run_spec(args: argparse.Namespace, prompts: list[list[int]], **extra) -> Run
         max_new_tokens=args.max_new_tokens,
         prompt_logprobs=args.prompt_logprobs,
         max_num_batched_tokens=max([args.max_num_batched_tokens, *(len(p) for p in prompts)]),
+        cache=cache_options(args),
         **extra,
+    )
+
+
+def cache_options(args: argparse.Namespace):
+    """The KV-cache flags of generate, launch and worker (demo and bench take the defaults)."""
+    from afd.kv_cache import CacheOptions
+
+    if not hasattr(args, "block_size"):
+        return CacheOptions()
+    return CacheOptions(
+        block_size=args.block_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        num_blocks=args.num_gpu_blocks_override,
+        max_num_seqs=args.max_num_seqs,
     )
 
 
@@ -362,6 +423,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
 def run_generate(args: argparse.Namespace) -> tuple[list, dict]:
     prompts = read_prompts(args)
     model_config = check_prompts(args.model, prompts, args.device, args.max_new_tokens)
+    check_cache_fits(args, prompts)
     if args.connector == "none":
         if getattr(args, "launch", False):
             raise UsageError("afd launch needs --connector p2p or --connector async")
@@ -388,6 +450,7 @@ def run_generate(args: argparse.Namespace) -> tuple[list, dict]:
             prompt_logprobs=args.prompt_logprobs,
             gate_on_attention=not args.gate_on_ffn,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            cache=cache_options(args),
         )
         return outputs, {}
     from afd.runtime.launch import free_port, launch
@@ -470,6 +533,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if prompts and role != "attention":
         raise UsageError("prompts go to attention ranks; an FFN rank takes none")
     check_prompts(args.model, prompts, args.device, args.max_new_tokens)
+    check_cache_fits(args, prompts)
     job = RankJob(
         config=config,
         role=role,

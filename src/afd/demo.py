@@ -95,7 +95,8 @@ def run_reference(spec: RunSpec, prompts: list[list[int]]) -> RunResult:
 
     load = dict(dtype=spec.dtype, device=spec.device, seed=spec.seed)
     attn, ffn = load_attention_model(spec.model, **load), load_ffn_model(spec.model, **load)
-    engine = Engine(attn, LocalExchange(ffn), max(spec.max_num_batched_tokens, *map(len, prompts)))
+    budget = max(spec.max_num_batched_tokens, *map(len, prompts))
+    engine = Engine(attn, LocalExchange(ffn), budget, **spec.cache.engine_kwargs())
     job = RankJob(
         config=parse_config({}),
         role="attention",

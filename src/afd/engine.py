@@ -18,6 +18,7 @@ from afd.ffn_model import FFNModel
 from afd.kv_cache import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_GPU_MEMORY_UTILIZATION,
+    CacheOptions,
     PagedLatentCache,
     activation_bytes_estimate,
     blocks_needed,
@@ -305,6 +306,7 @@ def generate(
     prompt_logprobs: bool = False,
     gate_on_attention: bool = True,
     max_num_batched_tokens: int | None = None,
+    cache: CacheOptions | None = None,
 ) -> list[Output]:
     """The single-process reference: load both sides, run all prompts, outputs in prompt order."""
     from afd.weights import load_attention_model, load_ffn_model, load_model_config
@@ -323,7 +325,7 @@ def generate(
     attn = load_attention_model(model, dtype=dtype, device=device, gate_on_attention=gate_on_attention, seed=seed)
     ffn = load_ffn_model(model, dtype=dtype, device=device, gate_on_attention=gate_on_attention, seed=seed)
     budget = max(max_num_batched_tokens or 8192, max(len(p) for p in prompts))
-    engine = Engine(attn, LocalExchange(ffn), budget)
+    engine = Engine(attn, LocalExchange(ffn), budget, **(cache or CacheOptions()).engine_kwargs())
     for p in prompts:
         engine.add(Request(list(p), max_new_tokens, prompt_logprobs))
     return engine.run()

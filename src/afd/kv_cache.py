@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import heapq
 import logging
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,6 +39,24 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default: the fraction of the GPU'
 # On CPU the cache is a plain budget, vLLM's CPU backend default (VLLM_CPU_KVCACHE_SPACE=4). The pool is
 # allocated uninitialized, so only pages of blocks that were handed out become resident.
 DEFAULT_CPU_CACHE_BYTES = 4 * GiB
+
+
+@dataclass(frozen=True)
+class CacheOptions:
+    """How an engine sizes its KV cache; named after vLLM's flags (`--block-size`,
+    `--gpu-memory-utilization`, `--num-gpu-blocks-override`, `--max-num-seqs`)."""
+
+    block_size: int = DEFAULT_BLOCK_SIZE
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    num_blocks: int | None = None  # a fixed pool instead of sizing from memory (any device)
+    max_num_seqs: int = 256
+
+    def engine_kwargs(self) -> dict:
+        return asdict(self)
+
+    def shared_by(self, ranks_on_gpu: int) -> CacheOptions:
+        """The share of a GPU one of `ranks_on_gpu` co-located ranks may take (the others load after it)."""
+        return replace(self, gpu_memory_utilization=self.gpu_memory_utilization / max(1, ranks_on_gpu))
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:

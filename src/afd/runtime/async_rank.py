@@ -70,7 +70,7 @@ def run_async_rank(job: RankJob) -> None:
             model = load_attention_model(job.spec.model, **load_args)
             exchange = AsyncAttentionExchange(world.store, topo, job.role_rank, **endpoint_args)
             try:
-                engine = Engine(model, exchange, job.spec.max_num_batched_tokens)
+                engine = Engine(model, exchange, job.spec.max_num_batched_tokens, **job.spec.cache.engine_kwargs())
                 outputs, stats = drive_replica(engine, job, lambda has_work: has_work)  # no wave: runs on its own
             finally:
                 exchange.close()  # the shutdown bit to every FFN rank

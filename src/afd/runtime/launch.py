@@ -35,6 +35,7 @@ from pathlib import Path
 from afd.config import AFDConfig
 from afd.engine import Output
 from afd.env import LAUNCHER_PID_VAR, SECRET_VAR
+from afd.kv_cache import CacheOptions
 from afd.signals import Interrupted
 from afd.store import RendezvousError, host_store
 from afd.topology import Role, SyncTopology
@@ -70,6 +71,7 @@ class RunSpec:
     prompt_logprobs: bool = False
     max_num_batched_tokens: int = 2048
     timeout_s: float = 300.0  # the whole run, launcher side
+    cache: CacheOptions = CacheOptions()
 
 
 @dataclass
@@ -168,14 +170,19 @@ def worker_command(config: AFDConfig, spec: RunSpec, role: Role, role_rank: int,
     ]
     if spec.prompt_logprobs:
         cmd.append("--prompt-logprobs")
+    cache = spec.cache
     if spec.device == "cuda":  # the launcher packs the whole world onto this host's GPUs
         import torch
 
         from afd.topology import gpu_placement
 
-        placement = gpu_placement(config.connector, config.num_attention_ranks, config.num_ffn_ranks,
-                                  torch.cuda.device_count())
-        cmd += ["--device-index", str(placement[world_rank_of(config, role, role_rank)])]
+        placement = gpu_placement(
+            config.connector, config.num_attention_ranks, config.num_ffn_ranks, torch.cuda.device_count()
+        )
+        gpu = placement[world_rank_of(config, role, role_rank)]
+        cmd += ["--device-index", str(gpu)]
+        cache = cache.shared_by(placement.count(gpu))  # co-located ranks split the GPU's memory
+    cmd += cache_flags(cache)
     if role == "attention":
         cmd += [
             "--prompts-file",
@@ -184,6 +191,13 @@ def worker_command(config: AFDConfig, spec: RunSpec, role: Role, role_rank: int,
             str(run_dir / f"outputs_attn{role_rank}.json"),
         ]
     return cmd
+
+
+def cache_flags(cache: CacheOptions) -> list[str]:
+    """The `afd worker` flags that give a rank these cache options."""
+    flags = ["--block-size", str(cache.block_size), "--gpu-memory-utilization", repr(cache.gpu_memory_utilization)]
+    flags += ["--max-num-seqs", str(cache.max_num_seqs)]
+    return flags + (["--num-gpu-blocks-override", str(cache.num_blocks)] if cache.num_blocks is not None else [])
 
 
 def stop_all(ranks: list[RankProcess], grace_s: float = STOP_GRACE_S) -> None:

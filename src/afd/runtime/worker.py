@@ -184,7 +184,7 @@ def run_p2p_rank(job: RankJob) -> None:
                 topk=model_config.num_experts_per_tok,
                 boundary_layers=model.boundary_layers,
             )
-            engine = Engine(model, exchange, job.spec.max_num_batched_tokens)
+            engine = Engine(model, exchange, job.spec.max_num_batched_tokens, **job.spec.cache.engine_kwargs())
             outputs, stats = drive_replica(engine, job, exchange.step_wave)
             write_outputs(job, outputs, stats)
         else:
