@@ -69,3 +69,20 @@ def test_a_pool_for_one_request_makes_the_next_wait_in_every_engine() -> None:
     assert "[attention rank 0 (world rank 1)] afd.engine INFO KV cache: 3 blocks x 4 tokens" in launched.stderr, (
         launched.stderr[-3000:]
     )
+
+
+def test_enforce_eager_reaches_the_single_process_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--enforce-eager` is vLLM's switch; afd's CPU engine never captures, so check the plumbing."""
+    import afd.engine
+    from afd.cli import main
+
+    seen = {}
+    real = afd.engine.generate
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(afd.engine, "generate", spy)
+    assert main(["generate", "--model", "tiny", "--prompt-ids", "1,2", "--max-new-tokens", "1", "--enforce-eager"]) == 0
+    assert seen["enforce_eager"] is True

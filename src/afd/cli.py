@@ -107,6 +107,33 @@ def positive_seconds(text: str) -> float:
     return value
 
 
+def sampling_value(field: str, parse: Callable[[str], object]) -> Callable[[str], object]:
+    """An argparse type for one field of `SamplingParams`, checked by its own validation (one sentence)."""
+
+    def convert(text: str) -> object:
+        try:
+            value = parse(text.strip())
+        except ValueError:
+            value = text  # not a number: let the validation name what it expected
+        try:
+            from afd.sampling import SamplingParams
+
+            SamplingParams(**{field: value})
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return value
+
+    return convert
+
+
+def _strict_int(text: str) -> int:
+    """An integer in ASCII digits with an optional sign (no `1_0`, `+3`, non-ASCII digits or 400-digit strings)."""
+    digits = text[1:] if text[:1] == "-" else text
+    if not (digits.isascii() and digits.isdigit() and len(digits) <= 30):
+        raise ValueError(text)
+    return int(text)
+
+
 CONNECTOR_NAMES = ("p2p", "async")
 
 
@@ -341,6 +368,30 @@ def add_model_arguments(p: argparse.ArgumentParser, *, prompts_required: bool) -
     )
     p.add_argument("--prompt-logprobs", action="store_true", help="also score every prompt token")
     p.add_argument(
+        "--temperature",
+        type=sampling_value("temperature", float),
+        default=0.0,
+        help="sampling temperature of every request; 0 is greedy, else at least 0.01",
+    )
+    p.add_argument(
+        "--top-p",
+        type=sampling_value("top_p", float),
+        default=1.0,
+        help="keep the most likely tokens up to this probability mass, in (0, 1]; 1 keeps all",
+    )
+    p.add_argument(
+        "--top-k",
+        type=sampling_value("top_k", _strict_int),
+        default=0,
+        help="keep the k most likely tokens; 0 keeps all (vLLM's -1 is 0 here)",
+    )
+    p.add_argument(
+        "--sampling-seed",
+        type=sampling_value("seed", _strict_int),
+        help="seed of every request's sampling: the same seed and prompt give the same tokens in any batch "
+        "(default: fresh randomness; --seed is the preset weights')",
+    )
+    p.add_argument(
         "--max-num-batched-tokens",
         type=batched_tokens,
         default=2048,
@@ -378,8 +429,16 @@ def run_spec(args: argparse.Namespace, prompts: list[list[int]], **extra) -> Run
         prompt_logprobs=args.prompt_logprobs,
         max_num_batched_tokens=max([args.max_num_batched_tokens, *(len(p) for p in prompts)]),
         cache=cache_options(args),
+        sampling=sampling_params(args),
         **extra,
     )
+
+
+def sampling_params(args: argparse.Namespace):
+    """The sampling flags of generate, launch and worker (each already checked by its argparse type)."""
+    from afd.sampling import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed)
 
 
 def cache_options(args: argparse.Namespace):
@@ -417,6 +476,11 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=port_number, help="rendezvous port (default: a free one, or the config's)")
     p.add_argument("--timeout", type=positive_seconds, default=600.0, help="seconds before the whole run is given up")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="no CUDA graphs (as in vLLM); graphs are used only by the single-process engine on CUDA bf16 decode",
+    )
     add_skip_resource_check(p)
 
 
@@ -451,6 +515,8 @@ def run_generate(args: argparse.Namespace) -> tuple[list, dict]:
             gate_on_attention=not args.gate_on_ffn,
             max_num_batched_tokens=args.max_num_batched_tokens,
             cache=cache_options(args),
+            sampling=sampling_params(args),
+            enforce_eager=args.enforce_eager,
         )
         return outputs, {}
     from afd.runtime.launch import free_port, launch
@@ -695,7 +761,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="validate an AFD config and print it resolved (starts nothing)")
     p.add_argument("source", help="a JSON file or a JSON object")
     p.set_defaults(func=cmd_config)
-    p = sub.add_parser("generate", help="greedy generation, in one process or through a connector")
+    p = sub.add_parser("generate", help="generation (greedy by default), in one process or through a connector")
     add_run_arguments(p)
     p.set_defaults(func=cmd_generate)
     p = sub.add_parser("launch", help="start a whole topology on this host and gather the outputs")
@@ -733,7 +799,70 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="also write the raw result (JSON) to this file")
     add_skip_resource_check(p)
     p.set_defaults(func=cmd_bench)
+    # `afd bench step`: a sub-command of bench; `afd bench` without it keeps its flags and behaviour
+    steps = p.add_subparsers(dest="bench_command", parser_class=_Parser, metavar="{step}")
+    s = steps.add_parser("step", help="the reference engine's step time beside its memory-bound floor")
+    s.add_argument("--model", default="tiny", help="checkpoint directory or preset")
+    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights dtype")
+    s.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the engine computes")
+    s.add_argument("--batch", type=size_list("--batch"), default="1,8", help="decode batch sizes, comma-separated")
+    s.add_argument("--context", type=size_list("--context"), default="512", help="cached tokens per sequence")
+    s.add_argument(
+        "--prefill", type=prefill_list, default="8x1024", help="prefills BxC (B prompts of C tokens), comma-separated"
+    )
+    s.add_argument("--steps", type=positive_int, default=10, help="timed steps per point (median)")
+    s.add_argument("--json", help="also write the raw result (JSON) to this file")
+    s.set_defaults(func=cmd_bench_step)
     return parser
+
+
+def size_list(flag: str) -> Callable[[str], list[int]]:
+    """An argparse type: comma-separated positive integers, or one sentence saying what was expected."""
+
+    def parse(text: str) -> list[int]:
+        items = [t.strip() for t in text.split(",")]
+        if not all(t.isascii() and t.isdigit() and 0 < len(t) <= 9 and int(t) > 0 for t in items):
+            raise argparse.ArgumentTypeError(
+                f"{flag} takes positive integers separated by ',' (e.g. 1,8), got {text!r}"
+            )
+        return [int(t) for t in items]
+
+    return parse
+
+
+def prefill_list(text: str) -> list[tuple[int, int]]:
+    """An argparse type: comma-separated BxC pairs (e.g. 8x1024), or '' for none."""
+    if not text.strip():
+        return []
+    out = []
+    for item in text.split(","):
+        b, _, c = item.strip().lower().partition("x")
+        parsed = size_list("--prefill")(f"{b},{c}") if b and c else None
+        if parsed is None:
+            raise argparse.ArgumentTypeError(f"--prefill takes BxC pairs separated by ',' (e.g. 8x1024), got {text!r}")
+        out.append((parsed[0], parsed[1]))
+    return out
+
+
+def cmd_bench_step(args: argparse.Namespace) -> int:
+    from afd.bench_step import format_bench_step, run_bench_step
+
+    longest = max([*args.context, *(c for _, c in args.prefill)])
+    check_prompts(args.model, [[0] * longest], args.device, args.steps + 4)  # the decode steps go past the context
+    result = run_bench_step(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        batches=args.batch,
+        contexts=args.context,
+        prefills=args.prefill,
+        steps=args.steps,
+        progress=lambda msg: print(f"[afd bench step] {msg}", file=sys.stderr, flush=True),
+    )
+    print(format_bench_step(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
 
 
 # ---------------------------------------------------------------- main

@@ -1,4 +1,4 @@
-"""Single-process reference engine: scheduler, MLA KV cache, greedy sampling, around an `exchange`.
+"""Single-process reference engine: scheduler, MLA KV cache, sampling (greedy by default), around an `exchange`.
 
 One step = schedule -> `exchange.begin_step(T)` (if present) -> forward of the flattened batch ->
 sample -> post-process. The exchange is the only way to the FFN side, so the same engine drives the
@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from afd.cuda_graph import DecodeGraphRunner, capture_safe_moe
 from afd.ffn_model import FFNModel
 from afd.kv_cache import (
     DEFAULT_BLOCK_SIZE,
@@ -28,22 +29,26 @@ from afd.kv_cache import (
 )
 from afd.model import AttentionModel, Batch, Exchange
 from afd.moe import Routing
+from afd.sampling import SamplingParams, sample
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class Request:
-    """A prompt to continue greedily for `max_new_tokens` tokens (no stop on EOS)."""
+    """A prompt to continue for `max_new_tokens` tokens (no stop on EOS); greedy unless `sampling` says
+    otherwise (`afd.sampling`: temperature, top-p, top-k, seed)."""
 
     prompt_ids: list[int]
     max_new_tokens: int
     prompt_logprobs: bool = False
+    sampling: SamplingParams | None = None
 
 
 @dataclass
 class Output:
-    """`logprobs[j] = log p(token_ids[j] | prompt + token_ids[:j])`; `prompt_logprobs` is
+    """`logprobs[j] = log p(token_ids[j] | prompt + token_ids[:j])` under the model's own distribution
+    (untempered and unfiltered, also when the token was sampled, as vLLM reports); `prompt_logprobs` is
     `[None, log p(prompt[1] | prompt[:1]), ...]` or None when not requested."""
 
     prompt_ids: list[int]
@@ -117,6 +122,7 @@ class Engine:
         num_blocks: int | None = None,
         gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
         max_model_len: int | None = None,
+        enforce_eager: bool = False,
     ) -> None:
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be at least 1")
@@ -150,6 +156,15 @@ class Engine:
             max_blocks_per_seq=blocks_needed(max_model_len, block_size),
         )
         logger.info("KV cache: %s", self.kv_cache.describe())
+        # Decode steps replay CUDA graphs (afd.cuda_graph) on CUDA with the in-process exchange only: a
+        # disaggregated exchange crosses processes per layer and stays eager; `enforce_eager` turns graphs off.
+        self.cuda_graphs: DecodeGraphRunner | None = None
+        if not enforce_eager and self.device.type == "cuda" and isinstance(exchange, LocalExchange):
+            if capture_safe_moe(exchange.ffn_model):
+                self.cuda_graphs = DecodeGraphRunner(model, exchange, self.kv_cache, max_num_seqs)
+                logger.info("decode CUDA graphs on, batch buckets %s", self.cuda_graphs.buckets)
+            else:
+                logger.info("decode CUDA graphs off: the routed experts of %s have no fixed-shape path", dtype)
         self.waiting: deque[_Sequence] = deque()
         self.running: list[_Sequence] = []
         self.cache_tokens_used = 0  # tokens reserved by running sequences (their capacities)
@@ -236,8 +251,13 @@ class Engine:
         """
         scheduled = self.schedule()
         query_lens = [len(s.input_ids) for s in scheduled]
+        context_lens = [s.start for s in scheduled]
+        graphs = self.cuda_graphs if self.cuda_graphs and self.cuda_graphs.handles(query_lens, context_lens) else None
         batch = Batch(
-            slots=[s.seq.slot for s in scheduled], query_lens=query_lens, context_lens=[s.start for s in scheduled]
+            slots=[s.seq.slot for s in scheduled],
+            query_lens=query_lens,
+            context_lens=context_lens,
+            batch_decodes=graphs is not None,
         )
         input_ids = [t for s in scheduled for t in s.input_ids]
         positions = [s.start + i for s in scheduled for i in range(len(s.input_ids))]
@@ -247,7 +267,9 @@ class Engine:
         )
         if hasattr(self.exchange, "begin_step"):
             self.exchange.begin_step(len(input_ids))
-        hidden = self.model(ids, pos, batch, self.kv_cache, self.exchange)  # [T, H]
+        hidden = graphs.forward(batch, ids, pos) if graphs is not None else None  # [T, H] replayed
+        if hidden is None:
+            hidden = self.model(ids, pos, batch, self.kv_cache, self.exchange)  # [T, H]
         return self._postprocess(scheduled, batch, hidden, last)
 
     def _postprocess(
@@ -255,7 +277,9 @@ class Engine:
     ) -> list[Output]:
         """Sample every sequence at once: one lm_head call and one device->host copy per step."""
         logprobs = torch.log_softmax(self.model.compute_logits(hidden[last_rows]), dim=-1)  # [B, V] fp32
-        best = logprobs.argmax(dim=-1)  # [B]
+        sampling = [s.seq.request.sampling for s in scheduled]
+        positions = [len(s.seq.request.prompt_ids) + len(s.seq.token_ids) for s in scheduled]
+        best = sample(logprobs, sampling, positions)  # [B]; greedy rows: logprobs.argmax
         picked = logprobs.gather(1, best[:, None]).squeeze(1)  # [B]
         tokens, token_logprobs = torch.stack([best.double(), picked.double()]).tolist()
         for s, first, n in zip(scheduled, batch.starts, batch.query_lens, strict=True):
@@ -307,8 +331,11 @@ def generate(
     gate_on_attention: bool = True,
     max_num_batched_tokens: int | None = None,
     cache: CacheOptions | None = None,
+    sampling: SamplingParams | None = None,
+    enforce_eager: bool = False,
 ) -> list[Output]:
-    """The single-process reference: load both sides, run all prompts, outputs in prompt order."""
+    """The single-process reference: load both sides, run all prompts (each sampled by `sampling`,
+    greedy when None), outputs in prompt order."""
     from afd.weights import load_attention_model, load_ffn_model, load_model_config
 
     config = load_model_config(model)
@@ -325,7 +352,9 @@ def generate(
     attn = load_attention_model(model, dtype=dtype, device=device, gate_on_attention=gate_on_attention, seed=seed)
     ffn = load_ffn_model(model, dtype=dtype, device=device, gate_on_attention=gate_on_attention, seed=seed)
     budget = max(max_num_batched_tokens or 8192, max(len(p) for p in prompts))
-    engine = Engine(attn, LocalExchange(ffn), budget, **(cache or CacheOptions()).engine_kwargs())
+    engine = Engine(
+        attn, LocalExchange(ffn), budget, enforce_eager=enforce_eager, **(cache or CacheOptions()).engine_kwargs()
+    )
     for p in prompts:
-        engine.add(Request(list(p), max_new_tokens, prompt_logprobs))
+        engine.add(Request(list(p), max_new_tokens, prompt_logprobs, sampling))
     return engine.run()

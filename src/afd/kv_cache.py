@@ -214,7 +214,10 @@ class PagedLatentCache:
         self.block_size, self.max_num_seqs = block_size, max_num_seqs
         self.pool = BlockPool(num_blocks)
         width = config.kv_lora_rank + config.qk_rope_head_dim
-        rows = (num_blocks + 1) * block_size
+        # One scratch row past the last block: the padding rows of a CUDA-graph batch write there (afd.cuda_graph),
+        # so the null block stays zero; nothing ever reads it.
+        rows = (num_blocks + 1) * block_size + 1
+        self.scratch_row = rows - 1
         self.cache = torch.empty(config.num_hidden_layers, rows, width, dtype=dtype, device=self.device)
         self.cache[:, : block_size * (NULL_BLOCK + 1)].zero_()
         table_width = min(num_blocks, max_blocks_per_seq or num_blocks)

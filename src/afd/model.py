@@ -264,6 +264,8 @@ class Batch:
     decode_rows: torch.Tensor | None = None  # [Bd, L] cache rows of their contexts (padding: the zero row)
     decode_valid: torch.Tensor | None = None  # [Bd, L] which of those are real
     context_rows: dict[int, torch.Tensor] = field(default_factory=dict)  # i -> [ctx + n] rows, other cached seqs
+    # Batch even a lone decode token: a CUDA graph (afd.cuda_graph) needs the fixed-shape batched path at size 1.
+    batch_decodes: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -276,9 +278,10 @@ class Batch:
 
     @property
     def decode_seqs(self) -> list[int]:
-        """Single-token sequences attended in one batched pass (absorbed MLA); only worth it for two or more."""
+        """Single-token sequences attended in one batched pass (absorbed MLA); only worth it for two or more
+        (or one, when `batch_decodes` asks for the fixed-shape path)."""
         decode = [i for i, n in enumerate(self.query_lens) if n == 1]
-        return decode if len(decode) > 1 else []
+        return decode if len(decode) > 1 or (self.batch_decodes and decode) else []
 
 
 # --- attention side --------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from afd.config import AFDConfig
 from afd.engine import Output
 from afd.env import LAUNCHER_PID_VAR, SECRET_VAR
 from afd.kv_cache import CacheOptions
+from afd.sampling import SamplingParams
 from afd.signals import Interrupted
 from afd.store import RendezvousError, host_store
 from afd.topology import Role, SyncTopology
@@ -72,6 +73,7 @@ class RunSpec:
     max_num_batched_tokens: int = 2048
     timeout_s: float = 300.0  # the whole run, launcher side
     cache: CacheOptions = CacheOptions()
+    sampling: SamplingParams = SamplingParams()  # every request's (greedy by default)
 
 
 @dataclass
@@ -182,7 +184,7 @@ def worker_command(config: AFDConfig, spec: RunSpec, role: Role, role_rank: int,
         gpu = placement[world_rank_of(config, role, role_rank)]
         cmd += ["--device-index", str(gpu)]
         cache = cache.shared_by(placement.count(gpu))  # co-located ranks split the GPU's memory
-    cmd += cache_flags(cache)
+    cmd += cache_flags(cache) + sampling_flags(spec.sampling)
     if role == "attention":
         cmd += [
             "--prompts-file",
@@ -198,6 +200,13 @@ def cache_flags(cache: CacheOptions) -> list[str]:
     flags = ["--block-size", str(cache.block_size), "--gpu-memory-utilization", repr(cache.gpu_memory_utilization)]
     flags += ["--max-num-seqs", str(cache.max_num_seqs)]
     return flags + (["--num-gpu-blocks-override", str(cache.num_blocks)] if cache.num_blocks is not None else [])
+
+
+def sampling_flags(sampling: SamplingParams) -> list[str]:
+    """The `afd worker` flags that make a rank sample its requests this way."""
+    flags = ["--temperature", repr(sampling.temperature), "--top-p", repr(sampling.top_p)]
+    flags += ["--top-k", str(sampling.top_k)]
+    return flags + (["--sampling-seed", str(sampling.seed)] if sampling.seed is not None else [])
 
 
 def stop_all(ranks: list[RankProcess], grace_s: float = STOP_GRACE_S) -> None:

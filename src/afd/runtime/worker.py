@@ -132,7 +132,7 @@ class ReplicaStats:
 def drive_replica(engine: Engine, job: RankJob, step_gate) -> tuple[list[Output], ReplicaStats]:
     """Run the replica's requests to completion; `step_gate(has_work)` says whether to step again."""
     for prompt in job.prompts:
-        engine.add(Request(list(prompt), job.spec.max_new_tokens, job.spec.prompt_logprobs))
+        engine.add(Request(list(prompt), job.spec.max_new_tokens, job.spec.prompt_logprobs, job.spec.sampling))
     stats = ReplicaStats()
     outputs: dict[int, Output] = {}
     while step_gate(engine.has_work()):

@@ -1,0 +1,285 @@
+"""CUDA graphs for decode steps of the single-process reference engine.
+
+Why: an eager decode step of DeepSeek-V2-Lite launches thousands of small kernels and is bound by
+launch overhead, not by memory bandwidth. A step whose batch is all single-token decodes is replayed
+instead from a graph captured for its layout, with the inputs copied into static buffers first.
+
+Layout key: `(batch bucket, context bucket)`. The batch is padded up to the smallest bucket of
+`batch_buckets(max_num_seqs)`; the context rows every decode token gathers are padded up to
+`context_bucket(...)` blocks (a quarter-octave grid, so at most ~25% more rows are read). Keying by the
+token count alone would alias layouts (DESIGN.md §1.3), so only all-decode steps are graphed and the
+context width is part of the key. Graphs are captured lazily, once per key, logged at INFO with their
+duration; a caller that times steps captures first (`capture_for`).
+
+Padding rows never touch real data: their token id and position are 0, their cache write goes to the
+cache's scratch row (`PagedLatentCache.scratch_row`, never read), their context is the zero row of the
+null block with length 1 (a finite, all-zero attention), and every op of the step is row-wise in the
+batch, so real rows come out as an unpadded batched step computes them.
+
+Only the in-process `LocalExchange` is graphed (the engine decides): the disaggregated exchanges (p2p,
+async) cross process boundaries per layer and stay eager for now. CPU never captures.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from afd.kv_cache import NULL_BLOCK, PagedLatentCache
+from afd.model import AttentionModel, Batch, Exchange
+from afd.moe import _grouped_mm_supported
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def batch_buckets(max_num_seqs: int, candidates: tuple[int, ...] = DEFAULT_BATCH_BUCKETS) -> list[int]:
+    """The batch sizes graphs are captured for: the candidates below `max_num_seqs`, then the cap itself
+    (at most the largest candidate), so every batch up to that cap has a bucket."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
+    cap = min(max_num_seqs, candidates[-1])
+    return sorted({b for b in candidates if b < cap} | {cap})
+
+
+def pick_bucket(num_seqs: int, buckets: list[int]) -> int | None:
+    """The smallest bucket that holds `num_seqs`, or None when none does (the step runs eager)."""
+    return next((b for b in buckets if b >= num_seqs), None) if num_seqs > 0 else None
+
+
+def context_bucket(num_blocks: int, max_blocks: int) -> int:
+    """Blocks of context a graph gathers for a step whose longest context needs `num_blocks` blocks.
+
+    Rounded up to a quarter of its power of two (1-7 exact, then 8, 10, 12, 14, 16, 20, ...), capped at
+    the block-table width but never below `num_blocks`.
+    """
+    if num_blocks < 1:
+        raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
+    step = 1 << max(0, num_blocks.bit_length() - 3)
+    return max(num_blocks, min(-(-num_blocks // step) * step, max_blocks))
+
+
+@dataclass
+class StaticInputs:
+    """The device buffers a graph reads, views of the runner's buffers: `n` = batch bucket, `L` = context rows."""
+
+    input_ids: torch.Tensor  # [n] int64
+    positions: torch.Tensor  # [n] int64
+    slot_mapping: torch.Tensor  # [n] int64, padding rows: the scratch row
+    token_rows: torch.Tensor  # [n] int64, arange(n)
+    rows: torch.Tensor  # [n, L] int64 cache rows of each context, padding: the null block's first row
+    valid: torch.Tensor  # [n, L] bool, padding rows: only column 0
+
+    def batch(self) -> Batch:
+        """The batch description a captured forward sees: `n` single-token sequences, all batched."""
+        n = self.input_ids.shape[0]
+        return Batch(
+            slots=[0] * n,
+            query_lens=[1] * n,
+            context_lens=[1] * n,
+            slot_mapping=self.slot_mapping,
+            decode_token_rows=self.token_rows,
+            decode_rows=self.rows,
+            decode_valid=self.valid,
+            batch_decodes=True,
+        )
+
+
+def fill_static_inputs(
+    static: StaticInputs,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    rows: torch.Tensor,
+    valid: torch.Tensor,
+    *,
+    scratch_row: int,
+    null_row: int = NULL_BLOCK,
+) -> None:
+    """Copy a step of `B` decodes (`rows`/`valid`: [B, L0], L0 <= L) into `static`, padding the rest.
+
+    Device-side copies and fills only (no host sync); pure in the sense that it depends on nothing but
+    its arguments, so the padding layout can be checked on CPU.
+    """
+    B, L0 = rows.shape
+    n, L = static.rows.shape
+    if B > n or L0 > L:
+        raise ValueError(f"a step of {B} sequences x {L0} context rows does not fit a graph of {n} x {L}")
+    static.input_ids.zero_()
+    static.input_ids[:B].copy_(input_ids)
+    static.positions.zero_()
+    static.positions[:B].copy_(positions)
+    static.slot_mapping.fill_(scratch_row)
+    static.slot_mapping[:B].copy_(slot_mapping)
+    static.rows.fill_(null_row)
+    static.rows[:B, :L0].copy_(rows)
+    static.valid.zero_()
+    static.valid[:B, :L0].copy_(valid)
+    static.valid[B:, 0] = True
+
+
+@dataclass
+class _Graph:
+    static: StaticInputs
+    batch: Batch
+    graph: torch.cuda.CUDAGraph | None  # None: run the padded batch eagerly (`capture=False`)
+    output: torch.Tensor | None  # [n, H] the graph's output buffer
+
+
+def capture_safe_moe(ffn_model: torch.nn.Module) -> bool:
+    """Whether the FFN's routed experts take the fixed-shape, host-sync-free path (afd.moe) on its device."""
+    fixed = getattr(ffn_model, "fixed_shape_moe", None)
+    if fixed is not None:
+        return bool(fixed)
+    param = next(ffn_model.parameters(), None)
+    return param is None or _grouped_mm_supported(param.device, param.dtype)
+
+
+class DecodeGraphRunner:
+    """Captures and replays decode steps of one `AttentionModel` + in-process exchange over one paged cache.
+
+    Owns the static input buffers (sized for the largest bucket; context-row buffers one per context
+    width, shared by every batch bucket) and one graph per layout key, all captured into one memory pool:
+    graphs never replay concurrently (one engine, one stream). `capture=False` runs the padded batch
+    eagerly instead (CPU tests of the padding; the engine never uses it).
+    """
+
+    def __init__(
+        self,
+        model: AttentionModel,
+        exchange: Exchange,
+        kv_cache: PagedLatentCache,
+        max_num_seqs: int,
+        *,
+        capture: bool = True,
+    ) -> None:
+        self.model, self.exchange, self.kv_cache = model, exchange, kv_cache
+        self.buckets = batch_buckets(max_num_seqs)
+        self.capture = capture
+        self.disabled = False
+        device, n = kv_cache.device, self.buckets[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slot_mapping = torch.zeros(n, dtype=torch.long, device=device)
+        self.token_rows = torch.arange(n, device=device)
+        self._rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # context rows L -> ([n, L], [n, L])
+        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+
+    @property
+    def max_batch(self) -> int:
+        return self.buckets[-1]
+
+    def handles(self, query_lens: list[int], context_lens: list[int]) -> bool:
+        """Whether a step of this layout replays a graph: only single-token decodes after cached context."""
+        return (
+            not self.disabled
+            and 0 < len(query_lens) <= self.max_batch
+            and all(n == 1 for n in query_lens)
+            and all(c > 0 for c in context_lens)
+        )
+
+    def key(self, num_seqs: int, max_len: int) -> tuple[int, int]:
+        """(batch bucket, context rows) of a step of `num_seqs` decodes whose longest context is `max_len`."""
+        bucket = pick_bucket(num_seqs, self.buckets)
+        if bucket is None:
+            raise ValueError(f"{num_seqs} sequences exceed the largest graph bucket {self.max_batch}")
+        bs = self.kv_cache.block_size
+        nblk = -(-max_len // bs)
+        return bucket, context_bucket(nblk, max(nblk, self.kv_cache.block_tables.shape[1])) * bs
+
+    @property
+    def captured(self) -> list[tuple[int, int]]:
+        return sorted(self._graphs)
+
+    def _static(self, n: int, L: int) -> StaticInputs:
+        if L not in self._rows:
+            full = self.max_batch
+            rows = torch.full((full, L), NULL_BLOCK, dtype=torch.long, device=self.kv_cache.device)
+            self._rows[L] = (rows, torch.zeros(full, L, dtype=torch.bool, device=self.kv_cache.device))
+        rows, valid = self._rows[L]
+        return StaticInputs(
+            self.input_ids[:n], self.positions[:n], self.slot_mapping[:n], self.token_rows[:n], rows[:n], valid[:n]
+        )
+
+    def capture_for(self, num_seqs: int, max_len: int) -> None:
+        """Capture the graph a step of `num_seqs` decodes up to context `max_len` will replay (before timing)."""
+        key = self.key(num_seqs, max_len)
+        if key not in self._graphs and not self.disabled:
+            self._capture(key)
+
+    def _capture(self, key: tuple[int, int]) -> _Graph | None:
+        n, L = key
+        static = self._static(n, L)
+        empty = torch.empty(0, dtype=torch.long, device=self.kv_cache.device)
+        fill_static_inputs(
+            static,
+            empty,
+            empty,
+            empty,
+            empty.view(0, 0),
+            empty.view(0, 0).bool(),
+            scratch_row=self.kv_cache.scratch_row,
+        )
+        batch = static.batch()
+        if not self.capture:
+            self._graphs[key] = _Graph(static, batch, None, None)
+            return self._graphs[key]
+        start = time.perf_counter()
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up: lazy initialisation, library workspaces, autotuning
+                for _ in range(2):
+                    self._forward(static, batch)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                output = self._forward(static, batch)
+            torch.cuda.synchronize()
+        except RuntimeError:
+            logger.exception(
+                "capturing the decode CUDA graph of %d sequences x %d context rows failed; decode runs eager", n, L
+            )
+            self.disabled = True
+            return None
+        self._graphs[key] = _Graph(static, batch, graph, output)
+        logger.info(
+            "captured the decode CUDA graph of %d sequences x %d context rows in %.0f ms (%d graphs)",
+            n,
+            L,
+            (time.perf_counter() - start) * 1e3,
+            len(self._graphs),
+        )
+        return self._graphs[key]
+
+    def _forward(self, static: StaticInputs, batch: Batch) -> torch.Tensor:
+        return self.model(static.input_ids, static.positions, batch, self.kv_cache, self.exchange)
+
+    def forward(self, batch: Batch, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """Hidden states [B, H] of a prepared all-decode step (`batch.batch_decodes`), from its graph; None
+        when no graph could be captured (the caller runs the step eagerly)."""
+        if batch.decode_rows is None or len(batch.decode_seqs) != len(batch.query_lens):
+            raise ValueError("a graphed step must be all single-token decodes, prepared with batch_decodes=True")
+        B = len(batch.query_lens)
+        key = self.key(B, batch.decode_rows.shape[1])
+        graph = self._graphs.get(key) or self._capture(key)
+        if graph is None:
+            return None
+        fill_static_inputs(
+            graph.static,
+            input_ids,
+            positions,
+            batch.slot_mapping,
+            batch.decode_rows,
+            batch.decode_valid,
+            scratch_row=self.kv_cache.scratch_row,
+        )
+        if graph.graph is None:
+            return self._forward(graph.static, graph.batch)[:B]
+        graph.graph.replay()
+        return graph.output[:B]

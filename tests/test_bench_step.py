@@ -1,0 +1,71 @@
+"""`afd bench step` on the tiny model (CPU): it runs as a user runs it, prints the table and writes the
+fields; the floor's arithmetic on DeepSeek-V2-Lite shapes matches the issue's estimate."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from afd.bench_step import decode_step_bytes, expected_experts_touched, prefill_flops
+from afd.weights import load_model_config
+
+
+def run_afd(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "afd", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.timeout(120)
+def test_bench_step_prints_and_writes_every_point(tmp_path: Path) -> None:
+    out = tmp_path / "step.json"
+    proc = run_afd(
+        "bench", "step", "--batch", "1,3", "--context", "5,20", "--prefill", "2x8", "--steps", "2", "--json", str(out),
+        timeout=100,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert result["model"] == "tiny" and result["copy_bandwidth_GBps"] > 0 and result["matmul_TFLOPs"] > 0
+    points = {(r["batch"], r["context"]): r for r in result["decode"]}
+    assert set(points) == {(1, 5), (3, 5), (1, 20), (3, 20)}
+    for r in points.values():
+        assert (
+            r["eager_ms"] > 0
+            and r["floor_ms"] > 0
+            and r["eager_over_floor"] == pytest.approx(r["eager_ms"] / r["floor_ms"])
+        )
+        assert r["graph_ms"] is None  # CPU never captures
+    assert points[(3, 20)]["floor_bytes"] > points[(1, 20)]["floor_bytes"] > points[(1, 5)]["floor_bytes"]
+    (prefill,) = result["prefill"]
+    assert prefill["tokens"] == 16 and prefill["ms"] > 0 and prefill["floor_ms"] > 0
+    assert "eager ms" in proc.stdout and "floor ms" in proc.stdout and "prefill" in proc.stdout
+
+
+@pytest.mark.timeout(60)
+def test_bench_step_rejects_bad_lists_in_one_sentence() -> None:
+    proc = run_afd("bench", "step", "--batch", "1,x", timeout=50)
+    assert proc.returncode == 2 and "--batch takes positive integers" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run_afd("bench", "step", "--prefill", "8by1024", timeout=50)
+    assert proc.returncode == 2 and "--prefill takes BxC pairs" in proc.stderr
+
+
+def test_floor_of_lite_matches_the_issue_estimate() -> None:
+    """Issue 10: ~18 GB read per decode step at batch 8, 512 context; ~35 of 64 experts touched per layer;
+    about 38 TFLOP for a prefill of 8 x 1024 tokens."""
+    import torch
+
+    config = load_model_config("deepseek-v2-lite")
+    assert expected_experts_touched(64, 6, 8) == pytest.approx(35.0, abs=1.0)
+    assert expected_experts_touched(64, 6, 256) == pytest.approx(64.0, abs=1e-6)
+    with torch.device("meta"):
+        from afd.ffn_model import FFNModel
+        from afd.model import AttentionModel
+
+        attn = AttentionModel(config, dtype=torch.bfloat16).to(torch.bfloat16)
+        ffn = FFNModel(config, dtype=torch.bfloat16).to(torch.bfloat16)
+    step = decode_step_bytes(config, attn, ffn, 8, 512)
+    assert 16e9 < step.total < 20e9
+    assert step.latent_cache == 8 * 513 * 27 * 576 * 2
+    assert 30e12 < prefill_flops(config, 8, 1024) < 45e12

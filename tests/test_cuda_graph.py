@@ -1,0 +1,178 @@
+"""Decode CUDA graphs (afd.cuda_graph): bucket choice and padding layout (pure, CPU), the padded batched
+decode step equal to the unpadded one (CPU, fp32, graphs replaced by an eager run of the padded batch),
+and on the device graph replay equal to eager output for every bucket, across block boundaries."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from afd.cuda_graph import (
+    DecodeGraphRunner,
+    StaticInputs,
+    batch_buckets,
+    context_bucket,
+    fill_static_inputs,
+    pick_bucket,
+)
+from afd.engine import Engine, LocalExchange, Request
+from afd.weights import load_attention_model, load_ffn_model
+
+BLOCK = 4
+# Lengths around multiples of the block size, and a one-token prompt.
+PROMPTS = [[3, 1, 4], [1, 5, 9, 2], [6, 5, 3, 5, 8], [9, 7, 9, 3, 2, 3, 8], [4, 6, 2, 6, 4, 3, 3, 8], [2] * 9, [7]]
+
+
+def test_batch_buckets_are_capped_by_max_num_seqs() -> None:
+    assert batch_buckets(256) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(6) == [1, 2, 4, 6]
+    assert batch_buckets(1000) == [1, 2, 4, 8, 16, 32, 64, 128, 256]  # larger batches run eager
+    with pytest.raises(ValueError, match="at least 1"):
+        batch_buckets(0)
+
+
+def test_pick_bucket_is_the_smallest_that_fits() -> None:
+    buckets = batch_buckets(48)
+    assert [pick_bucket(n, buckets) for n in (1, 2, 3, 5, 8, 9, 33, 48)] == [1, 2, 4, 8, 8, 16, 48, 48]
+    assert pick_bucket(49, buckets) is None and pick_bucket(0, buckets) is None
+
+
+def test_context_bucket_rounds_up_to_quarter_octaves_within_the_table() -> None:
+    got = [context_bucket(n, 10**6) for n in range(1, 300)]
+    for n, b in enumerate(got, start=1):
+        assert n <= b <= max(n, 1.25 * n)  # never fewer rows, at most a quarter more
+    assert len(set(got)) < 60 and got == sorted(got)  # few keys, monotonic
+    assert [context_bucket(n, 10**6) for n in (7, 9, 33, 257)] == [7, 10, 40, 320]
+    assert context_bucket(33, 36) == 36 and context_bucket(40, 36) == 40  # capped, but never below the need
+
+
+def test_fill_static_inputs_pads_rows_onto_scratch_and_null_rows() -> None:
+    n, L, scratch = 4, 6, 99
+    static = StaticInputs(
+        input_ids=torch.full((n,), 7),
+        positions=torch.full((n,), 7),
+        slot_mapping=torch.full((n,), 7),
+        token_rows=torch.arange(n),
+        rows=torch.full((n, L), 7),
+        valid=torch.ones(n, L, dtype=torch.bool),
+    )
+    rows = torch.tensor([[16, 17, 18, 0], [20, 21, 0, 0]])
+    valid = torch.tensor([[True, True, True, False], [True, True, False, False]])
+    fill_static_inputs(
+        static, torch.tensor([5, 6]), torch.tensor([3, 2]), torch.tensor([18, 21]), rows, valid, scratch_row=scratch
+    )
+    assert static.input_ids.tolist() == [5, 6, 0, 0] and static.positions.tolist() == [3, 2, 0, 0]
+    assert static.slot_mapping.tolist() == [18, 21, scratch, scratch]  # padding never writes a real row
+    assert static.rows.tolist() == [[16, 17, 18, 0, 0, 0], [20, 21, 0, 0, 0, 0], [0] * L, [0] * L]
+    assert static.valid.tolist() == [
+        [True, True, True, False, False, False],
+        [True, True, False, False, False, False],
+        [True] + [False] * (L - 1),  # a padding row attends to the zero row alone: finite, no NaN
+        [True] + [False] * (L - 1),
+    ]
+    with pytest.raises(ValueError, match="does not fit"):
+        fill_static_inputs(static, *(torch.zeros(5, dtype=torch.long),) * 3, torch.zeros(5, 2).long(),
+                           torch.ones(5, 2).bool(), scratch_row=scratch)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_attention_model("tiny"), load_ffn_model("tiny")
+
+
+def _run(models, prompts, max_new_tokens, *, padded: bool, max_num_seqs: int = 8):
+    attn, ffn = models
+    engine = Engine(attn, LocalExchange(ffn), 64, block_size=BLOCK, max_num_seqs=max_num_seqs)
+    assert engine.cuda_graphs is None  # CPU never captures
+    if padded:  # the graph runner's padded layout, run eagerly: what a replay computes, checked on CPU
+        engine.cuda_graphs = DecodeGraphRunner(attn, engine.exchange, engine.kv_cache, max_num_seqs, capture=False)
+    for p in prompts:
+        engine.add(Request(list(p), max_new_tokens))
+    return engine, engine.run()
+
+
+@pytest.mark.timeout(120)
+def test_padded_decode_steps_equal_unpadded_ones_across_block_boundaries(tiny) -> None:
+    """Batches of 7 and of 1 decodes padded to buckets 8 and 1, contexts padded to quarter-octave widths,
+    crossing 1-3 block boundaries: same tokens, logprobs within 1e-5 (fp32), and the null block stays zero."""
+    _, want = _run(tiny, PROMPTS, 9, padded=False)
+    engine, got = _run(tiny, PROMPTS, 9, padded=True)
+    assert {n for n, _ in engine.cuda_graphs.captured} == {8}  # every decode step went through the runner
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids
+        assert g.logprobs == pytest.approx(w.logprobs, abs=1e-5)
+    assert not engine.kv_cache.cache[:, :BLOCK].any()  # padding wrote only the scratch row
+    _, want1 = _run(tiny, PROMPTS[3:4], 9, padded=False)
+    engine1, got1 = _run(tiny, PROMPTS[3:4], 9, padded=True)
+    assert {n for n, _ in engine1.cuda_graphs.captured} == {1}
+    assert got1[0].token_ids == want1[0].token_ids
+    assert got1[0].logprobs == pytest.approx(want1[0].logprobs, abs=1e-5)
+
+
+def test_prefill_and_mixed_steps_do_not_take_the_graph() -> None:
+    runner = DecodeGraphRunner.__new__(DecodeGraphRunner)
+    runner.buckets, runner.disabled = batch_buckets(8), False
+    assert runner.handles([1, 1, 1], [4, 9, 2])
+    assert not runner.handles([1, 5], [4, 0])  # a prompt in the step
+    assert not runner.handles([1], [0])  # a one-token prompt has no cached context
+    assert not runner.handles([1] * 9, [3] * 9)  # beyond the largest bucket
+    assert not runner.handles([], [])
+
+
+# --- on the device -----------------------------------------------------------------------------------
+
+
+def _gpu_run(models, prompts, *, mode: str, max_new_tokens: int = 8):
+    """mode: "eager" (enforce_eager), "padded" (the graph layout run eagerly), "graph" (replayed)."""
+    attn, ffn = models
+    engine = Engine(
+        attn,
+        LocalExchange(ffn),
+        4096,
+        block_size=BLOCK,
+        max_num_seqs=256,
+        num_blocks=2048,
+        enforce_eager=mode != "graph",
+    )
+    assert (engine.cuda_graphs is None) == (mode != "graph")
+    if mode == "padded":
+        engine.cuda_graphs = DecodeGraphRunner(attn, engine.exchange, engine.kv_cache, 256, capture=False)
+    for p in prompts:
+        engine.add(Request(list(p), max_new_tokens))
+    return engine, engine.run()
+
+
+def _max_diff(got, want) -> float:
+    return max(abs(a - b) for g, w in zip(got, want, strict=True) for a, b in zip(g.logprobs, w.logprobs, strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graph_replay_equals_eager_for_every_bucket_bf16() -> None:
+    """For every batch bucket (padded and full), prompts of 1-14 tokens decoding across block boundaries of 4:
+    the replayed graphs give the tokens of the same padded step run eagerly, logprobs within 1e-3 (bf16), and
+    the tokens of the plain eager engine (whose lone decode takes the expanded, not the absorbed, attention)."""
+    models = (
+        load_attention_model("tiny", dtype="bfloat16", device="cuda"),
+        load_ffn_model("tiny", dtype="bfloat16", device="cuda"),
+    )
+    rng = random.Random(0)
+    worst = {}
+    for bucket in batch_buckets(256):
+        for size in sorted({bucket, bucket // 2 + 1}):
+            prompts = [[rng.randrange(256) for _ in range(rng.randint(1, 14))] for _ in range(size)]
+            _, eager = _gpu_run(models, prompts, mode="eager")
+            _, padded = _gpu_run(models, prompts, mode="padded")
+            engine, got = _gpu_run(models, prompts, mode="graph")
+            assert engine.cuda_graphs.captured and not engine.cuda_graphs.disabled
+            assert {n for n, _ in engine.cuda_graphs.captured} == {bucket}
+            for g, p, e in zip(got, padded, eager, strict=True):
+                assert g.token_ids == p.token_ids == e.token_ids, (bucket, size)
+                assert g.logprobs == pytest.approx(p.logprobs, abs=1e-3), (bucket, size)
+            worst[size] = (_max_diff(got, padded), _max_diff(got, eager))
+            assert not engine.kv_cache.cache[:, :BLOCK].any()
+    print("max |dlogprob| graph vs padded eager, graph vs eager, by batch:", worst)
