@@ -92,3 +92,19 @@ def test_bench_prompts_must_fit_the_models_positions(capsys: pytest.CaptureFixtu
     assert main(["bench", "--long-len", "4064", "--max-new-tokens", "32"]) == 2  # + 1 scored token: 4097 > 4096
     err = capsys.readouterr().err
     assert "prompt 0 has 4064 tokens and --max-new-tokens is 33: 4097 positions" in err
+
+
+@pytest.mark.gpu
+def test_reference_run_hands_the_gpu_back_before_ranks_launch() -> None:
+    """The in-process reference's KV pool takes 0.9 of the GPU; left cached, it made every launched rank of
+    `afd bench` run out of memory (nvidia-h200-x2, 2026-11-30)."""
+    import torch
+
+    from afd.demo import run_reference
+    from afd.runtime.launch import RunSpec
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    spec = RunSpec(model="tiny", dtype="bfloat16", device="cuda", max_new_tokens=2)
+    run_reference(spec, [[1, 2, 3]])
+    assert torch.cuda.memory_reserved() < 64 << 20, torch.cuda.memory_summary()  # its pool alone is 0.63 GiB
