@@ -395,7 +395,7 @@ def add_model_arguments(p: argparse.ArgumentParser, *, prompts_required: bool) -
         "--max-num-batched-tokens",
         type=batched_tokens,
         default=2048,
-        help="token budget of one engine step (raised to the longest prompt)",
+        help="token budget of one engine step, as in vLLM; longer prompts are prefilled in chunks over several steps",
     )
     p.add_argument("--block-size", type=block_size, default=16, help="tokens per KV-cache block")
     p.add_argument(
@@ -417,7 +417,8 @@ def add_model_arguments(p: argparse.ArgumentParser, *, prompts_required: bool) -
 
 
 def run_spec(args: argparse.Namespace, prompts: list[list[int]], **extra) -> RunSpec:
-    """What every rank of a run agrees on; the token budget always fits the longest prompt."""
+    """What every rank of a run agrees on; the token budget is the per-step budget as given (chunked prefill
+    splits longer prompts), so it also bounds every exchange (the async window is sized by it)."""
     from afd.runtime.launch import RunSpec
 
     return RunSpec(
@@ -427,7 +428,7 @@ def run_spec(args: argparse.Namespace, prompts: list[list[int]], **extra) -> Run
         seed=args.seed,
         max_new_tokens=args.max_new_tokens,
         prompt_logprobs=args.prompt_logprobs,
-        max_num_batched_tokens=max([args.max_num_batched_tokens, *(len(p) for p in prompts)]),
+        max_num_batched_tokens=args.max_num_batched_tokens,
         cache=cache_options(args),
         sampling=sampling_params(args),
         **extra,

@@ -3,6 +3,11 @@
 One step = schedule -> `exchange.begin_step(T)` (if present) -> forward of the flattened batch ->
 sample -> post-process. The exchange is the only way to the FFN side, so the same engine drives the
 local reference (`LocalExchange`) and every disaggregated connector.
+
+Chunked prefill: a step is the running decodes (one token each, first) plus prompt chunks that fill
+what is left of `max_num_batched_tokens`, so a long prompt never stalls the decodes and no step is ever
+larger than the budget (the async window is sized by it). A chunk after the first reads the earlier
+chunks through the paged cache; only the chunk that ends a prompt is sampled.
 """
 
 from __future__ import annotations
@@ -92,6 +97,11 @@ class _Sequence:
         """Cache rows the sequence ever needs: the last sampled token is never fed back."""
         return len(self.request.prompt_ids) + max(self.request.max_new_tokens - 1, 0)
 
+    @property
+    def prefilling(self) -> bool:
+        """Whether part of the prompt is not cached yet (derived from `num_cached`, the one progress counter)."""
+        return self.num_cached < len(self.request.prompt_ids)
+
 
 @dataclass
 class _Scheduled:
@@ -99,9 +109,22 @@ class _Scheduled:
     input_ids: list[int]
     start: int  # first position (== tokens already cached)
 
+    @property
+    def is_decode(self) -> bool:
+        """One generated token fed back (not a piece of the prompt)."""
+        return self.start >= len(self.seq.request.prompt_ids)
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step samples the sequence's next token: a decode, or the chunk that ends its prompt."""
+        return self.start + len(self.input_ids) >= len(self.seq.request.prompt_ids)
+
 
 class Engine:
-    """Greedy continuous batching over one `AttentionModel` and an `exchange` to the FFN side.
+    """Continuous batching with chunked prefill over one `AttentionModel` and an `exchange` to the FFN side.
+
+    `max_num_batched_tokens` is the token budget of one step, as in vLLM: prompts longer than it (or than
+    what the decodes leave of it) are prefilled over several steps.
 
     The MLA cache is one paged pool (`afd.kv_cache`), sized once here: `num_blocks` if given, else
     `max_cache_tokens` tokens, else on CUDA `gpu_memory_utilization` of the GPU's memory less the weights
@@ -181,11 +204,6 @@ class Engine:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
         if request.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {request.max_new_tokens}")
-        if len(request.prompt_ids) > self.max_num_batched_tokens:
-            raise ValueError(
-                f"a prompt of {len(request.prompt_ids)} tokens exceeds max_num_batched_tokens "
-                f"({self.max_num_batched_tokens}); raise it or shorten the prompt"
-            )
         cache = self.kv_cache
         tokens = _Sequence(-1, request).capacity
         if cache.blocks_for(tokens) > cache.num_blocks:
@@ -221,24 +239,36 @@ class Engine:
         self.cache_tokens_used -= seq.capacity
 
     def schedule(self) -> list[_Scheduled]:
-        """One decode token per running sequence, then whole prompts while the token budget and the free
-        cache blocks last. The queue is first come, first served: when its head does not fit, it waits."""
+        """One decode token per running sequence that finished its prompt, then the next chunk of every
+        running prompt, then new prompts, while the token budget and the free cache blocks last. A chunk
+        is the rest of its prompt or the rest of the budget, whichever is smaller. The queue is first
+        come, first served: when its head does not fit the cache, it waits."""
         budget = self.max_num_batched_tokens
-        out = []
-        for seq in self.running[:budget]:
-            out.append(_Scheduled(seq, seq.token_ids[-1:], seq.num_cached))
+        out = [_Scheduled(seq, seq.token_ids[-1:], seq.num_cached) for seq in self.running if not seq.prefilling]
+        out = out[:budget]
         budget -= len(out)
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        for seq in self.running:
+            if budget == 0:
+                break
+            if seq.prefilling:
+                out.append(self._chunk(seq, budget))
+                budget -= len(out[-1].input_ids)
+        while budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = len(seq.request.prompt_ids)
-            if n > budget or not self.can_allocate(seq):
+            if not self.can_allocate(seq):
                 break
             self.waiting.popleft()
             self.allocate(seq)
             self.running.append(seq)
-            out.append(_Scheduled(seq, list(seq.request.prompt_ids), 0))
-            budget -= n
+            out.append(self._chunk(seq, budget))
+            budget -= len(out[-1].input_ids)
         return out
+
+    @staticmethod
+    def _chunk(seq: _Sequence, budget: int) -> _Scheduled:
+        """The next `budget` (at most) uncached prompt tokens of `seq`."""
+        start = seq.num_cached
+        return _Scheduled(seq, list(seq.request.prompt_ids[start : start + budget]), start)
 
     # --- the step ---
 
@@ -252,7 +282,13 @@ class Engine:
         scheduled = self.schedule()
         query_lens = [len(s.input_ids) for s in scheduled]
         context_lens = [s.start for s in scheduled]
-        graphs = self.cuda_graphs if self.cuda_graphs and self.cuda_graphs.handles(query_lens, context_lens) else None
+        # Only pure decode steps replay a graph; a step with a prompt chunk (even a one-token one) runs eager.
+        pure_decode = all(s.is_decode for s in scheduled)
+        graphs = (
+            self.cuda_graphs
+            if self.cuda_graphs and pure_decode and self.cuda_graphs.handles(query_lens, context_lens)
+            else None
+        )
         batch = Batch(
             slots=[s.seq.slot for s in scheduled],
             query_lens=query_lens,
@@ -261,7 +297,9 @@ class Engine:
         )
         input_ids = [t for s in scheduled for t in s.input_ids]
         positions = [s.start + i for s in scheduled for i in range(len(s.input_ids))]
-        last_rows = [start + n - 1 for start, n in zip(batch.starts, query_lens, strict=True)]
+        last_rows = [  # the rows sampled: decodes and the last row of every chunk that ends its prompt
+            start + n - 1 for s, start, n in zip(scheduled, batch.starts, query_lens, strict=True) if s.samples
+        ]
         ids, pos, last = self.kv_cache.prepare(
             batch, *(torch.tensor(v, dtype=torch.long) for v in (input_ids, positions, last_rows))
         )
@@ -275,23 +313,34 @@ class Engine:
     def _postprocess(
         self, scheduled: list[_Scheduled], batch: Batch, hidden: torch.Tensor, last_rows: torch.Tensor
     ) -> list[Output]:
-        """Sample every sequence at once: one lm_head call and one device->host copy per step."""
-        logprobs = torch.log_softmax(self.model.compute_logits(hidden[last_rows]), dim=-1)  # [B, V] fp32
-        sampling = [s.seq.request.sampling for s in scheduled]
-        positions = [len(s.seq.request.prompt_ids) + len(s.seq.token_ids) for s in scheduled]
-        best = sample(logprobs, sampling, positions)  # [B]; greedy rows: logprobs.argmax
-        picked = logprobs.gather(1, best[:, None]).squeeze(1)  # [B]
-        tokens, token_logprobs = torch.stack([best.double(), picked.double()]).tolist()
+        """Sample every sequence that ends its prompt or decodes, at once: one lm_head call and one
+        device->host copy per step; a chunk in the middle of a prompt is only cached (and scored)."""
+        sampled = [s for s in scheduled if s.samples]
+        tokens: list[float] = []
+        token_logprobs: list[float] = []
+        if sampled:
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[last_rows]), dim=-1)  # [B, V] fp32
+            sampling = [s.seq.request.sampling for s in sampled]
+            positions = [len(s.seq.request.prompt_ids) + len(s.seq.token_ids) for s in sampled]
+            best = sample(logprobs, sampling, positions)  # [B]; greedy rows: logprobs.argmax
+            picked = logprobs.gather(1, best[:, None]).squeeze(1)  # [B]
+            tokens, token_logprobs = torch.stack([best.double(), picked.double()]).tolist()
         for s, first, n in zip(scheduled, batch.starts, batch.query_lens, strict=True):
-            if s.start != 0 or not s.seq.request.prompt_logprobs:
-                continue  # prompt scoring is rare: its own lm_head call over the prompt
-            rows = torch.log_softmax(self.model.compute_logits(hidden[first : first + n - 1]), dim=-1)  # [n-1, V]
-            targets = torch.tensor(s.seq.request.prompt_ids[1:], device=rows.device)
-            s.seq.prompt_logprobs = [None, *rows.gather(1, targets[:, None]).squeeze(1).tolist()]
+            prompt = s.seq.request.prompt_ids
+            if s.is_decode or not s.seq.request.prompt_logprobs:
+                continue  # prompt scoring is rare: its own lm_head call over the chunk
+            if s.start == 0:
+                s.seq.prompt_logprobs = [None]
+            scored = min(n, len(prompt) - 1 - s.start)  # rows whose next token is still a prompt token
+            if scored > 0:
+                rows = torch.log_softmax(self.model.compute_logits(hidden[first : first + scored]), dim=-1)
+                targets = torch.tensor(prompt[s.start + 1 : s.start + 1 + scored], device=rows.device)
+                s.seq.prompt_logprobs += rows.gather(1, targets[:, None]).squeeze(1).tolist()
+        for s in scheduled:
+            s.seq.num_cached = s.start + len(s.input_ids)
         finished = []
-        for s, token, logprob in zip(scheduled, tokens, token_logprobs, strict=True):
+        for s, token, logprob in zip(sampled, tokens, token_logprobs, strict=True):
             seq = s.seq
-            seq.num_cached = s.start + len(s.input_ids)
             if len(seq.token_ids) < seq.request.max_new_tokens:
                 seq.token_ids.append(int(token))
                 seq.logprobs.append(float(logprob))
@@ -351,9 +400,12 @@ def generate(
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {config.vocab_size})")
     attn = load_attention_model(model, dtype=dtype, device=device, gate_on_attention=gate_on_attention, seed=seed)
     ffn = load_ffn_model(model, dtype=dtype, device=device, gate_on_attention=gate_on_attention, seed=seed)
-    budget = max(max_num_batched_tokens or 8192, max(len(p) for p in prompts))
     engine = Engine(
-        attn, LocalExchange(ffn), budget, enforce_eager=enforce_eager, **(cache or CacheOptions()).engine_kwargs()
+        attn,
+        LocalExchange(ffn),
+        max_num_batched_tokens or 8192,
+        enforce_eager=enforce_eager,
+        **(cache or CacheOptions()).engine_kwargs(),
     )
     for p in prompts:
         engine.add(Request(list(p), max_new_tokens, prompt_logprobs, sampling))
