@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from e2e_util import Leftovers, afd_worker, kill_all, start_long_launch, wait_for_workers, wait_gone
 
-from afd import cli, resources, signals
+from afd import cli, cli_input, resources, signals
 from afd.cli import UsageError
 from afd.config import ConfigError, parse_config
 from afd.runtime.launch import free_port
@@ -55,7 +55,7 @@ def main_exit(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str]:
     ],
 )
 def test_prompt_ids_grammar_accepts(text: str, prompts: list[list[int]]) -> None:
-    assert cli.parse_prompt_ids(text) == prompts
+    assert cli_input.parse_prompt_ids(text) == prompts
 
 
 @pytest.mark.parametrize(
@@ -82,7 +82,7 @@ def test_prompt_ids_grammar_accepts(text: str, prompts: list[list[int]]) -> None
 )
 def test_prompt_ids_grammar_refuses_with_one_sentence(text: str, message: str) -> None:
     with pytest.raises(UsageError, match=re.escape(message)):
-        cli.parse_prompt_ids(text)
+        cli_input.parse_prompt_ids(text)
 
 
 def test_empty_prompt_ids_is_one_sentence_not_a_type_error() -> None:
@@ -114,16 +114,16 @@ def test_fifo_and_device_are_refused_at_once(tmp_path: Path) -> None:
 def test_prompts_file_size_is_bounded(tmp_path: Path) -> None:
     path = tmp_path / "huge.jsonl"
     with open(path, "wb") as f:
-        f.truncate(cli.MAX_PROMPTS_FILE_BYTES + 1)  # sparse: costs no disk
+        f.truncate(cli_input.MAX_PROMPTS_FILE_BYTES + 1)  # sparse: costs no disk
     with pytest.raises(UsageError, match="is larger than"):
-        cli.read_prompts_file(str(path))
+        cli_input.read_prompts_file(str(path))
 
 
 def test_prompts_line_with_a_duplicate_key(tmp_path: Path) -> None:
     path = tmp_path / "dup.jsonl"
     path.write_text('{"prompt_ids": [1]}\n{"prompt_ids": [1, 2], "prompt_ids": [3]}\n')
     with pytest.raises(UsageError, match="line 2 of .* gives the key 'prompt_ids' twice"):
-        cli.read_prompts_file(str(path))
+        cli_input.read_prompts_file(str(path))
 
 
 # ---------------------------------------------------------------- the model's positions
@@ -435,13 +435,13 @@ def test_every_flag_has_help_and_shows_its_default() -> None:
     ],
 )
 def test_connector_list(text: str, names: tuple[str, ...]) -> None:
-    assert cli.connector_list(text) == names
+    assert cli_input.connector_list(text) == names
 
 
 @pytest.mark.parametrize("text", ["", "p2p,", "nccl", "p2p,nccl", "P2P"])
 def test_connector_list_refuses(text: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError, match="--connectors takes p2p and/or async"):
-        cli.connector_list(text)
+        cli_input.connector_list(text)
 
 
 def test_demo_runs_the_connectors_and_device_it_is_given(capsys: pytest.CaptureFixture, monkeypatch) -> None:
