@@ -69,6 +69,16 @@ class StandInFFN:
         chunks = x_grouped.split(group_sizes)
         return torch.cat([self.expert(layer, e, c) for e, c in zip(self.expert_range, chunks, strict=True)])
 
+    def experts_topk(self, layer: int, x: torch.Tensor, routing) -> torch.Tensor:
+        """Weighted sum over the (t, k) pairs whose expert is local, fp32 (the F = 1 path)."""
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for t in range(x.shape[0]):
+            for k in range(K):
+                e = int(routing.topk_ids[t, k])
+                if e in self.expert_range:
+                    out[t] += routing.topk_weights[t, k] * self.expert(layer, e, x[t : t + 1])[0]
+        return out
+
     def shared(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         return 0.5 * x + 0.1 * (layer + 1)
 

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import torch
 
 from afd.distributed import Group, World, device_for
+from afd.moe import Routing
 from afd.topology import SyncTopology, even_split, expert_ranges
 
 logger = logging.getLogger(__name__)
@@ -382,14 +383,15 @@ class P2pFFNLoop:
 
     def _moe(self, layer_idx: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x: [N, H], ids/weights: [N, K] -> [N, H]; joins the EP all-to-all even when N == 0."""
-        plan = plan_ep_dispatch(ids, weights, self.num_experts, self.topology.num_ffn)
-        send_rows = x[plan.token]  # [P, H], sorted by (owner, local expert)
-        if self.topology.num_ffn == 1:  # every expert is local and the pairs are grouped already
-            back = self.model.experts(layer_idx, send_rows, plan.counts[0].tolist()).to(x.dtype)  # [P, H]
+        if self.topology.num_ffn == 1:
+            # every expert is local: no all-to-all, and the reference's own routed path (no host sync on CUDA bf16)
+            acc = self.model.experts_topk(layer_idx, x, Routing(ids, weights))  # [N, H] fp32
         else:
+            plan = plan_ep_dispatch(ids, weights, self.num_experts, self.topology.num_ffn)
+            send_rows = x[plan.token]  # [P, H], sorted by (owner, local expert)
             back = self._expert_all_to_all(layer_idx, plan, send_rows)  # [P, H]
-        acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [N, H] fp32
-        acc.index_add_(0, plan.token, back.float() * plan.weight[:, None])
+            acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [N, H] fp32
+            acc.index_add_(0, plan.token, back.float() * plan.weight[:, None])
         if x.shape[0]:
             shared = self.model.shared(layer_idx, x)
             if shared is not None:
