@@ -62,6 +62,39 @@ def hand_config(connector: str, num_attention: int, num_ffn: int, *, port: int, 
     }
 
 
+def launch_checked(
+    connector: str,
+    num_attention: int,
+    num_ffn: int,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    max_num_batched_tokens: int,
+    run_dir: Path | None = None,
+    **extra_config: object,
+) -> tuple[list[Output], dict]:
+    """`afd launch` of tiny fp32 with prompt logprobs, asserting it left no worker and no segment behind."""
+    from afd.config import parse_config
+    from afd.runtime.launch import RunSpec, free_port, launch
+
+    config = parse_config(hand_config(connector, num_attention, num_ffn, port=free_port(), **extra_config))
+    spec = RunSpec(
+        model=MODEL,
+        dtype="float32",
+        max_new_tokens=max_new_tokens,
+        prompt_logprobs=True,
+        max_num_batched_tokens=max_num_batched_tokens,
+        timeout_s=90,
+    )
+    leftovers = Leftovers()
+    try:
+        outputs, stats = launch(config, spec, prompts, run_dir=run_dir)
+        leftovers.check()
+    finally:
+        leftovers.cleanup()
+    return outputs, stats
+
+
 def afd_worker(config: dict, role: str, rank: int, *extra: str, bind_host: str | None = None) -> subprocess.Popen:
     """One `afd worker` rank started by hand, in its own process group.
 

@@ -21,6 +21,7 @@ from e2e_util import (
     assert_matches_reference,
     hand_config,
     kill_all,
+    launch_checked,
     role_of,
     start_long_launch,
     wait_for_workers,
@@ -28,9 +29,8 @@ from e2e_util import (
     wait_until_mapped,
 )
 
-from afd.config import parse_config
 from afd.engine import generate
-from afd.runtime.launch import RunSpec, free_port, launch
+from afd.runtime.launch import free_port
 
 VOCAB = 256  # the tiny preset
 
@@ -61,30 +61,16 @@ def run_async(
     max_num_batched_tokens: int = 2048,
     run_dir: Path | None = None,
 ):
-    config = parse_config(
-        {
-            "connector": "async",
-            "num_attention_ranks": num_attn,
-            "num_ffn_ranks": num_ffn,
-            "port": free_port(),
-            "connector_extra_config": {"recv_poll_timeout_ms": 100},
-        }
-    )
-    spec = RunSpec(
-        model=MODEL,
-        dtype="float32",
+    return launch_checked(
+        "async",
+        num_attn,
+        num_ffn,
+        prompts,
         max_new_tokens=max_new_tokens,
-        prompt_logprobs=True,
         max_num_batched_tokens=max_num_batched_tokens,
-        timeout_s=90,
+        run_dir=run_dir,
+        recv_poll_timeout_ms=100,
     )
-    leftovers = Leftovers()
-    try:
-        outputs, stats = launch(config, spec, prompts, run_dir=run_dir)
-        leftovers.check()
-    finally:
-        leftovers.cleanup()
-    return outputs, stats
 
 
 def reference(prompts: list[list[int]], max_new_tokens: int = MAX_NEW_TOKENS):

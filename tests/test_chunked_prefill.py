@@ -11,12 +11,10 @@ import math
 import random
 
 import pytest
-from e2e_util import MODEL, Leftovers
+from e2e_util import MODEL, launch_checked
 
 from afd.cli import build_parser, run_spec
-from afd.config import parse_config
 from afd.engine import Engine, LocalExchange, Output, Request, generate
-from afd.runtime.launch import RunSpec, free_port, launch
 from afd.sampling import SamplingParams
 from afd.weights import load_attention_model, load_ffn_model
 
@@ -154,29 +152,9 @@ def test_launched_1a1f_with_a_small_budget_equals_reference(models, connector: s
     """1A1F with an 8-token budget and a 30-token prompt: the attention rank chunks the prefill (as many
     steps as the in-process engine) and every output equals the whole-prefill reference."""
     extra = {"timeout_s": 60} if connector == "p2p" else {"recv_poll_timeout_ms": 100}
-    config = parse_config(
-        {
-            "connector": connector,
-            "num_attention_ranks": 1,
-            "num_ffn_ranks": 1,
-            "port": free_port(),
-            "connector_extra_config": extra,
-        }
+    outputs, stats = launch_checked(
+        connector, 1, 1, E2E_PROMPTS, max_new_tokens=E2E_NEW, max_num_batched_tokens=E2E_BUDGET, **extra
     )
-    spec = RunSpec(
-        model=MODEL,
-        dtype="float32",
-        max_new_tokens=E2E_NEW,
-        prompt_logprobs=True,
-        max_num_batched_tokens=E2E_BUDGET,
-        timeout_s=90,
-    )
-    leftovers = Leftovers()
-    try:
-        outputs, stats = launch(config, spec, E2E_PROMPTS)
-        leftovers.check()
-    finally:
-        leftovers.cleanup()
     assert_same(outputs, whole(E2E_PROMPTS, E2E_NEW), tol=1e-4)
     (replica,) = stats["replicas"]
     assert replica["num_steps"] == steps_in_process(models) >= math.ceil(sum(map(len, E2E_PROMPTS)) / E2E_BUDGET)
