@@ -1,11 +1,43 @@
+import os
 import uuid
 
 import pytest
+import torch
 from hypothesis import settings
 
 # CI has 2 slow cores: judge hypothesis tests on their examples, not on wall time.
 settings.register_profile("afd", deadline=None, max_examples=200)
 settings.load_profile("afd")
+
+# Without a GPU the Triton kernels' tests run them in Triton's interpreter (fp32 on CPU tensors). Set before any
+# kernel module is imported, so its @triton.jit functions are built for the interpreter.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _interpreter_reads_one_element_scalars() -> None:
+    """Triton 3.6's interpreter turns a scalar (a one-element NumPy array) into a loop bound with `int(array)`,
+    which NumPy >= 2.4 refuses (triton-lang/triton#9171), so every loop with a run-time bound fails on CPU.
+    Read the one element instead. Test-only: compiled kernels never see it."""
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_afd_patched", False):
+        return
+
+    def patched(tensor, scope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._afd_patched = True
+    interpreter._patch_lang_tensor = patched
+
+
+_interpreter_reads_one_element_scalars()
 
 
 @pytest.fixture(autouse=True)

@@ -112,6 +112,37 @@ def test_padded_decode_steps_equal_unpadded_ones_across_block_boundaries(tiny) -
     assert got1[0].logprobs == pytest.approx(want1[0].logprobs, abs=1e-5)
 
 
+class _RealRowsOnly:
+    """A disaggregated exchange's view: records the rows it was asked for, answers as the local one does."""
+
+    def __init__(self, local: LocalExchange) -> None:
+        self.local, self.rows_seen = local, []
+
+    def __call__(self, layer_idx, x, routing):
+        self.rows_seen.append(x.shape[0])
+        return self.local(layer_idx, x, routing)
+
+
+@pytest.mark.timeout(120)
+def test_segmented_padded_steps_send_only_real_rows_and_equal_unpadded_ones(tiny) -> None:
+    """The piecewise layout of disaggregated ranks (graphs between exchanges), run eagerly on CPU: a batch of
+    7 decodes padded to bucket 8 hands the exchange exactly 7 rows at every boundary layer (what p2p's
+    begin_step announced) and gives the unpadded engine's tokens and logprobs (1e-5, fp32)."""
+    attn, ffn = tiny
+    _, want = _run(tiny, PROMPTS, 9, padded=False)
+    exchange = _RealRowsOnly(LocalExchange(ffn))
+    engine = Engine(attn, exchange, 64, block_size=BLOCK, max_num_seqs=8)
+    engine.cuda_graphs = DecodeGraphRunner(attn, exchange, engine.kv_cache, 8, capture=False, segmented=True)
+    for p in PROMPTS:
+        engine.add(Request(list(p), 9))
+    got = engine.run()
+    assert {n for n, _ in engine.cuda_graphs.captured} == {8}
+    assert 8 not in exchange.rows_seen and exchange.rows_seen.count(7) >= len(attn.boundary_layers)
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids
+        assert g.logprobs == pytest.approx(w.logprobs, abs=1e-5)
+
+
 def test_prefill_and_mixed_steps_do_not_take_the_graph() -> None:
     runner = DecodeGraphRunner.__new__(DecodeGraphRunner)
     runner.buckets, runner.disabled = batch_buckets(8), False

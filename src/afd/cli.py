@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from afd import signals
+from afd import cli_serve, signals
 from afd.cli_input import (
     UsageError,
     batched_tokens,
@@ -382,24 +382,28 @@ def cmd_worker(args: argparse.Namespace) -> int:
     role = args.role or config.role
     if role is None:
         raise UsageError("the rank's role is unknown; pass --role attention or --role ffn (or set role in the config)")
-    size = config.num_attention_ranks if role == "attention" else config.num_ffn_ranks
+    size = {"attention": config.num_attention_ranks, "ffn": config.num_ffn_ranks, "replica": args.replicas}[role]
     if args.rank >= size:
         raise UsageError(f"--rank {args.rank} is out of range for {size} {role} rank(s)")
     prompts = read_prompts(args, allow_empty=True)  # a replica may legitimately get no prompt
-    if prompts and role != "attention":
+    if prompts and role == "ffn":
         raise UsageError("prompts go to attention ranks; an FFN rank takes none")
+    if prompts and args.serve_address:
+        raise UsageError("a rank serving a front end (--serve-address) takes its requests from it, not prompts")
     check_prompts(args.model, prompts, args.device, args.max_new_tokens)
     check_cache_fits(args, prompts)
     job = RankJob(
         config=config,
         role=role,
         role_rank=args.rank,
-        spec=run_spec(args, prompts),
+        spec=run_spec(args, prompts, max_model_len=args.max_model_len),
         prompts=tuple(tuple(p) for p in prompts),
         output_path=Path(args.output) if args.output else None,
         run_token=args.run_token,
         local_host=args.bind_host,
         device_index=worker_gpu(args),
+        serve_address=args.serve_address,
+        num_replicas=args.replicas,
     )
     name = f"{role} rank {args.rank}"
     log = logging.getLogger("afd.worker")
@@ -433,10 +437,31 @@ def worker_gpu(args: argparse.Namespace) -> int | None:
         raise UsageError(str(exc)) from None
 
 
+def serve_address(text: str) -> tuple[str, int]:
+    """`--serve-address HOST:PORT` (an IPv6 host in brackets); one sentence when it is not that."""
+    host, sep, port = text.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT with a port between 1 and 65535, got {text!r}")
+    return host, int(port)
+
+
 def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="AFD config (file or JSON); the flags below override its keys")
-    p.add_argument("--role", choices=["attention", "ffn"], help="this rank's role (overrides the config's)")
+    p.add_argument(
+        "--role",
+        choices=["attention", "ffn", "replica"],
+        help="this rank's role (overrides the config's); replica: the whole model in one process (connector none)",
+    )
     p.add_argument("--rank", type=non_negative_int, required=True, help="role rank")
+    p.add_argument("--replicas", type=rank_count, default=1, help="--role replica: replicas of the run")
+    p.add_argument(
+        "--serve-address",
+        type=serve_address,
+        help="HOST:PORT of an afd serve front end: attention ranks and replicas serve its requests instead of "
+        "a prompts file (set by afd serve; the link is keyed with AFD_SECRET)",
+    )
+    p.add_argument("--max-model-len", type=positive_int, help="positions a request may take (default: the model's)")
     p.add_argument("--connector", choices=["p2p", "async"], help="overrides the config's connector")
     p.add_argument("--attention", type=rank_count, help="num_attention_ranks (overrides the config's)")
     p.add_argument("--ffn", type=rank_count, help="num_ffn_ranks (overrides the config's)")
@@ -561,6 +586,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("worker", help="start one rank (by hand, e.g. on another host)")
     add_worker_arguments(p)
     p.set_defaults(func=cmd_worker)
+    cli_serve.add_serve_parser(sub)
     p = sub.add_parser("demo", help="the embedded end-to-end check: reference vs every connector, on CPU")
     p.add_argument("--model", default="tiny", help="checkpoint directory or preset")
     p.add_argument("--attention", type=rank_count, default=2, help="attention ranks (A) of each connector run")
@@ -590,7 +616,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_skip_resource_check(p)
     p.set_defaults(func=cmd_bench)
     # `afd bench step`: a sub-command of bench; `afd bench` without it keeps its flags and behaviour
-    steps = p.add_subparsers(dest="bench_command", parser_class=_Parser, metavar="{step}")
+    steps = p.add_subparsers(dest="bench_command", parser_class=_Parser, metavar="{step,serve}")
     s = steps.add_parser("step", help="the reference engine's step time beside its memory-bound floor")
     s.add_argument("--model", default="tiny", help="checkpoint directory or preset")
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights dtype")
@@ -603,6 +629,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--steps", type=positive_int, default=10, help="timed steps per point (median)")
     s.add_argument("--json", help="also write the raw result (JSON) to this file")
     s.set_defaults(func=cmd_bench_step)
+    cli_serve.add_bench_serve_parser(steps)
     return parser
 
 

@@ -16,21 +16,25 @@ cache's scratch row (`PagedLatentCache.scratch_row`, never read), their context 
 null block with length 1 (a finite, all-zero attention), and every op of the step is row-wise in the
 batch, so real rows come out as an unpadded batched step computes them.
 
-Only the in-process `LocalExchange` is graphed (the engine decides): the disaggregated exchanges (p2p,
-async) cross process boundaries per layer and stay eager for now. CPU never captures.
+With the in-process `LocalExchange` the whole step is one graph. A disaggregated exchange (p2p, async)
+crosses processes at every boundary layer, so there the step is captured piecewise (`segmented=True`):
+one graph from the input to the first boundary, one between each two boundaries, one to the output
+(`AttentionModel.forward_segments`), and the exchange runs eagerly between replays on the real rows only
+(padding rows get a zero answer), so the FFN side sees exactly the step the engine announced. Capture
+never calls the exchange (a p2p FFN rank would take it for a step). CPU never captures.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from afd.kv_cache import NULL_BLOCK, PagedLatentCache
-from afd.model import AttentionModel, Batch, Exchange
-from afd.moe import _grouped_mm_supported
+from afd.model import AttentionModel, Batch, Boundary, Exchange, run_segments
+from afd.moe import Routing, _grouped_mm_supported
 
 logger = logging.getLogger(__name__)
 
@@ -126,8 +130,27 @@ def fill_static_inputs(
 class _Graph:
     static: StaticInputs
     batch: Batch
-    graph: torch.cuda.CUDAGraph | None  # None: run the padded batch eagerly (`capture=False`)
-    output: torch.Tensor | None  # [n, H] the graph's output buffer
+    graphs: list[torch.cuda.CUDAGraph]  # empty: run the padded batch eagerly (`capture=False`)
+    output: torch.Tensor | None  # [n, H] the last graph's output buffer
+    boundaries: list[Boundary] = field(default_factory=list)  # segmented: what graph i leaves for the exchange
+    answers: list[torch.Tensor] = field(default_factory=list)  # segmented: [n, H] what graph i + 1 reads
+
+
+def _resume(segments, answer: torch.Tensor | None) -> tuple[Boundary | None, torch.Tensor | None]:
+    """One piece of a `forward_segments` generator: (next boundary, None) or (None, final output)."""
+    try:
+        return (next(segments) if answer is None else segments.send(answer)), None
+    except StopIteration as end:
+        return None, end.value
+
+
+def _zero_answers(layer_idx: int, x: torch.Tensor, routing: Routing | None) -> torch.Tensor:
+    """The stand-in exchange of warm-up and capture: never crosses to the FFN side."""
+    return torch.zeros_like(x)
+
+
+def _head(routing: Routing | None, n: int) -> Routing | None:
+    return None if routing is None else Routing(routing.topk_ids[:n], routing.topk_weights[:n])
 
 
 def capture_safe_moe(ffn_model: torch.nn.Module) -> bool:
@@ -156,8 +179,10 @@ class DecodeGraphRunner:
         max_num_seqs: int,
         *,
         capture: bool = True,
+        segmented: bool = False,
     ) -> None:
         self.model, self.exchange, self.kv_cache = model, exchange, kv_cache
+        self.segmented = segmented
         self.buckets = batch_buckets(max_num_seqs)
         self.capture = capture
         self.disabled = False
@@ -227,19 +252,18 @@ class DecodeGraphRunner:
         )
         batch = static.batch()
         if not self.capture:
-            self._graphs[key] = _Graph(static, batch, None, None)
+            self._graphs[key] = _Graph(static, batch, [], None)
             return self._graphs[key]
         start = time.perf_counter()
+        exchange = _zero_answers if self.segmented else self.exchange
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm-up: lazy initialisation, library workspaces, autotuning
                 for _ in range(2):
-                    self._forward(static, batch)
+                    self._forward(static, batch, exchange)
             torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                output = self._forward(static, batch)
+            graph = self._capture_segments(static, batch) if self.segmented else self._capture_whole(static, batch)
             torch.cuda.synchronize()
         except RuntimeError:
             logger.exception(
@@ -247,18 +271,55 @@ class DecodeGraphRunner:
             )
             self.disabled = True
             return None
-        self._graphs[key] = _Graph(static, batch, graph, output)
+        self._graphs[key] = graph
         logger.info(
-            "captured the decode CUDA graph of %d sequences x %d context rows in %.0f ms (%d graphs)",
+            "captured the decode CUDA graph%s of %d sequences x %d context rows in %.0f ms (%d layouts)",
+            f"s ({len(graph.graphs)} pieces)" if self.segmented else "",
             n,
             L,
             (time.perf_counter() - start) * 1e3,
             len(self._graphs),
         )
-        return self._graphs[key]
+        return graph
 
-    def _forward(self, static: StaticInputs, batch: Batch) -> torch.Tensor:
-        return self.model(static.input_ids, static.positions, batch, self.kv_cache, self.exchange)
+    def _capture_whole(self, static: StaticInputs, batch: Batch) -> _Graph:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            output = self._forward(static, batch, self.exchange)
+        return _Graph(static, batch, [graph], output)
+
+    def _capture_segments(self, static: StaticInputs, batch: Batch) -> _Graph:
+        """One graph per piece between exchanges; each answer buffer is allocated before the piece reading it."""
+        segments = self.model.forward_segments(static.input_ids, static.positions, batch, self.kv_cache)
+        captured = _Graph(static, batch, [], None)
+        answer = None
+        while True:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                boundary, output = _resume(segments, answer)
+            captured.graphs.append(graph)
+            if boundary is None:
+                captured.output = output
+                return captured
+            answer = torch.zeros_like(boundary.hidden)  # [n, H], padding rows stay zero
+            captured.boundaries.append(boundary)
+            captured.answers.append(answer)
+
+    def _real_rows_exchange(self, num_real: int) -> Exchange:
+        """Segmented: the exchange sees only the step's real rows, padding rows get zeros (as in replay)."""
+        if not self.segmented:
+            return self.exchange
+
+        def exchange(layer_idx: int, x: torch.Tensor, routing: Routing | None) -> torch.Tensor:
+            answer = torch.zeros_like(x)
+            answer[:num_real] = self.exchange(layer_idx, x[:num_real], _head(routing, num_real))
+            return answer
+
+        return exchange
+
+    def _forward(self, static: StaticInputs, batch: Batch, exchange: Exchange) -> torch.Tensor:
+        segments = self.model.forward_segments(static.input_ids, static.positions, batch, self.kv_cache)
+        return run_segments(segments, exchange)
 
     def forward(self, batch: Batch, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """Hidden states [B, H] of a prepared all-decode step (`batch.batch_decodes`), from its graph; None
@@ -279,7 +340,10 @@ class DecodeGraphRunner:
             batch.decode_valid,
             scratch_row=self.kv_cache.scratch_row,
         )
-        if graph.graph is None:
-            return self._forward(graph.static, graph.batch)[:B]
-        graph.graph.replay()
+        if not graph.graphs:  # `capture=False`: the same padded step, eagerly
+            return self._forward(graph.static, graph.batch, self._real_rows_exchange(B))[:B]
+        graph.graphs[0].replay()
+        for boundary, answer, piece in zip(graph.boundaries, graph.answers, graph.graphs[1:], strict=True):
+            answer[:B].copy_(self.exchange(boundary.layer_idx, boundary.hidden[:B], _head(boundary.routing, B)))
+            piece.replay()
         return graph.output[:B]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,13 +42,15 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Request:
-    """A prompt to continue for `max_new_tokens` tokens (no stop on EOS); greedy unless `sampling` says
-    otherwise (`afd.sampling`: temperature, top-p, top-k, seed)."""
+    """A prompt to continue for `max_new_tokens` tokens; greedy unless `sampling` says otherwise
+    (`afd.sampling`: temperature, top-p, top-k, seed). A sampled token in `stop_token_ids` (EOS, for a
+    server) ends the request after it is emitted; nothing stops it otherwise."""
 
     prompt_ids: list[int]
     max_new_tokens: int
     prompt_logprobs: bool = False
     sampling: SamplingParams | None = None
+    stop_token_ids: Sequence[int] = ()
 
 
 @dataclass
@@ -61,6 +64,7 @@ class Output:
     logprobs: list[float]
     prompt_logprobs: list[float | None] | None
     request_id: int = -1
+    finish_reason: str = "length"  # "length" (max_new_tokens), "stop" (a stop token) or "abort"
 
     def to_json(self) -> dict:
         """The four public fields (the `afd generate --json` object), without the request id."""
@@ -70,6 +74,24 @@ class Output:
             "logprobs": self.logprobs,
             "prompt_logprobs": self.prompt_logprobs,
         }
+
+
+@dataclass(frozen=True, slots=True)
+class StepToken:
+    """One token a step appended to a request (what a server streams)."""
+
+    request_id: int
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What a router weighs: sequences running and waiting, and the share of KV-cache blocks in use (0..1)."""
+
+    running: int
+    waiting: int
+    cache_usage: float
 
 
 class LocalExchange:
@@ -91,6 +113,7 @@ class _Sequence:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     prompt_logprobs: list[float | None] | None = None
+    stop_ids: frozenset[int] = frozenset()
 
     @property
     def capacity(self) -> int:
@@ -158,6 +181,7 @@ class Engine:
         dtype = model.embed_tokens.weight.dtype
         config = model.config
         max_model_len = max_model_len or config.max_position_embeddings
+        self.max_model_len = max_model_len
         if num_blocks is None:
             cuda = self.device.type == "cuda"
             num_blocks = num_cache_blocks(
@@ -179,19 +203,27 @@ class Engine:
             max_blocks_per_seq=blocks_needed(max_model_len, block_size),
         )
         logger.info("KV cache: %s", self.kv_cache.describe())
-        # Decode steps replay CUDA graphs (afd.cuda_graph) on CUDA with the in-process exchange only: a
-        # disaggregated exchange crosses processes per layer and stays eager; `enforce_eager` turns graphs off.
+        # Decode steps replay CUDA graphs (afd.cuda_graph) on CUDA: one per step with the in-process exchange, one
+        # per piece between exchanges with a disaggregated one (it crosses processes at every boundary layer and
+        # runs eagerly between replays); `enforce_eager` turns graphs off.
         self.cuda_graphs: DecodeGraphRunner | None = None
-        if not enforce_eager and self.device.type == "cuda" and isinstance(exchange, LocalExchange):
-            if capture_safe_moe(exchange.ffn_model):
-                self.cuda_graphs = DecodeGraphRunner(model, exchange, self.kv_cache, max_num_seqs)
-                logger.info("decode CUDA graphs on, batch buckets %s", self.cuda_graphs.buckets)
-            else:
+        if not enforce_eager and self.device.type == "cuda":
+            local = isinstance(exchange, LocalExchange)
+            if local and not capture_safe_moe(exchange.ffn_model):
                 logger.info("decode CUDA graphs off: the routed experts of %s have no fixed-shape path", dtype)
+            else:
+                self.cuda_graphs = DecodeGraphRunner(model, exchange, self.kv_cache, max_num_seqs, segmented=not local)
+                logger.info(
+                    "decode CUDA graphs on (%s), batch buckets %s",
+                    "whole step" if local else "pieces between exchanges",
+                    self.cuda_graphs.buckets,
+                )
         self.waiting: deque[_Sequence] = deque()
         self.running: list[_Sequence] = []
+        self._live: dict[int, _Sequence] = {}  # request id -> its sequence, waiting or running
         self.cache_tokens_used = 0  # tokens reserved by running sequences (their capacities)
         self._next_id = 0
+        self.last_step_tokens: list[StepToken] = []  # every token the last step appended, in batch order
 
     # --- requests ---
 
@@ -217,13 +249,30 @@ class Engine:
     def add(self, request: Request) -> int:
         """Queue a request; returns its id (carried by its Output)."""
         self.validate(request)
-        seq = _Sequence(self._next_id, request)
+        seq = _Sequence(self._next_id, request, stop_ids=frozenset(int(t) for t in request.stop_token_ids))
         self._next_id += 1
         self.waiting.append(seq)
+        self._live[seq.request_id] = seq
         return seq.request_id
+
+    def abort(self, request_id: int) -> Output | None:
+        """Stop a waiting or running request now and free its cache blocks; its Output (reason "abort")
+        holds what it generated so far. An unknown or finished id is a no-op (None): a client's abort may
+        cross its request's end."""
+        seq = self._live.get(request_id)
+        if seq is None:
+            return None
+        if seq in self.running:
+            return self._finish(seq, "abort")
+        self.waiting.remove(seq)
+        return self._output(seq, "abort")
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def load(self) -> EngineLoad:
+        pool = self.kv_cache.pool
+        return EngineLoad(len(self.running), len(self.waiting), 1.0 - pool.num_free / pool.num_blocks)
 
     # --- scheduling and cache bookkeeping ---
 
@@ -280,6 +329,8 @@ class Engine:
         device->host: one copy of the sampled tokens and their logprobs.
         """
         scheduled = self.schedule()
+        if not scheduled:
+            return self._idle_step()
         query_lens = [len(s.input_ids) for s in scheduled]
         context_lens = [s.start for s in scheduled]
         # Only pure decode steps replay a graph; a step with a prompt chunk (even a one-token one) runs eager.
@@ -310,6 +361,24 @@ class Engine:
             hidden = self.model(ids, pos, batch, self.kv_cache, self.exchange)  # [T, H]
         return self._postprocess(scheduled, batch, hidden, last)
 
+    def _idle_step(self) -> list[Output]:
+        """Nothing scheduled: what a zero-token forward shows the exchange — `begin_step(0)`, then every boundary
+        layer with `[0, H]` rows (the p2p DP wave needs each layer from every replica) — without the forward
+        itself, whose Python cost (~4 ms of CPU on tiny) an idle p2p server would pay on every wave."""
+        model = self.model
+        if hasattr(self.exchange, "begin_step"):
+            self.exchange.begin_step(0)
+        x = torch.empty(0, model.config.hidden_size, dtype=model.dtype, device=self.device)  # [0, H]
+        routing = None
+        if model.gate_on_attention:
+            k = model.config.num_experts_per_tok
+            ids = torch.empty(0, k, dtype=torch.long, device=self.device)  # [0, K]
+            routing = Routing(ids, torch.empty(0, k, dtype=torch.float32, device=self.device))
+        for layer_idx in model.boundary_layers:
+            self.exchange(layer_idx, x, routing)
+        self.last_step_tokens = []
+        return []
+
     def _postprocess(
         self, scheduled: list[_Scheduled], batch: Batch, hidden: torch.Tensor, last_rows: torch.Tensor
     ) -> list[Output]:
@@ -339,24 +408,36 @@ class Engine:
         for s in scheduled:
             s.seq.num_cached = s.start + len(s.input_ids)
         finished = []
+        appended = []
         for s, token, logprob in zip(sampled, tokens, token_logprobs, strict=True):
             seq = s.seq
+            token = int(token)
             if len(seq.token_ids) < seq.request.max_new_tokens:
-                seq.token_ids.append(int(token))
+                seq.token_ids.append(token)
                 seq.logprobs.append(float(logprob))
+                appended.append(StepToken(seq.request_id, token, float(logprob)))
+                if token in seq.stop_ids:
+                    finished.append(self._finish(seq, "stop"))
+                    continue
             if len(seq.token_ids) >= seq.request.max_new_tokens:
-                finished.append(self._finish(seq))
+                finished.append(self._finish(seq, "length"))
+        self.last_step_tokens = appended
         return finished
 
-    def _finish(self, seq: _Sequence) -> Output:
+    def _finish(self, seq: _Sequence, reason: str) -> Output:
         self.running.remove(seq)
         self.free(seq)
+        return self._output(seq, reason)
+
+    def _output(self, seq: _Sequence, reason: str) -> Output:
+        del self._live[seq.request_id]
         return Output(
             prompt_ids=list(seq.request.prompt_ids),
             token_ids=seq.token_ids,
             logprobs=seq.logprobs,
             prompt_logprobs=seq.prompt_logprobs if seq.request.prompt_logprobs else None,
             request_id=seq.request_id,
+            finish_reason=reason,
         )
 
     def run(self) -> list[Output]:

@@ -5,6 +5,8 @@
 - `AFD_LAUNCHER_PID`: set by `afd launch` for its ranks; a rank whose launcher is gone stops.
 - `LOCAL_RANK`: torchrun's convention for which local GPU a hand-started rank uses.
 - `CUDA_VISIBLE_DEVICES`: which GPUs this process may see.
+- `AFD_API_KEY`: the key `afd serve` requires from clients when `--api-key` is not given (keeps it off `ps`).
+- `AFD_DISABLE_TRITON`: set to 1 to run the CUDA step on eager PyTorch ops instead of afd's Triton kernels.
 """
 
 from __future__ import annotations
@@ -38,3 +40,13 @@ def visible_devices() -> list[str] | None:
     if value is None:
         return None
     return [d.strip() for d in value.split(",") if d.strip()]
+
+
+def triton_disabled() -> bool:
+    """`AFD_DISABLE_TRITON=1` makes the CUDA step use the eager PyTorch ops (a kernel suspected wrong, or timing)."""
+    return os.environ.get("AFD_DISABLE_TRITON", "") not in ("", "0")
+
+
+def api_key() -> str | None:
+    """`AFD_API_KEY`: the API key `afd serve` requires when no `--api-key` is given; None when unset or empty."""
+    return os.environ.get("AFD_API_KEY") or None

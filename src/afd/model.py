@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from afd import kernels
 from afd.kv_cache import PagedLatentCache
 from afd.moe import Routing, select_experts
 
@@ -140,28 +141,75 @@ class ModelConfig:
 
 
 class RMSNorm(nn.Module):
+    """`weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)`, normalized in fp32; one Triton kernel on CUDA."""
+
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if kernels.enabled(x.device):
+            from afd.kernels.norm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
 
 class MLP(nn.Module):
-    """SwiGLU MLP: dense layers and shared experts."""
+    """SwiGLU MLP: dense layers and shared experts.
+
+    On CUDA (Triton enabled) gate and up run as one GEMM over a `[2I, H]` weight whose two halves *are*
+    `gate_proj.weight` and `up_proj.weight` (views, so no second copy of the weights), then one fused
+    `silu(g) * u` kernel, then `down_proj`. Parameter names and the state dict stay as checkpoints have them.
+    """
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self._gate_up: torch.Tensor | None = None  # [2I, H], built on first CUDA use
+        self._can_fuse = True  # False once a CUDA graph captured the unfused weights' addresses
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if kernels.enabled(x.device):
+            from afd.kernels.swiglu import silu_mul, swiglu
+
+            gate_up = self._gate_up_weight()
+            h = swiglu(x, gate_up) if gate_up is not None else silu_mul(self.gate_proj(x), self.up_proj(x))
+            return self.down_proj(h)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def _gate_up_weight(self) -> torch.Tensor | None:
+        """The `[2I, H]` gate/up weight, re-pointing both parameters into it on first use (or after a loader
+        replaced them). None (two GEMMs) if a CUDA graph is being captured before it exists: a copy recorded
+        into a graph does not run at capture, and a graph that recorded the separate weights' addresses would
+        read freed memory if they moved later, so this MLP then never fuses."""
+        gate, up, fused = self.gate_proj.weight, self.up_proj.weight, self._gate_up
+        inter = gate.shape[0]
+        if (
+            fused is not None
+            and gate.data_ptr() == fused.data_ptr()
+            and up.data_ptr() == fused[inter:].data_ptr()
+            and fused.shape[0] == 2 * inter
+            and gate.dtype == up.dtype == fused.dtype
+        ):
+            return fused
+        if not self._can_fuse or gate.device != up.device or gate.dtype != up.dtype:
+            return None
+        if gate.is_cuda and torch.cuda.is_current_stream_capturing():
+            self._can_fuse = False
+            return None
+        fused = torch.cat([gate.detach(), up.detach()])  # [2I, H]
+        if gate.is_cuda:  # the old weights are freed below: no reuse before the copy above has read them
+            for old in (gate.data, up.data):
+                old.record_stream(torch.cuda.current_stream(gate.device))
+        gate.data, up.data = fused[:inter], fused[inter:]
+        self._gate_up = fused
+        return fused
 
 
 class Gate(nn.Module):
@@ -233,16 +281,44 @@ def rope_parameters(config: ModelConfig) -> tuple[torch.Tensor, float, float]:
     return inv_freq, float(attention_factor), softmax_scale
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+def apply_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Rotate x [T, ..., R] by cos/sin [T, R/2] (fp32); interleaved pairs (x0, x1) or halves.
 
-    The output is always laid out as [rotated firsts | rotated seconds]; q and k share the layout.
+    The output is always laid out as [rotated firsts | rotated seconds]; q and k share the layout. `out` (x's shape
+    and dtype; may be x itself, e.g. the rope part of q) receives it in place. One Triton kernel on CUDA.
     """
+    if kernels.enabled(x.device):
+        from afd.kernels.rope import rope
+
+        return rope(x, cos, sin, interleave, out=out)
     xf = x.float()
     x1, x2 = (xf[..., 0::2], xf[..., 1::2]) if interleave else xf.chunk(2, dim=-1)
     shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
     cos, sin = cos.view(shape), sin.view(shape)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    return rotated if out is None else out.copy_(rotated)
+
+
+@dataclass
+class Boundary:
+    """What a boundary layer hands to the FFN side: `hidden [T, H]` (post-attention-normed) and its routing
+    (None when the gate runs on the FFN side)."""
+
+    layer_idx: int
+    hidden: torch.Tensor
+    routing: Routing | None
+
+
+def run_segments(segments: Generator[Boundary, torch.Tensor, torch.Tensor], exchange: Exchange) -> torch.Tensor:
+    """Drive a `forward_segments` generator to its end, answering every boundary through `exchange`."""
+    try:
+        boundary = next(segments)
+        while True:
+            boundary = segments.send(exchange(boundary.layer_idx, boundary.hidden, boundary.routing))
+    except StopIteration as end:
+        return end.value
 
 
 # --- batch -----------------------------------------------------------------------------------------
@@ -321,9 +397,8 @@ class MLAttention(nn.Module):
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         kv_c, k_pe = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         kv_c = self.kv_a_layernorm(kv_c)  # [T, C]
-        q_pe = apply_rope(q_pe, cos, sin, c.rope_interleave)  # [T, nh, R]
+        apply_rope(q_pe, cos, sin, c.rope_interleave, out=q_pe)  # in place: q is now [q_nope | rotated q_pe]
         k_pe = apply_rope(k_pe, cos, sin, c.rope_interleave)  # [T, R]
-        q = torch.cat([q_nope, q_pe], dim=-1)  # [T, nh, D]
         if kv_cache is not None:  # every token of the step at once, before any sequence reads its context
             kv_cache.write(self.layer_idx, batch.slot_mapping, torch.cat([kv_c, k_pe], dim=-1))
 
@@ -331,27 +406,79 @@ class MLAttention(nn.Module):
         batched = set(batch.decode_seqs) if kv_cache is not None else set()
         if batched:  # one pass over every single-token sequence instead of a loop over them
             rows = batch.decode_token_rows  # [Bd]
-            context = kv_cache.read(self.layer_idx, batch.decode_rows)  # [Bd, L, C + R]
-            out[rows] = self._decode_attention(q_nope[rows], q_pe[rows], context, batch.decode_valid)
-        row = 0
-        for i, (n, ctx) in enumerate(zip(batch.query_lens, batch.context_lens, strict=True)):
-            if i in batched:
-                row += n
-                continue
-            if ctx == 0:  # a fresh prompt attends to its own new latents
-                seq_kv_c, seq_k_pe = kv_c[row : row + n], k_pe[row : row + n]
-            elif kv_cache is None:
-                raise ValueError("a sequence with cached context needs a kv_cache")
-            else:
-                latents = kv_cache.read(self.layer_idx, batch.context_rows[i])  # [ctx + n, C + R]
-                seq_kv_c, seq_k_pe = latents.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+            o = self._decode_attention(q_nope[rows], q_pe[rows], kv_cache, batch.decode_rows, batch.decode_valid)
+            out[rows] = o  # [Bd, nh, Dv]
+        self._prefill_attention(out, q, kv_c, k_pe, batch, kv_cache, batched)
+        return self.o_proj(out.view(T, nh * c.v_head_dim))  # [T, H]
+
+    def _prefill_attention(
+        self,
+        out: torch.Tensor,
+        q: torch.Tensor,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        batch: Batch,
+        kv_cache: PagedLatentCache | None,
+        batched: set[int],
+    ) -> None:
+        """Every sequence not in `batched` (prompts, prompt chunks, a lone decode) into its rows of `out`.
+
+        q: [T, nh, D], kv_c: [T, C], k_pe: [T, R] (this step's new latents), out: [T, nh, Dv], written in
+        place. On CUDA with the Triton kernels all of them go through one varlen kernel launch; elsewhere
+        (the CPU path and the oracle) one SDPA per sequence.
+        """
+        seqs = [i for i in range(len(batch.query_lens)) if i not in batched]
+        if not seqs:
+            return
+        if kernels.enabled(q.device):
+            self._prefill_attention_varlen(out, q, kv_c, k_pe, batch, kv_cache, seqs)
+        else:
+            self._prefill_attention_sdpa(out, q, kv_c, k_pe, batch, kv_cache, seqs)
+
+    def _sequence_latents(
+        self,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        batch: Batch,
+        kv_cache: PagedLatentCache | None,
+        i: int,
+        row: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key latents sequence `i` (its queries at rows `row`...) attends to: [L, C], [L, R], L = its
+        context + its new tokens."""
+        c = self.config
+        n, ctx = batch.query_lens[i], batch.context_lens[i]
+        if ctx == 0:  # a fresh prompt attends to its own new latents
+            return kv_c[row : row + n], k_pe[row : row + n]
+        if kv_cache is None:
+            raise ValueError("a sequence with cached context needs a kv_cache")
+        latents = kv_cache.read(self.layer_idx, batch.context_rows[i])  # [ctx + n, C + R]
+        seq_kv_c, seq_k_pe = latents.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        return seq_kv_c, seq_k_pe
+
+    def _prefill_attention_sdpa(
+        self,
+        out: torch.Tensor,
+        q: torch.Tensor,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        batch: Batch,
+        kv_cache: PagedLatentCache | None,
+        seqs: list[int],
+    ) -> None:
+        """The eager path: per sequence, keys and values expanded through kv_b_proj, then one SDPA."""
+        c, nh = self.config, self.num_heads
+        starts = batch.starts
+        for i in seqs:
+            n, ctx, row = batch.query_lens[i], batch.context_lens[i], starts[i]
+            seq_kv_c, seq_k_pe = self._sequence_latents(kv_c, k_pe, batch, kv_cache, i, row)
             L = seq_kv_c.shape[0]
             kv = self.kv_b_proj(seq_kv_c).view(L, nh, c.qk_nope_head_dim + c.v_head_dim)
             k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)  # [L, nh, *]
             k = torch.cat([k_nope, seq_k_pe.unsqueeze(1).expand(L, nh, c.qk_rope_head_dim)], dim=-1)
             # A decode token sees its whole context and a fresh prompt is plainly causal: neither needs a
             # mask, which keeps SDPA off its slow masked path. Only a chunk after cached context builds one.
-            is_visible = None if n == 1 or ctx == 0 else torch.ones(n, L, dtype=torch.bool, device=x.device).tril(ctx)
+            is_visible = None if n == 1 or ctx == 0 else torch.ones(n, L, dtype=torch.bool, device=q.device).tril(ctx)
             o = F.scaled_dot_product_attention(
                 q[row : row + n].transpose(0, 1),  # [nh, n, D]
                 k.transpose(0, 1),  # [nh, L, D]
@@ -361,27 +488,88 @@ class MLAttention(nn.Module):
                 scale=self.softmax_scale,
             )
             out[row : row + n] = o.transpose(0, 1)
-            row += n
-        return self.o_proj(out.view(T, nh * c.v_head_dim))  # [T, H]
+
+    def _prefill_attention_varlen(
+        self,
+        out: torch.Tensor,
+        q: torch.Tensor,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        batch: Batch,
+        kv_cache: PagedLatentCache | None,
+        seqs: list[int],
+    ) -> None:
+        """The kernel path: the key latents of all `seqs` concatenated, keys and values expanded by one
+        kv_b_proj call, one varlen attention launch (afd.kernels.prefill_attention), no host sync.
+
+        Sequence lengths come from the host lists; their device copy (cu_seqlens and, when decodes sit
+        between the sequences, the query rows) is one pinned asynchronous copy.
+        """
+        from afd.kernels.prefill_attention import prefill_attention
+
+        c, nh = self.config, self.num_heads
+        query_lens = [batch.query_lens[i] for i in seqs]
+        key_lens = [batch.context_lens[i] + n for i, n in zip(seqs, query_lens, strict=True)]
+        starts = batch.starts
+        Tq = sum(query_lens)
+        every_row = Tq == q.shape[0]  # then `seqs` are all the sequences, in order
+        if every_row and all(batch.context_lens[i] == 0 for i in seqs):  # fresh prompts only
+            keys_c, keys_pe = kv_c, k_pe  # [Lk, C], [Lk, R]: their own new latents, as they are
+        else:
+            parts = [self._sequence_latents(kv_c, k_pe, batch, kv_cache, i, starts[i]) for i in seqs]
+            keys_c, keys_pe = (torch.cat(p) for p in zip(*parts, strict=True))  # [Lk, C], [Lk, R]
+        Lk = keys_c.shape[0]
+        kv = self.kv_b_proj(keys_c).view(Lk, nh, c.qk_nope_head_dim + c.v_head_dim)
+        k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)  # [Lk, nh, Dn], [Lk, nh, Dv]: views
+        cu_seqlens = [0, *itertools.accumulate(query_lens), 0, *itertools.accumulate(key_lens)]
+        meta = torch.tensor(cu_seqlens, dtype=torch.int32)  # [2S + 2] (+ [Tq] query rows below)
+        S = len(seqs)
+        if not every_row:  # append the step row of every packed query: its sequence's first row + its index in it
+            shift = torch.tensor([starts[i] for i in seqs], dtype=torch.int32) - meta[:S]  # [S]
+            q_rows = torch.arange(Tq, dtype=torch.int32) + shift.repeat_interleave(torch.tensor(query_lens))
+            meta = torch.cat([meta, q_rows])
+        meta = meta.pin_memory().to(q.device, non_blocking=True) if q.is_cuda else meta.to(q.device)
+        cu_seqlens_q, cu_seqlens_k = meta[: S + 1], meta[S + 1 : 2 * S + 2]  # [S + 1] int32 each
+        args = (k_nope, keys_pe, v, cu_seqlens_q, cu_seqlens_k, max(query_lens), self.softmax_scale)
+        if every_row:
+            prefill_attention(q, *args, out=out)
+        else:  # decodes (attended in their own batched pass) sit between: gather the queries, scatter back
+            rows = meta[2 * S + 2 :].long()  # [Tq]
+            out.index_copy_(0, rows, prefill_attention(q.index_select(0, rows), *args))
 
     def _decode_attention(
-        self, q_nope: torch.Tensor, q_pe: torch.Tensor, context: torch.Tensor, is_valid: torch.Tensor
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_cache: PagedLatentCache,
+        rows: torch.Tensor,
+        is_valid: torch.Tensor,
     ) -> torch.Tensor:
         """Single-token queries against their cached latents, keys and values never expanded (absorbed MLA).
 
-        q_nope: [B, nh, Dn], q_pe: [B, nh, R], context: [B, L, C + R] (padding rows zero), is_valid: [B, L]
-        -> [B, nh, Dv]. Scores are `(q_nope W_uk) . kv_c + q_pe . k_pe`, the output `(probs . kv_c) W_uv`:
-        the same products as expanding K and V, associated the other way, so nothing of size L x heads is built.
+        q_nope: [B, nh, Dn], q_pe: [B, nh, R], rows: [B, L] cache rows of each context (padding: the zero row),
+        is_valid: [B, L] -> [B, nh, Dv]. Scores are `(q_nope W_uk) . kv_c + q_pe . k_pe`, the output
+        `(probs . kv_c) W_uv`: the same products as expanding K and V, associated the other way, so nothing of
+        size L x heads is built. On CUDA a Triton kernel reads the latents in place from the paged pool; the
+        einsums below (CPU, `AFD_DISABLE_TRITON`) gather them first and are its test oracle.
         """
         c, nh = self.config, self.num_heads
-        kv_c, k_pe = context.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)  # [B, L, C], [B, L, R]
         w = self.kv_b_proj.weight.view(nh, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
         w_uk, w_uv = w.split([c.qk_nope_head_dim, c.v_head_dim], dim=1)  # [nh, Dn, C], [nh, Dv, C]
         q_latent = torch.einsum("bhd,hdc->bhc", q_nope, w_uk)  # [B, nh, C]
-        scores = torch.einsum("bhc,blc->bhl", q_latent, kv_c) + torch.einsum("bhr,blr->bhl", q_pe, k_pe)
-        scores = scores.float().mul_(self.softmax_scale).masked_fill_(~is_valid[:, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1).to(kv_c.dtype)  # [B, nh, L]
-        return torch.einsum("bhc,hvc->bhv", torch.einsum("bhl,blc->bhc", probs, kv_c), w_uv)  # [B, nh, Dv]
+        if kernels.enabled(q_nope.device):
+            from afd.kernels.mla_decode import mla_decode
+
+            cache_layer = kv_cache.cache[self.layer_idx]  # [rows, C + R], a view of the pool
+            o_latent = mla_decode(q_latent, q_pe, cache_layer, rows, is_valid, self.softmax_scale)  # [B, nh, C]
+        else:
+            context = kv_cache.read(self.layer_idx, rows)  # [B, L, C + R]
+            kv_c, k_pe = context.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)  # [B, L, C], [B, L, R]
+            scores = torch.einsum("bhc,blc->bhl", q_latent, kv_c) + torch.einsum("bhr,blr->bhl", q_pe, k_pe)
+            scores = scores.float().mul_(self.softmax_scale).masked_fill_(~is_valid[:, None, :], float("-inf"))
+            probs = scores.softmax(dim=-1).to(kv_c.dtype)  # [B, nh, L]
+            o_latent = torch.einsum("bhl,blc->bhc", probs, kv_c)  # [B, nh, C]
+        return torch.einsum("bhc,hvc->bhv", o_latent, w_uv)  # [B, nh, Dv]
 
 
 class AttentionLayer(nn.Module):
@@ -400,21 +588,16 @@ class AttentionLayer(nn.Module):
         self.gate = Gate(config, rsf) if gate_on_attention and is_moe else None
         self.scale = config.residual_scale(dtype)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        batch: Batch,
-        kv_cache: PagedLatentCache | None,
-        exchange: Exchange,
-    ) -> torch.Tensor:
+    def attend(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Batch, kv_cache: PagedLatentCache | None
+    ) -> tuple[torch.Tensor, Boundary | None]:
+        """Everything of the layer on this side: the residual after attention (and after the dense MLP when
+        this side owns it) [T, H], and what crosses to the FFN side (None when nothing does)."""
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, kv_cache) * self.scale
         y = self.post_attention_layernorm(h)  # [T, H]
         if self.mlp is not None:
-            return h + self.mlp(y) * self.scale
-        routing = self.gate(y) if self.gate is not None else None
-        return h + exchange(self.layer_idx, y, routing)
+            return h + self.mlp(y) * self.scale, None
+        return h, Boundary(self.layer_idx, y, self.gate(y) if self.gate is not None else None)
 
 
 class AttentionModel(nn.Module):
@@ -463,10 +646,20 @@ class AttentionModel(nn.Module):
             raise ValueError(f"batch covers {batch.num_tokens} tokens but {input_ids.shape[0]} were given")
         if kv_cache is not None and batch.slot_mapping is None:  # a caller that did not prepare the step
             kv_cache.prepare(batch)
+        return run_segments(self.forward_segments(input_ids, positions, batch, kv_cache), exchange)
+
+    def forward_segments(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: Batch, kv_cache: PagedLatentCache | None
+    ) -> Generator[Boundary, torch.Tensor, torch.Tensor]:
+        """The forward pass, paused at every boundary layer: yields what crosses to the FFN side and resumes
+        with the FFN side's answer [T, H]. Why a generator: a CUDA graph can capture each piece between two
+        exchanges (afd.cuda_graph) while the exchange itself, which crosses processes, runs eagerly."""
         cos, sin = self.rope(positions)  # [T, R/2]
         h = self.embed_tokens(input_ids) * self.scale  # [T, H]
         for layer in self.layers:
-            h = layer(h, cos, sin, batch, kv_cache, exchange)
+            h, boundary = layer.attend(h, cos, sin, batch, kv_cache)
+            if boundary is not None:
+                h = h + (yield boundary)
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,12 @@ Two ways to compute routed experts from (rows, routing), same result:
 - exact loop (everywhere else, e.g. the CPU fp32 path the oracle tests check): only the local pairs, one
   `F.linear` per expert, group sizes read back to the host.
 The router itself (`select_experts`) never reads device data on the host.
+
+Decode-shaped batches on CUDA (at most `FUSED_MOE_MAX_PAIRS` (token, k) pairs, or that many grouped rows) take
+afd's Triton kernels (`afd.kernels.moe`) in the fixed-shape path and in `grouped_expert_mlp_offsets`, when
+`afd.kernels.enabled` allows them: a counting sort, gate/up + SwiGLU, down + weighting straight into (t, k)
+order, and a sum over k — four launches, no host sync, no atomics, each touched expert's weights read once.
+Larger batches keep `torch._grouped_mm`, the better GEMM once every expert has many rows.
 """
 
 from __future__ import annotations
@@ -24,7 +30,14 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
+from afd import kernels
+
 logger = logging.getLogger(__name__)
+
+# The most (token, k) pairs (fixed-shape path) or grouped rows (`grouped_expert_mlp_offsets`) that take the Triton
+# decode kernels: decode batches up to 341 tokens at top-6 (DeepSeek-V2) or 256 at top-8 (V3), about 32 rows per
+# expert on average at 64 experts, where streaming the weights is the whole cost.
+FUSED_MOE_MAX_PAIRS = 2048
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -166,6 +179,17 @@ def grouped_expert_mlp(
     return out
 
 
+def _fused_moe_enabled(x: torch.Tensor, num_rows: int) -> bool:
+    """Whether rows `x` take the Triton decode kernels: CUDA, a dtype they support, a decode-sized batch
+    (at most `FUSED_MOE_MAX_PAIRS` rows or pairs), and `afd.kernels.enabled`."""
+    return (
+        x.device.type == "cuda"
+        and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and num_rows <= FUSED_MOE_MAX_PAIRS
+        and kernels.enabled(x.device)
+    )
+
+
 def _offsets_on(group_sizes: list[int], device: torch.device) -> torch.Tensor:
     """Cumulative group ends `[E] int32` on `device` from host sizes.
 
@@ -184,7 +208,12 @@ def grouped_expert_mlp_offsets(
     x: [N, H]; offs: [E] int32 cumulative group ends on x's device (rows `[offs[i-1], offs[i])` go to expert
     i); w13: [E, 2I, H]; w2: [E, H, I]. Returns [N, H] in x.dtype. Rows at and past `offs[-1]` belong to no
     group and their outputs are undefined (the kernel does not write them): callers must not read them.
+    At most `FUSED_MOE_MAX_PAIRS` rows on CUDA run afd's Triton kernels instead (same contract).
     """
+    if _fused_moe_enabled(x, x.shape[0]):
+        from afd.kernels.moe import fused_grouped_expert_mlp
+
+        return fused_grouped_expert_mlp(x, offs, w13, w2)
     gate_up = torch._grouped_mm(x, w13.transpose(1, 2), offs=offs)  # [N, 2I]
     gate, up = gate_up.chunk(2, dim=-1)  # [N, I] each
     return torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offs)  # [N, H]
@@ -235,7 +264,8 @@ def routed_experts(
     `[expert_start, expert_start + E_local)` of `topk_weights[t, k] * expert(x[t])`; other pairs add nothing.
 
     `fixed_shape=None` picks the fixed-shape path where `torch._grouped_mm` runs natively (CUDA sm90+, bf16)
-    and the exact loop elsewhere; see the module docstring.
+    and the exact loop elsewhere; see the module docstring. On CUDA the fixed-shape path of a decode-sized
+    batch (T*K <= `FUSED_MOE_MAX_PAIRS`) runs afd's Triton kernels (`afd.kernels.moe.fused_routed_experts`).
     """
     num_local = w13.shape[0]
     if fixed_shape is None:
@@ -248,6 +278,10 @@ def routed_experts(
         return out.index_add_(0, groups.token_idx, y.float() * w[:, None])
     if x.shape[0] == 0 or num_local == 0:
         return torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    if _fused_moe_enabled(x, topk_ids.numel()):
+        from afd.kernels.moe import fused_routed_experts
+
+        return fused_routed_experts(x, topk_ids, topk_weights, w13, w2, expert_start)
     pairs = sort_pairs_by_expert(topk_ids, expert_start, expert_start + num_local)
     y = grouped_expert_mlp_offsets(x[pairs.token_idx], pairs.offs, w13, w2)  # [T*K, H]
     w = topk_weights.reshape(-1)[pairs.pair_idx].float()  # [T*K]

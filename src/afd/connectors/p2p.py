@@ -26,8 +26,9 @@ from afd.topology import SyncTopology, even_split, expert_ranges
 
 logger = logging.getLogger(__name__)
 
-# Control message per step, attention -> FFN: [num_tokens, is_wave_finished] int64.
-CTRL_LEN = 2
+# Control message per step, attention -> FFN: [num_tokens, is_wave_finished, is_wave_idle] int64. An idle
+# wave (no replica has work: a server between requests) skips every layer on both sides.
+CTRL_LEN = 3
 TAG_CTRL, TAG_X, TAG_IDS, TAG_WEIGHTS, TAG_OUT = 0, 1, 2, 3, 4
 
 
@@ -188,17 +189,21 @@ class P2pAttentionExchange:
         self.next_layer = 0  # index into boundary_layers within the step
         self.is_finished = False
         self.num_steps = 0
+        self.wave_idle = False  # whether no replica had work in the last wave
 
     def _dst(self, ffn_rank: int) -> int:
         return self.groups.data.group_rank(self.topology.world_rank("ffn", ffn_rank))
 
-    def step_wave(self, has_work: bool) -> bool:
-        """All-reduce over attention replicas: True while any has work. At the end, tell the FFN."""
+    def step_wave(self, has_work: bool, keep_alive: bool = False) -> bool:
+        """All-reduce over attention replicas: True while any has work or wants the wave kept going (a
+        serving replica, stepping with zero tokens); `wave_idle` says whether none had work. At the end,
+        tell the FFN."""
         if self.is_finished:
             return False
-        flag = torch.tensor([int(has_work)], dtype=torch.long)
-        self.world.wait(self.groups.wave.pg.allreduce([flag]), "the DP wave all-reduce")
-        if int(flag) > 0:
+        flags = torch.tensor([int(has_work), int(has_work or keep_alive)], dtype=torch.long)
+        self.world.wait(self.groups.wave.pg.allreduce([flags]), "the DP wave all-reduce")
+        self.wave_idle = int(flags[0]) == 0
+        if int(flags[1]) > 0:
             return True
         self._send_ctrl(0, finished=True)
         self.is_finished = True
@@ -210,12 +215,14 @@ class P2pAttentionExchange:
         if self.is_finished:
             raise RuntimeError(f"{self.world.me.name}: begin_step after the DP wave finished")
         self._check_step_end()
+        if self.wave_idle and num_tokens:
+            raise RuntimeError(f"{self.world.me.name}: a step of {num_tokens} tokens in a wave it said was idle")
         self._send_ctrl(num_tokens, finished=False)
         self.num_tokens, self.next_layer = num_tokens, 0
         self.num_steps += 1
 
     def _send_ctrl(self, num_tokens: int, finished: bool) -> None:
-        msg = torch.tensor([num_tokens, int(finished)], dtype=torch.long)
+        msg = torch.tensor([num_tokens, int(finished), int(self.wave_idle and not finished)], dtype=torch.long)
         pg = self.groups.ctrl.pg
         works = [(pg.send([msg], self._dst(f), TAG_CTRL), f"sending the step count to ffn {f}")
                  for f in self.sync.ffn_ranks]
@@ -317,6 +324,7 @@ class P2pFFNLoop:
         self.local_experts = expert_ranges(num_experts, topology.num_ffn)[self.ffn_rank]
         self.device = device_for(world.backend)
         self.num_steps = 0
+        self.wave_idle = False  # no replica had work in this step's wave: no layer crosses
 
     def _src(self, attn_rank: int) -> int:
         return self.groups.data.group_rank(self.topology.world_rank("attention", attn_rank))
@@ -333,8 +341,9 @@ class P2pFFNLoop:
         counts = self._recv_counts()
         if counts is None:
             return False
-        for layer_idx in self.boundary_layers:
-            self._layer(layer_idx, counts)
+        if not self.wave_idle:  # every FFN rank sees the same bit, so all skip the expert all-to-all together
+            for layer_idx in self.boundary_layers:
+                self._layer(layer_idx, counts)
         self.num_steps += 1
         return True
 
@@ -349,6 +358,7 @@ class P2pFFNLoop:
         if finished and len(finished) != len(msgs):
             raise RuntimeError(f"{self.world.me.name}: attention ranks {sorted(finished)} ended the wave, "
                                f"others did not (step {self.num_steps})")
+        self.wave_idle = all(int(m[2]) for m in msgs.values())
         return None if finished else {a: int(m[0]) for a, m in msgs.items()}
 
     def _layer(self, layer_idx: int, counts: Mapping[int, int]) -> None:

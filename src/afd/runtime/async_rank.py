@@ -17,8 +17,8 @@ import torch
 
 from afd.connectors.async_window import AsyncAttentionExchange, AsyncFFNServer, run_ffn_loop
 from afd.distributed import World, init_world
-from afd.engine import Engine
-from afd.runtime.worker import RankJob, drive_replica, select_device, world_options, write_outputs
+from afd.runtime.online import run_online, stop_on_signals
+from afd.runtime.rank import RankJob, drive_replica, engine_for, select_device, world_options, write_outputs
 from afd.topology import AsyncTopology
 from afd.transport.shm import ShmHeap
 from afd.transport.symm_heap import SymmetricHeap, default_heap_factory
@@ -70,15 +70,20 @@ def run_async_rank(job: RankJob) -> None:
             model = load_attention_model(job.spec.model, **load_args)
             exchange = AsyncAttentionExchange(world.store, topo, job.role_rank, **endpoint_args)
             try:
-                engine = Engine(model, exchange, job.spec.max_num_batched_tokens, **job.spec.cache.engine_kwargs())
-                outputs, stats = drive_replica(engine, job, lambda has_work: has_work)  # no wave: runs on its own
+                engine = engine_for(job, model, exchange)
+                if job.serve_address is not None:
+                    run_online(engine, job)  # no wave: an idle replica waits on its link, not on the others
+                else:
+                    outputs, stats = drive_replica(engine, job, lambda has_work: has_work)  # no wave: on its own
+                    write_outputs(job, outputs, stats)
             finally:
                 exchange.close()  # the shutdown bit to every FFN rank
-            write_outputs(job, outputs, stats)
         else:
             experts = topo.expert_ranges[job.role_rank]
             ffn_model = load_ffn_model(job.spec.model, expert_range=experts, **load_args)
             server = AsyncFFNServer(world.store, topo, job.role_rank, **endpoint_args)
+            if job.serve_address is not None:
+                stop_on_signals()  # a server's FFN rank ends when every replica shut down, also after a signal
             run_ffn_loop(server, ffn_model)
             log.info("ffn rank %d: every attention rank shut down", job.role_rank)
         world.close()

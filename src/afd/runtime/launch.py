@@ -74,11 +74,12 @@ class RunSpec:
     timeout_s: float = 300.0  # the whole run, launcher side
     cache: CacheOptions = CacheOptions()
     sampling: SamplingParams = SamplingParams()  # every request's (greedy by default)
+    max_model_len: int | None = None  # positions a request may take (default: the model's)
 
 
 @dataclass
 class RankProcess:
-    role: Role
+    role: str  # "attention", "ffn", or "replica" (a whole-model replica of a server, connector none)
     role_rank: int
     world_rank: int
     proc: subprocess.Popen
@@ -87,6 +88,8 @@ class RankProcess:
 
     @property
     def name(self) -> str:
+        if self.role == "replica":
+            return f"replica {self.role_rank}"
         return f"{self.role} rank {self.role_rank} (world rank {self.world_rank})"
 
     def last_error(self) -> str:
@@ -143,18 +146,67 @@ def assign_prompts(prompts: list[list[int]], num_attention: int) -> list[list[in
     return [list(range(a, len(prompts), num_attention)) for a in range(num_attention)]
 
 
-def worker_command(config: AFDConfig, spec: RunSpec, role: Role, role_rank: int, run_dir: Path) -> list[str]:
+def worker_command(
+    config: AFDConfig,
+    spec: RunSpec,
+    role: Role,
+    role_rank: int,
+    run_dir: Path,
+    serve_address: tuple[str, int] | None = None,
+) -> list[str]:
+    """The `afd worker` command of one rank: its prompts and output files, or (a server's) the front end."""
+    cmd = [sys.executable, "-m", "afd", "worker", "--config", json.dumps(config.to_dict()), "--role", role]
+    cmd += ["--rank", str(role_rank)] + _spec_flags(spec, run_dir)
+    cache = spec.cache
+    if spec.device == "cuda":  # the launcher packs the whole world onto this host's GPUs
+        import torch
+
+        from afd.topology import gpu_placement
+
+        placement = gpu_placement(
+            config.connector, config.num_attention_ranks, config.num_ffn_ranks, torch.cuda.device_count()
+        )
+        gpu = placement[world_rank_of(config, role, role_rank)]
+        cmd += ["--device-index", str(gpu)]
+        cache = cache.shared_by(placement.count(gpu))  # co-located ranks split the GPU's memory
+    cmd += cache_flags(cache) + sampling_flags(spec.sampling)
+    if serve_address is not None:
+        cmd += serve_flags(serve_address)
+    elif role == "attention":
+        cmd += [
+            "--prompts-file",
+            str(run_dir / f"prompts_attn{role_rank}.jsonl"),
+            "--output",
+            str(run_dir / f"outputs_attn{role_rank}.json"),
+        ]
+    return cmd
+
+
+def replica_command(
+    spec: RunSpec, replica: int, num_replicas: int, run_dir: Path, serve_address: tuple[str, int]
+) -> list[str]:
+    """The `afd worker` command of whole-model replica `replica` of `num_replicas` (connector none); on CUDA
+    replica i takes GPU i mod the GPU count."""
+    cmd = [sys.executable, "-m", "afd", "worker", "--role", "replica", "--rank", str(replica)]
+    cmd += ["--replicas", str(num_replicas)] + _spec_flags(spec, run_dir)
+    cache = spec.cache
+    if spec.device == "cuda":
+        import torch
+
+        count = max(1, torch.cuda.device_count())
+        cmd += ["--device-index", str(replica % count)]
+        cache = cache.shared_by(len(range(replica % count, num_replicas, count)))  # replicas on that GPU
+    return cmd + cache_flags(cache) + sampling_flags(spec.sampling) + serve_flags(serve_address)
+
+
+def serve_flags(serve_address: tuple[str, int]) -> list[str]:
+    host, port = serve_address
+    return ["--serve-address", f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+
+
+def _spec_flags(spec: RunSpec, run_dir: Path) -> list[str]:
+    """The flags of what every rank of a run agrees on (the model, its numerics, the step budget)."""
     cmd = [
-        sys.executable,
-        "-m",
-        "afd",
-        "worker",
-        "--config",
-        json.dumps(config.to_dict()),
-        "--role",
-        role,
-        "--rank",
-        str(role_rank),
         "--model",
         spec.model,
         "--dtype",
@@ -172,26 +224,8 @@ def worker_command(config: AFDConfig, spec: RunSpec, role: Role, role_rank: int,
     ]
     if spec.prompt_logprobs:
         cmd.append("--prompt-logprobs")
-    cache = spec.cache
-    if spec.device == "cuda":  # the launcher packs the whole world onto this host's GPUs
-        import torch
-
-        from afd.topology import gpu_placement
-
-        placement = gpu_placement(
-            config.connector, config.num_attention_ranks, config.num_ffn_ranks, torch.cuda.device_count()
-        )
-        gpu = placement[world_rank_of(config, role, role_rank)]
-        cmd += ["--device-index", str(gpu)]
-        cache = cache.shared_by(placement.count(gpu))  # co-located ranks split the GPU's memory
-    cmd += cache_flags(cache) + sampling_flags(spec.sampling)
-    if role == "attention":
-        cmd += [
-            "--prompts-file",
-            str(run_dir / f"prompts_attn{role_rank}.jsonl"),
-            "--output",
-            str(run_dir / f"outputs_attn{role_rank}.json"),
-        ]
+    if spec.max_model_len is not None:
+        cmd += ["--max-model-len", str(spec.max_model_len)]
     return cmd
 
 
@@ -251,11 +285,8 @@ def launch(
     Raises LaunchError (a rank failed, the port is taken, the run took too long; the run directory
     is kept and named) or Interrupted (a stop signal; every rank was stopped).
     """
-    secret = secrets.token_hex(16)  # per run: another run on this store is refused, and cannot stop us
-    try:
-        store = host_store(config.host, config.port, world_timeout(config), secret)
-    except RendezvousError as exc:
-        raise LaunchError(str(exc), exc.exit_status) from None
+    secret = new_secret()
+    store = host_world_store(config, secret)
     owned_dir = run_dir is None
     run_dir = Path(tempfile.mkdtemp(prefix="afd_run_")) if run_dir is None else run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -263,7 +294,7 @@ def launch(
     for a, indices in enumerate(assignment):
         lines = [json.dumps({"prompt_ids": prompts[i]}) + "\n" for i in indices]
         (run_dir / f"prompts_attn{a}.jsonl").write_text("".join(lines))
-    rank_env = {**os.environ, "PYTHONUNBUFFERED": "1", SECRET_VAR: secret, LAUNCHER_PID_VAR: str(os.getpid())}
+    rank_env = rank_environment(secret)
 
     ranks: list[RankProcess] = []
     previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
@@ -282,21 +313,9 @@ def launch(
                 signal.signal(sig, on_signal)
     keep_dir = True  # a failed run keeps its directory (logs, prompts) for the user to read
     try:
-        order = [("ffn", f) for f in range(config.num_ffn_ranks)] + [
-            ("attention", a) for a in range(config.num_attention_ranks)
-        ]
-        for role, role_rank in order:
-            log_path = run_dir / f"{role}{role_rank}.log"
-            with open(log_path, "wb") as log_file:
-                proc = subprocess.Popen(
-                    worker_command(config, spec, role, role_rank, run_dir),
-                    stdout=log_file,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    start_new_session=True,  # its own process group: stop_all reaches its children too
-                    env=rank_env,
-                )
-            ranks.append(RankProcess(role, role_rank, world_rank_of(config, role, role_rank), proc, log_path))
+        for role, role_rank in rank_order(config):
+            cmd = worker_command(config, spec, role, role_rank, run_dir)
+            ranks.append(spawn_rank(role, role_rank, world_rank_of(config, role, role_rank), cmd, run_dir, rank_env))
         _wait_for_ranks(ranks, spec.timeout_s, on_progress)
     except LaunchError as exc:
         raise LaunchError(f"{exc}; logs: {run_dir}") from None
@@ -307,9 +326,7 @@ def launch(
         stopping.set()
         stop_all(ranks)
         del store  # every rank is gone: the world store can go too
-        _cleanup_transport(config, run_dir)
-        if log.isEnabledFor(logging.INFO):
-            _echo_rank_logs(ranks)
+        clean_up_run(config, run_dir, ranks)
         if _in_main_thread():
             for sig, handler in previous.items():
                 signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
@@ -326,6 +343,51 @@ def launch(
     if owned_dir:
         _remove_tree(run_dir)
     return [o for o in outputs if o is not None], stats
+
+
+def new_secret() -> str:
+    """A random secret per run: a rank of another run on the same store is refused, and cannot stop this one.
+    Ranks get it as `AFD_SECRET` (`rank_environment`); a server's front end also keys its link with it."""
+    return secrets.token_hex(16)
+
+
+def host_world_store(config: AFDConfig, secret: str):
+    """Host the run's world store at the config's host:port before any rank starts (it outlives them all);
+    LaunchError with exit status 2 when the port is taken."""
+    try:
+        return host_store(config.host, config.port, world_timeout(config), secret)
+    except RendezvousError as exc:
+        raise LaunchError(str(exc), exc.exit_status) from None
+
+
+def rank_environment(secret: str) -> dict[str, str]:
+    """A rank's environment: the run's secret (never on a command line) and this launcher's pid (it dies with us)."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1", SECRET_VAR: secret, LAUNCHER_PID_VAR: str(os.getpid())}
+
+
+def rank_order(config: AFDConfig) -> list[tuple[Role, int]]:
+    """The order ranks are started in: FFN ranks first, then attention ranks."""
+    return [("ffn", f) for f in range(config.num_ffn_ranks)] + [
+        ("attention", a) for a in range(config.num_attention_ranks)
+    ]
+
+
+def spawn_rank(role: str, role_rank: int, world_rank: int, cmd: list[str], run_dir: Path, env: dict) -> RankProcess:
+    """Start one rank in its own process group (stop_all reaches its children too), logging to the run dir."""
+    log_path = run_dir / f"{role}{role_rank}.log"
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen(
+            cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, env=env
+        )
+    return RankProcess(role, role_rank, world_rank, proc, log_path)
+
+
+def clean_up_run(config: AFDConfig | None, run_dir: Path, ranks: list[RankProcess]) -> None:
+    """After every rank is gone: what a crashed rank could not remove, and (with -v) the ranks' logs."""
+    if config is not None:
+        _cleanup_transport(config, run_dir)
+    if log.isEnabledFor(logging.INFO):
+        _echo_rank_logs(ranks)
 
 
 def _wait_for_ranks(ranks: list[RankProcess], timeout_s: float, on_progress) -> None:

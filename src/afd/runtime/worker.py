@@ -1,153 +1,36 @@
-"""One rank of a disaggregated run: `afd worker`. Started by `afd launch`, or by hand on any host.
+"""One rank of a run: `afd worker`. Started by `afd launch` or `afd serve`, or by hand on any host.
 
-An attention rank is an engine replica (its own requests, KV cache, prefill and greedy decode) whose
-MoE layers go through the connector; an FFN rank serves its expert shard until the attention side is
+An attention rank is an engine replica (its own requests, KV cache, prefill and decode) whose MoE
+layers go through the connector; an FFN rank serves its expert shard until the attention side is
 done. The connector decides the loop: `p2p` steps every replica in one DP wave, `async` lets each
-replica run on its own while the FFN loop drives itself.
+replica run on its own while the FFN loop drives itself. A `replica` rank (connector `none`) is the
+whole model in one process, the data-parallel baseline of a server.
 
-A rank started by `afd launch` (it finds `AFD_LAUNCHER_PID` in its environment) is a client of the
-launcher's world store, asks the kernel for SIGTERM when the launcher dies (`PR_SET_PDEATHSIG`), and
-its watchdog also stops it when the launcher is gone: a launcher killed with -9 orphans nothing. A
-rank started by hand hosts the store itself when it is world rank 0.
+A replica runs its prompts file to the end, or with `serve_address` serves a front end
+(`afd.runtime.online`). This module holds the p2p ranks, the `none` replica and the entry; what every
+rank shares is in `afd.runtime.rank`, the async ranks in `afd.runtime.async_rank`.
 """
 
 from __future__ import annotations
 
-import ctypes
-import json
 import logging
 import os
-import signal
-import sys
-import time
-from dataclasses import dataclass
-from pathlib import Path
-
-import torch
 
 from afd import env
-from afd.config import AFDConfig
-from afd.engine import Engine, Output, Request
-from afd.runtime.launch import RunSpec
-from afd.topology import Role, SyncTopology, expert_ranges, local_gpu_index
+from afd.engine import LocalExchange
+from afd.runtime.online import run_online, stop_on_signals
+from afd.runtime.rank import (  # noqa: F401 - RankJob and drive_replica are also imported from here
+    RankJob,
+    die_with_launcher,
+    drive_replica,
+    engine_for,
+    select_device,
+    world_options,
+    write_outputs,
+)
+from afd.topology import SyncTopology, expert_ranges
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RankJob:
-    """Everything one rank needs: who it is, the model, and (attention) its prompts and output file."""
-
-    config: AFDConfig
-    role: Role
-    role_rank: int
-    spec: RunSpec
-    prompts: tuple[tuple[int, ...], ...] = ()
-    output_path: Path | None = None
-    run_token: str = "afd"
-    local_host: str | None = None  # the address this rank binds to (multi-host); default: derived from host
-    device_index: int | None = None  # CUDA: this rank's local GPU (afd launch sets it; by hand: LOCAL_RANK, ...)
-
-    @property
-    def backend(self) -> str:
-        return "nccl" if self.spec.device == "cuda" else "gloo"
-
-    @property
-    def timeout_s(self) -> float:
-        extra = self.config.connector_extra_config
-        return float(getattr(extra, "timeout_s", 120.0))
-
-
-def select_device(job: RankJob, world_rank: int) -> torch.device:
-    """CPU: a share of the host's cores. CUDA: the GPU `afd launch` chose (`--device-index`, packed by
-    `gpu_placement`), or for a rank started by hand torchrun's conventions (`local_gpu_index`)."""
-    if job.spec.device != "cuda":
-        # ranks of one host share its cores: oversubscribed intra-op threads made every exchange ~7x slower
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.config.world_size))
-        return torch.device("cpu")
-    index = local_gpu_index(job.device_index, env.local_rank(), env.visible_devices(), torch.cuda.device_count())
-    torch.cuda.set_device(index)
-    log.info("world rank %d uses GPU %d of %d visible", world_rank, index, torch.cuda.device_count())
-    return torch.device("cuda", index)
-
-
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-class LauncherGone(RuntimeError):
-    """The `afd launch` that started this rank is gone before the rank got going."""
-
-
-def die_with_launcher(launcher_pid: int | None) -> None:
-    """Have the kernel SIGTERM this rank when its launcher dies (Linux), then check the launcher is still here.
-
-    The check after prctl closes the race of a launcher that died before the request took effect.
-    """
-    if launcher_pid is None:
-        return
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
-            log.warning("no parent-death signal (errno %d); the watchdog still checks the launcher", ctypes.get_errno())
-    if os.getppid() != launcher_pid:
-        raise LauncherGone(f"the afd launch that started this rank (pid {launcher_pid}) is gone")
-
-
-def world_options(job: RankJob) -> dict:
-    """How this rank joins the world: a client of the launcher's store, or (by hand) world rank 0 hosts it."""
-    launcher = env.launcher_pid()
-    return {"local_host": job.local_host, "store_external": launcher is not None, "watch_pid": launcher}
-
-
-class ReplicaStats:
-    """Per-request time to first token and the replica's busy time, for the demo and bench tables."""
-
-    def __init__(self) -> None:
-        self.start = time.perf_counter()
-        self.start_unix = time.time()
-        self.num_steps = 0
-        self.first_token: dict[int, float] = {}
-        self.end = self.start
-
-    def observe(self, engine: Engine, finished: list[Output]) -> None:
-        now = time.perf_counter()
-        self.num_steps += 1
-        for seq in engine.running:
-            if seq.token_ids and seq.request_id not in self.first_token:
-                self.first_token[seq.request_id] = now - self.start
-        for out in finished:
-            self.first_token.setdefault(out.request_id, now - self.start)
-        self.end = now
-
-    def to_json(self) -> dict:
-        """Times relative to the replica's start, plus that start on the wall clock to line replicas up."""
-        return {
-            "ttft_s": [self.first_token[k] for k in sorted(self.first_token)],
-            "elapsed_s": self.end - self.start,
-            "start_unix": self.start_unix,
-            "num_steps": self.num_steps,
-        }
-
-
-def drive_replica(engine: Engine, job: RankJob, step_gate) -> tuple[list[Output], ReplicaStats]:
-    """Run the replica's requests to completion; `step_gate(has_work)` says whether to step again."""
-    for prompt in job.prompts:
-        engine.add(Request(list(prompt), job.spec.max_new_tokens, job.spec.prompt_logprobs, job.spec.sampling))
-    stats = ReplicaStats()
-    outputs: dict[int, Output] = {}
-    while step_gate(engine.has_work()):
-        finished = engine.step()
-        outputs.update((o.request_id, o) for o in finished)
-        stats.observe(engine, finished)
-    return [outputs[k] for k in sorted(outputs)], stats
-
-
-def write_outputs(job: RankJob, outputs: list[Output], stats: ReplicaStats) -> None:
-    if job.output_path is None:
-        return
-    tmp = job.output_path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"outputs": [o.to_json() for o in outputs], "stats": stats.to_json()}))
-    tmp.replace(job.output_path)  # atomic: the launcher never reads half a file
 
 
 # ---------------------------------------------------------------- p2p
@@ -184,15 +67,18 @@ def run_p2p_rank(job: RankJob) -> None:
                 topk=model_config.num_experts_per_tok,
                 boundary_layers=model.boundary_layers,
             )
-            engine = Engine(model, exchange, job.spec.max_num_batched_tokens, **job.spec.cache.engine_kwargs())
-            outputs, stats = drive_replica(engine, job, exchange.step_wave)
-            write_outputs(job, outputs, stats)
+            engine = engine_for(job, model, exchange)
+            if job.serve_address is not None:
+                run_online(engine, job, wave=exchange)
+            else:
+                outputs, stats = drive_replica(engine, job, exchange.step_wave)
+                write_outputs(job, outputs, stats)
         else:
             experts = expert_ranges(model_config.n_routed_experts, cfg.num_ffn_ranks)[job.role_rank]
             ffn_model = load_ffn_model(job.spec.model, expert_range=experts, **common)
             boundary = list(range(model_config.num_hidden_layers)) if not gate_on_attention else model_config.moe_layers
             dense = [i for i in boundary if not model_config.is_moe_layer(i)]
-            steps = P2pFFNLoop(
+            loop = P2pFFNLoop(
                 world,
                 topo,
                 ffn_model,
@@ -203,7 +89,10 @@ def run_p2p_rank(job: RankJob) -> None:
                 boundary_layers=boundary,
                 gate_on_attention=gate_on_attention,
                 dense_layers=dense,
-            ).run()
+            )
+            if job.serve_address is not None:
+                stop_on_signals()  # a server's FFN rank ends with the wave, also after a stop signal
+            steps = loop.run()
             log.info("ffn rank %d served %d steps", job.role_rank, steps)
         world.close()
     except BaseException as exc:
@@ -212,11 +101,30 @@ def run_p2p_rank(job: RankJob) -> None:
         raise
 
 
+# ---------------------------------------------------------------- none
+def run_local_replica(job: RankJob) -> None:
+    """A whole-model replica in one process (attention model + FFN model + `LocalExchange`, as the reference
+    engine is built; decode CUDA graphs on CUDA): no world, no connector."""
+    from afd.weights import load_attention_model, load_ffn_model
+
+    device = select_device(job, job.role_rank)
+    load = dict(dtype=job.spec.dtype, device=device, seed=job.spec.seed)
+    attn, ffn = load_attention_model(job.spec.model, **load), load_ffn_model(job.spec.model, **load)
+    engine = engine_for(job, attn, LocalExchange(ffn))
+    if job.serve_address is not None:
+        run_online(engine, job)
+    else:
+        outputs, stats = drive_replica(engine, job, lambda has_work: has_work)
+        write_outputs(job, outputs, stats)
+
+
 # ---------------------------------------------------------------- entry
 def run_rank(job: RankJob) -> int:
     """Run one rank; exit status 0 on a normal end. Leaves through os._exit to skip a gloo teardown hang."""
     die_with_launcher(env.launcher_pid())
-    if job.config.connector == "p2p":
+    if job.role == "replica":
+        run_local_replica(job)
+    elif job.config.connector == "p2p":
         run_p2p_rank(job)
     else:
         from afd.runtime.async_rank import run_async_rank

@@ -1,0 +1,26 @@
+"""Triton kernels for the CUDA step; the eager PyTorch code they replace stays the CPU path and the test oracle.
+
+Every kernel module imports triton at its top, so import them lazily, inside a branch that `enabled` allowed.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+
+from afd import env
+
+
+@cache
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether the Triton kernels run on `device`: CUDA, triton importable, and `AFD_DISABLE_TRITON` unset."""
+    return device.type == "cuda" and not env.triton_disabled() and _triton_importable()

@@ -1,0 +1,266 @@
+"""The front end's side of the replicas: send requests over their links, route answers to the waiting requests.
+
+`ReplicaPool` lives on the server's event loop. Per replica, a reader thread blocks on its link and hands
+every message to the loop (`call_soon_threadsafe`), and a sender thread sends what the loop queued (so a
+busy replica never blocks the loop); everything else — the request table, the
+load counts the router reads, the metrics — is touched on the loop's thread only. A request's answers
+arrive on its own `asyncio.Queue` as `Event`s. A link that closes (the replica died) ends every request
+on it with an error event, so no client waits forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+
+from afd.sampling import SamplingParams
+from afd.serve.link import Message
+from afd.serve.metrics import ReplicaMetrics
+from afd.serve.router import outstanding_tokens, pick_replica
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Event:
+    """`tokens`: `items` of (token_id, logprob); `finished`: `reason` stop | length | abort | error, where an
+    error carries `message` and the HTTP `status` it maps to (400: the replica refused the request, 503: the
+    replica or a rank is gone, or the server is stopping)."""
+
+    kind: str
+    items: list[tuple[int, float]] = field(default_factory=list)
+    reason: str = ""
+    message: str = ""
+    status: int = 0
+    prompt_logprobs: list[float | None] | None = None  # `finished`, when the request asked for them
+
+
+@dataclass
+class Submitted:
+    """One request on one replica, as the front end tracks it."""
+
+    rid: str
+    replica: int
+    prompt_len: int
+    max_tokens: int
+    arrival: float
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    generated: int = 0
+    last_token_at: float = 0.0
+
+    @property
+    def outstanding(self) -> int:
+        return outstanding_tokens(self.prompt_len, self.max_tokens, self.generated)
+
+
+class ReplicaPool:
+    """Every replica's link, what is running where, and how loaded each replica is."""
+
+    def __init__(self, conns: dict[int, Connection], hellos: dict[int, Message]) -> None:
+        self.num_replicas = len(conns)
+        self.conns = [conns[r] for r in range(self.num_replicas)]
+        self.hellos = [hellos[r] for r in range(self.num_replicas)]
+        self.max_model_len = min(int(h["max_model_len"]) for h in self.hellos)
+        self.vocab_size = min(int(h["vocab_size"]) for h in self.hellos)
+        self.max_request_tokens = min(int(h["num_cache_tokens"]) for h in self.hellos)  # one request's cache rows
+        self.max_num_seqs = [int(h["max_num_seqs"]) for h in self.hellos]
+        self.alive = [True] * self.num_replicas
+        self.metrics = [ReplicaMetrics() for _ in range(self.num_replicas)]
+        self.requests: dict[str, Submitted] = {}
+        self.stopping = False
+        self._byes = [threading.Event() for _ in range(self.num_replicas)]
+        self._outbox: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(self.num_replicas)]
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # --- the link threads
+    def start(self) -> None:
+        """Start one reader and one sender thread per replica; call from the event loop that serves the requests.
+
+        Sends go through a thread too: a large prompt must never block the event loop while its replica is busy
+        with a step and not reading its link."""
+        self._loop = asyncio.get_running_loop()
+        for r, conn in enumerate(self.conns):
+            threading.Thread(target=self._read, args=(r, conn), name=f"afd-link-read-{r}", daemon=True).start()
+            threading.Thread(target=self._write, args=(r, conn), name=f"afd-link-send-{r}", daemon=True).start()
+
+    def _read(self, replica: int, conn: Connection) -> None:
+        assert self._loop is not None
+        try:
+            while True:
+                message = conn.recv()
+                if isinstance(message, dict) and message.get("type") == "bye":
+                    self._byes[replica].set()
+                    return
+                self._loop.call_soon_threadsafe(self._on_message, replica, message)
+        except (OSError, EOFError):  # the replica's process ended, or we closed the link at shutdown
+            self._byes[replica].set()  # nothing more will come: a shutdown need not wait for it
+            self._gone(replica)
+        except RuntimeError:  # the loop closed while a message was in flight: the server is gone
+            pass
+
+    def _write(self, replica: int, conn: Connection) -> None:
+        while (message := self._outbox[replica].get()) is not None:
+            try:
+                conn.send(message)
+            except (OSError, EOFError, ValueError):  # ValueError: the connection is closed
+                self._gone(replica)
+                return
+
+    def _gone(self, replica: int) -> None:
+        """From a link thread: the replica's link broke (unless the server is stopping, that is a failure)."""
+        if not self.stopping and self._loop is not None and not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(self.lose, replica, f"replica {replica} closed its link")
+            except RuntimeError:  # the loop closed meanwhile
+                pass
+
+    def _on_message(self, replica: int, message: Message) -> None:
+        kind = message.get("type")
+        if kind == "tokens":
+            self._on_tokens(replica, message["items"])
+        elif kind == "finished":
+            self._on_finished(message)
+        elif kind == "load":
+            m = self.metrics[replica]
+            m.running, m.waiting, m.cache_usage = (
+                int(message["running"]),
+                int(message["waiting"]),
+                message["cache_usage"],
+            )
+        else:
+            logger.warning("replica %d sent an unknown message %r", replica, kind)
+
+    def _on_tokens(self, replica: int, items: list) -> None:
+        now = time.perf_counter()
+        m = self.metrics[replica]
+        grouped: dict[str, list[tuple[int, float]]] = {}
+        for rid, token_id, logprob in items:
+            grouped.setdefault(rid, []).append((int(token_id), float(logprob)))
+        for rid, tokens in grouped.items():
+            sub = self.requests.get(rid)
+            if sub is None:
+                continue  # aborted here already; the replica had not seen the abort yet
+            if sub.generated == 0:
+                m.ttft.observe(now - sub.arrival)
+            else:
+                m.itl.observe(now - sub.last_token_at)
+            sub.generated += len(tokens)
+            sub.last_token_at = now
+            m.generation_tokens += len(tokens)
+            sub.queue.put_nowait(Event("tokens", items=tokens))
+
+    def _on_finished(self, message: Message) -> None:
+        sub = self.requests.pop(message["rid"], None)
+        if sub is None:
+            return
+        reason = message["reason"]
+        status = 400 if reason == "error" else 503  # a replica aborts on its own only when it stops
+        if reason == "abort":
+            reason, text = "error", "the request was aborted by its replica (the server is stopping)"
+        else:
+            text = message.get("message", "")
+        self._count_end(sub, reason)
+        scored = message.get("prompt_logprobs")
+        sub.queue.put_nowait(Event("finished", reason=reason, message=text, status=status, prompt_logprobs=scored))
+
+    def _count_end(self, sub: Submitted, reason: str) -> None:
+        m = self.metrics[sub.replica]
+        m.finished[reason] = m.finished.get(reason, 0) + 1
+        m.e2e.observe(time.perf_counter() - sub.arrival)
+
+    # --- requests
+    def waiting(self) -> int:
+        """Requests beyond what the replicas run at once (they wait in a replica's queue)."""
+        per_replica = [0] * self.num_replicas
+        for sub in self.requests.values():
+            per_replica[sub.replica] += 1
+        return sum(max(0, n - cap) for n, cap in zip(per_replica, self.max_num_seqs, strict=True))
+
+    def loads(self) -> list[int]:
+        load = [0] * self.num_replicas
+        for sub in self.requests.values():
+            load[sub.replica] += sub.outstanding
+        return load
+
+    def submit(
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        max_tokens: int,
+        sampling: SamplingParams,
+        stop_token_ids: list[int],
+        prompt_logprobs: bool = False,
+    ) -> Submitted:
+        """Send a request to the least loaded live replica; its answers come on the returned `queue`.
+
+        Raises LookupError when no replica is alive."""
+        try:
+            replica = pick_replica(self.loads(), self.alive)
+        except ValueError:
+            raise LookupError("no replica is alive") from None
+        sub = Submitted(rid, replica, len(prompt_ids), max_tokens, time.perf_counter())
+        self.requests[rid] = sub
+        self.metrics[replica].prompt_tokens += len(prompt_ids)
+        message = {
+            "type": "add",
+            "rid": rid,
+            "prompt_ids": prompt_ids,
+            "max_tokens": max_tokens,
+            "sampling": dataclasses.asdict(sampling),
+            "stop_token_ids": stop_token_ids,
+            "prompt_logprobs": prompt_logprobs,
+        }
+        self._send(replica, message)
+        return sub
+
+    def abort(self, rid: str, reason: str = "abort") -> None:
+        """Stop a request (a stop string matched, or its client left): the replica frees its cache."""
+        sub = self.requests.pop(rid, None)
+        if sub is None:
+            return
+        self._count_end(sub, reason)
+        self._send(sub.replica, {"type": "abort", "rid": rid})
+
+    def _send(self, replica: int, message: Message) -> bool:
+        """Queue a message for the replica's sender thread; False when the replica is gone."""
+        if not self.alive[replica]:
+            return False
+        self._outbox[replica].put(message)
+        return True
+
+    # --- failures and shutdown
+    def lose(self, replica: int, why: str) -> None:
+        """A replica is gone: every request on it ends with an error (503)."""
+        if not self.alive[replica]:
+            return
+        self.alive[replica] = False
+        logger.error("%s; its requests end with an error", why)
+        self.fail(why, replica)
+
+    def fail(self, why: str, replica: int | None = None) -> None:
+        """End every request (of one replica, or all) with an error event carrying `why`."""
+        for rid, sub in list(self.requests.items()):
+            if replica is None or sub.replica == replica:
+                del self.requests[rid]
+                self._count_end(sub, "error")
+                sub.queue.put_nowait(Event("finished", reason="error", message=why, status=503))
+
+    def shutdown(self, timeout_s: float) -> list[int]:
+        """Send `shutdown` to every live replica and wait (bounded) for each `bye`; returns the replicas that
+        did not answer. Blocking: call it off the event loop (`asyncio.to_thread`)."""
+        self.stopping = True
+        for r in range(self.num_replicas):
+            self._outbox[r].put({"type": "shutdown"})
+            self._outbox[r].put(None)  # the sender thread ends after it
+        deadline = time.monotonic() + timeout_s
+        silent = []
+        for r in range(self.num_replicas):
+            if self.alive[r] and not self._byes[r].wait(max(0.0, deadline - time.monotonic())):
+                silent.append(r)
+        return silent

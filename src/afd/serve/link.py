@@ -1,0 +1,112 @@
+"""The line between the HTTP front end and its engine replicas: one local socket per replica.
+
+Why a socket of our own and not the world store: requests arrive and tokens leave every step, and the
+store is the control plane of the ranks, not a message queue. `multiprocessing.connection` gives framing
+and an HMAC challenge on the run's secret (`AFD_SECRET`), so only processes of this run can connect
+(the messages are pickled: the challenge is what makes that safe).
+
+Messages are dicts with a `"type"`:
+
+front end -> replica
+- `add`: `rid` (str), `prompt_ids` (list[int]), `max_tokens` (int), `sampling` (dict of `SamplingParams`
+  fields), `stop_token_ids` (list[int]; generation stops after emitting one), `prompt_logprobs` (bool)
+- `abort`: `rid` — stop generating, free its cache; the replica answers with `finished`, reason `abort`
+- `shutdown`: finish nothing more, answer `bye`, exit 0
+
+replica -> front end
+- `hello`: `replica` (attention rank), `max_num_seqs`, `max_model_len`, `vocab_size`, `num_cache_tokens`
+- `tokens`: `items`: list of `[rid, token_id, logprob]`, everything one step produced, in step order
+- `finished`: `rid`, `reason`: `"stop"` (a stop token), `"length"` (max_tokens), `"abort"`, or `"error"`
+  with `message` (one sentence: the request was refused, e.g. it can never fit the cache)
+- `load`: `running`, `waiting`, `cache_usage` (0..1) — after every step that changed them
+- `bye`
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from multiprocessing.connection import Client, Connection, Listener
+
+logger = logging.getLogger(__name__)
+
+Message = dict
+
+
+class LinkError(RuntimeError):
+    """The other end of a link went away or never came."""
+
+
+class FrontLink:
+    """The front end's listener: every replica connects once and says `hello` with its index."""
+
+    def __init__(self, host: str, authkey: bytes) -> None:
+        self._listener = Listener((host, 0), authkey=authkey)
+        self.conns: dict[int, Connection] = {}
+        self.hellos: dict[int, Message] = {}
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self._listener.address
+
+    def accept(self, num_replicas: int, timeout_s: float) -> None:
+        """Wait until replicas 0..num_replicas-1 have connected and said hello; bounded by `timeout_s`."""
+        done = threading.Event()
+        failure: list[BaseException] = []
+
+        def accept_all() -> None:
+            try:
+                while len(self.conns) < num_replicas:
+                    conn = self._listener.accept()
+                    hello = conn.recv()
+                    if not isinstance(hello, dict) or hello.get("type") != "hello":
+                        conn.close()
+                        continue
+                    self.conns[int(hello["replica"])] = conn
+                    self.hellos[int(hello["replica"])] = hello
+            except (OSError, EOFError) as exc:  # the listener closed under us: the timeout below fired
+                failure.append(exc)
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=accept_all, name="afd-link-accept", daemon=True)
+        thread.start()
+        if not done.wait(timeout_s) or len(self.conns) < num_replicas:
+            missing = sorted(set(range(num_replicas)) - set(self.conns))
+            self.close()
+            raise LinkError(f"replicas {missing} did not connect to the front end within {timeout_s:g} s")
+
+    def close(self) -> None:
+        for conn in self.conns.values():
+            conn.close()
+        self._listener.close()
+
+
+class ReplicaLink:
+    """A replica's end: connect, say hello, then drain requests between steps and send what each step made."""
+
+    def __init__(self, address: tuple[str, int], authkey: bytes, hello: Message) -> None:
+        try:
+            self._conn = Client(address, authkey=authkey)
+        except (OSError, EOFError) as exc:
+            raise LinkError(f"cannot reach the front end at {address[0]}:{address[1]}: {exc}") from None
+        self.send({"type": "hello", **hello})
+
+    def poll(self, timeout_s: float = 0.0) -> list[Message]:
+        """Every message waiting now; with `timeout_s` > 0, wait that long for the first one (an idle replica)."""
+        messages: list[Message] = []
+        try:
+            while self._conn.poll(timeout_s if not messages else 0.0):
+                messages.append(self._conn.recv())
+        except (OSError, EOFError):
+            raise LinkError("the front end closed its link") from None
+        return messages
+
+    def send(self, message: Message) -> None:
+        try:
+            self._conn.send(message)
+        except (OSError, EOFError):
+            raise LinkError("the front end closed its link") from None
+
+    def close(self) -> None:
+        self._conn.close()

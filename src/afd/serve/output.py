@@ -1,0 +1,165 @@
+"""One request's output as the client sees it: tokens in, text pieces out, cut at the first stop string.
+
+`OutputText` detokenizes incrementally and releases text only when it is final: a character whose bytes
+are not all there yet is held back (the tokenizer's decoder does that), and so is a tail that could be
+the beginning of a stop string. When a stop string appears, the text ends just before it and the request
+is finished with `finish_reason: "stop"` (the front end then aborts it on its replica).
+
+`run_request` drives one request from submission to its end and yields `Piece`s; the streaming and the
+non-streaming handlers both consume it, so both give the same text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from afd.serve.frontend import ReplicaPool
+from afd.serve.protocol import APIError, GenerationParams
+from afd.serve.tokenizer import Tokenizer
+
+
+class OutputText:
+    def __init__(self, tokenizer: Tokenizer, stop: list[str]) -> None:
+        self._decoder = tokenizer.decoder()
+        self._stop = stop
+        self._hold = max((len(s) for s in stop), default=1) - 1  # longest partial match worth holding back
+        self.text = ""  # everything decoded so far (the output, once cut at a stop string)
+        self.sent = 0  # characters of `text` released
+        self.stopped = False
+
+    def add(self, token_id: int) -> str:
+        """The text this token releases ('' while held back); nothing after a stop string."""
+        if self.stopped:
+            return ""
+        return self._release(self._decoder.push(token_id), final=False)
+
+    def finish(self) -> str:
+        """The rest of the text, at the end of the request."""
+        if self.stopped:
+            return ""
+        return self._release(self._decoder.flush(), final=True)
+
+    def _release(self, piece: str, final: bool) -> str:
+        start = max(0, len(self.text) - self._hold)  # a stop string may begin in the held-back tail
+        self.text += piece
+        cut = min((i for s in self._stop if (i := self.text.find(s, start)) >= 0), default=-1)
+        if cut >= 0:
+            self.stopped, self.text = True, self.text[:cut]
+            end = cut
+        elif final:
+            end = len(self.text)
+        else:
+            end = len(self.text) - self._partial_stop()
+        released, self.sent = self.text[self.sent : end], max(self.sent, end)
+        return released
+
+    def _partial_stop(self) -> int:
+        """Length of the longest tail of the text that is the beginning of a stop string."""
+        for k in range(min(self._hold, len(self.text)), 0, -1):
+            tail = self.text[-k:]
+            if any(s.startswith(tail) for s in self._stop):
+                return k
+        return 0
+
+
+@dataclass
+class Piece:
+    """What one token (or the end) adds: its text, id and logprob; the last piece has `finish_reason`."""
+
+    text: str
+    token_id: int | None = None
+    logprob: float | None = None
+    finish_reason: str | None = None
+    prompt_logprobs: list[float | None] | None = None  # on the last piece, when the replica scored the prompt
+
+
+@dataclass
+class Prepared:
+    """A prompt checked and ready: its ids, the tokens it may generate, and what ends it."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    stop_token_ids: list[int] = field(default_factory=list)
+
+
+def prepare(pool: ReplicaPool, tokenizer: Tokenizer, prompt_ids: list[int], params: GenerationParams) -> Prepared:
+    """Check a prompt against the served model (vocabulary, length, cache) and fix its `max_tokens`."""
+    if not prompt_ids:
+        raise APIError(400, "the prompt is empty; it needs at least one token", param="prompt")
+    vocab = pool.vocab_size
+    bad_ids = [t for t in prompt_ids if not 0 <= t < vocab]
+    if bad_ids:
+        raise APIError(400, f"token id {bad_ids[0]} is outside the vocabulary [0, {vocab})", param="prompt")
+    limit = pool.max_model_len
+    room = limit - len(prompt_ids)
+    if room < 1:
+        raise APIError(
+            400,
+            f"the prompt has {len(prompt_ids)} tokens, which leaves no room in this model's "
+            f"maximum context length of {limit} tokens; shorten it",
+            param="prompt",
+        )
+    # no max_tokens (chat): what the context and a replica's cache leave
+    max_tokens = params.max_tokens
+    if max_tokens is None:
+        max_tokens = max(1, min(room, pool.max_request_tokens - len(prompt_ids) + 1))
+    if len(prompt_ids) + max_tokens > limit:
+        raise APIError(
+            400,
+            f"this model's maximum context length is {limit} tokens, but the request asks for "
+            f"{len(prompt_ids) + max_tokens} ({len(prompt_ids)} in the prompt, {max_tokens} to generate); "
+            "shorten the prompt or lower max_tokens",
+            param="max_tokens",
+        )
+    need = len(prompt_ids) + max_tokens - 1
+    if need > pool.max_request_tokens:
+        raise APIError(
+            400,
+            f"the request needs {need} KV-cache rows but a replica's whole cache holds "
+            f"{pool.max_request_tokens}; shorten the prompt or lower max_tokens",
+            param="max_tokens",
+        )
+    stops = list(params.stop_token_ids) + ([] if params.ignore_eos else list(tokenizer.stop_token_ids))
+    return Prepared(list(prompt_ids), max_tokens, sorted(set(stops)))
+
+
+async def run_request(
+    pool: ReplicaPool, tokenizer: Tokenizer, rid: str, prepared: Prepared, params: GenerationParams
+) -> AsyncIterator[Piece]:
+    """Submit one prompt and yield its pieces until it ends; raises APIError when it fails on the way.
+
+    However it ends — a stop string, the client gone (the generator is closed), an error — a request that
+    is still running on its replica is aborted there, which frees its cache."""
+    text = OutputText(tokenizer, params.stop)
+    stop_ids = set(prepared.stop_token_ids)
+    try:
+        sub = pool.submit(
+            rid,
+            prepared.prompt_ids,
+            prepared.max_tokens,
+            params.sampling,
+            prepared.stop_token_ids,
+            prompt_logprobs=params.echo and params.logprobs is not None,
+        )
+    except LookupError as exc:
+        raise APIError(503, f"the server cannot take requests: {exc}") from None
+    try:
+        while True:
+            event = await sub.queue.get()
+            if event.kind == "tokens":
+                for token_id, logprob in event.items:
+                    shown = token_id not in stop_ids  # a stop token ends the request and is not text
+                    yield Piece(text.add(token_id) if shown else "", token_id, logprob)
+                    if text.stopped:
+                        pool.abort(rid, "stop")
+                        yield Piece(text.finish(), finish_reason="stop")
+                        return
+                continue
+            if event.reason == "error":
+                raise APIError(event.status or 500, event.message or "the request failed on its replica")
+            reason = "stop" if text.stopped else event.reason
+            yield Piece(text.finish(), finish_reason=reason, prompt_logprobs=event.prompt_logprobs)
+            return
+    finally:
+        pool.abort(rid)  # a no-op when the request already ended

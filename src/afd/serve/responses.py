@@ -1,0 +1,248 @@
+"""The bodies of /v1/completions and /v1/chat/completions, whole or streamed as server-sent events.
+
+A `Call` is one HTTP request's prompts, checked and ready to run; `pieces` merges the pieces of all its
+prompts (one choice each). Streams send one chunk per token (`data: {json}`), then `data: [DONE]`; an
+error after the stream began is an error event followed by `[DONE]`. Whatever ends a stream early (the
+client leaving, an error), every prompt still running is aborted on its replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from afd.serve.output import Piece, Prepared, prepare, run_request
+from afd.serve.protocol import DONE, APIError, GenerationParams, chat_logprobs, completion_logprobs, sse, usage
+
+if TYPE_CHECKING:
+    from afd.serve.server import ServerState
+
+
+@dataclass
+class Call:
+    state: ServerState
+    id: str
+    prepared: list[Prepared]
+    params: GenerationParams
+    originals: list[str | list[int]] | None  # the prompts as sent (echo returns a string prompt as it came)
+    created: int = 0  # unix seconds of the request, as the API reports it
+
+    @classmethod
+    def build(cls, state, prefix: str, prompts: list[list[int]], params: GenerationParams, originals=None) -> Call:
+        prepared = [prepare(state.pool, state.tokenizer, ids, params) for ids in prompts]
+        return cls(state, f"{prefix}-{uuid.uuid4().hex}", prepared, params, originals, int(time.time()))
+
+    @property
+    def model(self) -> str:
+        return self.state.options.model_name
+
+    def token_str(self, token_id: int) -> str:
+        if self.params.return_tokens_as_token_ids:
+            return f"token_id:{token_id}"
+        return self.state.tokenizer.token_text(token_id)
+
+    def usage(self, completion_tokens: int) -> dict:
+        return usage(sum(len(p.prompt_ids) for p in self.prepared), completion_tokens)
+
+    async def pieces(self) -> AsyncIterator[tuple[int, Piece]]:
+        """(choice index, piece) of every prompt as they come; raises the first APIError of any prompt."""
+        state, n = self.state, len(self.prepared)
+        runs = [
+            run_request(state.pool, state.tokenizer, f"{self.id}-{i}", p, self.params)
+            for i, p in enumerate(self.prepared)
+        ]
+        if n == 1:
+            async with aclosing(runs[0]) as run:
+                async for piece in run:
+                    yield 0, piece
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            try:
+                async with aclosing(runs[i]) as run:
+                    async for piece in run:
+                        queue.put_nowait((i, piece))
+            except APIError as err:
+                queue.put_nowait((i, err))
+            queue.put_nowait((i, None))
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(n)]
+        try:
+            while n:
+                i, item = await queue.get()
+                if isinstance(item, APIError):
+                    raise item
+                if item is None:
+                    n -= 1
+                else:
+                    yield i, item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+
+@dataclass
+class Choice:
+    """One prompt's output, gathered."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    prompt_logprobs: list[float | None] | None = None
+    finish_reason: str | None = None
+
+    def add(self, piece: Piece) -> None:
+        if piece.prompt_logprobs is not None:
+            self.prompt_logprobs = piece.prompt_logprobs
+        if piece.token_id is not None:
+            self.token_ids.append(piece.token_id)
+            self.logprobs.append(piece.logprob)
+            self.offsets.append(len(self.text))
+        self.text += piece.text
+        self.finish_reason = piece.finish_reason or self.finish_reason
+
+
+async def _gather(call: Call) -> list[Choice]:
+    choices = [Choice() for _ in call.prepared]
+    async with aclosing(call.pieces()) as pieces:
+        async for i, piece in pieces:
+            choices[i].add(piece)
+    return choices
+
+
+def _echo(call: Call, i: int) -> tuple[str, list[int]]:
+    """The prompt text a completion echoes, and each prompt token's offset in it."""
+    ids = call.prepared[i].prompt_ids
+    decoder, text, offsets = call.state.tokenizer.decoder(), "", []
+    for t in ids:
+        offsets.append(len(text))
+        text += decoder.push(t)
+    text += decoder.flush()
+    original = call.originals[i] if call.originals else None
+    return (original if isinstance(original, str) else text), offsets
+
+
+def _completion_choice(call: Call, i: int, c: Choice, *, with_prompt: bool) -> dict:
+    text, tokens, lps, offsets = c.text, [call.token_str(t) for t in c.token_ids], list(c.logprobs), list(c.offsets)
+    if with_prompt:
+        prompt_text, prompt_offsets = _echo(call, i)
+        text = prompt_text + text
+        ids = call.prepared[i].prompt_ids
+        prompt_lps = c.prompt_logprobs or [None] * len(ids)
+        tokens = [call.token_str(t) for t in ids] + tokens
+        lps = list(prompt_lps) + lps
+        offsets = prompt_offsets + [o + len(prompt_text) for o in offsets]
+    logprobs = None
+    if call.params.logprobs is not None:
+        logprobs = completion_logprobs(tokens, lps, offsets, top=call.params.logprobs > 0)
+    return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": None}
+
+
+async def completion_response(call: Call) -> dict:
+    choices = await _gather(call)
+    return {
+        "id": call.id,
+        "object": "text_completion",
+        "created": call.created,
+        "model": call.model,
+        "choices": [_completion_choice(call, i, c, with_prompt=call.params.echo) for i, c in enumerate(choices)],
+        "usage": call.usage(sum(len(c.token_ids) for c in choices)),
+    }
+
+
+async def chat_response(call: Call) -> dict:
+    (c,) = await _gather(call)
+    logprobs = None
+    if call.params.logprobs is not None:
+        logprobs = chat_logprobs([call.token_str(t) for t in c.token_ids], c.logprobs, top=call.params.logprobs > 0)
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": c.text},
+        "logprobs": logprobs,
+        "finish_reason": c.finish_reason,
+        "stop_reason": None,
+    }
+    return {
+        "id": call.id,
+        "object": "chat.completion",
+        "created": call.created,
+        "model": call.model,
+        "choices": [choice],
+        "usage": call.usage(len(c.token_ids)),
+    }
+
+
+# ---------------------------------------------------------------- streams
+async def _open_stream(request: web.Request) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    return response
+
+
+async def _stream(
+    request: web.Request, call: Call, kind: str, chunk_of, first_chunks: list[dict]
+) -> web.StreamResponse:
+    """Send `first_chunks`, then `chunk_of(i, piece)` for every piece (one per token, its text possibly held
+    back, and the last with `finish_reason`), then usage when asked, then [DONE]."""
+    response = await _open_stream(request)
+    envelope = {"id": call.id, "object": kind, "created": call.created, "model": call.model}
+    generated = 0
+    try:
+        for choice in first_chunks:
+            await response.write(sse({**envelope, "choices": [choice]}))
+        async with aclosing(call.pieces()) as pieces:
+            async for i, piece in pieces:
+                generated += piece.token_id is not None
+                await response.write(sse({**envelope, "choices": [chunk_of(i, piece)]}))
+        if call.params.include_usage:
+            await response.write(sse({**envelope, "choices": [], "usage": call.usage(generated)}))
+    except APIError as err:
+        await response.write(sse(err.body()))
+    await response.write(DONE)
+    await response.write_eof()
+    return response
+
+
+async def stream_completion(request: web.Request, call: Call) -> web.StreamResponse:
+    want_logprobs = call.params.logprobs is not None
+    top = want_logprobs and call.params.logprobs > 0
+    offsets = [0] * len(call.prepared)  # where the next piece starts in each choice's text
+    first = []
+    if call.params.echo:  # the prompt goes first; its logprobs are not known yet in a stream (null)
+        for i in range(len(call.prepared)):
+            echo = _completion_choice(call, i, Choice(), with_prompt=True)
+            offsets[i] = len(echo["text"])
+            first.append(echo)
+
+    def chunk_of(i: int, piece: Piece) -> dict:
+        logprobs = None
+        if want_logprobs and piece.token_id is not None:
+            logprobs = completion_logprobs([call.token_str(piece.token_id)], [piece.logprob], [offsets[i]], top)
+        offsets[i] += len(piece.text)
+        return {"index": i, "text": piece.text, "logprobs": logprobs, "finish_reason": piece.finish_reason}
+
+    return await _stream(request, call, "text_completion", chunk_of, first)
+
+
+async def stream_chat(request: web.Request, call: Call) -> web.StreamResponse:
+    want_logprobs = call.params.logprobs is not None
+    first = [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+
+    def chunk_of(i: int, piece: Piece) -> dict:
+        logprobs = None
+        if want_logprobs and piece.token_id is not None:
+            tokens = [call.token_str(piece.token_id)]
+            logprobs = chat_logprobs(tokens, [piece.logprob], top=call.params.logprobs > 0)
+        delta = {"content": piece.text} if piece.text or piece.token_id is not None else {}
+        return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": piece.finish_reason}
+
+    return await _stream(request, call, "chat.completion.chunk", chunk_of, first)
