@@ -121,6 +121,25 @@ def test_fused_grouped_expert_mlp_equals_the_grouped_loop(sizes, tiles):
 
 
 @cpu_only
+@pytest.mark.parametrize("T", [0, 1, 5, 33])
+@pytest.mark.parametrize("expert_range", [(0, 8), (2, 5), (3, 3)])
+def test_combine_sorted_pairs_equals_weigh_scatter_and_sum(T, expert_range):
+    """The prefill-sized combine after `torch._grouped_mm`: from expert-sorted rows (non-local rows hold NaN, as
+    the grouped GEMM leaves them) to the fp32 sum over local k, equal to weigh + scatter back + sum."""
+    K, (start, stop) = 3, expert_range
+    r = _routing(T, E, K, seed=T + start)
+    pairs = sort_pairs_by_expert(r.topk_ids, start, stop)
+    y = torch.randn(T * K, H)
+    y[pairs.offs[-1] if stop > start else 0 :] = float("nan")  # never read
+    got = kmoe.combine_sorted_pairs(y, pairs.pair_idx, r.topk_weights, pairs.offs)
+    local = (r.topk_ids >= start) & (r.topk_ids < stop)  # [T, K]
+    by_pair = torch.zeros(T * K, H).index_copy_(0, pairs.pair_idx, torch.nan_to_num(y, nan=0.0))
+    want = (by_pair.view(T, K, H) * (r.topk_weights * local)[..., None]).sum(1)
+    assert got.shape == (T, H) and not got.isnan().any()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@cpu_only
 def test_moe_dispatches_decode_batches_to_the_kernels(monkeypatch):
     """`routed_experts(fixed_shape=True)` and `grouped_expert_mlp_offsets` hand their arguments to the kernels
     when `_fused_moe_enabled` says so (forced on here; on CUDA it is the device, the batch size and
@@ -207,6 +226,31 @@ def test_gpu_fused_routed_experts_bf16_v2_lite():
                 with _kernels_off():
                     eager = routed_experts(*args, fixed_shape=True)
                 assert _rel(got, eager) <= 1e-2, f"T={T}: kernel vs grouped_mm {_rel(got, eager):.2e}"
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.timeout(300)
+def test_gpu_prefill_sized_routed_experts_take_the_one_pass_combine():
+    """Above the decode kernels' size (T*K > FUSED_MOE_MAX_PAIRS) the grouped GEMM stays, followed by `silu_mul`
+    and `combine_sorted_pairs`: V2-Lite shapes, bf16, T = 1024 and 4096, all experts and a shard: within 1e-2 of
+    the fp32 oracle and of the eager glue (which rounds the same bf16 products), same bits on two runs."""
+    if not _grouped_mm_ok():
+        pytest.skip("needs torch._grouped_mm (sm90+)")
+    c = V2_LITE
+    w13, w2 = _experts(c["E"], c["H"], c["I"], torch.bfloat16, "cuda")
+    for T in (1024, 4096):
+        assert T * c["K"] > moe.FUSED_MOE_MAX_PAIRS
+        x = torch.randn(T, c["H"], device="cuda", dtype=torch.bfloat16)
+        r = _routing(T, c["E"], c["K"], device="cuda", seed=T)
+        for start, stop in ((0, c["E"]), (16, 48)):
+            args = (x, r.topk_ids, r.topk_weights, w13[start:stop], w2[start:stop], start)
+            got = routed_experts(*args, fixed_shape=True)
+            assert torch.equal(got, routed_experts(*args, fixed_shape=True)), f"T={T}: two runs differ"
+            assert _rel(got, _oracle_fp32(*args)) <= 1e-2, f"T={T} [{start}, {stop}): vs the fp32 oracle"
+            with _kernels_off():
+                eager = routed_experts(*args, fixed_shape=True)
+            assert _rel(got, eager) <= 1e-3, f"T={T} [{start}, {stop}): vs the eager glue {_rel(got, eager):.2e}"
 
 
 @pytest.mark.gpu

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from afd.kv_cache import NULL_BLOCK, PagedLatentCache
-from afd.model import AttentionModel, Batch, Boundary, Exchange, run_segments
+from afd.model import AttentionModel, Batch, Boundary, Exchange, run_segments, zero_exchange
 from afd.moe import Routing, _grouped_mm_supported
 
 logger = logging.getLogger(__name__)
@@ -144,11 +144,6 @@ def _resume(segments, answer: torch.Tensor | None) -> tuple[Boundary | None, tor
         return None, end.value
 
 
-def _zero_answers(layer_idx: int, x: torch.Tensor, routing: Routing | None) -> torch.Tensor:
-    """The stand-in exchange of warm-up and capture: never crosses to the FFN side."""
-    return torch.zeros_like(x)
-
-
 def _head(routing: Routing | None, n: int) -> Routing | None:
     return None if routing is None else Routing(routing.topk_ids[:n], routing.topk_weights[:n])
 
@@ -255,7 +250,7 @@ class DecodeGraphRunner:
             self._graphs[key] = _Graph(static, batch, [], None)
             return self._graphs[key]
         start = time.perf_counter()
-        exchange = _zero_answers if self.segmented else self.exchange
+        exchange = zero_exchange if self.segmented else self.exchange
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())

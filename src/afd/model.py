@@ -215,6 +215,22 @@ class MLP(nn.Module):
 class Gate(nn.Module):
     """MoE router: fp32 logits, then `select_experts` (shared by both sides)."""
 
+    _fp32: tuple[tuple[int, int], torch.Tensor] | None = None
+
+    def _weight_fp32(self) -> torch.Tensor:
+        """The weight in fp32, converted once rather than every step (kept while the weight is unchanged). Never
+        cached during CUDA-graph capture, whose kernels do not run until replay."""
+        w = self.weight
+        if w.dtype == torch.float32:
+            return w
+        key = (w.data_ptr(), w._version)
+        if self._fp32 is not None and self._fp32[0] == key:
+            return self._fp32[1]
+        w32 = w.detach().float()
+        if not (w.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self._fp32 = (key, w32)
+        return w32
+
     def __init__(self, config: ModelConfig, routed_scaling_factor: float) -> None:
         super().__init__()
         self.config = config
@@ -226,7 +242,7 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Routing:
         c = self.config
-        logits = F.linear(x.float(), self.weight.float())  # [T, E]
+        logits = F.linear(x.float(), self._weight_fp32())  # [T, E]
         return select_experts(
             logits,
             top_k=c.num_experts_per_tok,
@@ -309,6 +325,11 @@ class Boundary:
     layer_idx: int
     hidden: torch.Tensor
     routing: Routing | None
+
+
+def zero_exchange(layer_idx: int, x: torch.Tensor, routing: Routing | None) -> torch.Tensor:
+    """An exchange that never crosses to the FFN side (graph capture, warm-up): answers zeros [T, H]."""
+    return torch.zeros_like(x)
 
 
 def run_segments(segments: Generator[Boundary, torch.Tensor, torch.Tensor], exchange: Exchange) -> torch.Tensor:
@@ -404,6 +425,9 @@ class MLAttention(nn.Module):
 
         out = x.new_empty(T, nh, c.v_head_dim)  # [T, nh, Dv]
         batched = set(batch.decode_seqs) if kv_cache is not None else set()
+        if batched and len(batched) == len(batch.query_lens):  # all decodes (graphed steps): rows in order
+            return self.o_proj(self._decode_attention(q_nope, q_pe, kv_cache, batch.decode_rows, batch.decode_valid)
+                               .reshape(T, nh * c.v_head_dim))  # fmt: skip
         if batched:  # one pass over every single-token sequence instead of a loop over them
             rows = batch.decode_token_rows  # [Bd]
             o = self._decode_attention(q_nope[rows], q_pe[rows], kv_cache, batch.decode_rows, batch.decode_valid)

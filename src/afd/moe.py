@@ -216,7 +216,13 @@ def grouped_expert_mlp_offsets(
         return fused_grouped_expert_mlp(x, offs, w13, w2)
     gate_up = torch._grouped_mm(x, w13.transpose(1, 2), offs=offs)  # [N, 2I]
     gate, up = gate_up.chunk(2, dim=-1)  # [N, I] each
-    return torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offs)  # [N, H]
+    if kernels.enabled(x.device):  # one pass instead of silu, then multiply
+        from afd.kernels.swiglu import silu_mul
+
+        act = silu_mul(gate, up)  # [N, I]
+    else:
+        act = F.silu(gate) * up
+    return torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)  # [N, H]
 
 
 @dataclass
@@ -284,6 +290,10 @@ def routed_experts(
         return fused_routed_experts(x, topk_ids, topk_weights, w13, w2, expert_start)
     pairs = sort_pairs_by_expert(topk_ids, expert_start, expert_start + num_local)
     y = grouped_expert_mlp_offsets(x[pairs.token_idx], pairs.offs, w13, w2)  # [T*K, H]
+    if kernels.enabled(x.device):  # prefill sizes: one pass from the sorted outputs to the fp32 sum
+        from afd.kernels.moe import combine_sorted_pairs
+
+        return combine_sorted_pairs(y, pairs.pair_idx, topk_weights, pairs.offs)
     w = topk_weights.reshape(-1)[pairs.pair_idx].float()  # [T*K]
     # Rows past the last group were never written (possibly NaN): select zeros there rather than weigh them.
     in_group = torch.arange(y.shape[0], device=y.device) < pairs.offs[-1]  # [T*K]

@@ -22,6 +22,7 @@ from afd.runtime.rank import RankJob, drive_replica, engine_for, select_device, 
 from afd.topology import AsyncTopology
 from afd.transport.shm import ShmHeap
 from afd.transport.symm_heap import SymmetricHeap, default_heap_factory
+from afd.warm_up import warm_up_ffn
 from afd.weights import load_attention_model, load_ffn_model, load_model_config, resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,7 @@ def run_async_rank(job: RankJob) -> None:
         else:
             experts = topo.expert_ranges[job.role_rank]
             ffn_model = load_ffn_model(job.spec.model, expert_range=experts, **load_args)
+            warm_up_ffn(ffn_model, device)  # compile the kernels before the first work item
             server = AsyncFFNServer(world.store, topo, job.role_rank, **endpoint_args)
             if job.serve_address is not None:
                 stop_on_signals()  # a server's FFN rank ends when every replica shut down, also after a signal

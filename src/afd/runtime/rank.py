@@ -163,7 +163,11 @@ def write_outputs(job: RankJob, outputs: list[Output], stats: ReplicaStats) -> N
 
 def engine_for(job: RankJob, model, exchange) -> Engine:
     """The replica's engine with the run's token budget, cache options and model length."""
+    from afd.warm_up import warm_up_engine
+
     spec = job.spec
-    return Engine(
+    engine = Engine(
         model, exchange, spec.max_num_batched_tokens, max_model_len=spec.max_model_len, **spec.cache.engine_kwargs()
     )
+    warm_up_engine(engine)  # compile the CUDA step's kernels before the replica's first timed step
+    return engine

@@ -29,6 +29,7 @@ from afd.runtime.rank import (  # noqa: F401 - RankJob and drive_replica are als
     write_outputs,
 )
 from afd.topology import SyncTopology, expert_ranges
+from afd.warm_up import warm_up_ffn
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ def run_p2p_rank(job: RankJob) -> None:
         else:
             experts = expert_ranges(model_config.n_routed_experts, cfg.num_ffn_ranks)[job.role_rank]
             ffn_model = load_ffn_model(job.spec.model, expert_range=experts, **common)
+            warm_up_ffn(ffn_model, device)  # compile the kernels before the first work item
             boundary = list(range(model_config.num_hidden_layers)) if not gate_on_attention else model_config.moe_layers
             dense = [i for i in boundary if not model_config.is_moe_layer(i)]
             loop = P2pFFNLoop(

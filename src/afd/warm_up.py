@@ -1,0 +1,80 @@
+"""Compile the CUDA step's Triton kernels before any timed or served work.
+
+Why: a Triton kernel compiles on its first call in a process (a second or more per kernel and tile
+configuration, less once triton's on-disk cache holds it). Without a warm-up that lands in the first
+request's time to first token, and on p2p it stalls every replica of the wave. Each side warms up alone:
+the attention side answers its boundary layers with zeros (nothing crosses to the FFN side, so no FFN
+rank takes the warm-up for a step) and the FFN side runs its experts on random rows. CPU has nothing to
+compile and returns at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from afd.engine import Engine, LocalExchange
+from afd.ffn_model import FFNModel
+from afd.model import Batch, zero_exchange
+from afd.moe import select_experts
+
+logger = logging.getLogger(__name__)
+
+PROMPT_LENS = (17, 5)  # two fresh prompts (varlen prefill), then one batched decode step over both
+FFN_TOKEN_COUNTS = (1, 8, 64, 256, 1024)  # every tile configuration of the MoE kernels, and the grouped-GEMM path
+
+
+def warm_up_engine(engine: Engine, *, force: bool = False) -> None:
+    """One prefill and one batched decode through the attention model (and the in-process FFN model, when the
+    exchange is the local one) on a few cache blocks that are handed back afterwards. CUDA only (`force`: tests)."""
+    if engine.device.type != "cuda" and not force:
+        return
+    start = time.perf_counter()
+    model, cache = engine.model, engine.kv_cache
+    exchange = engine.exchange if isinstance(engine.exchange, LocalExchange) else zero_exchange
+    slots = [cache.allocate(n + 1) for n in PROMPT_LENS]
+    try:
+        with torch.inference_mode():
+            positions = torch.cat([torch.arange(n) for n in PROMPT_LENS]).to(engine.device)
+            prefill = Batch(slots=slots, query_lens=list(PROMPT_LENS), context_lens=[0] * len(slots))
+            model(torch.zeros_like(positions), positions, prefill, cache, exchange)
+            decode = Batch(slots=slots, query_lens=[1] * len(slots), context_lens=list(PROMPT_LENS), batch_decodes=True)
+            lens = torch.tensor(PROMPT_LENS, device=engine.device)
+            model(torch.zeros_like(lens), lens, decode, cache, exchange)
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize(engine.device)
+    finally:
+        for slot in slots:
+            cache.free(slot)
+    logger.info("warmed up the attention step (kernels compiled) in %.1f s", time.perf_counter() - start)
+
+
+def warm_up_ffn(ffn_model: FFNModel, device: torch.device, *, force: bool = False) -> None:
+    """Routed experts (both forms: by (token, k) pairs and grouped by expert), shared experts and a dense layer
+    on random rows of every size class the kernels pick a tile configuration for. CUDA only (`force`: tests)."""
+    if device.type != "cuda" and not force:
+        return
+    start = time.perf_counter()
+    config = ffn_model.config
+    dtype = next(ffn_model.parameters()).dtype
+    held = [i for i in range(config.num_hidden_layers) if str(i) in ffn_model.layers]
+    moe = [i for i in held if config.is_moe_layer(i)][:1]  # one layer of each kind: kernels compile per shape
+    dense = [i for i in held if not config.is_moe_layer(i)][:1]
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.inference_mode():
+        for num_tokens in FFN_TOKEN_COUNTS:
+            x = torch.randn(num_tokens, config.hidden_size, device=device, dtype=dtype, generator=gen) * 0.1
+            for layer in dense:
+                ffn_model(layer, x, None)
+            for layer in moe:
+                logits = torch.randn(num_tokens, config.n_routed_experts, device=device, generator=gen)
+                routing = select_experts(logits, top_k=config.num_experts_per_tok)
+                ffn_model(layer, x, routing)
+                if ffn_model.num_local_experts:
+                    offs = torch.full((ffn_model.num_local_experts,), num_tokens, dtype=torch.int32, device=device)
+                    ffn_model.experts_offsets(layer, x, offs)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    logger.info("warmed up the FFN step (kernels compiled) in %.1f s", time.perf_counter() - start)

@@ -1,0 +1,54 @@
+"""The warm-up that compiles the CUDA step's kernels (afd.warm_up), run on CPU with `force`: it leaves no trace.
+
+It must hand back every cache block, leave the null block zero, never cross to the FFN side of a disaggregated
+exchange (a p2p FFN rank would take it for a step), and change nothing the engine computes afterwards.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from afd.engine import Engine, LocalExchange, Request
+from afd.warm_up import warm_up_engine, warm_up_ffn
+from afd.weights import load_attention_model, load_ffn_model
+
+PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9]]
+
+
+class _Remote:
+    """Stands in for a disaggregated exchange: answers as the local one, counts its calls."""
+
+    def __init__(self, local: LocalExchange) -> None:
+        self.local, self.calls = local, 0
+
+    def __call__(self, layer_idx, x, routing):
+        self.calls += 1
+        return self.local(layer_idx, x, routing)
+
+
+def _run(engine: Engine):
+    for p in PROMPTS:
+        engine.add(Request(list(p), 6))
+    return engine.run()
+
+
+def test_warm_up_leaves_no_trace_and_never_crosses_to_the_ffn_side() -> None:
+    attn, ffn = load_attention_model("tiny"), load_ffn_model("tiny")
+    want = _run(Engine(attn, LocalExchange(ffn), 64, block_size=4))
+    remote = _Remote(LocalExchange(ffn))
+    engine = Engine(attn, remote, 64, block_size=4)
+    free_before = engine.kv_cache.pool.num_free
+    warm_up_engine(engine, force=True)
+    assert remote.calls == 0  # answered by zeros: nothing reached the FFN side
+    assert engine.kv_cache.pool.num_free == free_before
+    assert not engine.kv_cache.cache[:, : engine.kv_cache.block_size].any()  # the null block stays zero
+    got = _run(engine)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert all(g.logprobs == w.logprobs for g, w in zip(got, want, strict=True))
+
+
+def test_ffn_warm_up_runs_every_form_and_changes_no_weight() -> None:
+    ffn = load_ffn_model("tiny")
+    before = {k: v.clone() for k, v in ffn.state_dict().items()}
+    warm_up_ffn(ffn, torch.device("cpu"), force=True)
+    assert all(torch.equal(before[k], v) for k, v in ffn.state_dict().items())
