@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 
 import torch.nn.functional as F  # noqa: E402
 
-import afd.model  # noqa: E402
+import afd.layers  # noqa: E402
 from afd.kernels.norm import rms_norm  # noqa: E402
 from afd.kernels.rope import rope  # noqa: E402
 from afd.kernels.swiglu import silu_mul  # noqa: E402
@@ -54,7 +54,7 @@ MINE = {"RMSNorm.forward", "apply_rope", "MLP.forward"}  # the call sites of the
 
 
 def _kernels_on(monkeypatch: pytest.MonkeyPatch, on: bool = True, calls: list | None = None) -> None:
-    """Make afd.model's RMSNorm / apply_rope / MLP take (or skip) the kernels on any device, counting the calls.
+    """Make afd.layers' RMSNorm / apply_rope / MLP take (or skip) the kernels on any device, counting the calls.
 
     Other kernels dispatched through the same `kernels.enabled` (attention) stay eager: they have their own tests.
     """
@@ -66,7 +66,7 @@ def _kernels_on(monkeypatch: pytest.MonkeyPatch, on: bool = True, calls: list | 
             calls.append(device)
         return on
 
-    monkeypatch.setattr(afd.model, "kernels", SimpleNamespace(enabled=enabled))
+    monkeypatch.setattr(afd.layers, "kernels", SimpleNamespace(enabled=enabled))
 
 
 def _norm(dim: int, dtype: torch.dtype, device: torch.device) -> RMSNorm:

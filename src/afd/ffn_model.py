@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from afd.model import MLP, Gate, ModelConfig
+from afd.layers import MLP, Gate
+from afd.model_config import ModelConfig
 from afd.moe import Routing, grouped_expert_mlp, grouped_expert_mlp_offsets, routed_experts
 
 

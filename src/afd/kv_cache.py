@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from afd.model import Batch, ModelConfig
+    from afd.attention import Batch
+    from afd.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
