@@ -71,12 +71,13 @@ def test_bench_rejects_unknown_connector() -> None:
 def test_demo_times_a_warm_reference_and_says_what_the_numbers_mean(monkeypatch: pytest.MonkeyPatch) -> None:
     """The reference row was one cold run whose tok/s swung 14-311 across five runs."""
     import afd.demo as demo
+    from afd.runtime.harness import RunResult
 
     runs = []
 
     def fake_reference(spec, prompts):
         runs.append(len(prompts))
-        return demo.RunResult("none", "1 proc", [], elapsed_s=float(len(runs)), ttft_s=[0.01])
+        return RunResult("none", "1 proc", [], elapsed_s=float(len(runs)), ttft_s=[0.01])
 
     monkeypatch.setattr(demo, "run_reference", fake_reference)
     reference, connector_runs, ok = demo.run_demo(connectors=(), progress=lambda msg: None)
@@ -100,7 +101,7 @@ def test_reference_run_hands_the_gpu_back_before_ranks_launch() -> None:
     `afd bench` run out of memory (nvidia-h200-x2, 2026-11-30)."""
     import torch
 
-    from afd.demo import run_reference
+    from afd.runtime.harness import run_reference
     from afd.runtime.launch import RunSpec
 
     if not torch.cuda.is_available():

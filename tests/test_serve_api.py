@@ -480,7 +480,9 @@ def test_a_dead_rank_fails_health_and_in_flight_requests_without_hanging():
 # ---------------------------------------------------------------- afd bench serve and the command line
 def test_bench_serve_pieces():
     from afd.cli_serve import compare_list, rate_list
-    from afd.serve.bench import Workload, percentile, slo_throughput
+    from afd.serve.bench import percentile
+    from afd.serve.report import slo_throughput
+    from afd.serve.workload import Workload
 
     assert compare_list("none:R=2,async:A=2,F=2") == [
         ("none R=2", ["--connector", "none", "--replicas", "2"]),
@@ -490,7 +492,7 @@ def test_bench_serve_pieces():
         with pytest.raises(Exception, match="--compare"):
             compare_list(bad)
     assert rate_list("1,2.5,inf") == [1.0, 2.5, float("inf")]
-    with pytest.raises(Exception, match="--rate"):
+    with pytest.raises(Exception, match="--rates"):
         rate_list("0")
     w = Workload("uneven", requests=200, long_len=50, short_len=5, long_fraction=0.25)
     lengths = [len(p) for p in w.prompts(256)]
@@ -505,14 +507,16 @@ def test_bench_serve_pieces():
 
 @pytest.mark.timeout(120)
 def test_bench_url_measures_a_running_server(server):
-    from afd.serve.bench import Workload, bench_url, format_table
+    from afd.serve.bench import bench_url
+    from afd.serve.report import format_table
+    from afd.serve.workload import Workload
 
     workload = Workload("uneven", requests=4, long_len=40, short_len=4, long_fraction=0.5, max_tokens=4)
     runs = bench_url(f"http://127.0.0.1:{server.port}", workload, [float("inf")], vocab_size=256)
     s = runs[0]["summary"]
     assert (s["completed"], s["errors"], s["output_tokens"]) == (4, 0, 16) and s["ttft_p50_s"] > 0
     assert all(len(r["itl_s"]) == 3 for r in runs[0]["requests"])
-    assert "SLO-compliant rate" in format_table([{"name": "x", "runs": runs}], 5.0)
+    assert "SLO-compliant throughput" in format_table([{"name": "x", "runs": runs}], 5.0)
 
 
 def test_cli_refuses_bad_serve_input_before_starting_anything(capsys):

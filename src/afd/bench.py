@@ -17,7 +17,7 @@ import platform
 import random
 from dataclasses import asdict, dataclass
 
-from afd.demo import RunResult, percentile, run_connector, run_reference
+from afd.runtime.harness import RunResult, percentile, run_connector, run_reference
 from afd.runtime.launch import RunSpec
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
 from afd.cli_input import (
@@ -26,6 +26,7 @@ from afd.cli_input import (
     positive_seconds,
     rank_count,
 )
+from afd.serve.workload import WORKLOADS
 
 
 # ---------------------------------------------------------------- afd serve
@@ -97,8 +98,7 @@ def build_plan(args: argparse.Namespace):
     """The checked `ServePlan` of the flags (UsageError in one sentence otherwise)."""
     from afd import env
     from afd.config import parse_config
-    from afd.kv_cache import CacheOptions
-    from afd.runtime.launch import RunSpec, free_port
+    from afd.runtime.launch import free_port
     from afd.serve.run import ServePlan
     from afd.serve.server import ServeOptions
     from afd.serve.tokenizer import TokenizerError, load_tokenizer
@@ -135,27 +135,35 @@ def build_plan(args: argparse.Namespace):
         tokenizer = load_tokenizer(args.model, model_config.vocab_size)
     except TokenizerError as exc:
         raise UsageError(str(exc)) from None
-    cache = CacheOptions(
-        block_size=args.block_size,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        num_blocks=args.num_gpu_blocks_override,
-        max_num_seqs=args.max_num_seqs,
-    )
-    spec = RunSpec(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        seed=args.seed,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        cache=cache,
-        max_model_len=args.max_model_len,
-    )
+    spec = run_spec(args, args.max_model_len)
     options = ServeOptions(
         model_name=args.served_model_name or args.model,
         api_key=args.api_key or env.api_key(),
         max_waiting=args.max_waiting,
     )
     return ServePlan(spec, config, replicas, args.host, args.port, options, tokenizer, args.startup_timeout)
+
+
+def run_spec(args: argparse.Namespace, max_model_len: int | None):
+    """The `RunSpec` of the server flags (`add_server_arguments`): what every replica of the server is built from."""
+    from afd.kv_cache import CacheOptions
+    from afd.runtime.launch import RunSpec
+
+    cache = CacheOptions(
+        block_size=args.block_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        num_blocks=args.num_gpu_blocks_override,
+        max_num_seqs=args.max_num_seqs,
+    )
+    return RunSpec(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        seed=args.seed,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        cache=cache,
+        max_model_len=max_model_len,
+    )
 
 
 def _check_resources(args: argparse.Namespace, model_config) -> None:
@@ -211,7 +219,7 @@ def rate_list(text: str) -> list[float]:
         except ValueError:
             rate = math.nan
         if not rate > 0:  # also nan
-            raise argparse.ArgumentTypeError(f"--rate takes positive request rates per second or inf, got {text!r}")
+            raise argparse.ArgumentTypeError(f"--rates takes positive request rates per second or inf, got {text!r}")
         rates.append(rate)
     return rates
 
@@ -248,8 +256,11 @@ def compare_list(text: str) -> list[tuple[str, list[str]]]:
     return out
 
 
+DEFAULT_RATES, DEFAULT_OVERHEAD_RATES = [4.0], [1.0]
+
+
 def add_bench_serve_parser(steps) -> None:
-    s = steps.add_parser("serve", help="online load through the HTTP API: TTFT, inter-token latency, throughput")
+    s = steps.add_parser("serve", help="online load through the HTTP API: TTFT, TPOT, throughput, SLO-compliant rate")
     add_server_arguments(s, default_model="tiny")
     target = s.add_mutually_exclusive_group()
     target.add_argument(
@@ -259,16 +270,33 @@ def add_bench_serve_parser(steps) -> None:
         help="servers to start and measure in turn, e.g. none:R=2,async:A=2,F=2",
     )
     target.add_argument("--url", help="measure a running server instead (e.g. http://127.0.0.1:8000)")
+    target.add_argument(
+        "--overhead",
+        action="store_true",
+        help="what the HTTP front end adds to TTFT: the same requests through afd serve --connector none "
+        "--replicas 1, then straight into one replica engine in this process (default --rates 1)",
+    )
     s.add_argument("--api-key", help="the key of the server at --url (default: AFD_API_KEY)")
     s.add_argument(
         "--workload",
-        default="uneven",
-        choices=["uneven", "mixed"],
-        help="uneven: --long-len with probability --long-fraction, else --short-len; "
-        "mixed: lognormal lengths, median --short-len, capped at --long-len",
+        choices=WORKLOADS,
+        help="uniform: lengths uniform between --short-len and --long-len; uneven (default): --long-len with "
+        "probability --long-fraction, else --short-len; mixed: lognormal lengths, median --short-len, capped at "
+        "--long-len",
+    )
+    s.add_argument(
+        "--trace",
+        help='a JSONL file of requests instead of --workload, one {"prompt_len", "max_tokens", "arrival_s"?} per '
+        "line; without arrival_s, Poisson arrivals at --rates",
     )
     s.add_argument("--requests", type=positive_int, default=64, help="requests per rate")
-    s.add_argument("--rate", type=rate_list, default="4", help="Poisson arrival rates (requests/s), comma-separated")
+    s.add_argument(
+        "--rates",
+        "--rate",
+        dest="rates",
+        type=rate_list,
+        help="Poisson arrival rates (requests/s, inf: all at once), comma-separated (default 4; 1 with --overhead)",
+    )
     s.add_argument("--long-len", type=positive_int, default=1024, help="long prompt length (tokens)")
     s.add_argument("--short-len", type=positive_int, default=32, help="short prompt length (tokens)")
     s.add_argument("--long-fraction", type=_fraction, default=0.25, help="share of long prompts (uneven)")
@@ -276,6 +304,7 @@ def add_bench_serve_parser(steps) -> None:
     s.add_argument("--slo-ttft", type=positive_seconds, default=5.0, help="p90 TTFT bound of the SLO-compliant rate")
     s.add_argument("--bench-seed", type=non_negative_int, default=0, help="seed of the prompts and arrivals")
     s.add_argument("--json", help="also write the raw results (JSON) to this file")
+    s.add_argument("--plot", metavar="FILE.png", help="latency vs rate per server config (needs afd[plot])")
     s.set_defaults(func=cmd_bench_serve)
 
 
@@ -303,51 +332,95 @@ def server_argv(args: argparse.Namespace, max_model_len: int) -> list[str]:
     return argv
 
 
+def bench_workload(args: argparse.Namespace, limit: int):
+    """The checked `Workload` and rates of the flags (UsageError in one sentence otherwise)."""
+    from afd.serve.bench import run_rates
+    from afd.serve.workload import TraceError, Workload, load_trace
+
+    if args.trace is not None and args.workload is not None:
+        raise UsageError("pass --workload or --trace, not both")
+    rates = args.rates or (DEFAULT_OVERHEAD_RATES if args.overhead else DEFAULT_RATES)
+    if args.trace is None:
+        if max(args.long_len, args.short_len) + args.max_tokens > limit:
+            raise UsageError(
+                f"--long-len {args.long_len} / --short-len {args.short_len} + --max-tokens {args.max_tokens} is more "
+                f"than the {limit} positions a request may take; lower them"
+            )
+        workload = Workload(args.workload or "uneven", args.requests, args.long_len, args.short_len, args.long_fraction)
+        return replace(workload, max_tokens=args.max_tokens, seed=args.bench_seed), rates
+    try:
+        trace = load_trace(args.trace)
+    except TraceError as exc:
+        raise UsageError(str(exc)) from None
+    longest = max(range(len(trace)), key=lambda i: trace[i].prompt_len + trace[i].max_tokens)
+    if trace[longest].prompt_len + trace[longest].max_tokens > limit:
+        raise UsageError(
+            f"trace {args.trace} request {longest + 1} takes {trace[longest].prompt_len} + "
+            f"{trace[longest].max_tokens} positions, more than the {limit} a request may take"
+        )
+    workload = Workload("trace", len(trace), seed=args.bench_seed, trace=trace)
+    if workload.timed and args.rates is not None:
+        raise UsageError(f"trace {args.trace} has its own arrival times (arrival_s); leave --rates out")
+    return workload, run_rates(workload, rates)
+
+
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     from afd import env
-    from afd.serve.bench import Workload, bench_servers, bench_url, format_table, strict_json
+    from afd.serve.bench import BenchError, bench_servers, bench_url
+    from afd.serve.progress import stderr_progress
+    from afd.serve.report import (
+        PlotUnavailable,
+        format_table,
+        plot_results,
+        require_matplotlib,
+        slo_summary,
+        strict_json,
+    )
     from afd.serve.run import ServeError
 
     model_config = check_prompts(args.model, [], args.device)
     limit = args.max_model_len or model_config.max_position_embeddings
-    if args.long_len + args.max_tokens > limit:
-        raise UsageError(
-            f"--long-len {args.long_len} + --max-tokens {args.max_tokens} is more than the "
-            f"{limit} positions a request may take; lower them"
-        )
-    workload = Workload(args.workload, args.requests, args.long_len, args.short_len, args.long_fraction)
-    workload = replace(workload, max_tokens=args.max_tokens, seed=args.bench_seed)
-    tty = sys.stderr.isatty()
-
-    def say(msg: str, milestone: bool = True) -> None:
-        """Progress rewritten in place on a terminal; in a log, only milestones (a server starts, a run ends)."""
-        if tty:
-            print(f"\r[afd bench serve] {msg}\033[K", end="", file=sys.stderr, flush=True)
-        elif milestone:
-            print(f"[afd bench serve] {msg}", file=sys.stderr, flush=True)
-
+    workload, rates = bench_workload(args, limit)
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path and not Path(path).resolve().parent.is_dir():
+            raise UsageError(f"{flag} {path}: the directory {Path(path).resolve().parent} does not exist")
+    if args.plot:
+        try:
+            require_matplotlib()
+        except PlotUnavailable as exc:
+            raise UsageError(str(exc)) from None
+    progress = stderr_progress()
     common = dict(vocab_size=model_config.vocab_size, timeout_s=args.startup_timeout)
     try:
         if args.url:
             key = args.api_key or env.api_key()
-            progress = lambda m, end: say(f"{args.url}: {m}", end)
+            url = args.url.rstrip("/")
             results = [
-                {
-                    "name": args.url,
-                    "runs": bench_url(
-                        args.url.rstrip("/"), workload, args.rate, api_key=key, progress=progress, **common
-                    ),
-                }
+                {"name": args.url, "runs": bench_url(url, workload, rates, api_key=key, progress=progress, **common)}
             ]
+        elif args.overhead:
+            from afd.serve.overhead import bench_overhead
+
+            argv = server_argv(args, limit)
+            results = bench_overhead(argv, run_spec(args, limit), workload, rates, progress, **common)
         else:
-            results = bench_servers(args.compare, server_argv(args, limit), workload, args.rate, say, **common)
-    except ServeError as exc:
-        print(f"\nafd: error: {exc}" if tty else f"afd: error: {exc}", file=sys.stderr)
+            results = bench_servers(args.compare, server_argv(args, limit), workload, rates, progress, **common)
+    except (ServeError, BenchError, TimeoutError) as exc:
+        print(f"afd: error: {exc}", file=sys.stderr)
         return 1
-    if tty:
-        print(file=sys.stderr)
     print(format_table(results, args.slo_ttft))
+    raw = {"workload": workload.describe() | {"rates": rates}, "slo_ttft_s": args.slo_ttft, "results": results}
+    if args.trace:
+        raw["workload"]["trace_file"] = args.trace
+    for res in results:
+        res["slo"] = slo_summary(res["runs"], args.slo_ttft)
+    if args.overhead:
+        from afd.serve.overhead import format_overhead, front_end_overhead
+
+        raw["front_end_overhead"] = front_end_overhead(*results)
+        print(format_overhead(raw["front_end_overhead"]))
     if args.json:
-        raw = {"workload": asdict(workload) | {"rates": args.rate}, "slo_ttft_s": args.slo_ttft, "results": results}
         Path(args.json).write_text(json.dumps(strict_json(raw), indent=2, allow_nan=False))
+    if args.plot:
+        plot_results(results, args.plot, args.slo_ttft, title=f"{args.model}, {workload.describe()['kind']} workload")
     return 0

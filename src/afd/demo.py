@@ -2,17 +2,16 @@
 
 Prints one row per run (connector, topology, tokens/s, time to first token p50/p99, max |Δ logprob|
 against the reference) and passes only if every run's greedy tokens equal the reference's and its
-log-probabilities stay within the tolerance.
+log-probabilities stay within the tolerance. The runs themselves are `afd.runtime.harness`'s, shared with
+`afd bench` and `afd bench serve`.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass, field
 
-from afd.config import parse_config
-from afd.engine import Output
+from afd.runtime.harness import RunResult, max_logprob_diff, percentile, run_connector, run_reference
 from afd.runtime.launch import RunSpec
 
 log = logging.getLogger(__name__)
@@ -27,44 +26,6 @@ def uneven_prompts(vocab_size: int, *, seed: int = 0, lengths: list[int] = DEMO_
     """Deliberately uneven: with 2 replicas, one gets every long prompt and the other every short one."""
     rng = random.Random(seed)
     return [[rng.randrange(vocab_size) for _ in range(n)] for n in lengths]
-
-
-@dataclass
-class RunResult:
-    connector: str
-    topology: str
-    outputs: list[Output]
-    elapsed_s: float
-    ttft_s: list[float]
-    replicas: list[dict] = field(default_factory=list)
-
-    @property
-    def generated_tokens(self) -> int:
-        return sum(len(o.token_ids) for o in self.outputs)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.generated_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
-
-
-def max_logprob_diff(reference: list[Output], outputs: list[Output]) -> float:
-    """Largest |Δ| over generated and prompt log-probabilities; inf if the greedy tokens differ."""
-    worst = 0.0
-    for ref, out in zip(reference, outputs, strict=True):
-        if ref.token_ids != out.token_ids:
-            return float("inf")
-        pairs = list(zip(ref.logprobs, out.logprobs, strict=True))
-        if ref.prompt_logprobs is not None and out.prompt_logprobs is not None:
-            pairs += [(a, b) for a, b in zip(ref.prompt_logprobs, out.prompt_logprobs, strict=True) if a is not None]
-        worst = max([worst, *(abs(a - b) for a, b in pairs)])
-    return worst
 
 
 TABLE_FOOTER = """\
@@ -85,60 +46,6 @@ def format_table(reference: RunResult, runs: list[RunResult]) -> str:
         )
     lines += ["-" * len(header), TABLE_FOOTER]
     return "\n".join(lines)
-
-
-def run_reference(spec: RunSpec, prompts: list[list[int]]) -> RunResult:
-    """The single-process engine, timed the same way as a replica. On CUDA its KV pool takes most of the
-    GPU (`gpu_memory_utilization`): everything is handed back before the launched ranks need the GPUs."""
-    try:
-        return _run_reference(spec, prompts)
-    finally:
-        release_device_memory(spec.device)
-
-
-def release_device_memory(device: str) -> None:
-    """Return this process's cached GPU memory to the driver (the reference engine is gone by now)."""
-    if device == "cuda":
-        import gc
-
-        import torch
-
-        gc.collect()  # graphs and cache tensors may sit in reference cycles
-        torch.cuda.empty_cache()
-
-
-def _run_reference(spec: RunSpec, prompts: list[list[int]]) -> RunResult:
-    from afd.engine import Engine, LocalExchange
-    from afd.runtime.worker import RankJob, drive_replica
-    from afd.weights import load_attention_model, load_ffn_model
-
-    load = dict(dtype=spec.dtype, device=spec.device, seed=spec.seed)
-    attn, ffn = load_attention_model(spec.model, **load), load_ffn_model(spec.model, **load)
-    budget = max(spec.max_num_batched_tokens, *map(len, prompts))
-    engine = Engine(attn, LocalExchange(ffn), budget, **spec.cache.engine_kwargs())
-    job = RankJob(
-        config=parse_config({}),
-        role="attention",
-        role_rank=0,
-        spec=spec,
-        prompts=tuple(map(tuple, prompts)),
-    )
-    outputs, stats = drive_replica(engine, job, lambda has_work: has_work)
-    return RunResult("none", "1 proc", outputs, stats.end - stats.start, stats.to_json()["ttft_s"], [stats.to_json()])
-
-
-def run_connector(connector: str, num_attn: int, num_ffn: int, spec: RunSpec, prompts: list[list[int]]) -> RunResult:
-    """One launched run; elapsed is the slowest replica's engine time (process start and loading excluded)."""
-    from afd.runtime.launch import free_port, launch
-
-    config = parse_config(
-        {"connector": connector, "num_attention_ranks": num_attn, "num_ffn_ranks": num_ffn, "port": free_port()}
-    )
-    outputs, stats = launch(config, spec, prompts)
-    replicas = stats["replicas"]
-    elapsed = max((r["elapsed_s"] for r in replicas if r), default=0.0)
-    ttft = [t for r in replicas for t in r.get("ttft_s", [])]
-    return RunResult(connector, f"{num_attn}A{num_ffn}F", outputs, elapsed, ttft, replicas)
 
 
 CONNECTORS = ("p2p", "async")

@@ -171,3 +171,14 @@ def engine_for(job: RankJob, model, exchange) -> Engine:
     )
     warm_up_engine(engine)  # compile the CUDA step's kernels before the replica's first timed step
     return engine
+
+
+def local_replica_engine(job: RankJob) -> Engine:
+    """A whole-model replica's engine in this process (attention model + FFN model + `LocalExchange`, as the
+    reference engine is built), on the job's device, warmed up: connector `none`, and the bench's engine-alone run."""
+    from afd.engine import LocalExchange
+    from afd.weights import load_attention_model, load_ffn_model
+
+    load = dict(dtype=job.spec.dtype, device=select_device(job, job.role_rank), seed=job.spec.seed)
+    attn, ffn = load_attention_model(job.spec.model, **load), load_ffn_model(job.spec.model, **load)
+    return engine_for(job, attn, LocalExchange(ffn))

@@ -17,13 +17,13 @@ import logging
 import os
 
 from afd import env
-from afd.engine import LocalExchange
 from afd.runtime.online import run_online, stop_on_signals
 from afd.runtime.rank import (  # noqa: F401 - RankJob and drive_replica are also imported from here
     RankJob,
     die_with_launcher,
     drive_replica,
     engine_for,
+    local_replica_engine,
     select_device,
     world_options,
     write_outputs,
@@ -107,12 +107,7 @@ def run_p2p_rank(job: RankJob) -> None:
 def run_local_replica(job: RankJob) -> None:
     """A whole-model replica in one process (attention model + FFN model + `LocalExchange`, as the reference
     engine is built; decode CUDA graphs on CUDA): no world, no connector."""
-    from afd.weights import load_attention_model, load_ffn_model
-
-    device = select_device(job, job.role_rank)
-    load = dict(dtype=job.spec.dtype, device=device, seed=job.spec.seed)
-    attn, ffn = load_attention_model(job.spec.model, **load), load_ffn_model(job.spec.model, **load)
-    engine = engine_for(job, attn, LocalExchange(ffn))
+    engine = local_replica_engine(job)
     if job.serve_address is not None:
         run_online(engine, job)
     else:

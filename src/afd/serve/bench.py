@@ -1,11 +1,11 @@
-"""`afd bench serve`: online load through the HTTP API — seeded prompts, Poisson arrivals, streamed answers.
+"""`afd bench serve`: online load through the HTTP API — seeded requests, Poisson arrivals, streamed answers.
 
 Each request is a `/v1/completions` call with token-id prompts (no tokenizer in the measurement),
 `stream: true`, `ignore_eos` and `max_tokens`, sent at its arrival time whether or not earlier ones have
 finished (an open-loop client, as vLLM's `benchmark_serving` is). Per request it records the time to the
-first token, the gaps between tokens and the end-to-end latency; per run, output tokens/s over the
-run's wall time, percentiles and errors. `SLO-compliant throughput` is the highest rate whose p90 TTFT
-stays within the SLO.
+first token, the gaps between tokens and the end-to-end latency; per run, requests/s and output tokens/s
+over the run's wall time, percentiles and errors. The requests are `afd.serve.workload`'s; the table, the
+SLO-compliant throughput and the plot are `afd.serve.report`'s.
 """
 
 from __future__ import annotations
@@ -13,50 +13,19 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import random
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import aiohttp
 
-WORKLOADS = ("uneven", "mixed")
-MIXED_SIGMA = 1.0  # lognormal prompt lengths: a long tail, as production prefill traffic has
+from afd.serve.progress import Progress
+from afd.serve.workload import Workload
+
+QUANTILES = (50, 90, 99)
 
 
-@dataclass(frozen=True)
-class Workload:
-    """`uneven`: each prompt is `long_len` with probability `long_fraction`, else `short_len`. `mixed`:
-    lognormal lengths with median `short_len`, capped at `long_len`."""
-
-    kind: str = "uneven"
-    requests: int = 64
-    long_len: int = 1024
-    short_len: int = 32
-    long_fraction: float = 0.25
-    max_tokens: int = 64
-    seed: int = 0
-
-    def prompts(self, vocab_size: int) -> list[list[int]]:
-        rng = random.Random(self.seed)
-        out = []
-        for _ in range(self.requests):
-            if self.kind == "mixed":
-                n = min(self.long_len, max(1, round(rng.lognormvariate(math.log(self.short_len), MIXED_SIGMA))))
-            else:
-                n = self.long_len if rng.random() < self.long_fraction else self.short_len
-            out.append([rng.randrange(vocab_size) for _ in range(n)])
-        return out
-
-    def arrivals(self, rate: float) -> list[float]:
-        """Poisson arrivals at `rate` requests/s (seconds from the start); inf: all at once."""
-        if math.isinf(rate):
-            return [0.0] * self.requests
-        rng, t, out = random.Random(self.seed + 1), 0.0, []
-        for _ in range(self.requests):
-            out.append(t)
-            t += rng.expovariate(rate)
-        return out
+class BenchError(RuntimeError):
+    """A measurement that cannot go on (a server that fails its warm-up request), in one sentence."""
 
 
 @dataclass
@@ -67,6 +36,21 @@ class RequestResult:
     itl_s: list[float] = field(default_factory=list)
     e2e_s: float | None = None
     error: str | None = None
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first (vLLM's TPOT); None with fewer than two tokens."""
+        if self.error is not None or self.e2e_s is None or self.ttft_s is None or self.output_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+
+    @classmethod
+    def from_token_times(cls, prompt_len: int, times_s: list[float]) -> RequestResult:
+        """A request whose tokens came at `times_s` (seconds from its arrival), as the engine alone reports it."""
+        if not times_s:
+            return cls(prompt_len, error="no token")
+        gaps = [b - a for a, b in zip(times_s, times_s[1:], strict=False)]
+        return cls(prompt_len, len(times_s), times_s[0], gaps, times_s[-1])
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -80,10 +64,9 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def summarize(results: list[RequestResult], wall_s: float) -> dict:
+    """Counts, request and output-token throughput over the run's wall time, and p50/p90/p99 of TTFT, TPOT,
+    inter-token latency (every gap of every request) and end-to-end latency over the successful requests."""
     ok = [r for r in results if r.error is None]
-    ttft = [r.ttft_s for r in ok]
-    itl = [g for r in ok for g in r.itl_s]
-    e2e = [r.e2e_s for r in ok]
     tokens = sum(r.output_tokens for r in ok)
     out = {
         "requests": len(results),
@@ -91,15 +74,27 @@ def summarize(results: list[RequestResult], wall_s: float) -> dict:
         "errors": len(results) - len(ok),
         "wall_s": wall_s,
         "output_tokens": tokens,
+        "request_throughput": len(ok) / wall_s if wall_s > 0 else 0.0,
         "output_tok_s": tokens / wall_s if wall_s > 0 else 0.0,
     }
-    for name, values in (("ttft", ttft), ("itl", itl), ("e2e", e2e)):
-        for q in (50, 90, 99):
+    series = {
+        "ttft": [r.ttft_s for r in ok],
+        "tpot": [r.tpot_s for r in ok if r.tpot_s is not None],
+        "itl": [g for r in ok for g in r.itl_s],
+        "e2e": [r.e2e_s for r in ok],
+    }
+    for name, values in series.items():
+        for q in QUANTILES:
             out[f"{name}_p{q}_s"] = percentile(values, q)
     first_error = next((r.error for r in results if r.error), None)
     if first_error:
         out["first_error"] = first_error
     return out
+
+
+def run_rates(workload: Workload, rates: list[float]) -> list[float]:
+    """The rates to run: as asked, or the one mean rate of a trace with its own arrival times."""
+    return [workload.mean_rate()] if workload.timed else list(rates)
 
 
 async def _one(
@@ -162,28 +157,30 @@ async def _run(
     vocab_size: int,
     model: str | None,
     api_key: str | None,
-    progress: Callable[[int, int], None],
+    progress: Progress,
     timeout_s: float,
 ) -> dict:
-    prompts, arrivals = workload.prompts(vocab_size), workload.arrivals(rate)
+    prompts, arrivals, max_tokens = workload.prompts(vocab_size), workload.arrivals(rate), workload.max_tokens_of()
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    done = 0
     connector = aiohttp.TCPConnector(limit=0)  # open loop: never queue requests in the client
 
     async with aiohttp.ClientSession(connector=connector) as session:
         start = time.perf_counter()
 
         async def send(i: int) -> RequestResult:
-            nonlocal done
             await asyncio.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
-            result = await _one(session, url, prompts[i], workload.max_tokens, model, headers, timeout_s)
-            done += 1
-            progress(done, len(prompts))
+            result = await _one(session, url, prompts[i], max_tokens[i], model, headers, timeout_s)
+            progress.advance()
             return result
 
         results = await asyncio.gather(*(send(i) for i in range(len(prompts))))
         wall = time.perf_counter() - start
-    return {"rate": rate, "summary": summarize(results, wall), "requests": [asdict(r) for r in results]}
+    return run_record(rate, results, wall)
+
+
+def run_record(rate: float, results: list[RequestResult], wall_s: float) -> dict:
+    """One rate's raw results: its summary and every request's numbers."""
+    return {"rate": rate, "summary": summarize(results, wall_s), "requests": [asdict(r) for r in results]}
 
 
 def bench_url(
@@ -194,18 +191,20 @@ def bench_url(
     vocab_size: int,
     model: str | None = None,
     api_key: str | None = None,
-    progress: Callable[[str, bool], None] = lambda msg, end: None,
+    progress: Progress | None = None,
     timeout_s: float = 600.0,
+    label: str = "",
 ) -> list[dict]:
-    """One run per rate against the server at `url`; the raw results. `progress(message, run_ended)`."""
+    """One run per rate against the server at `url` (one run for a timed trace); the raw results."""
+    progress = progress or Progress()
     asyncio.run(_warm_up(url, model, api_key, timeout_s))
     runs = []
-    for rate in rates:
-
-        def tick(done: int, total: int, rate=rate) -> None:
-            progress(f"rate {format_rate(rate)}: {done}/{total} requests", done == total)
-
-        runs.append(asyncio.run(_run(url, workload, rate, vocab_size, model, api_key, tick, timeout_s)))
+    for rate in run_rates(workload, rates):
+        progress.start(f"{label}rate {format_rate(rate)}", workload.num_requests)
+        try:
+            runs.append(asyncio.run(_run(url, workload, rate, vocab_size, model, api_key, progress, timeout_s)))
+        finally:
+            progress.finish()
     return runs
 
 
@@ -213,9 +212,12 @@ async def _warm_up(url: str, model: str | None, api_key: str | None, timeout_s: 
     """One short request before the timed runs: a replica's first step pays one-time costs (allocator, kernels)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     async with aiohttp.ClientSession() as session:
-        result = await _one(session, url, [1] * 8, 2, model, headers, timeout_s)
+        result = await _one(session, url, WARM_UP_PROMPT, WARM_UP_TOKENS, model, headers, timeout_s)
     if result.error:
-        raise RuntimeError(f"the server at {url} failed a warm-up request: {result.error}")
+        raise BenchError(f"the server at {url} failed a warm-up request: {result.error}")
+
+
+WARM_UP_PROMPT, WARM_UP_TOKENS = [1] * 8, 2
 
 
 def bench_servers(
@@ -223,7 +225,7 @@ def bench_servers(
     argv: list[str],
     workload: Workload,
     rates: list[float],
-    progress: Callable[[str, bool], None],
+    progress: Progress,
     *,
     vocab_size: int,
     timeout_s: float,
@@ -234,7 +236,7 @@ def bench_servers(
 
     results = []
     for label, flags in configs:
-        progress(f"{label}: starting the server ...", True)
+        progress.note(f"{label}: starting the server ...")
         server = ServerProcess([*argv, "--port", str(free_port()), *flags], timeout_s)
         try:
             runs = bench_url(
@@ -243,7 +245,8 @@ def bench_servers(
                 rates,
                 vocab_size=vocab_size,
                 timeout_s=timeout_s,
-                progress=lambda m, end, label=label: progress(f"{label}: {m}", end),
+                progress=progress,
+                label=f"{label}: ",
             )
         finally:
             code = server.stop()
@@ -251,50 +254,5 @@ def bench_servers(
     return results
 
 
-def slo_throughput(runs: list[dict], slo_ttft_s: float) -> float | None:
-    """The highest rate whose p90 TTFT is within the SLO and whose every request succeeded; None if none is."""
-    good = [r["rate"] for r in runs if r["summary"]["errors"] == 0 and r["summary"]["ttft_p90_s"] <= slo_ttft_s]
-    return max(good) if good else None
-
-
-def strict_json(value):
-    """`value` with infinite floats (the rate `inf`) as the string "inf": JSON has no infinity."""
-    if isinstance(value, float) and math.isinf(value):
-        return "inf" if value > 0 else "-inf"
-    if isinstance(value, dict):
-        return {k: strict_json(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [strict_json(v) for v in value]
-    return value
-
-
 def format_rate(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}/s"
-
-
-def format_table(results: list[dict], slo_ttft_s: float) -> str:
-    """One row per (server config, rate), then the SLO-compliant throughput of each config."""
-    head = (
-        f"{'server':<18} {'rate':>7} {'ok':>5} {'err':>4} {'out tok/s':>10} {'TTFT p50':>9} {'p90':>8} "
-        f"{'p99':>8} {'ITL p50':>8} {'p99':>8} {'E2E p50':>8} {'p99':>8}"
-    )
-    lines = [head, "-" * len(head)]
-
-    def ms(x: float | None) -> str:
-        return "-" if x is None else f"{x * 1e3:.0f}ms"
-
-    for res in results:
-        for run in res["runs"]:
-            s = run["summary"]
-            lines.append(
-                f"{res['name']:<18} {format_rate(run['rate']):>7} {s['completed']:>5} {s['errors']:>4} "
-                f"{s['output_tok_s']:>10.1f} {ms(s['ttft_p50_s']):>9} {ms(s['ttft_p90_s']):>8} "
-                f"{ms(s['ttft_p99_s']):>8} {ms(s['itl_p50_s']):>8} {ms(s['itl_p99_s']):>8} "
-                f"{ms(s['e2e_p50_s']):>8} {ms(s['e2e_p99_s']):>8}"
-            )
-    lines.append("-" * len(head))
-    for res in results:
-        best = slo_throughput(res["runs"], slo_ttft_s)
-        text = format_rate(best) if best is not None else f"none of the rates (p90 TTFT over {slo_ttft_s:g} s)"
-        lines.append(f"{res['name']}: SLO-compliant rate (p90 TTFT <= {slo_ttft_s:g} s): {text}")
-    return "\n".join(lines)
