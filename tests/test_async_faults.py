@@ -162,17 +162,17 @@ def test_endpoint_closes_its_window_when_init_fails_after_it(monkeypatch: pytest
 
 
 def test_overflow_on_second_destination_sends_nothing_and_keeps_the_ring_free() -> None:
-    """routed_cap 16: FFN rank 0 gets only shared rows (fits), FFN rank 1 gets 18 routed rows (overflows).
+    """row_cap 16: FFN rank 0 gets 1 row (fits), FFN rank 1 gets 17 rows (overflows).
     Before the fix FFN rank 0's message was already published and both ring slots stayed in flight, so
     the next send failed with RingExhausted."""
     with endpoints(2, routed_cap_multiplier=0.5) as (ex, servers):
-        assert ex.window.layout.routed_cap == 16
+        assert ex.window.layout.row_cap == 16
         g = torch.Generator().manual_seed(3)
-        x = torch.randn(9, HIDDEN, generator=g)
+        x = torch.randn(18, HIDDEN, generator=g)
         on_ffn1 = SimpleNamespace(
-            topk_ids=torch.tensor([[3, 4]] * 9), topk_weights=torch.rand(9, TOPK, generator=g)
-        )  # 18 rows for FFN rank 1
-        with pytest.raises(WindowOverflow, match="routed_cap=16"):
+            topk_ids=torch.tensor([[0, 1]] + [[3, 4]] * 17), topk_weights=torch.rand(18, TOPK, generator=g)
+        )  # 1 row for FFN rank 0, 17 for FFN rank 1
+        with pytest.raises(WindowOverflow, match="row_cap=16"):
             ex.send(0, x, on_ffn1)
         assert ex._in_flight == set() and not ex._pending
         assert all(s.window.poll(0.0) is None for s in servers), "a message of the failed send was published"

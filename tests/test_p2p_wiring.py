@@ -1,9 +1,26 @@
-"""p2p wiring without processes: who sends how many rows to whom, and the expert all-to-all sizes."""
+"""p2p wiring without processes: who sends how many rows to whom, the fused row payload, and the
+expert all-to-all sizes."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
+from test_p2p_connector import StandInFFN
 
-from afd.connectors.p2p import RowSend, ep_send_matrix, ffn_rows, plan_ep_dispatch, plan_layer
+import afd.connectors.p2p as p2p
+from afd.connectors.p2p import (
+    TAG_OUT,
+    TAG_ROWS,
+    P2pAttentionExchange,
+    P2pFFNLoop,
+    P2pGroups,
+    RowPayload,
+    RowSend,
+    ep_send_matrix,
+    ffn_rows,
+    plan_ep_dispatch,
+    plan_layer,
+)
 from afd.topology import SyncTopology, expert_ranges
 
 
@@ -127,3 +144,104 @@ def test_plan_ep_dispatch_rejects_expert_ids_out_of_range() -> None:
     ids = torch.tensor([[0, 7]])
     with pytest.raises(ValueError, match=r"expert ids must lie in \[0, 7\)"):
         plan_ep_dispatch(ids, torch.ones(1, 2), num_experts=7, num_ffn=2)
+
+
+# --------------------------------------------------------------------------------------------- fused payload
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("num_rows", "hidden", "topk"), [(0, 8, 2), (1, 7, 3), (5, 3, 1), (4, 5, 6)])
+def test_row_payload_round_trip(dtype: torch.dtype, num_rows: int, hidden: int, topk: int) -> None:
+    g = torch.Generator().manual_seed(num_rows)
+    x = torch.randn(num_rows, hidden, generator=g).to(dtype)
+    ids = torch.randint(0, 64, (num_rows, topk), generator=g)  # int64 in, int32 on the wire
+    weights = torch.rand(num_rows, topk, generator=g)
+    layout = RowPayload(hidden, topk, dtype)
+    buf = layout.pack(x, ids, weights)
+    item = torch.empty((), dtype=dtype).element_size()
+    assert buf.dtype == torch.uint8 and buf.numel() == layout.nbytes(num_rows) == num_rows * (hidden * item + 8 * topk)
+    got_x, got_ids, got_w = layout.unpack(buf, num_rows)
+    assert torch.equal(got_x, x) and torch.equal(got_ids, ids.int()) and torch.equal(got_w, weights)
+    assert got_x.data_ptr() >= buf.data_ptr() and got_x.is_contiguous()  # views of the one buffer
+    with pytest.raises(ValueError, match="payload of"):
+        layout.unpack(buf, num_rows + 1)
+
+
+def test_row_payload_without_routing_is_the_rows_alone() -> None:
+    x = torch.randn(3, 4)
+    layout = RowPayload(4, 0, torch.float32)
+    assert layout.nbytes(3) == x.numel() * 4
+    assert torch.equal(layout.unpack(layout.pack(x), 3)[0], x)
+
+
+# --------------------------------------------------------------------------------------------- one message per peer
+
+
+class RecordingPG:
+    """A process group that records sends and answers recvs from a script, synchronously."""
+
+    def __init__(self, inbox: dict[tuple[int, int], list[torch.Tensor]] | None = None) -> None:
+        self.sent: list[tuple[int, int, torch.Tensor]] = []
+        self.recvd: list[tuple[int, int]] = []
+        self.inbox = inbox or {}
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> None:
+        self.sent.append((dst, tag, tensors[0].clone()))
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> None:
+        self.recvd.append((src, tag))
+        tensors[0].copy_(self.inbox[(src, tag)].pop(0))
+
+
+def fake_world(monkeypatch: pytest.MonkeyPatch, role: str, role_rank: int, pg: RecordingPG) -> SimpleNamespace:
+    group = SimpleNamespace(pg=pg, group_rank=lambda world_rank: world_rank)
+    monkeypatch.setattr(p2p, "build_p2p_groups", lambda *a: P2pGroups(data=group, ctrl=group, ep=None, wave=None))
+    me = SimpleNamespace(role=role, role_rank=role_rank, name=f"{role} {role_rank}")
+    return SimpleNamespace(me=me, backend="gloo", wait_all=lambda works: None, wait=lambda work, what: None)
+
+
+def test_attention_sends_one_fused_message_per_ffn_peer_and_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """1A2F: the hub splits 5 tokens 3 + 2; each FFN rank gets ONE message holding rows, ids and weights
+    (before: three, one per tensor)."""
+    topo, pg = SyncTopology(1, 2), RecordingPG({(0, TAG_OUT): [torch.zeros(3, 4)], (1, TAG_OUT): [torch.zeros(2, 4)]})
+    ex = P2pAttentionExchange(fake_world(monkeypatch, "attention", 0, pg), topo, gate_on_attention=True, topk=2)
+    ex.begin_step(5)
+    x, ids, weights = torch.randn(5, 4), torch.randint(0, 6, (5, 2)), torch.rand(5, 2)
+    ex(1, x, SimpleNamespace(topk_ids=ids, topk_weights=weights))
+    data = [(dst, buf) for dst, tag, buf in pg.sent if tag == TAG_ROWS]
+    assert [dst for dst, _ in data] == [0, 1]  # world ranks of FFN 0 and 1: one message each
+    layout = RowPayload(4, 2, torch.float32)
+    for (_, buf), rows in zip(data, (slice(0, 3), slice(3, 5)), strict=True):
+        got_x, got_ids, got_w = layout.unpack(buf, rows.stop - rows.start)
+        assert (
+            torch.equal(got_x, x[rows]) and torch.equal(got_ids.long(), ids[rows]) and torch.equal(got_w, weights[rows])
+        )
+
+
+def test_ffn_hub_takes_one_fused_message_per_spoke_and_answers_each(monkeypatch: pytest.MonkeyPatch) -> None:
+    """2A1F: the FFN hub receives one message per attention spoke, concatenates, computes once, answers."""
+    topo = SyncTopology(2, 1)
+    g = torch.Generator().manual_seed(0)
+    model, layout, inbox, want = StandInFFN(), RowPayload(16, 3, torch.float32), {}, []
+    for a, n in enumerate((4, 2)):
+        x = torch.randn(n, 16, generator=g)
+        routing = model.route(1, x)
+        inbox[(topo.world_rank("attention", a), TAG_ROWS)] = [layout.pack(x, routing.topk_ids, routing.topk_weights)]
+        want.append(model.reference(1, x, gate_on_attention=True))
+    pg = RecordingPG(inbox)
+    loop = P2pFFNLoop(
+        fake_world(monkeypatch, "ffn", 0, pg),
+        topo,
+        model,
+        num_experts=7,
+        topk=3,
+        hidden_size=16,
+        dtype=torch.float32,
+        boundary_layers=[1],
+        gate_on_attention=True,
+    )
+    loop._layer(1, {0: 4, 1: 2})  # the step's counts from the control plane
+    assert pg.recvd == [(1, TAG_ROWS), (2, TAG_ROWS)]
+    assert [(dst, tag) for dst, tag, _ in pg.sent] == [(1, TAG_OUT), (2, TAG_OUT)]
+    for (_, _, out), expected in zip(pg.sent, want, strict=True):
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

@@ -115,11 +115,20 @@ def check_resources(
     num_ffn: int = 1,
     prompts: Sequence[Sequence[int]] = (),
     max_new_tokens: int = 0,
-    placement: list[int] | None = None,
     gate_on_attention: bool = True,
 ) -> None:
-    """Refuse a run this machine cannot hold (processes per core, host and GPU memory), with the numbers,
-    before anything starts; `--skip-resource-check` starts it anyway."""
+    """Refuse a run this machine cannot hold (a topology the visible GPUs cannot place; processes per core,
+    host and GPU memory), with the numbers, before anything starts; `--skip-resource-check` skips the second."""
+    placement = None
+    if args.device == "cuda" and connector != "none":
+        import torch
+
+        from afd.topology import gpu_placement
+
+        try:
+            placement = gpu_placement(connector, num_attention, num_ffn, torch.cuda.device_count())
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
     if args.skip_resource_check:
         return
     from afd import resources
@@ -320,16 +329,6 @@ def run_generate(args: argparse.Namespace) -> tuple[list, dict]:
         port=args.port or (base.port if args.config else free_port(base.host)),
         connector_extra_config=base.to_dict()["connector_extra_config"] if base.connector == args.connector else {},
     )
-    placement = None
-    if args.device == "cuda":
-        import torch
-
-        from afd.topology import gpu_placement
-
-        try:
-            placement = gpu_placement(args.connector, args.attention, args.ffn, torch.cuda.device_count())
-        except ValueError as exc:
-            raise UsageError(str(exc)) from None
     check_resources(
         args,
         model_config,
@@ -338,7 +337,6 @@ def run_generate(args: argparse.Namespace) -> tuple[list, dict]:
         num_ffn=args.ffn,
         prompts=prompts,
         max_new_tokens=args.max_new_tokens,
-        placement=placement,
         gate_on_attention=not args.gate_on_ffn,
     )
     signals.raise_if_signalled()
@@ -483,23 +481,12 @@ def check_launched_runs(args: argparse.Namespace, model_config, connectors: tupl
     """The demo and the bench run the single-process reference and then each connector: check them all."""
     check_resources(args, model_config, connector="none", **lengths)
     for connector in connectors:
-        placement = None
-        if args.device == "cuda":
-            import torch
-
-            from afd.topology import gpu_placement
-
-            try:
-                placement = gpu_placement(connector, args.attention, args.ffn, torch.cuda.device_count())
-            except ValueError as exc:
-                raise UsageError(str(exc)) from None
         check_resources(
             args,
             model_config,
             connector=connector,
             num_attention=args.attention,
             num_ffn=args.ffn,
-            placement=placement,
             **lengths,
         )
 
@@ -616,7 +603,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_skip_resource_check(p)
     p.set_defaults(func=cmd_bench)
     # `afd bench step`: a sub-command of bench; `afd bench` without it keeps its flags and behaviour
-    steps = p.add_subparsers(dest="bench_command", parser_class=_Parser, metavar="{step,serve}")
+    steps = p.add_subparsers(dest="bench_command", parser_class=_Parser, metavar="{step,exchange,serve}")
     s = steps.add_parser("step", help="the reference engine's step time beside its memory-bound floor")
     s.add_argument("--model", default="tiny", help="checkpoint directory or preset")
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights dtype")
@@ -629,6 +616,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--steps", type=positive_int, default=10, help="timed steps per point (median)")
     s.add_argument("--json", help="also write the raw result (JSON) to this file")
     s.set_defaults(func=cmd_bench_step)
+    s = steps.add_parser("exchange", help="one layer's exchange round trip (no-op FFN) beside a copy of its bytes")
+    s.add_argument("--model", default="tiny", help="checkpoint directory or preset (only its shapes are used)")
+    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="hidden dtype")
+    s.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the two ranks run")
+    s.add_argument("--tokens", type=size_list("--tokens"), default="1,8,64,512,4096", help="tokens, comma-separated")
+    s.add_argument("--connectors", type=connector_list, default="p2p,async", help="connectors to run, in order")
+    s.add_argument("--iters", type=positive_int, default=50, help="timed round trips per point")
+    s.add_argument("--json", help="also write the raw result (JSON) to this file")
+    s.set_defaults(func=cmd_bench_exchange)
     cli_serve.add_bench_serve_parser(steps)
     return parser
 
@@ -649,6 +645,25 @@ def cmd_bench_step(args: argparse.Namespace) -> int:
         progress=lambda msg: print(f"[afd bench step] {msg}", file=sys.stderr, flush=True),
     )
     print(format_bench_step(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def cmd_bench_exchange(args: argparse.Namespace) -> int:
+    from afd.bench_exchange import format_bench_exchange, run_bench_exchange
+
+    check_prompts(args.model, [[0]], args.device)  # a known model; CUDA where asked
+    result = run_bench_exchange(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        tokens=args.tokens,
+        connectors=args.connectors,
+        iters=args.iters,
+        progress=lambda msg: print(f"[afd bench exchange] {msg}", file=sys.stderr, flush=True),
+    )
+    print(format_bench_exchange(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0

@@ -172,23 +172,12 @@ def _check_resources(args: argparse.Namespace, model_config) -> None:
     if args.connector == "none":
         check_resources(args, model_config, connector="none")
         return
-    placement = None
-    if args.device == "cuda":
-        import torch
-
-        from afd.topology import gpu_placement
-
-        try:
-            placement = gpu_placement(args.connector, args.attention, args.ffn, torch.cuda.device_count())
-        except ValueError as exc:
-            raise UsageError(str(exc)) from None
     check_resources(
         args,
         model_config,
         connector=args.connector,
         num_attention=args.attention,
         num_ffn=args.ffn,
-        placement=placement,
         gate_on_attention=not args.gate_on_ffn,
     )
 

@@ -172,7 +172,7 @@ class AsyncTopology:
 
     @property
     def experts_per_rank(self) -> int:
-        """Largest local expert count: sizes the header's expert_counts field."""
+        """Largest local expert count (`ceil(E / F)`: the first FFN ranks take the remainder)."""
         return -(-self.num_experts // self.num_ffn)
 
 

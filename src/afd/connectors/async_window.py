@@ -1,9 +1,12 @@
 """The `async` connector: token-level dispatch/combine over symmetric windows, self-driven FFN.
 
 Attention replicas never wait for each other: an attention rank writes each FFN rank's rows into
-that rank's window (region == attn_rank) and waits only on the FFN ranks it wrote to. FFN ranks
-know nothing beforehand: they poll their window, compute whatever arrives (any layer, any
-replica, any order) and write the result back into the sender's window (region == ffn_rank).
+that rank's window (region == attn_rank) and waits only on the FFN ranks it wrote to. A token goes
+once to each FFN rank owning one of its experts, its top-k ids and weights in band (wire version 3);
+the answers are weighted partial sums that the attention side adds in FFN rank order (fp32). FFN
+ranks know nothing beforehand: they poll their window, compute whatever arrives (any layer, any
+replica, any order; the items of one layer that wait together in one expert pass) and write each
+result back into its sender's window (region == ffn_rank).
 
 Launch (every rank, same arguments except role/role_rank):
 
@@ -30,14 +33,15 @@ import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from afd.config import AsyncExtraConfig
-from afd.connectors.dispatch import DispatchPlan, ExpertMap, combine_scatter, plan_dispatch, shared_token_index
-from afd.connectors.window import Window
+from afd.connectors.dispatch import DispatchPlan, ExpertMap, combine_scatter, plan_dispatch
+from afd.connectors.expert_pass import FFNModelLike, WorkRows, expert_pass
+from afd.connectors.window import Message, Window
 from afd.connectors.wire import (
     FLAG_RESPONSE,
     SlotHeader,
@@ -102,12 +106,6 @@ def _is_alive(info: Mapping[str, Any]) -> bool:
     return state not in ("Z", "X") and (info.get("start") is None or start == info["start"])
 
 
-class FFNModelLike(Protocol):
-    def experts(self, layer_idx: int, x_grouped: torch.Tensor, group_sizes: list[int]) -> torch.Tensor: ...
-
-    def shared(self, layer_idx: int, x: torch.Tensor) -> torch.Tensor: ...
-
-
 # ---------------------------------------------------------------------------------------------
 # common endpoint
 
@@ -160,7 +158,6 @@ class _AsyncEndpoint:
             dtype=dtype,
             topk=topk,
             num_ffn=topology.num_ffn,
-            experts_per_rank=topology.experts_per_rank,
             max_num_batched_tokens=max_num_batched_tokens,
             routed_cap_multiplier=self.config.routed_cap_multiplier,
         )
@@ -169,7 +166,14 @@ class _AsyncEndpoint:
         store.set(f"{namespace}/proc/{self.world_rank}", json.dumps(_proc_info()))
         factory = heap_factory or default_heap_factory(store, self.world_rank, world, self.device, timeout_s)
         self.window = Window.create(
-            store, self.world_rank, world, geometry, factory, namespace=namespace, timeout_s=timeout_s
+            store,
+            self.world_rank,
+            world,
+            geometry,
+            factory,
+            namespace=namespace,
+            timeout_s=timeout_s,
+            identity={"num_experts": topology.num_experts, "num_layers": num_layers},
         )
         self._closed = False
         try:
@@ -253,13 +257,12 @@ class InFlight:
 
 @dataclass
 class PendingExchange:
-    """What the attention side keeps between send and recv (topk weights never travel)."""
+    """What the attention side keeps between send and recv."""
 
     layer_idx: int
     num_tokens: int
     dtype: torch.dtype
-    plan: DispatchPlan
-    weights: torch.Tensor  # [T*K] fp32, in plan order
+    plan: DispatchPlan  # which token each reply row adds to
     sent: dict[int, InFlight]  # ffn_rank → slot and seq; the only ranks recv waits on
 
 
@@ -272,9 +275,10 @@ class AsyncAttentionExchange(_AsyncEndpoint):
         super().__init__(store, topology, attn_rank, **kwargs)
         self._pending: deque[PendingExchange] = deque()
         self._in_flight: set[tuple[int, int]] = set()  # (ffn_rank, stage)
-        n = self.topology.num_ffn * self.expert_map.experts_per_rank
-        try:
-            self._counts_host = torch.zeros(n, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        try:  # the plan's counts: shared and other rows per FFN rank
+            self._counts_host = torch.zeros(
+                2 * self.topology.num_ffn, dtype=torch.int64, pin_memory=self.device.type == "cuda"
+            )
         except BaseException:
             self._abandon()
             raise
@@ -308,15 +312,9 @@ class AsyncAttentionExchange(_AsyncEndpoint):
         if num_tokens > self.window.layout.token_cap:
             raise ValueError(f"{num_tokens} tokens exceed max_num_batched_tokens={self.window.layout.token_cap}")
         plan = plan_dispatch(topk_ids, self.expert_map, counts_host=self._counts_host)
-        weights = topk_weights.reshape(-1).to(torch.float32)[plan.order]  # [T*K]
-        num_ffn = self.topology.num_ffn
         headers = {
             f: SlotHeader(
-                layer_idx=layer_idx,
-                num_tokens=num_tokens,
-                routed_tokens=plan.dest_counts[f],
-                shared_tokens=plan.shared_counts[f],
-                expert_counts=tuple(plan.group_sizes[f]),
+                layer_idx=layer_idx, num_tokens=num_tokens, num_rows=plan.rows[f], shared_rows=plan.shared_rows[f]
             )
             for f in plan.dest_ranks()
         }
@@ -325,30 +323,36 @@ class AsyncAttentionExchange(_AsyncEndpoint):
         for f, header in headers.items():
             self.window.layout.check_fits(header, self.peer_world(f))
         stages = {f: self._free_stage(f) for f in headers}
+        # one gather of every destination's rows; each message is a segment of it
+        rows_x = x.index_select(0, plan.token_index)  # [N, H]
+        rows_ids = topk_ids.index_select(0, plan.token_index).to(torch.int32)  # [N, K]
+        rows_w = topk_weights.index_select(0, plan.token_index).to(torch.float32)  # [N, K]
         sent: dict[int, InFlight] = {}
         for f, header in headers.items():
-            tok = plan.token_index[plan.segment(f)]  # [R_f]
-            shared_tok = shared_token_index(f, num_tokens, num_ffn, x.device)  # [S_f]
+            seg = plan.segment(f)
             seq = self.window.write_slot(
                 self.peer_world(f),
                 self.role_rank,
                 stages[f],
                 header,
-                routed_x=x.index_select(0, tok),
-                shared_x=x.index_select(0, shared_tok),
+                rows=rows_x[seg],
+                topk_ids=rows_ids[seg],
+                topk_weights=rows_w[seg],
             )
             self._in_flight.add((f, stages[f]))
             sent[f] = InFlight(stages[f], seq)
-        pending = PendingExchange(layer_idx, num_tokens, x.dtype, plan, weights, sent)
+        pending = PendingExchange(layer_idx, num_tokens, x.dtype, plan, sent)
         self._pending.append(pending)
         return pending
 
     def recv(self) -> torch.Tensor:
-        """Combine the oldest pending send: [T, H] in the model dtype (accumulated in fp32)."""
+        """Combine the oldest pending send: [T, H] in the model dtype. The partial sums of the FFN ranks
+        are added in fp32 in ascending FFN rank order, whatever order they arrive in: the same bits on
+        every run."""
         pending = self._pending.popleft()
-        plan, num_ffn = pending.plan, self.topology.num_ffn
-        acc = torch.zeros(pending.num_tokens, self.hidden_size, dtype=torch.float32, device=self.device)  # [T, H]
+        plan = pending.plan
         waiting = dict(pending.sent)
+        replies: dict[int, Message] = {}  # views into this rank's window: nobody writes there before the next send
         deadline = time.monotonic() + self.timeout_s
         while waiting:
             expect = {f: s.seq for f, s in waiting.items()}
@@ -367,19 +371,16 @@ class AsyncAttentionExchange(_AsyncEndpoint):
                 raise ConnectorShutdown(f"FFN rank {f} announced shutdown")
             if f not in waiting or msg.stage != waiting[f].stage or not h.is_response:
                 raise WindowProtocolError(f"unexpected message from FFN rank {f} (stage {msg.stage}, flags {h.flags})")
-            seg = plan.segment(f)
-            if (
-                h.layer_idx != pending.layer_idx
-                or h.routed_tokens != plan.dest_counts[f]
-                or (h.shared_tokens != plan.shared_counts[f])
-            ):
+            if h.layer_idx != pending.layer_idx or h.num_rows != plan.rows[f] or h.shared_rows != plan.shared_rows[f]:
                 raise WindowProtocolError(
-                    f"FFN rank {f} answered layer {h.layer_idx} with {h.routed_tokens}/{h.shared_tokens} rows; "
-                    f"sent layer {pending.layer_idx} with {plan.dest_counts[f]}/{plan.shared_counts[f]}"
+                    f"FFN rank {f} answered layer {h.layer_idx} with {h.num_rows} rows ({h.shared_rows} shared); "
+                    f"sent layer {pending.layer_idx} with {plan.rows[f]} ({plan.shared_rows[f]} shared)"
                 )
-            combine_scatter(acc, msg.routed_x, plan.token_index[seg], pending.weights[seg])
-            combine_scatter(acc, msg.shared_x, shared_token_index(f, pending.num_tokens, num_ffn, self.device))
+            replies[f] = msg
             self._in_flight.discard((f, waiting.pop(f).stage))
+        acc = torch.zeros(pending.num_tokens, self.hidden_size, dtype=torch.float32, device=self.device)  # [T, H]
+        for f in sorted(replies):
+            combine_scatter(acc, replies[f].rows, plan.token_index[plan.segment(f)])
         return acc.to(pending.dtype)
 
 
@@ -394,58 +395,64 @@ class AsyncFFNServer(_AsyncEndpoint):
 
     def __init__(self, store: dist.Store, topology: AsyncTopology, ffn_rank: int, **kwargs: Any) -> None:
         super().__init__(store, topology, ffn_rank, **kwargs)  # closes its window itself if it fails
-        self.num_local_experts = self.expert_map.num_local[ffn_rank]
         self.items_served = 0
+        self.expert_passes = 0  # fewer than items_served when items of one layer were served together
 
     def step(self, ffn_model: FFNModelLike, max_items: int | None = None) -> int:
-        """Drain up to `max_items` (default num_layers) work items; returns early on a poll timeout.
+        """Serve up to `max_items` (default num_layers) work items; returns early on a poll timeout.
 
-        Raises ConnectorShutdown once every attention rank has announced shutdown, PeerDied if
-        one is gone without it. No device synchronize: ordering is the stream's.
+        Every poll takes all the items waiting at that moment; those of one layer go through one
+        expert pass. Raises ConnectorShutdown once every attention rank has announced shutdown,
+        PeerDied if one is gone without it. No device synchronize: ordering is the stream's.
         """
         limit = max_items if max_items is not None else self.num_layers
         served = 0
         while served < limit:
-            msg = self.window.poll(self.poll_timeout_s)
-            if msg is None:
+            msgs = self.window.poll_many(self.poll_timeout_s, limit - served)
+            if not msgs:
                 self.check_peers_alive()
                 break
-            if msg.header.is_shutdown:
-                self.peers_closed.add(msg.region)
-                logger.debug("FFN rank %d: attention rank %d shut down", self.role_rank, msg.region)
-                if len(self.peers_closed) == self.num_peers:
-                    raise ConnectorShutdown("every attention rank announced shutdown")
-                continue
-            self._serve(ffn_model, msg)
-            served += 1
+            work = [m for m in msgs if not m.header.is_shutdown]
+            if work:
+                self._serve(ffn_model, work)
+                served += len(work)
+            for msg in msgs:
+                if msg.header.is_shutdown:
+                    self.peers_closed.add(msg.region)
+                    logger.debug("FFN rank %d: attention rank %d shut down", self.role_rank, msg.region)
+            if len(self.peers_closed) == self.num_peers:
+                raise ConnectorShutdown("every attention rank announced shutdown")
         if time.monotonic() - self._last_liveness > max(1.0, self.poll_timeout_s):
             self.check_peers_alive()
         return served
 
-    def _serve(self, ffn_model: FFNModelLike, msg: Any) -> None:
-        h = msg.header
-        if h.is_response or not 0 <= h.layer_idx < self.num_layers or msg.region >= self.topology.num_attention:
-            raise WindowProtocolError(
-                f"FFN rank {self.role_rank} got a malformed work item from region {msg.region} (layer {h.layer_idx}, "
-                f"flags {h.flags})"
-            )
-        group_sizes = list(h.expert_counts[: self.num_local_experts])
-        # top-1 grouped problem over the local experts; unweighted (weights stay on attention)
-        routed_out = ffn_model.experts(h.layer_idx, msg.routed_x, group_sizes) if h.routed_tokens else None
-        shared_out = ffn_model.shared(h.layer_idx, msg.shared_x) if h.shared_tokens else None
-        reply = SlotHeader(
-            layer_idx=h.layer_idx,
-            num_tokens=h.num_tokens,
-            routed_tokens=h.routed_tokens,
-            shared_tokens=h.shared_tokens,
-            echo_seq=h.seq,
-            flags=FLAG_RESPONSE,
-            expert_counts=h.expert_counts,
-        )
-        self.window.write_slot(
-            self.peer_world(msg.region), self.role_rank, msg.stage, reply, routed_x=routed_out, shared_x=shared_out
-        )
-        self.items_served += 1
+    def _serve(self, ffn_model: FFNModelLike, msgs: list[Message]) -> None:
+        """Answer work items: one expert pass per layer among them, one reply per item."""
+        by_layer: dict[int, list[Message]] = {}
+        for msg in msgs:
+            h = msg.header
+            if h.is_response or not 0 <= h.layer_idx < self.num_layers or msg.region >= self.topology.num_attention:
+                raise WindowProtocolError(
+                    f"FFN rank {self.role_rank} got a malformed work item from region {msg.region} (layer "
+                    f"{h.layer_idx}, flags {h.flags})"
+                )
+            by_layer.setdefault(h.layer_idx, []).append(msg)
+        for layer_idx, group in by_layer.items():
+            items = [WorkRows(m.rows, m.topk_ids, m.topk_weights, m.header.shared_rows) for m in group]
+            outs = expert_pass(ffn_model, layer_idx, items)  # [R_i, H] fp32 each
+            self.expert_passes += 1
+            for msg, out in zip(group, outs, strict=True):
+                h = msg.header
+                reply = SlotHeader(
+                    layer_idx=h.layer_idx,
+                    num_tokens=h.num_tokens,
+                    num_rows=h.num_rows,
+                    shared_rows=h.shared_rows,
+                    echo_seq=h.seq,
+                    flags=FLAG_RESPONSE,
+                )
+                self.window.write_slot(self.peer_world(msg.region), self.role_rank, msg.stage, reply, rows=out)
+            self.items_served += len(group)
 
     @torch.inference_mode()
     def serve(self, ffn_model: FFNModelLike, stop_event: threading.Event | None = None) -> None:
@@ -454,7 +461,13 @@ class AsyncFFNServer(_AsyncEndpoint):
             while stop_event is None or not stop_event.is_set():
                 self.step(ffn_model)
         except ConnectorShutdown as e:
-            logger.info("FFN rank %d: %s after %d work items", self.role_rank, e, self.items_served)
+            logger.info(
+                "FFN rank %d: %s after %d work items in %d expert passes",
+                self.role_rank,
+                e,
+                self.items_served,
+                self.expert_passes,
+            )
 
 
 def run_ffn_loop(server: AsyncFFNServer, ffn_model: FFNModelLike, stop_event: threading.Event | None = None) -> None:

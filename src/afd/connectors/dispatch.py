@@ -1,9 +1,14 @@
-"""Pure token-level dispatch planning and the weighted combine of the `async` connector.
+"""Pure dispatch planning and combine of the `async` connector (wire version 3).
 
-One stable argsort over the key `dest_ffn_rank * experts_per_rank + local_expert` orders every
-(token, k) partial so that each FFN rank's rows are one contiguous segment, already grouped by
-local expert — exactly what the receiver computes as a top-1 grouped problem. `bincount` gives
-the group lists, a host prefix sum the segment offsets; the counts are the only device→host copy.
+One row per (token, destination FFN rank): a token travels once to every FFN rank that owns at
+least one of its top-k experts, with its whole top-k in band; that rank computes its own experts
+for the token and answers one weighted partial sum. The shared experts of each token run on
+exactly one of the ranks it already goes to — the first of them at or cyclically after `t % F`
+(today's round robin wherever the token goes there anyway) — so they never cost an extra row.
+
+Planning is one stable argsort over a (destination, shared-first) key of the `[F, T]` membership
+matrix: each rank's rows form one contiguous segment, its shared rows leading, tokens ascending.
+The counts (`2F` integers) are the only device→host copy of a send.
 """
 
 from __future__ import annotations
@@ -15,27 +20,23 @@ import torch
 
 @dataclass(frozen=True)
 class ExpertMap:
-    """Which FFN rank owns each routed expert and its index there (contiguous ranges)."""
+    """Which FFN rank owns each routed expert (contiguous ranges, `afd.topology.expert_ranges`)."""
 
     owner: torch.Tensor  # [E] int64: FFN rank of expert e
-    local: torch.Tensor  # [E] int64: local expert index of e on its owner
+    starts: tuple[int, ...]  # first global expert id of each FFN rank
     num_local: tuple[int, ...]  # experts held by each FFN rank
-    experts_per_rank: int  # max(num_local): sizes the header's expert_counts
 
     @classmethod
     def from_ranges(cls, ranges: list[range], device: torch.device | str = "cpu") -> ExpertMap:
         owner: list[int] = []
-        local: list[int] = []
         for f, r in enumerate(ranges):
-            if owner and r.start != len(owner):
+            if r.start != len(owner):
                 raise ValueError(f"expert ranges must be contiguous from 0, got {ranges}")
             owner += [f] * len(r)
-            local += list(range(len(r)))
         return cls(
             owner=torch.tensor(owner, dtype=torch.int64, device=device),
-            local=torch.tensor(local, dtype=torch.int64, device=device),
+            starts=tuple(r.start for r in ranges),
             num_local=tuple(len(r) for r in ranges),
-            experts_per_rank=max(len(r) for r in ranges),
         )
 
     @property
@@ -45,28 +46,37 @@ class ExpertMap:
 
 @dataclass(frozen=True)
 class DispatchPlan:
-    """Where every (token, k) partial of one send goes. Tensors on the routing device."""
+    """Which token each row of each FFN rank's message is. Tensors on the routing device."""
 
     num_tokens: int
-    topk: int
-    order: torch.Tensor  # [T*K] int64: flat (t*K + k) partial index, sorted by (dest, local expert)
-    token_index: torch.Tensor  # [T*K] int64: token of each sorted partial (order // K)
-    dest_counts: list[int]  # routed rows per FFN rank
-    dest_offsets: list[int]  # start of each FFN rank's segment in `order` (len F + 1)
-    group_sizes: list[list[int]]  # per FFN rank: rows per local expert (len num_local[f])
-    shared_counts: list[int]  # shared-expert rows per FFN rank (round robin)
+    token_index: torch.Tensor  # [N] int64: token of every row, FFN rank by rank (segments), shared rows first
+    rows: tuple[int, ...]  # rows per FFN rank (tokens that own at least one of its experts)
+    shared_rows: tuple[int, ...]  # leading rows of each segment whose shared experts run there
+    offsets: tuple[int, ...]  # segment starts, len F + 1
 
     def segment(self, ffn_rank: int) -> slice:
-        return slice(self.dest_offsets[ffn_rank], self.dest_offsets[ffn_rank + 1])
+        return slice(self.offsets[ffn_rank], self.offsets[ffn_rank + 1])
 
     def dest_ranks(self) -> list[int]:
-        """FFN ranks that get at least one routed or shared row: the only ones to send to / wait on."""
-        return [f for f, (r, s) in enumerate(zip(self.dest_counts, self.shared_counts, strict=True)) if r or s]
+        """FFN ranks that get at least one row: the only ones to send to and wait on."""
+        return [f for f, n in enumerate(self.rows) if n]
 
 
-def shared_token_index(ffn_rank: int, num_tokens: int, num_ffn: int, device: torch.device | str) -> torch.Tensor:
-    """Tokens whose shared-expert rows go to `ffn_rank`: arange(f, T, F) → [ceil((T-f)/F)] int64."""
-    return torch.arange(min(ffn_rank, num_tokens), num_tokens, num_ffn, dtype=torch.int64, device=device)
+def destinations(topk_ids: torch.Tensor, owner: torch.Tensor, num_ffn: int) -> torch.Tensor:
+    """is_dest [T, F] bool: whether FFN rank f owns at least one of token t's experts."""
+    num_tokens = topk_ids.shape[0]
+    is_dest = torch.zeros(num_tokens, num_ffn, dtype=torch.bool, device=topk_ids.device)
+    return is_dest.scatter_(1, owner[topk_ids], True)
+
+
+def shared_owner(is_dest: torch.Tensor) -> torch.Tensor:
+    """[T] int64: the FFN rank computing token t's shared experts — the first destination of t at or
+    cyclically after `t % F`. is_dest: [T, F] bool with at least one True per row."""
+    num_tokens, num_ffn = is_dest.shape
+    start = torch.arange(num_tokens, device=is_dest.device) % num_ffn  # [T]
+    rotation = (start[:, None] + torch.arange(num_ffn, device=is_dest.device)) % num_ffn  # [T, F]
+    first = is_dest.gather(1, rotation).to(torch.int32).argmax(1, keepdim=True)  # [T, 1]: first True
+    return rotation.gather(1, first).squeeze(1)
 
 
 def plan_dispatch(
@@ -74,49 +84,39 @@ def plan_dispatch(
 ) -> DispatchPlan:
     """Plan one send. topk_ids: [T, K] int64 global expert ids.
 
-    counts_host: optional [F * experts_per_rank] int64 host buffer (pinned on CUDA) for the one
-    device→host copy; without it `.cpu()` is used.
+    counts_host: optional [2F] int64 host buffer (pinned on CUDA) for the one device→host copy;
+    without it `.tolist()` is used.
     """
-    num_tokens, topk = topk_ids.shape
-    num_ffn, per_rank = expert_map.num_ffn, expert_map.experts_per_rank
-    flat = topk_ids.reshape(-1)  # [T*K]
-    key = expert_map.owner[flat] * per_rank + expert_map.local[flat]  # [T*K]
-    order = torch.argsort(key, stable=True)  # [T*K]
-    counts = torch.bincount(key, minlength=num_ffn * per_rank)  # [F*Er]
+    num_tokens = topk_ids.shape[0]
+    num_ffn, device = expert_map.num_ffn, topk_ids.device
+    is_dest = destinations(topk_ids, expert_map.owner, num_ffn)  # [T, F]
+    ranks = torch.arange(num_ffn, device=device)  # [F]
+    is_shared = ranks[None, :] == shared_owner(is_dest)[:, None]  # [T, F]
+    # key per (f, t): 2f for a shared row, 2f + 1 for another row of f, 2F for no row; f-major order
+    key = torch.where(is_dest, 2 * ranks[None, :] + (~is_shared).long(), 2 * num_ffn).t().reshape(-1)  # [F*T]
+    order = torch.argsort(key, stable=True)  # [F*T]: flat index f*T + t
+    # counts by scatter_add_ (a CUDA bincount reads its maximum back to the host)
+    counts = torch.zeros(2 * num_ffn + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, key, torch.ones_like(key))
     if counts_host is not None and counts.is_cuda:
-        counts_host.copy_(counts, non_blocking=True)
-        torch.cuda.current_stream(counts.device).synchronize()
+        counts_host.copy_(counts[: 2 * num_ffn], non_blocking=True)
+        torch.cuda.current_stream(device).synchronize()
         counts_list = counts_host.tolist()
     else:
-        counts_list = counts.tolist()  # the one device→host copy of this send
-    group_sizes = [counts_list[f * per_rank : f * per_rank + expert_map.num_local[f]] for f in range(num_ffn)]
-    dest_counts = [sum(g) for g in group_sizes]
+        counts_list = counts[: 2 * num_ffn].tolist()  # the one device→host copy of this send
+    shared = tuple(counts_list[0::2])
+    rows = tuple(s + o for s, o in zip(shared, counts_list[1::2], strict=True))
     offsets = [0]
-    for c in dest_counts:
-        offsets.append(offsets[-1] + c)
-    return DispatchPlan(
-        num_tokens=num_tokens,
-        topk=topk,
-        order=order,
-        token_index=order // topk,
-        dest_counts=dest_counts,
-        dest_offsets=offsets,
-        group_sizes=group_sizes,
-        shared_counts=[len(range(f, num_tokens, num_ffn)) for f in range(num_ffn)],
-    )
+    for n in rows:
+        offsets.append(offsets[-1] + n)
+    token_index = order[: offsets[-1]] % max(num_tokens, 1)  # [N]
+    return DispatchPlan(num_tokens, token_index, rows, shared, tuple(offsets))
 
 
-def combine_scatter(
-    acc: torch.Tensor, rows: torch.Tensor, token_index: torch.Tensor, weights: torch.Tensor | None = None
-) -> torch.Tensor:
-    """acc[token_index[i]] += weights[i] * rows[i], in fp32, in place.
-
-    acc: [T, H] fp32; rows: [N, H] any float dtype; token_index: [N] int64; weights: [N] fp32 or
-    None (shared rows: unit weight).
-    """
+def combine_scatter(acc: torch.Tensor, rows: torch.Tensor, token_index: torch.Tensor) -> torch.Tensor:
+    """acc[token_index[i]] += rows[i] in fp32, in place. acc: [T, H] fp32; rows: [N, H] any float dtype;
+    token_index: [N] int64 without repeats (one row per token and FFN rank), so the sum into each
+    token is in call order: call it FFN rank by rank for the same bits on every run."""
     if rows.shape[0] == 0:
         return acc
-    src = rows.float()  # [N, H]
-    if weights is not None:
-        src = src * weights.to(torch.float32).unsqueeze(1)
-    return acc.index_add_(0, token_index, src)
+    return acc.index_add_(0, token_index, rows.float())

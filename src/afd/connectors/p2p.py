@@ -4,11 +4,13 @@ Per engine step every attention replica (in lockstep: the DP wave) tells the FFN
 sync group its token count; per boundary layer it sends its MoE input rows (plus the routing when
 the gate is on attention) and receives the MoE output. `A >= F`: the FFN hub concatenates its
 spokes' rows in ascending attention rank. `A < F`: the attention hub splits its T tokens over its
-FFN members by `even_split`. The FFN role computes each layer expert-parallel: (row, k) pairs go to
-the FFN rank owning the expert (`expert_ranges`) through an all-to-all, and come back for a
-weighted fp32 sum plus the locally computed shared experts.
+FFN members by `even_split`. Each (peer, layer) is one fused message: hidden states, top-k ids and
+weights packed into one buffer whose layout both sides derive from the control plane's count
+(`afd.connectors.p2p_wire.RowPayload`). The FFN role computes each layer expert-parallel: (row, k)
+pairs go to the FFN rank owning the expert (`expert_ranges`) through an all-to-all, and come back
+for a weighted fp32 sum plus the locally computed shared experts.
 
-Reading order: wiring (pure) -> groups -> attention exchange -> FFN loop.
+Reading order: wiring (pure, in `p2p_wire`) -> groups -> attention exchange -> FFN loop.
 """
 
 from __future__ import annotations
@@ -20,118 +22,27 @@ from typing import Any, Protocol
 
 import torch
 
+from afd.connectors.p2p_wire import (  # noqa: F401 - the wiring is part of this connector's API
+    EpDispatch,
+    RowPayload,
+    RowSend,
+    attn_sends,
+    ep_send_matrix,
+    ffn_recvs,
+    ffn_rows,
+    plan_ep_dispatch,
+    plan_layer,
+)
 from afd.distributed import Group, World, device_for
 from afd.moe import Routing
-from afd.topology import SyncTopology, even_split, expert_ranges
+from afd.topology import SyncTopology, expert_ranges
 
 logger = logging.getLogger(__name__)
 
 # Control message per step, attention -> FFN: [num_tokens, is_wave_finished, is_wave_idle] int64. An idle
 # wave (no replica has work: a server between requests) skips every layer on both sides.
 CTRL_LEN = 3
-TAG_CTRL, TAG_X, TAG_IDS, TAG_WEIGHTS, TAG_OUT = 0, 1, 2, 3, 4
-
-
-# ---------------------------------------------------------------------------------------------
-# Wiring: who sends how many rows to whom. Pure; the connector uses exactly these.
-# ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class RowSend:
-    """One attention -> FFN transfer of a layer (the result comes back on the same path)."""
-
-    attn_rank: int
-    ffn_rank: int
-    num_rows: int
-    attn_offset: int  # first row in the attention rank's batch
-    ffn_offset: int  # first row in the FFN rank's concatenated input
-
-
-def attn_sends(topology: SyncTopology, attn_rank: int, num_tokens: int) -> list[RowSend]:
-    """Transfers from one attention rank with `num_tokens` rows, ascending FFN rank (zero rows kept)."""
-    group = topology.group("attention", attn_rank)
-    if len(group.ffn_ranks) == 1:  # A >= F: everything to the FFN hub, after the lower spokes' rows
-        raise ValueError("attn_sends needs every spoke's count when A >= F; use plan_layer")
-    sizes = even_split(num_tokens, len(group.ffn_ranks))
-    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-    return [RowSend(attn_rank, f, n, o, 0) for f, n, o in zip(group.ffn_ranks, sizes, offsets, strict=True)]
-
-
-def ffn_recvs(topology: SyncTopology, ffn_rank: int, attn_tokens: Mapping[int, int]) -> list[RowSend]:
-    """Transfers into one FFN rank, ascending attention rank; `attn_tokens` has its peers' step counts."""
-    group = topology.group("ffn", ffn_rank)
-    if len(group.ffn_ranks) == 1:
-        sends, offset = [], 0
-        for a in group.attn_ranks:
-            sends.append(RowSend(a, ffn_rank, attn_tokens[a], 0, offset))
-            offset += attn_tokens[a]
-        return sends
-    (hub,) = group.attn_ranks
-    return [s for s in attn_sends(topology, hub, attn_tokens[hub]) if s.ffn_rank == ffn_rank]
-
-
-def plan_layer(topology: SyncTopology, attn_tokens: Sequence[int]) -> list[RowSend]:
-    """Every transfer of one boundary layer, given each attention rank's step token count."""
-    counts = dict(enumerate(attn_tokens))
-    if len(counts) != topology.num_attention:
-        raise ValueError(f"need {topology.num_attention} token counts, got {len(counts)}")
-    return [s for f in range(topology.num_ffn) for s in ffn_recvs(topology, f, counts)]
-
-
-def ffn_rows(topology: SyncTopology, attn_tokens: Sequence[int]) -> list[int]:
-    """Rows each FFN rank holds in a layer: its summed count entering the expert all-to-all."""
-    rows = [0] * topology.num_ffn
-    for s in plan_layer(topology, attn_tokens):
-        rows[s.ffn_rank] += s.num_rows
-    return rows
-
-
-@dataclass(frozen=True)
-class EpDispatch:
-    """How one FFN rank's (row, k) pairs leave for the expert owners.
-
-    Pairs are sorted by global expert id, which sorts them by owner and, within an owner, by
-    local expert; `counts[f, i]` pairs go to FFN rank f's local expert i.
-    """
-
-    order: torch.Tensor  # [P] int64: flat (t*K + k) index of each sorted pair
-    token: torch.Tensor  # [P] int64: source row of each sorted pair
-    weight: torch.Tensor  # [P] fp32: its top-k weight
-    counts: torch.Tensor  # [F, max_local] int64
-
-    @property
-    def send_splits(self) -> list[int]:
-        return self.counts.sum(1).tolist()
-
-
-def plan_ep_dispatch(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
-                     num_ffn: int) -> EpDispatch:
-    """topk_ids: [T, K] int64, topk_weights: [T, K] -> the dispatch of the T*K pairs."""
-    num_tokens, topk = topk_ids.shape
-    flat = topk_ids.reshape(-1)  # [P]
-    order = torch.argsort(flat, stable=True)  # [P]
-    ranges = expert_ranges(num_experts, num_ffn)
-    max_local = max(len(r) for r in ranges)
-    slot = torch.tensor([f * max_local + e - r.start for f, r in enumerate(ranges) for e in r],
-                        dtype=torch.long, device=flat.device)  # [E]
-    per_expert = torch.bincount(flat, minlength=num_experts)  # [E]; rejects negative ids itself
-    if per_expert.numel() != num_experts:  # an id >= E grew the histogram: no extra host round-trip to find it
-        raise ValueError(f"expert ids must lie in [0, {num_experts}), got one of {per_expert.numel() - 1}")
-    counts = torch.zeros(num_ffn * max_local, dtype=torch.long, device=flat.device)
-    counts.index_add_(0, slot, per_expert)
-    return EpDispatch(
-        order=order,
-        token=order // topk,
-        weight=topk_weights.reshape(-1)[order].float(),
-        counts=counts.view(num_ffn, max_local),
-    )
-
-
-def ep_send_matrix(topk_ids_per_ffn: Sequence[torch.Tensor], num_experts: int) -> list[list[int]]:
-    """`m[src][dst]`: (row, k) pairs FFN rank src sends to dst in the expert all-to-all."""
-    num_ffn = len(topk_ids_per_ffn)
-    return [
-        plan_ep_dispatch(ids, torch.ones(ids.shape), num_experts, num_ffn).send_splits for ids in topk_ids_per_ffn
-    ]
+TAG_CTRL, TAG_ROWS, TAG_OUT = 0, 1, 4  # TAG_ROWS: the fused payload (it replaced x, ids, weights: tags 1, 2, 3)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,9 +85,16 @@ class P2pAttentionExchange:
     `begin_step(T)` then the exchange once per boundary layer (with `[0, H]` when idle).
     """
 
-    def __init__(self, world: World, topology: SyncTopology, *, gate_on_attention: bool,
-                 topk: int | None = None, boundary_layers: Sequence[int] | None = None,
-                 name: str = "p2p") -> None:
+    def __init__(
+        self,
+        world: World,
+        topology: SyncTopology,
+        *,
+        gate_on_attention: bool,
+        topk: int | None = None,
+        boundary_layers: Sequence[int] | None = None,
+        name: str = "p2p",
+    ) -> None:
         if world.me.role != "attention":
             raise ValueError(f"{world.me.name} is not an attention rank")
         self.world, self.topology, self.attn_rank = world, topology, world.me.role_rank
@@ -224,15 +142,18 @@ class P2pAttentionExchange:
     def _send_ctrl(self, num_tokens: int, finished: bool) -> None:
         msg = torch.tensor([num_tokens, int(finished), int(self.wave_idle and not finished)], dtype=torch.long)
         pg = self.groups.ctrl.pg
-        works = [(pg.send([msg], self._dst(f), TAG_CTRL), f"sending the step count to ffn {f}")
-                 for f in self.sync.ffn_ranks]
+        works = [
+            (pg.send([msg], self._dst(f), TAG_CTRL), f"sending the step count to ffn {f}") for f in self.sync.ffn_ranks
+        ]
         self.world.wait_all(works)
 
     def _check_step_end(self) -> None:
         if self.num_tokens is not None and self.boundary_layers is not None:
             if self.next_layer != len(self.boundary_layers):
-                raise RuntimeError(f"{self.world.me.name}: step ended after {self.next_layer} of "
-                                   f"{len(self.boundary_layers)} boundary layers")
+                raise RuntimeError(
+                    f"{self.world.me.name}: step ended after {self.next_layer} of "
+                    f"{len(self.boundary_layers)} boundary layers"
+                )
 
     def __call__(self, layer_idx: int, x: torch.Tensor, routing: Any | None) -> torch.Tensor:
         """x: [T, H] model dtype; routing: Routing (gate on attention) or None -> [T, H] model dtype."""
@@ -248,18 +169,22 @@ class P2pAttentionExchange:
             if s.num_rows == 0:
                 continue
             rows = slice(s.attn_offset, s.attn_offset + s.num_rows)
-            dst = self._dst(s.ffn_rank)
-            payload = [(x[rows].contiguous(), TAG_X)]  # [n, H]
-            if routing is not None:
-                payload += [(routing.topk_ids[rows].to(torch.long).contiguous(), TAG_IDS),  # [n, K]
-                            (routing.topk_weights[rows].float().contiguous(), TAG_WEIGHTS)]  # [n, K]
-            for tensor, tag in payload:
-                works.append((pg.send([tensor], dst, tag), f"sending layer {layer_idx} rows to ffn {s.ffn_rank}"))
+            if routing is None:
+                payload = x[rows].contiguous()  # [n, H]: already contiguous, no copy
+            else:  # one message: weights, ids and rows packed (RowPayload)
+                layout = RowPayload(x.shape[1], routing.topk_ids.shape[1], x.dtype)
+                payload = layout.pack(x[rows], routing.topk_ids[rows], routing.topk_weights[rows])
+            what = f"sending layer {layer_idx} rows to ffn {s.ffn_rank}"
+            works.append((pg.send([payload], self._dst(s.ffn_rank), TAG_ROWS), what))
         for s in sends:
             out = torch.empty(s.num_rows, x.shape[1], dtype=x.dtype, device=x.device)  # [n, H]
             if s.num_rows:
-                works.append((pg.recv([out], self._dst(s.ffn_rank), TAG_OUT),
-                              f"receiving layer {layer_idx} output from ffn {s.ffn_rank}"))
+                works.append(
+                    (
+                        pg.recv([out], self._dst(s.ffn_rank), TAG_OUT),
+                        f"receiving layer {layer_idx} output from ffn {s.ffn_rank}",
+                    )
+                )
             outs.append(out)
         self.world.wait_all(works)
         self.next_layer += 1
@@ -269,8 +194,9 @@ class P2pAttentionExchange:
         if self.num_tokens is None:
             raise RuntimeError(f"{self.world.me.name}: exchange called before begin_step")
         if x.shape[0] != self.num_tokens:
-            raise RuntimeError(f"{self.world.me.name}: layer {layer_idx} got {x.shape[0]} rows, "
-                               f"begin_step announced {self.num_tokens}")
+            raise RuntimeError(
+                f"{self.world.me.name}: layer {layer_idx} got {x.shape[0]} rows, begin_step announced {self.num_tokens}"
+            )
         if (routing is not None) != self.gate_on_attention:
             raise RuntimeError(f"routing must be given iff the gate is on attention (layer {layer_idx})")
         if self.boundary_layers is not None:
@@ -304,10 +230,21 @@ class P2pFFNLoop:
     replicas report the wave finished.
     """
 
-    def __init__(self, world: World, topology: SyncTopology, ffn_model: FFNModelLike, *,
-                 num_experts: int, topk: int, hidden_size: int, dtype: torch.dtype,
-                 boundary_layers: Sequence[int], gate_on_attention: bool,
-                 dense_layers: Collection[int] = (), name: str = "p2p") -> None:
+    def __init__(
+        self,
+        world: World,
+        topology: SyncTopology,
+        ffn_model: FFNModelLike,
+        *,
+        num_experts: int,
+        topk: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        boundary_layers: Sequence[int],
+        gate_on_attention: bool,
+        dense_layers: Collection[int] = (),
+        name: str = "p2p",
+    ) -> None:
         if world.me.role != "ffn":
             raise ValueError(f"{world.me.name} is not an FFN rank")
         if num_experts < topology.num_ffn:
@@ -351,32 +288,44 @@ class P2pFFNLoop:
         """Per-peer control messages: {attn_rank: num_tokens}, or None when the wave is finished."""
         pg = self.groups.ctrl.pg
         msgs = {a: torch.zeros(CTRL_LEN, dtype=torch.long) for a in self.sync.attn_ranks}
-        self.world.wait_all([(pg.recv([m], self._src(a), TAG_CTRL),
-                              f"receiving step {self.num_steps} count from attention {a}")
-                             for a, m in msgs.items()])
+        self.world.wait_all(
+            [
+                (pg.recv([m], self._src(a), TAG_CTRL), f"receiving step {self.num_steps} count from attention {a}")
+                for a, m in msgs.items()
+            ]
+        )
         finished = {a for a, m in msgs.items() if int(m[1])}
         if finished and len(finished) != len(msgs):
-            raise RuntimeError(f"{self.world.me.name}: attention ranks {sorted(finished)} ended the wave, "
-                               f"others did not (step {self.num_steps})")
+            raise RuntimeError(
+                f"{self.world.me.name}: attention ranks {sorted(finished)} ended the wave, "
+                f"others did not (step {self.num_steps})"
+            )
         self.wave_idle = all(int(m[2]) for m in msgs.values())
         return None if finished else {a: int(m[0]) for a, m in msgs.items()}
+
+    def _recv_rows(self, layer_idx: int, recvs: list[RowSend]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One fused message per spoke, sized from the control plane -> x [N, H], ids [N, K] int64 and
+        weights [N, K] fp32 (both [N, 0] when the gate is on FFN), spokes concatenated in order."""
+        layout = RowPayload(self.hidden_size, self.topk if self.gate_on_attention else 0, self.dtype)
+        pg, works, parts = self.groups.data.pg, [], []
+        for s in recvs:
+            if s.num_rows == 0:
+                continue
+            buf = torch.empty(layout.nbytes(s.num_rows), dtype=torch.uint8, device=self.device)
+            what = f"receiving layer {layer_idx} rows from attention {s.attn_rank}"
+            works.append((pg.recv([buf], self._src(s.attn_rank), TAG_ROWS), what))
+            parts.append(layout.unpack(buf, s.num_rows))
+        self.world.wait_all(works)
+        if not parts:
+            parts.append(layout.unpack(torch.empty(0, dtype=torch.uint8, device=self.device), 0))
+        x, ids, weights = (p[0] if len(p) == 1 else torch.cat(p) for p in zip(*parts, strict=True))
+        return x, ids.long(), weights
 
     def _layer(self, layer_idx: int, counts: Mapping[int, int]) -> None:
         recvs = ffn_recvs(self.topology, self.ffn_rank, counts)
         num_rows = sum(s.num_rows for s in recvs)
-        x = torch.empty(num_rows, self.hidden_size, dtype=self.dtype, device=self.device)  # [N, H]
-        ids = torch.empty(num_rows, self.topk, dtype=torch.long, device=self.device)  # [N, K]
-        weights = torch.empty(num_rows, self.topk, dtype=torch.float32, device=self.device)  # [N, K]
-        pg, works = self.groups.data.pg, []
-        for s in recvs:
-            if s.num_rows == 0:
-                continue
-            rows, src = slice(s.ffn_offset, s.ffn_offset + s.num_rows), self._src(s.attn_rank)
-            bufs = [(x, TAG_X)] + ([(ids, TAG_IDS), (weights, TAG_WEIGHTS)] if self.gate_on_attention else [])
-            for buf, tag in bufs:
-                works.append((pg.recv([buf[rows]], src, tag),
-                              f"receiving layer {layer_idx} rows from attention {s.attn_rank}"))
-        self.world.wait_all(works)
+        x, ids, weights = self._recv_rows(layer_idx, recvs)  # [N, H], [N, K], [N, K]
+        pg = self.groups.data.pg
 
         if not self.gate_on_attention and layer_idx in self.dense_layers:
             out = self.model.dense(layer_idx, x) if num_rows else torch.zeros_like(x)  # [N, H]
@@ -386,9 +335,14 @@ class P2pFFNLoop:
                 ids, weights = routing.topk_ids.to(torch.long), routing.topk_weights.float()
             out = self._moe(layer_idx, x, ids, weights)
 
-        works = [(pg.send([out[s.ffn_offset:s.ffn_offset + s.num_rows].contiguous()], self._src(s.attn_rank),
-                          TAG_OUT), f"sending layer {layer_idx} output to attention {s.attn_rank}")
-                 for s in recvs if s.num_rows]
+        works = [
+            (
+                pg.send([out[s.ffn_offset : s.ffn_offset + s.num_rows].contiguous()], self._src(s.attn_rank), TAG_OUT),
+                f"sending layer {layer_idx} output to attention {s.attn_rank}",
+            )
+            for s in recvs
+            if s.num_rows
+        ]
         self.world.wait_all(works)
 
     def _moe(self, layer_idx: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -414,17 +368,26 @@ class P2pFFNLoop:
         what = f"layer {layer_idx} expert all-to-all"
         max_local = plan.counts.shape[1]
         recv_counts = torch.empty_like(plan.counts)  # [F_src, max_local]
-        self.world.wait(ep.pg.alltoall_base(recv_counts.view(-1), plan.counts.view(-1).contiguous(),
-                                            [max_local] * num_ffn, [max_local] * num_ffn), what + " (counts)")
-        sent_host, host_counts = torch.stack([plan.counts, recv_counts]).cpu()  # one host copy for both sides
+        self.world.wait(
+            ep.pg.alltoall_base(
+                recv_counts.view(-1), plan.counts.view(-1).contiguous(), [max_local] * num_ffn, [max_local] * num_ffn
+            ),
+            what + " (counts)",
+        )
+        # The layer's one host copy, for both directions: the all-to-all takes its split sizes as host lists,
+        # and how many pairs go to each owner depends on this layer's routing, which no control message
+        # knows in advance. Everything below reuses it; nothing else is read back.
+        sent_host, host_counts = torch.stack([plan.counts, recv_counts]).cpu()
         send_splits, recv_splits = sent_host.sum(1).tolist(), host_counts.sum(1).tolist()
+        num_recv = sum(recv_splits)
 
-        recv_rows = send_rows.new_empty(sum(recv_splits), send_rows.shape[1])  # [R, H], by (source, local expert)
+        recv_rows = send_rows.new_empty(num_recv, send_rows.shape[1])  # [R, H], by (source, local expert)
         self.world.wait(ep.pg.alltoall_base(recv_rows, send_rows, recv_splits, send_splits), what + " (rows)")
 
-        # Regroup by local expert across sources for the grouped expert call.
-        local = torch.arange(max_local).repeat(num_ffn).repeat_interleave(host_counts.view(-1))  # [R]
-        perm = torch.argsort(local, stable=True).to(send_rows.device)  # [R]
+        # Regroup by local expert across sources for the grouped expert call, on the device (no host copy).
+        cells = torch.arange(max_local, device=send_rows.device).repeat(num_ffn)  # [F * max_local]
+        local = cells.repeat_interleave(recv_counts.view(-1), output_size=num_recv)  # [R]
+        perm = torch.argsort(local, stable=True)  # [R]
         group_sizes = host_counts.sum(0)[: len(self.local_experts)].tolist()
         expert_out = torch.empty_like(recv_rows)  # [R, H]
         if recv_rows.shape[0]:

@@ -1,16 +1,16 @@
 """The `async` connector's window I/O: one-sided write of a slot, shutdown flag, poll.
 
     window = [ flag[num_regions * ring_depth] int64 | shutdown[num_regions] int64 | slot(0,0) | ... ]
-    slot   = [ header | routed_x | shared_x ]   every field 256 B aligned   (layout: afd.connectors.wire)
+    slot   = [ header | rows | topk_ids | topk_weights ]   every field 256 B aligned   (afd.connectors.wire)
 
 A sender writes only region == its own role rank of the receiver's window, so every offset is
 computed locally and no remote atomics are needed. Dispatch (A→F) and combine (F→A) share one
 slot layout. Write order: payload, header, then the flag (the sender's monotonically increasing
 int64 seq; the header keeps its low 32 bits) — same stream on GPU, program order on CPU. The
-receiver keeps a host mirror of the flag values it has seen; `poll` reads every flag at once
-(slots and shutdown flags) and returns the first changed slot, starting its scan after the last
-hit so no region starves. Shutdown has its own flag per region: announcing it never rewrites a
-slot whose message the peer may be reading.
+receiver keeps a host mirror of the flag values it has seen; `poll_many` reads every flag at once
+(slots and shutdown flags) and returns every changed slot of that read (`poll`: the first one),
+starting its scan after the last hit so no region starves. Shutdown has its own flag per region:
+announcing it never rewrites a slot whose message the peer may be reading.
 """
 
 from __future__ import annotations
@@ -47,8 +47,9 @@ class Message:
     region: int  # sender's role rank
     stage: int  # ring slot; -1 for a shutdown (it has its own flag, no slot)
     header: SlotHeader  # seq / echo_seq restored to the full values (flag, request in flight)
-    routed_x: torch.Tensor  # [routed_tokens, hidden], grouped by local expert
-    shared_x: torch.Tensor  # [shared_tokens, hidden]
+    rows: torch.Tensor  # [num_rows, hidden]: request rows (model dtype) or reply partial sums (reply dtype)
+    topk_ids: torch.Tensor  # [num_rows, topk] int32 (a request; [0, topk] for a reply)
+    topk_weights: torch.Tensor  # [num_rows, topk] fp32 (a request; [0, topk] for a reply)
 
 
 class Window:
@@ -81,7 +82,7 @@ class Window:
         self._shutdown_staging: dict[int, torch.Tensor] = {}
         pin = self._is_cuda
         self._host_flags = torch.zeros(geometry.num_flags, dtype=torch.int64, pin_memory=pin)
-        self._host_header = torch.zeros(HEADER_WORDS + self.layout.experts_per_rank, dtype=torch.int32, pin_memory=pin)
+        self._host_header = torch.zeros(HEADER_WORDS, dtype=torch.int32, pin_memory=pin)
         self._poll_stream = torch.cuda.Stream(self.device) if self._is_cuda else None
 
     @classmethod
@@ -95,9 +96,12 @@ class Window:
         *,
         namespace: str = "afd_async",
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        identity: Mapping[str, object] | None = None,
     ) -> Window:
-        """Check geometry with every peer, log the size, allocate the heap, zero, barrier."""
-        check_geometry(store, world_rank, world_size, geometry.as_dict(), namespace=namespace, timeout_s=timeout_s)
+        """Check geometry (plus `identity`: other values every rank must share, e.g. the expert count)
+        with every peer, log the size, allocate the heap, zero, barrier."""
+        checked = {**geometry.as_dict(), **(identity or {})}
+        check_geometry(store, world_rank, world_size, checked, namespace=namespace, timeout_s=timeout_s)
         if world_rank == 0:
             logger.info("async window per rank: %s", geometry.describe())
         else:
@@ -133,33 +137,42 @@ class Window:
         stage: int,
         header: SlotHeader,
         *,
-        routed_x: torch.Tensor | None = None,  # [routed, hidden]
-        shared_x: torch.Tensor | None = None,  # [shared, hidden]
+        rows: torch.Tensor | None = None,  # [num_rows, hidden]
+        topk_ids: torch.Tensor | None = None,  # [num_rows, topk] (requests)
+        topk_weights: torch.Tensor | None = None,  # [num_rows, topk] (requests)
     ) -> int:
         """One-sided write of a message into world rank `peer`'s slot (region, stage): payload, then
         header, then flag. Returns the seq stamped into header and flag. Raises WindowOverflow before
-        writing anything."""
+        writing anything.
+
+        `rows` lands in the request view (model dtype) or, for a reply (`FLAG_RESPONSE`), the reply
+        view (reply dtype); the copy converts (an FFN rank hands its fp32 sums over as they are).
+        """
         lay = self.layout
         if header.is_shutdown:
             raise ValueError("a shutdown has its own flag and no slot; use write_shutdown")
         lay.check_fits(header, peer)
-        for name, src, count in (
-            ("routed_x", routed_x, header.routed_tokens),
-            ("shared_x", shared_x, header.shared_tokens),
-        ):
-            if src is not None and src.shape[0] != count:
-                raise ValueError(f"{name} has {src.shape[0]} rows but the header says {count}")
+        payload = [("rows", rows), ("topk_ids", topk_ids), ("topk_weights", topk_weights)]
+        for name, src in payload:
+            if src is not None and src.shape[0] != header.num_rows:
+                raise ValueError(f"{name} has {src.shape[0]} rows but the header says {header.num_rows}")
+            if src is None and header.num_rows and (name == "rows" or not header.is_response):
+                raise ValueError(f"a message of {header.num_rows} rows needs its {name}")
         index = self.geometry.slot_index(region, stage)
+        header = dataclasses.replace(header, seq=self._seq + 1, stage=stage)
+        words = encode_header(header)  # a bad header raises here, before any byte is written
         self._seq += 1
-        header = dataclasses.replace(header, seq=self._seq, stage=stage)
         window = self.heap.peer_view(peer)
         dst = self._slot_views(window, index)
-        if routed_x is not None:
-            dst.routed_x[: header.routed_tokens].copy_(routed_x, non_blocking=True)
-        if shared_x is not None:
-            dst.shared_x[: header.shared_tokens].copy_(shared_x, non_blocking=True)
+        n = header.num_rows
+        if rows is not None:
+            (dst.out if header.is_response else dst.x)[:n].copy_(rows, non_blocking=True)
+        if topk_ids is not None:
+            dst.topk_ids[:n].copy_(topk_ids, non_blocking=True)
+        if topk_weights is not None:
+            dst.topk_weights[:n].copy_(topk_weights, non_blocking=True)
         header_stage, flag_stage = self._staging_for(peer, stage)
-        header_stage.copy_(torch.tensor(encode_header(header, lay.experts_per_rank), dtype=torch.int32))
+        header_stage.copy_(torch.tensor(words, dtype=torch.int32))
         dst.header.copy_(header_stage, non_blocking=True)
         flag_stage.fill_(header.seq)
         self._peer_flag_view(peer, window)[index : index + 1].copy_(flag_stage, non_blocking=True)
@@ -186,7 +199,7 @@ class Window:
         if key not in self._staging:
             pin = self._is_cuda
             self._staging[key] = (
-                torch.zeros(HEADER_WORDS + self.layout.experts_per_rank, dtype=torch.int32, pin_memory=pin),
+                torch.zeros(HEADER_WORDS, dtype=torch.int32, pin_memory=pin),
                 torch.zeros(1, dtype=torch.int64, pin_memory=pin),
             )
         return self._staging[key]
@@ -218,28 +231,48 @@ class Window:
         expect_echo: Mapping[int, int] | None = None,
     ) -> Message | None:
         """Wait up to `timeout_s` for a slot whose flag changed, or a region's shutdown; None on timeout.
+        The first message `poll_many` would return."""
+        got = self.poll_many(timeout_s, 1, regions=regions, expect_echo=expect_echo)
+        return got[0] if got else None
+
+    @torch.inference_mode()
+    def poll_many(
+        self,
+        timeout_s: float,
+        max_messages: int | None = None,
+        *,
+        regions: set[int] | None = None,
+        expect_echo: Mapping[int, int] | None = None,
+    ) -> list[Message]:
+        """Wait up to `timeout_s` until some slot's flag changed or a region shut down, then return every
+        such message of that one flag read (at most `max_messages`); [] on timeout.
 
         regions: only these sender regions (default all). expect_echo: region → seq that a
-        response from that region must echo (attention side). A region's shutdown is returned
-        (stage -1) before any message of that region still unread, which is dropped: its sender is
-        gone and reads nothing more.
+        response from that region must echo (attention side). A region's shutdown (stage -1) comes
+        first, and the messages of that region still unread are dropped: its sender is gone and
+        reads nothing more. The scan of slots starts after the last hit so no region starves.
         """
         geom = self.geometry
         n, depth = geom.num_slots, geom.ring_depth
+        limit = n + geom.num_regions if max_messages is None else max_messages
         deadline = time.monotonic() + timeout_s
         spins = 0
         while True:
             flags = self._read_flags()  # one read: slot flags and shutdown flags of the same instant
+            out: list[Message] = []
             for region in range(geom.num_regions):
                 sd = geom.shutdown_index(region)
-                if flags[sd] != self._seen[sd] and (regions is None or region in regions):
+                if len(out) < limit and flags[sd] != self._seen[sd] and (regions is None or region in regions):
                     self._seen[sd] = flags[sd]
                     for stage in range(depth):  # drop what the departed sender left unread
                         idx = geom.slot_index(region, stage)
                         self._seen[idx] = flags[idx]
-                    return self._shutdown_message(region, flags[sd])
+                    out.append(self._shutdown_message(region, flags[sd]))
+            start = self._scan
             for i in range(n):
-                idx = (self._scan + i) % n
+                idx = (start + i) % n
+                if len(out) >= limit:
+                    break
                 if flags[idx] == self._seen[idx]:
                     continue
                 region, stage = divmod(idx, depth)
@@ -247,9 +280,9 @@ class Window:
                     continue
                 self._scan = (idx + 1) % n
                 self._seen[idx] = flags[idx]
-                return self._message(region, stage, idx, flags[idx], expect_echo)
-            if time.monotonic() >= deadline:
-                return None
+                out.append(self._message(region, stage, idx, flags[idx], expect_echo))
+            if out or time.monotonic() >= deadline:
+                return out
             # spin briefly, then sleep: ranks may share few cores; at most 200 us between flag reads
             spins += 1
             if spins > 10:
@@ -259,34 +292,24 @@ class Window:
         views = self._local_slots[idx]
         header = decode_header(
             self._read_header(views),
-            self.layout.experts_per_rank,
             expect_seq=flag,
             expect_echo_seq=None if expect_echo is None else expect_echo.get(region),
         )
         lay = self.layout
-        if header.routed_tokens > lay.routed_cap or header.shared_tokens > lay.shared_cap:
+        if header.num_rows > lay.row_cap or header.num_tokens > lay.token_cap:
             raise WindowProtocolError(
-                f"message from region {region} claims {header.routed_tokens} routed / {header.shared_tokens} "
-                f"shared rows, beyond the slot's {lay.routed_cap} / {lay.shared_cap}"
+                f"message from region {region} claims {header.num_rows} rows of {header.num_tokens} tokens, beyond "
+                f"the slot's row_cap {lay.row_cap} / token_cap {lay.token_cap}"
             )
-        if not header.is_response and not header.is_shutdown and sum(header.expert_counts) != header.routed_tokens:
-            raise WindowProtocolError(
-                f"expert counts {header.expert_counts} do not sum to {header.routed_tokens} routed rows"
-            )
-        r, s = header.routed_tokens, header.shared_tokens
-        return Message(
-            region=region, stage=stage, header=header, routed_x=views.routed_x[:r], shared_x=views.shared_x[:s]
-        )
+        r = header.num_rows
+        if header.is_response:
+            return Message(region, stage, header, views.out[:r], views.topk_ids[:0], views.topk_weights[:0])
+        return Message(region, stage, header, views.x[:r], views.topk_ids[:r], views.topk_weights[:r])
 
     def _shutdown_message(self, region: int, flag: int) -> Message:
         views = self._local_slots[self.geometry.slot_index(region, 0)]
-        return Message(
-            region=region,
-            stage=-1,
-            header=SlotHeader(flags=FLAG_SHUTDOWN, seq=flag),
-            routed_x=views.routed_x[:0],
-            shared_x=views.shared_x[:0],
-        )
+        header = SlotHeader(flags=FLAG_SHUTDOWN, seq=flag)
+        return Message(region, -1, header, views.x[:0], views.topk_ids[:0], views.topk_weights[:0])
 
     def close(self) -> None:
         """Drop views and close the heap; never blocks."""

@@ -1,12 +1,16 @@
 """The `async` connector's wire format, pure: slot layout, in-band header codec, window geometry.
 
     window = [ flag[num_regions * ring_depth] int64 | shutdown[num_regions] int64 | slot(0,0) | slot(0,1) | ... ]
-    slot   = [ header | routed_x | shared_x ]   every field 256 B aligned
+    slot   = [ header | rows | topk_ids | topk_weights ]   every field 256 B aligned
 
-Dispatch (A→F) and combine (F→A) share one slot layout. The receiver knows which token each row
-belongs to without an index table: it is the sender that scatters the reply (its plan has the
-order), and the shared rows are the round robin `arange(f, T, F)`. Shutdown has its own flag per
-sender region, so announcing it never touches a slot a message may still be in.
+Version 3: one row per (token, destination FFN rank). A request carries each token once to every FFN
+rank that owns at least one of its experts: its hidden state (`rows` as the model dtype), its whole
+top-k (`topk_ids` int32, global expert ids) and `topk_weights` (fp32); the first `shared_rows` rows
+also take the shared experts there. The reply reuses the same slot layout: one weighted partial sum
+per request row (`rows` as the reply dtype), so `rows` is sized for the wider of the two dtypes.
+The receiver knows which token a reply row belongs to without an index table: the sender kept its
+plan. Shutdown has its own flag per sender region, so announcing it never touches a slot a message
+may still be in.
 
 Sequence numbers: flags carry the sender's full int64 seq; the header carries its low 32 bits
 (`seq` and `echo_seq` words, as the int32 bit pattern) and every comparison is mod 2**32, so a
@@ -35,13 +39,14 @@ logger = logging.getLogger("afd.connectors.window")
 MAGIC = int.from_bytes(b"AFDG", "little")
 # 1: the seed's slot with route_table/shared_idx, shutdown written into ring stage 0.
 # 2: no route_table/shared_idx, a shutdown flag per region, seq words mod 2**32.
-VERSION = 2
+# 3: one row per (token, destination FFN rank) with its top-k ids and fp32 weights; one partial sum back.
+VERSION = 3
 HEADER_WORDS = 12
 ALIGN = 256
 FLAG_RESPONSE = 1 << 0  # FFN → attention (combine) message
 FLAG_SHUTDOWN = 1 << 1  # the sender is going away; no payload
-# header word indices
-W_MAGIC, W_VERSION, W_FLAGS, W_LAYER, W_NUM_TOKENS, W_ROUTED, W_SHARED, W_SEQ, W_ECHO_SEQ, W_STAGE = range(10)
+# header word indices (words 10 and 11 are spare)
+W_MAGIC, W_VERSION, W_FLAGS, W_LAYER, W_NUM_TOKENS, W_ROWS, W_SHARED, W_SEQ, W_ECHO_SEQ, W_STAGE = range(10)
 _INT32_MAX = 2**31 - 1
 SEQ_MOD = 2**32  # the header keeps seq/echo_seq modulo this
 
@@ -74,23 +79,33 @@ def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+def reply_dtype_for(dtype: torch.dtype, num_ffn: int) -> torch.dtype:
+    """dtype of the partial sums FFN ranks send back: the model dtype when one FFN rank holds every
+    expert (its partial is the whole answer, rounded once either way), else fp32 so that adding the
+    partials of several ranks on the attention side rounds once, as the reference does."""
+    return dtype if num_ffn == 1 else torch.float32
+
+
 # ---------------------------------------------------------------------------------------------
 # header
 
 
 @dataclass(frozen=True)
 class SlotHeader:
-    """The 12 fixed int32 words plus `expert_counts[experts_per_rank]` of one message."""
+    """The 12 int32 words of one message.
+
+    num_rows: rows in the message (request: tokens sent to this FFN rank; reply: the same count).
+    shared_rows: the leading rows whose shared experts this FFN rank computes.
+    """
 
     layer_idx: int = 0
     num_tokens: int = 0
-    routed_tokens: int = 0
-    shared_tokens: int = 0
+    num_rows: int = 0
+    shared_rows: int = 0
     seq: int = 0
     echo_seq: int = 0
     stage: int = 0
     flags: int = 0
-    expert_counts: tuple[int, ...] = ()
 
     @property
     def is_shutdown(self) -> bool:
@@ -101,22 +116,21 @@ class SlotHeader:
         return bool(self.flags & FLAG_RESPONSE)
 
 
-def encode_header(header: SlotHeader, experts_per_rank: int) -> list[int]:
-    """Header → `12 + experts_per_rank` int32 words; seq/echo_seq keep their low 32 bits (int32 pattern)."""
-    if len(header.expert_counts) > experts_per_rank:
-        raise ValueError(f"{len(header.expert_counts)} expert counts do not fit a header of {experts_per_rank}")
+def encode_header(header: SlotHeader) -> list[int]:
+    """Header → `HEADER_WORDS` int32 words; seq/echo_seq keep their low 32 bits (int32 pattern)."""
     if header.seq < 0 or header.echo_seq < 0:
         raise ValueError(f"sequence numbers are non-negative, got seq {header.seq}, echo_seq {header.echo_seq}")
-    words = [0] * (HEADER_WORDS + experts_per_rank)
+    if header.shared_rows > header.num_rows:
+        raise ValueError(f"{header.shared_rows} shared rows but only {header.num_rows} rows")
+    words = [0] * HEADER_WORDS
     words[W_MAGIC] = MAGIC
     words[W_VERSION] = VERSION
     words[W_FLAGS] = header.flags
     words[W_LAYER] = header.layer_idx
     words[W_NUM_TOKENS] = header.num_tokens
-    words[W_ROUTED] = header.routed_tokens
-    words[W_SHARED] = header.shared_tokens
+    words[W_ROWS] = header.num_rows
+    words[W_SHARED] = header.shared_rows
     words[W_STAGE] = header.stage
-    words[HEADER_WORDS : HEADER_WORDS + len(header.expert_counts)] = header.expert_counts
     if any(not 0 <= w <= _INT32_MAX for w in words[1:]):
         raise ValueError(f"header words must be non-negative int32, got {words}")
     words[W_SEQ] = _seq_word(header.seq)
@@ -126,19 +140,18 @@ def encode_header(header: SlotHeader, experts_per_rank: int) -> list[int]:
 
 def decode_header(
     words: list[int],
-    experts_per_rank: int,
     *,
     expect_seq: int | None = None,
     expect_echo_seq: int | None = None,
 ) -> SlotHeader:
-    """Words → header; raises WindowProtocolError on bad magic, version, seq or echo_seq.
+    """Words → header; raises WindowProtocolError on bad magic, version, counts, seq or echo_seq.
 
     The header holds only the low 32 bits of seq/echo_seq: they are compared with `expect_seq` /
     `expect_echo_seq` mod 2**32, and a match restores the full value (the flag's, the request's);
     without an expectation the field is the unsigned low 32 bits.
     """
-    if len(words) < HEADER_WORDS + experts_per_rank:
-        raise WindowProtocolError(f"header has {len(words)} words, expected {HEADER_WORDS + experts_per_rank}")
+    if len(words) < HEADER_WORDS:
+        raise WindowProtocolError(f"header has {len(words)} words, expected {HEADER_WORDS}")
     if words[W_MAGIC] != MAGIC:
         raise WindowProtocolError(f"bad slot magic {words[W_MAGIC]:#x} (expected {MAGIC:#x} 'AFDG')")
     if words[W_VERSION] != VERSION:
@@ -146,14 +159,15 @@ def decode_header(
     header = SlotHeader(
         layer_idx=words[W_LAYER],
         num_tokens=words[W_NUM_TOKENS],
-        routed_tokens=words[W_ROUTED],
-        shared_tokens=words[W_SHARED],
+        num_rows=words[W_ROWS],
+        shared_rows=words[W_SHARED],
         seq=seq32(words[W_SEQ]),
         echo_seq=seq32(words[W_ECHO_SEQ]),
         stage=words[W_STAGE],
         flags=words[W_FLAGS],
-        expert_counts=tuple(words[HEADER_WORDS : HEADER_WORDS + experts_per_rank]),
     )
+    if not 0 <= header.shared_rows <= header.num_rows:
+        raise WindowProtocolError(f"header claims {header.shared_rows} shared rows of {header.num_rows} rows")
     if expect_seq is not None:
         if not seq_matches(header.seq, expect_seq):
             raise WindowProtocolError(
@@ -185,11 +199,17 @@ class Field:
 
 @dataclass
 class SlotViews:
-    """Typed views of one slot (local or a peer's)."""
+    """Typed views of one slot (local or a peer's); `x` and `out` alias the same `rows` bytes."""
 
-    header: torch.Tensor  # [12 + experts_per_rank] int32
-    routed_x: torch.Tensor  # [routed_cap, hidden] dtype, grouped by local expert
-    shared_x: torch.Tensor  # [shared_cap, hidden] dtype, tokens arange(f, T, F)
+    header: torch.Tensor  # [HEADER_WORDS] int32
+    x: torch.Tensor  # [row_cap, hidden] model dtype: request rows
+    out: torch.Tensor  # [row_cap, hidden] reply dtype: reply rows (weighted partial sums)
+    topk_ids: torch.Tensor  # [row_cap, topk] int32: global expert ids of each request row
+    topk_weights: torch.Tensor  # [row_cap, topk] fp32
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 @dataclass(frozen=True)
@@ -197,11 +217,11 @@ class SlotLayout:
     """Byte layout of one slot; identical on every rank (checked through the store)."""
 
     hidden_size: int
-    dtype: torch.dtype
-    experts_per_rank: int
+    dtype: torch.dtype  # request rows (the model dtype)
+    reply_dtype: torch.dtype  # reply rows (`reply_dtype_for`)
+    topk: int
     token_cap: int
-    routed_cap: int
-    shared_cap: int
+    row_cap: int
 
     @classmethod
     def for_model(
@@ -211,36 +231,37 @@ class SlotLayout:
         dtype: torch.dtype,
         topk: int,
         num_ffn: int,
-        experts_per_rank: int,
         max_num_batched_tokens: int,
         routed_cap_multiplier: float = 2.0,
     ) -> SlotLayout:
-        """token_cap = max_num_batched_tokens; routed_cap = ceil(token_cap*topk/F) * multiplier
-        (capped at the worst case token_cap*topk); shared_cap = ceil(token_cap/F) (round robin)."""
+        """token_cap = max_num_batched_tokens; row_cap = ceil(token_cap * min(topk, F) / F) * multiplier,
+        capped at token_cap (a token travels at most once to each FFN rank, so token_cap always fits)."""
         token_cap = max_num_batched_tokens
-        even = -(-token_cap * topk // num_ffn)
-        routed_cap = min(int(-(-even * routed_cap_multiplier // 1)), token_cap * topk)
+        even = -(-token_cap * min(topk, num_ffn) // num_ffn)
+        row_cap = min(int(-(-even * routed_cap_multiplier // 1)), token_cap)
         return cls(
             hidden_size=hidden_size,
             dtype=dtype,
-            experts_per_rank=experts_per_rank,
+            reply_dtype=reply_dtype_for(dtype, num_ffn),
+            topk=topk,
             token_cap=token_cap,
-            routed_cap=max(routed_cap, 1),
-            shared_cap=-(-token_cap // num_ffn),
+            row_cap=max(row_cap, 1),
         )
 
     @cached_property
     def fields(self) -> dict[str, Field]:
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        widest = max(_itemsize(self.dtype), _itemsize(self.reply_dtype))
+        rows, k = self.row_cap, self.topk
         specs = [
-            ("header", torch.int32, (HEADER_WORDS + self.experts_per_rank,)),
-            ("routed_x", self.dtype, (self.routed_cap, self.hidden_size)),
-            ("shared_x", self.dtype, (self.shared_cap, self.hidden_size)),
+            ("header", torch.int32, (HEADER_WORDS,)),
+            ("rows", torch.uint8, (rows * self.hidden_size * widest,)),
+            ("topk_ids", torch.int32, (rows, k)),
+            ("topk_weights", torch.float32, (rows, k)),
         ]
         out: dict[str, Field] = {}
         offset = 0
         for name, dtype, shape in specs:
-            size = 4 if dtype == torch.int32 else elem
+            size = _itemsize(dtype)
             for d in shape:
                 size *= d
             out[name] = Field(name, offset, _align(size), dtype, shape)
@@ -252,17 +273,31 @@ class SlotLayout:
         last = list(self.fields.values())[-1]
         return last.offset + last.nbytes
 
+    def request_row_bytes(self) -> int:
+        """Bytes one request row moves: its hidden state, top-k ids and weights."""
+        return self.hidden_size * _itemsize(self.dtype) + 8 * self.topk
+
+    def reply_row_bytes(self) -> int:
+        return self.hidden_size * _itemsize(self.reply_dtype)
+
     def views(self, slot: torch.Tensor) -> SlotViews:
         """slot: [slot_bytes] uint8 → typed views (no copy)."""
 
-        def view(f: Field) -> torch.Tensor:
+        def raw(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+            f = self.fields[name]
             numel = 1
-            for d in f.shape:
+            for d in shape:
                 numel *= d
-            raw = slot[f.offset : f.offset + f.nbytes].view(f.dtype)
-            return raw[:numel].view(f.shape)
+            return slot[f.offset : f.offset + f.nbytes].view(dtype)[:numel].view(shape)
 
-        return SlotViews(**{name: view(f) for name, f in self.fields.items()})
+        rows = (self.row_cap, self.hidden_size)
+        return SlotViews(
+            header=raw("header", torch.int32, (HEADER_WORDS,)),
+            x=raw("rows", self.dtype, rows),
+            out=raw("rows", self.reply_dtype, rows),
+            topk_ids=raw("topk_ids", torch.int32, (self.row_cap, self.topk)),
+            topk_weights=raw("topk_weights", torch.float32, (self.row_cap, self.topk)),
+        )
 
     def describe(self) -> str:
         return ", ".join(f"{f.name} {f.nbytes}" for f in self.fields.values())
@@ -270,15 +305,15 @@ class SlotLayout:
     def check_fits(self, header: SlotHeader, peer: int) -> None:
         """Raise WindowOverflow if the message of `header` does not fit a slot (checked before any
         slot is reserved or written, so an overflow leaves nothing half sent)."""
-        if header.routed_tokens > self.routed_cap:
+        if header.num_tokens > self.token_cap:
             raise WindowOverflow(
-                f"{header.routed_tokens} routed rows do not fit routed_cap={self.routed_cap} of the window "
-                f"(world rank {peer}); raise connector_extra_config.routed_cap_multiplier"
+                f"{header.num_tokens} tokens exceed token_cap={self.token_cap} of the window (world rank {peer}); "
+                "raise max_num_batched_tokens"
             )
-        if header.shared_tokens > self.shared_cap or header.num_tokens > self.token_cap:
+        if header.num_rows > self.row_cap:
             raise WindowOverflow(
-                f"{header.num_tokens} tokens ({header.shared_tokens} shared rows) exceed token_cap="
-                f"{self.token_cap} (shared_cap={self.shared_cap}); raise max_num_batched_tokens"
+                f"{header.num_rows} rows do not fit row_cap={self.row_cap} of the window (world rank {peer}); "
+                "raise connector_extra_config.routed_cap_multiplier"
             )
 
 
@@ -332,10 +367,10 @@ class WindowGeometry:
             "ring_depth": self.ring_depth,
             "hidden_size": lay.hidden_size,
             "dtype": str(lay.dtype).removeprefix("torch."),
-            "experts_per_rank": lay.experts_per_rank,
+            "reply_dtype": str(lay.reply_dtype).removeprefix("torch."),
+            "topk": lay.topk,
             "token_cap": lay.token_cap,
-            "routed_cap": lay.routed_cap,
-            "shared_cap": lay.shared_cap,
+            "row_cap": lay.row_cap,
             "slot_bytes": lay.slot_bytes,
             "window_bytes": self.nbytes,
         }
@@ -344,8 +379,8 @@ class WindowGeometry:
         return (
             f"{self.nbytes} bytes ({self.nbytes / 2**20:.1f} MiB) = flags {self.flags_bytes} + "
             f"{self.num_regions} regions x {self.ring_depth} ring x slot {self.layout.slot_bytes} "
-            f"({self.layout.describe()}; token_cap {self.layout.token_cap}, routed_cap "
-            f"{self.layout.routed_cap}, shared_cap {self.layout.shared_cap})"
+            f"({self.layout.describe()}; token_cap {self.layout.token_cap}, row_cap {self.layout.row_cap}, "
+            f"replies in {str(self.layout.reply_dtype).removeprefix('torch.')})"
         )
 
 

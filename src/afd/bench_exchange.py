@@ -1,0 +1,338 @@
+"""`afd bench exchange`: one layer's exchange round trip with a no-op FFN, beside a copy of the same bytes.
+
+What it isolates: the connector's own cost per MoE layer — planning, packing, transfers both ways,
+waiting and combining — with an FFN side that answers zeros without computing. One attention rank and
+one FFN rank (1A1F) run as two processes through the real transports (gloo / shared memory on CPU,
+NCCL / NVSHMEM on CUDA, attention on GPU 0 and FFN on GPU 1 when there are two). For every token
+count T it times round trips one by one (p50, p90; the device synchronized after each) and back to
+back (mean), beside the time to copy the same bytes once each way, measured in the same run before the
+ranks start: a memcpy on CPU; on CUDA a peer copy GPU 0 -> GPU 1 and back, many copies between two
+CUDA events (one event pair around a single copy reads ~20 µs there).
+
+At 1A1F both connectors move the same bytes per layer: T rows of `H` model-dtype values plus `K` int32
+ids and `K` fp32 weights there, T rows of `H` values back.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import multiprocessing as mp
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from afd.bench import device_name
+from afd.connectors.async_window import AsyncAttentionExchange, AsyncFFNServer, run_ffn_loop
+from afd.connectors.p2p import P2pAttentionExchange, P2pFFNLoop
+from afd.distributed import World, init_world
+from afd.moe import Routing
+from afd.runtime.launch import free_port
+from afd.topology import AsyncTopology, SyncTopology
+from afd.weights import load_model_config
+
+logger = logging.getLogger(__name__)
+
+LAYER = 0  # every timed exchange uses one layer index: the no-op FFN has no weights to tell layers apart
+
+
+class NoOpFFN:
+    """An FFN side that answers zeros without computing: only the exchange is left to time."""
+
+    def experts_topk(self, layer_idx: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:  # [R, H] fp32
+        return torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+
+    def shared(self, layer_idx: int, x: torch.Tensor) -> torch.Tensor:  # [R, H]
+        return torch.zeros_like(x)
+
+
+def row_bytes(hidden_size: int, topk: int, itemsize: int) -> tuple[int, int]:
+    """(request, reply) bytes per token of one 1A1F layer exchange, the same for both connectors."""
+    return hidden_size * itemsize + 8 * topk, hidden_size * itemsize
+
+
+# ---------------------------------------------------------------- the copy beside it
+def _sync_all() -> None:
+    for d in range(torch.cuda.device_count()):
+        torch.cuda.synchronize(d)
+
+
+def copy_us(nbytes: int, src: str, dst: str, iters: int) -> float:
+    """Mean µs of one copy of `nbytes` from device `src` to `dst` ('cpu' or 'cuda:N'), over `iters` copies."""
+    a = torch.ones(max(nbytes, 1), dtype=torch.uint8, device=src)
+    b = torch.empty_like(a, device=dst)
+    b.copy_(a)  # warm-up (peer access is enabled on the first copy)
+    if a.is_cuda:
+        _sync_all()
+        with torch.cuda.device(a.device):  # a peer copy runs on the source device's current stream
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                b.copy_(a)
+            end.record()
+        _sync_all()
+        return start.elapsed_time(end) * 1e3 / iters
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank runs: a parallel copy on busy cores measured its wake-ups
+    try:
+        start_s = time.perf_counter()
+        for _ in range(iters):
+            b.copy_(a)
+        return (time.perf_counter() - start_s) * 1e6 / iters
+    finally:
+        torch.set_num_threads(threads)
+
+
+def rank_devices(device: str) -> tuple[str, str]:
+    """(attention, FFN) devices: two GPUs when there are, else both ranks on one device."""
+    if device != "cuda":
+        return "cpu", "cpu"
+    return "cuda:0", f"cuda:{1 if torch.cuda.device_count() > 1 else 0}"
+
+
+# ---------------------------------------------------------------- the ranks
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+Exchange = Callable[[int, torch.Tensor, Routing], torch.Tensor]
+
+
+def _time_exchanges(
+    exchange: Exchange, spec: dict, device: torch.device, begin: Callable[[int], None] | None = None
+) -> list[dict]:
+    """For every T: `warmup` untimed round trips, `iters` timed one by one, `iters` back to back."""
+    dtype = getattr(torch, spec["dtype"])
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for num_tokens in spec["tokens"]:
+        x = torch.randn(num_tokens, spec["hidden_size"], generator=gen).to(device=device, dtype=dtype)  # [T, H]
+        scores = torch.rand(num_tokens, spec["num_experts"], generator=gen)  # [T, E]
+        ids = scores.topk(spec["topk"], dim=1).indices.to(device)  # [T, K]
+        routing = Routing(ids, torch.rand(num_tokens, spec["topk"], generator=gen).to(device))
+        if begin is not None:
+            begin(num_tokens)
+        for _ in range(spec["warmup"]):
+            exchange(LAYER, x, routing)
+        _synchronize(device)
+        single = []
+        for _ in range(spec["iters"]):
+            start = time.perf_counter()
+            exchange(LAYER, x, routing)
+            _synchronize(device)
+            single.append((time.perf_counter() - start) * 1e6)
+        start = time.perf_counter()
+        for _ in range(spec["iters"]):
+            exchange(LAYER, x, routing)
+        _synchronize(device)
+        mean = (time.perf_counter() - start) * 1e6 / spec["iters"]
+        deciles = statistics.quantiles(single, n=10) if len(single) > 1 else single * 9
+        rows.append({"tokens": num_tokens, "p50_us": statistics.median(single), "p90_us": deciles[8], "mean_us": mean})
+    return rows
+
+
+def _run_p2p(world: World, spec: dict, device: torch.device) -> list[dict] | None:
+    """Attention: the timed rows. FFN: serves one DP-wave step per token count, returns None."""
+    topo = SyncTopology(1, 1)
+    if world.me.role == "ffn":
+        layers = [LAYER] * (spec["warmup"] + 2 * spec["iters"])  # one step per T, that many exchanges in it
+        P2pFFNLoop(
+            world,
+            topo,
+            NoOpFFN(),
+            num_experts=spec["num_experts"],
+            topk=spec["topk"],
+            hidden_size=spec["hidden_size"],
+            dtype=getattr(torch, spec["dtype"]),
+            boundary_layers=layers,
+            gate_on_attention=True,
+        ).run()
+        return None
+    ex = P2pAttentionExchange(world, topo, gate_on_attention=True, topk=spec["topk"])
+
+    def begin(num_tokens: int) -> None:
+        ex.step_wave(True)
+        ex.begin_step(num_tokens)
+
+    rows = _time_exchanges(ex, spec, device, begin)
+    ex.step_wave(False)  # the wave is over: the FFN loop returns
+    return rows
+
+
+def _run_async(world: World, spec: dict, device: torch.device) -> list[dict] | None:
+    """Attention: the timed rows. FFN: the self-driven loop until the shutdown flag, returns None."""
+    topo = AsyncTopology(1, 1, spec["num_experts"])
+    args = dict(
+        hidden_size=spec["hidden_size"],
+        topk=spec["topk"],
+        num_layers=LAYER + 1,
+        dtype=getattr(torch, spec["dtype"]),
+        device=device,
+        max_num_batched_tokens=max(spec["tokens"]),
+        extra_config={"recv_poll_timeout_ms": 100},
+        timeout_s=spec["timeout_s"],
+    )
+    if world.me.role == "ffn":
+        run_ffn_loop(AsyncFFNServer(world.store, topo, 0, **args), NoOpFFN())
+        return None
+    ex = AsyncAttentionExchange(world.store, topo, 0, **args)
+    try:
+        return _time_exchanges(ex, spec, device)
+    finally:
+        ex.close()  # the shutdown flag: the FFN loop returns
+
+
+def _rank_main(spec: dict, world_rank: int, out: str) -> None:
+    """One rank's process: join a 2-rank world, run its side, write its rows (or its error) to `out`."""
+    code = 1
+    try:
+        is_async = spec["connector"] == "async"
+        role = ("attention", "ffn")[world_rank] if is_async else ("ffn", "attention")[world_rank]
+        device = torch.device(spec["devices"][role])
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        else:
+            torch.set_num_threads(1)  # two ranks share the host's cores
+        backend = "nccl" if device.type == "cuda" and not is_async else "gloo"
+        order = "attention_first" if is_async else "ffn_first"
+        world = init_world(
+            "127.0.0.1",
+            spec["port"],
+            world_rank,
+            2,
+            backend,
+            spec["timeout_s"],
+            num_attention=1,
+            num_ffn=1,
+            world_order=order,
+        )
+        try:
+            rows = (_run_async if is_async else _run_p2p)(world, spec, device)
+        except BaseException as exc:
+            world.close(error=exc)
+            raise
+        world.close()
+        Path(out).write_text(json.dumps({"rows": rows}))
+        code = 0
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which names the rank
+        Path(out).write_text(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
+    finally:
+        os._exit(code)  # NVSHMEM's finalize is collective: never run it at exit (afd.transport.nvshmem)
+
+
+def _run_connector(connector: str, spec: dict) -> list[dict]:
+    """Both ranks of one connector as processes; their wait is bounded and every child is reaped."""
+    spec = {**spec, "connector": connector, "port": free_port()}
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="afd_bench_exchange_") as tmp:
+        outs = [str(Path(tmp, f"rank{r}.json")) for r in range(2)]
+        procs = [ctx.Process(target=_rank_main, args=(spec, r, outs[r]), daemon=True) for r in range(2)]
+        try:
+            for p in procs:
+                p.start()
+            deadline = time.monotonic() + 2 * spec["timeout_s"]
+            for p in procs:
+                p.join(max(0.0, deadline - time.monotonic()))
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
+        reports = [json.loads(Path(o).read_text()) if Path(o).is_file() else None for o in outs]
+    for rank, report in enumerate(reports):
+        if report is None or "error" in report:
+            why = "no report within the timeout" if report is None else report["error"]
+            raise RuntimeError(f"{connector} world rank {rank} failed: {why}")
+    return next(r["rows"] for r in reports if r["rows"] is not None)
+
+
+def run_bench_exchange(
+    *,
+    model: str,
+    dtype: str,
+    device: str,
+    tokens: list[int],
+    connectors: tuple[str, ...],
+    iters: int = 50,
+    warmup: int = 5,
+    timeout_s: float = 120.0,
+    progress: Callable[[str], None] | None = None,
+) -> dict:
+    """Copy times first (nothing else running), then each connector's round trips; one result dict."""
+    say = progress or logger.info
+    config = load_model_config(model)
+    hidden, topk = config.hidden_size, config.num_experts_per_tok
+    itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    there, back = row_bytes(hidden, topk, itemsize)
+    attn_dev, ffn_dev = rank_devices(device)
+    copy_iters = max(iters, 200)
+    say(f"copying the same bytes {attn_dev} -> {ffn_dev} -> {attn_dev} ...")
+    copies = {
+        t: copy_us(t * there, attn_dev, ffn_dev, copy_iters) + copy_us(t * back, ffn_dev, attn_dev, copy_iters)
+        for t in tokens
+    }
+    spec = {
+        "hidden_size": hidden,
+        "topk": topk,
+        "num_experts": config.n_routed_experts,
+        "dtype": dtype,
+        "tokens": list(tokens),
+        "iters": iters,
+        "warmup": warmup,
+        "timeout_s": timeout_s,
+        "devices": {"attention": attn_dev, "ffn": ffn_dev},
+    }
+    rows = []
+    for connector in connectors:
+        say(f"{connector}: 1A1F round trips at T = {', '.join(map(str, tokens))} ...")
+        for row in _run_connector(connector, spec):
+            t = row["tokens"]
+            rows.append(
+                {
+                    "connector": connector,
+                    **row,
+                    "bytes": t * (there + back),
+                    "copy_us": copies[t],
+                    "p50_over_copy": row["p50_us"] / copies[t] if copies[t] > 0 else None,
+                }
+            )
+    return {
+        "date": datetime.date.today().isoformat(),
+        "device": device_name(device),
+        "model": model,
+        "dtype": dtype,
+        "torch": torch.__version__,
+        "topology": "1A1F",
+        "ranks_on": {"attention": attn_dev, "ffn": ffn_dev},
+        "hidden_size": hidden,
+        "topk": topk,
+        "iters": iters,
+        "warmup": warmup,
+        "copy_iters": copy_iters,
+        "rows": rows,
+    }
+
+
+def format_bench_exchange(result: dict) -> str:
+    """One line per (connector, T): round trip p50 / p90 / mean beside the copy of the same bytes."""
+    lines = [
+        f"{result['model']} {result['dtype']} on {result['device']} (torch {result['torch']}), "
+        f"{result['topology']}, no-op FFN, {result['iters']} round trips per point; copy: the same bytes "
+        f"{result['ranks_on']['attention']} -> {result['ranks_on']['ffn']} and back",
+        f"{'connector':<9} {'tokens':>6} {'bytes':>10} {'p50 us':>9} {'p90 us':>9} {'mean us':>9} "
+        f"{'copy us':>9} {'p50/copy':>9}",
+    ]
+    for r in result["rows"]:
+        ratio = "-" if r["p50_over_copy"] is None else f"{r['p50_over_copy']:.1f}x"
+        lines.append(
+            f"{r['connector']:<9} {r['tokens']:>6} {r['bytes']:>10} {r['p50_us']:>9.1f} {r['p90_us']:>9.1f} "
+            f"{r['mean_us']:>9.1f} {r['copy_us']:>9.2f} {ratio:>9}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,39 @@
+"""`afd bench exchange` on the tiny model (CPU): both connectors run their 1A1F round trips through real
+processes, the table is printed and the JSON holds every point (no timing assertions: CI cores are busy)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from afd.bench_exchange import row_bytes
+
+
+@pytest.mark.timeout(120)
+def test_bench_exchange_prints_and_writes_every_point(tmp_path: Path) -> None:
+    out = tmp_path / "exchange.json"
+    args = ["bench", "exchange", "--tokens", "1,8,64", "--iters", "3", "--json", str(out)]
+    proc = subprocess.run([sys.executable, "-m", "afd", *args], capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert result["topology"] == "1A1F" and result["ranks_on"] == {"attention": "cpu", "ffn": "cpu"}
+    points = {(r["connector"], r["tokens"]): r for r in result["rows"]}
+    assert set(points) == {(c, t) for c in ("p2p", "async") for t in (1, 8, 64)}
+    there, back = row_bytes(64, 3, 4)  # tiny: hidden 64, top-3, float32
+    for (_, tokens), r in points.items():
+        assert r["bytes"] == tokens * (there + back)
+        assert 0 < r["p50_us"] <= r["p90_us"] and r["mean_us"] > 0 and r["copy_us"] > 0
+        assert r["p50_over_copy"] == pytest.approx(r["p50_us"] / r["copy_us"])
+    assert "p50/copy" in proc.stdout and "async" in proc.stdout and "p2p" in proc.stdout
+
+
+@pytest.mark.timeout(60)
+def test_bench_exchange_rejects_bad_tokens_in_one_sentence() -> None:
+    args = ["bench", "exchange", "--tokens", "1,0"]
+    proc = subprocess.run([sys.executable, "-m", "afd", *args], capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 2 and "--tokens takes positive integers" in proc.stderr
+    assert "Traceback" not in proc.stderr
