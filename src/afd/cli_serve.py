@@ -13,6 +13,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from afd.cli_args import check_resources
 from afd.cli_input import (
     UsageError,
     batched_tokens,
@@ -167,8 +168,6 @@ def run_spec(args: argparse.Namespace, max_model_len: int | None):
 
 
 def _check_resources(args: argparse.Namespace, model_config) -> None:
-    from afd.cli import check_resources
-
     if args.connector == "none":
         check_resources(args, model_config, connector="none")
         return
