@@ -28,6 +28,20 @@ def test_wrapped_shape_with_aliases_folds_to_canonical() -> None:
     assert cfg.connector_extra_config == AsyncExtraConfig(ring_depth=2)
 
 
+def test_micro_batching_sizes_the_ring_by_default() -> None:
+    """ring_depth is the messages in flight per peer: one per micro-batch unless given (larger is allowed)."""
+
+    def extra(**raw: object) -> AsyncExtraConfig:
+        return parse_config({"connector": "async", "connector_extra_config": raw}).connector_extra_config
+
+    assert extra().ring_depth == 1 and extra(async_moe_num_ubatches=3).ring_depth == 1  # off: one in flight
+    on = extra(async_moe_ubatching=True, async_moe_num_ubatches=3)
+    assert (on.async_moe_ubatching, on.async_moe_num_ubatches, on.ring_depth) == (True, 3, 3)
+    assert extra(async_moe_ubatching=True, ring_depth=4).ring_depth == 4
+    cfg = parse_config({"connector": "async", "connector_extra_config": {"async_moe_ubatching": True}})
+    assert cfg.replace(port=7001).connector_extra_config == cfg.connector_extra_config  # survives a round trip
+
+
 def test_defaults_and_sources(tmp_path) -> None:
     cfg = parse_config({})
     assert cfg.connector == "p2p" and cfg.port == 6239 and cfg.compute_gate_on_attention
@@ -59,7 +73,18 @@ def test_defaults_and_sources(tmp_path) -> None:
         ({"connector": "async", "connector_extra_config": {"ring_depth": 0}}, "ring_depth must be at least 1"),
         ({"connector": "async", "connector_extra_config": {"routed_cap_multiplier": 0}}, "routed_cap_multiplier"),
         ({"connector": "async", "connector_extra_config": {"recv_poll_timeout_ms": 0}}, "recv_poll_timeout_ms"),
-        ({"connector": "async", "connector_extra_config": {"async_moe_ubatching": True}}, "not supported yet"),
+        (
+            {
+                "connector": "async",
+                "connector_extra_config": {"async_moe_ubatching": True, "async_moe_num_ubatches": 1},
+            },
+            "async_moe_num_ubatches must be at least 2 when async_moe_ubatching is true",
+        ),
+        (
+            {"connector": "async", "connector_extra_config": {"async_moe_ubatching": True, "ring_depth": 1}},
+            "ring_depth=1 cannot hold async_moe_num_ubatches=2",
+        ),
+        ({"connector": "async", "connector_extra_config": {"async_moe_num_ubatches": 17}}, "between 1 and 16"),
         ({"connector": "async", "connector_extra_config": {"async_moe_split": "x"}}, "async_moe_split must be"),
         ({"connector": "async", "connector_extra_config": {"attn_ranks_per_dp": 2}}, "attn_ranks_per_dp=2"),
         ({"connector_extra_config": [1]}, "connector_extra_config must be a JSON object"),

@@ -131,9 +131,16 @@ class P2pExtraConfig:
         return cls(timeout_s=_check_float("connector_extra_config.timeout_s", raw.get("timeout_s", 120.0), above=0))
 
 
+MAX_UBATCHES = 16  # far above the 2-4 that ping-pong wants; each one is a ring stage of window memory
+
+
 @dataclass(frozen=True)
 class AsyncExtraConfig:
-    """`connector_extra_config` of `async` (DESIGN.md §1.2 keys)."""
+    """`connector_extra_config` of `async` (DESIGN.md §1.2 keys).
+
+    `ring_depth` is the number of messages in flight per peer: one per micro-batch. From a dict it defaults to
+    `async_moe_num_ubatches` when `async_moe_ubatching` is on, else 1 (the seed's "number of stages in flight").
+    """
 
     attn_ranks_per_dp: int = 1
     ring_depth: int = 1
@@ -149,21 +156,25 @@ class AsyncExtraConfig:
         _reject_unknown("connector_extra_config for async", raw, [f.name for f in fields(cls)])
         d = cls()
         key = "connector_extra_config."
+        ubatching = _check_bool(key + "async_moe_ubatching", raw.get("async_moe_ubatching", d.async_moe_ubatching))
+        num_ubatches = _check_int(
+            key + "async_moe_num_ubatches",
+            raw.get("async_moe_num_ubatches", d.async_moe_num_ubatches),
+            minimum=1,
+            maximum=MAX_UBATCHES,
+        )
+        in_flight = num_ubatches if ubatching else 1  # what each peer's ring must hold
         cfg = cls(
             attn_ranks_per_dp=_check_int(key + "attn_ranks_per_dp", raw.get("attn_ranks_per_dp", 1), minimum=1),
-            ring_depth=_check_int(key + "ring_depth", raw.get("ring_depth", d.ring_depth), minimum=1),
+            ring_depth=_check_int(key + "ring_depth", raw.get("ring_depth", in_flight), minimum=1),
             routed_cap_multiplier=_check_float(
                 key + "routed_cap_multiplier", raw.get("routed_cap_multiplier", d.routed_cap_multiplier), above=0
             ),
             recv_poll_timeout_ms=_check_int(
                 key + "recv_poll_timeout_ms", raw.get("recv_poll_timeout_ms", d.recv_poll_timeout_ms), minimum=1
             ),
-            async_moe_ubatching=_check_bool(
-                key + "async_moe_ubatching", raw.get("async_moe_ubatching", d.async_moe_ubatching)
-            ),
-            async_moe_num_ubatches=_check_int(
-                key + "async_moe_num_ubatches", raw.get("async_moe_num_ubatches", d.async_moe_num_ubatches), minimum=1
-            ),
+            async_moe_ubatching=ubatching,
+            async_moe_num_ubatches=num_ubatches,
             async_moe_split=raw.get("async_moe_split", d.async_moe_split),
             timeout_s=_check_float(key + "timeout_s", raw.get("timeout_s", d.timeout_s), above=0),
         )
@@ -174,11 +185,20 @@ class AsyncExtraConfig:
                 f"{key}attn_ranks_per_dp={cfg.attn_ranks_per_dp} is not supported yet; "
                 "each attention rank is its own replica, so set it to 1"
             )
-        if cfg.async_moe_ubatching:
-            raise ConfigError(
-                f"{key}async_moe_ubatching is not supported yet; set it to false (micro-batching is future work)"
-            )
         return cfg
+
+    def __post_init__(self) -> None:
+        key = "connector_extra_config."
+        if self.async_moe_ubatching and self.async_moe_num_ubatches < 2:
+            raise ConfigError(
+                f"{key}async_moe_num_ubatches must be at least 2 when async_moe_ubatching is true, "
+                f"got {self.async_moe_num_ubatches}"
+            )
+        if self.async_moe_ubatching and self.ring_depth < self.async_moe_num_ubatches:
+            raise ConfigError(
+                f"{key}ring_depth={self.ring_depth} cannot hold async_moe_num_ubatches={self.async_moe_num_ubatches} "
+                "micro-batches in flight to one peer; raise ring_depth to at least that or leave it out"
+            )
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 One step = schedule -> `exchange.begin_step(T)` (if present) -> forward of the flattened batch ->
 sample -> post-process. The exchange is the only way to the FFN side, so the same engine drives the
-local reference (`LocalExchange`) and every disaggregated connector.
+local reference (`LocalExchange`) and every disaggregated connector. An exchange with `num_ubatches` > 1
+(async micro-batching) gets the forward as that many micro-batches in ping-pong (`afd.model.run_ubatches`).
 
 Chunked prefill: a step is the running decodes (one token each, first) plus prompt chunks that fill
 what is left of `max_num_batched_tokens`, so a long prompt never stalls the decodes and no step is ever
@@ -33,7 +34,7 @@ from afd.kv_cache import (
     latent_bytes_per_token,
     num_cache_blocks,
 )
-from afd.model import AttentionModel, Batch, Exchange
+from afd.model import AttentionModel, Batch, Exchange, run_ubatches, split_ubatches
 from afd.moe import Routing
 from afd.sampling import SamplingParams, sample
 
@@ -224,6 +225,7 @@ class Engine:
         self.cache_tokens_used = 0  # tokens reserved by running sequences (their capacities)
         self._next_id = 0
         self.last_step_tokens: list[StepToken] = []  # every token the last step appended, in batch order
+        self.ubatched_steps = 0  # steps run as micro-batches in ping-pong
 
     # --- requests ---
 
@@ -351,6 +353,12 @@ class Engine:
         last_rows = [  # the rows sampled: decodes and the last row of every chunk that ends its prompt
             start + n - 1 for s, start, n in zip(scheduled, batch.starts, query_lens, strict=True) if s.samples
         ]
+        # A graphed step stays whole: its graphs hold one static batch, and micro-batches in flight at once
+        # would each need their own buffers.
+        ubatches = split_ubatches(query_lens, self.num_ubatches) if graphs is None else []
+        if len(ubatches) > 1:
+            hidden, last = self._forward_ubatches(batch, ubatches, input_ids, positions, last_rows)  # [T, H]
+            return self._postprocess(scheduled, batch, hidden, last)
         ids, pos, last = self.kv_cache.prepare(
             batch, *(torch.tensor(v, dtype=torch.long) for v in (input_ids, positions, last_rows))
         )
@@ -360,6 +368,38 @@ class Engine:
         if hidden is None:
             hidden = self.model(ids, pos, batch, self.kv_cache, self.exchange)  # [T, H]
         return self._postprocess(scheduled, batch, hidden, last)
+
+    @property
+    def num_ubatches(self) -> int:
+        """Micro-batches a step is split into: the exchange's (async with `async_moe_ubatching`), else 1. An exchange
+        with more than one must have `send`/`recv` (`afd.model.SendRecv`); a split step calls no `begin_step`."""
+        return int(getattr(self.exchange, "num_ubatches", 1))
+
+    def _forward_ubatches(
+        self, batch: Batch, ubatches: list[range], input_ids: list[int], positions: list[int], last_rows: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's forward as micro-batches of consecutive sequences in ping-pong (`run_ubatches`): the
+        attention of one overlaps the FFN work and transfers of the others. Returns the hidden states [T, H]
+        in the step's row order and the sampled rows [B] on the device (they travel with the first
+        micro-batch's metadata: one host->device copy per micro-batch)."""
+        segments = []
+        last: torch.Tensor | None = None
+        starts = [*batch.starts, batch.num_tokens]
+        for group in ubatches:
+            part = Batch(
+                slots=batch.slots[group.start : group.stop],
+                query_lens=batch.query_lens[group.start : group.stop],
+                context_lens=batch.context_lens[group.start : group.stop],
+            )
+            rows = slice(starts[group.start], starts[group.stop])
+            host = [torch.tensor(v, dtype=torch.long) for v in (input_ids[rows], positions[rows])]
+            if last is None:
+                host.append(torch.tensor(last_rows, dtype=torch.long))
+            ids, pos, *sampled = self.kv_cache.prepare(part, *host)
+            last = sampled[0] if sampled else last
+            segments.append(self.model.forward_segments(ids, pos, part, self.kv_cache))
+        self.ubatched_steps += 1
+        return torch.cat(run_ubatches(segments, self.exchange)), last
 
     def _idle_step(self) -> list[Output]:
         """Nothing scheduled: what a zero-token forward shows the exchange — `begin_step(0)`, then every boundary

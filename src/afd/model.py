@@ -9,9 +9,13 @@ side never calls expert weights: a boundary layer hands `(layer_idx, x, routing)
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
-from collections.abc import Callable, Generator
+from collections import deque
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -38,9 +42,12 @@ __all__ = [
     "MLAttention",
     "ModelConfig",
     "RMSNorm",
+    "SendRecv",
     "apply_rope",
     "rope_parameters",
     "run_segments",
+    "run_ubatches",
+    "split_ubatches",
     "zero_exchange",
 ]
 
@@ -55,12 +62,15 @@ class Boundary:
     routing: Routing | None
 
 
+Segments = Generator[Boundary, torch.Tensor, torch.Tensor]  # AttentionModel.forward_segments
+
+
 def zero_exchange(layer_idx: int, x: torch.Tensor, routing: Routing | None) -> torch.Tensor:
     """An exchange that never crosses to the FFN side (graph capture, warm-up): answers zeros [T, H]."""
     return torch.zeros_like(x)
 
 
-def run_segments(segments: Generator[Boundary, torch.Tensor, torch.Tensor], exchange: Exchange) -> torch.Tensor:
+def run_segments(segments: Segments, exchange: Exchange) -> torch.Tensor:
     """Drive a `forward_segments` generator to its end, answering every boundary through `exchange`."""
     try:
         boundary = next(segments)
@@ -68,6 +78,70 @@ def run_segments(segments: Generator[Boundary, torch.Tensor, torch.Tensor], exch
             boundary = segments.send(exchange(boundary.layer_idx, boundary.hidden, boundary.routing))
     except StopIteration as end:
         return end.value
+
+
+class SendRecv(Protocol):
+    """An exchange split in its two halves (the async connector): `send` hands a boundary's rows to the FFN
+    side and returns at once; `recv` waits for the answer [T, H] of the oldest send not yet received (FIFO)."""
+
+    def send(self, layer_idx: int, x: torch.Tensor, routing: Routing | None) -> object: ...
+
+    def recv(self) -> torch.Tensor: ...
+
+
+def split_ubatches(query_lens: Sequence[int], num_ubatches: int) -> list[range]:
+    """Split a step's sequences into `min(num_ubatches, len(query_lens))` micro-batches of consecutive
+    sequences with balanced token counts; a sequence is never split (its tokens attend to each other).
+
+    Cut k goes where the running token count is closest to `k * T / m` (within what keeps every group
+    non-empty), so no group holds more than `T / m + max(query_lens)` tokens: at most twice the best split,
+    for one pass over the lengths. Consecutive groups keep the step's row order, so their hidden states
+    concatenate back into it.
+    """
+    n = len(query_lens)
+    if n == 0:
+        return []
+    m = max(1, min(num_ubatches, n))
+    prefix = [0, *itertools.accumulate(query_lens)]  # prefix[i]: tokens of the first i sequences
+    total = prefix[-1]
+    cuts = [0]
+    for k in range(1, m):
+        lo, hi = cuts[-1] + 1, n - (m - k)  # leave at least one sequence for this group and each later one
+        target = k * total / m
+        i = min(max(bisect.bisect_left(prefix, target, lo, hi + 1), lo), hi)  # first cut at or past the target
+        if i > lo and target - prefix[i - 1] <= prefix[i] - target:
+            i -= 1  # the cut just before the target is as close or closer
+        cuts.append(i)
+    cuts.append(n)
+    return [range(a, b) for a, b in itertools.pairwise(cuts)]
+
+
+def run_ubatches(segments: Sequence[Segments], exchange: SendRecv) -> list[torch.Tensor]:
+    """Drive the `forward_segments` generators of a step's micro-batches in ping-pong; returns each one's
+    final hidden states, in the order given.
+
+    Every micro-batch runs to its first boundary and is sent; then the oldest send is received, its
+    micro-batch resumes up to its next boundary and is sent again, and so on. While one micro-batch
+    computes its attention, the others' rows are on the wire or in the FFN ranks' experts. The exchange
+    answers in send order, and so does the queue of micro-batches waiting here.
+    """
+    outputs: list[torch.Tensor | None] = [None] * len(segments)
+    in_flight: deque[int] = deque()  # micro-batches whose boundary was sent, oldest first
+
+    def advance(i: int, answer: torch.Tensor | None) -> None:
+        try:
+            boundary = next(segments[i]) if answer is None else segments[i].send(answer)
+        except StopIteration as end:
+            outputs[i] = end.value
+            return
+        exchange.send(boundary.layer_idx, boundary.hidden, boundary.routing)
+        in_flight.append(i)
+
+    for i in range(len(segments)):
+        advance(i, None)
+    while in_flight:
+        advance(in_flight.popleft(), exchange.recv())
+    return outputs  # type: ignore[return-value]  # every generator has returned
 
 
 class AttentionLayer(nn.Module):
@@ -148,7 +222,7 @@ class AttentionModel(nn.Module):
 
     def forward_segments(
         self, input_ids: torch.Tensor, positions: torch.Tensor, batch: Batch, kv_cache: PagedLatentCache | None
-    ) -> Generator[Boundary, torch.Tensor, torch.Tensor]:
+    ) -> Segments:
         """The forward pass, paused at every boundary layer: yields what crosses to the FFN side and resumes
         with the FFN side's answer [T, H]. Why a generator: a CUDA graph can capture each piece between two
         exchanges (afd.cuda_graph) while the exchange itself, which crosses processes, runs eagerly."""

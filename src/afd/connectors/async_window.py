@@ -48,6 +48,8 @@ from afd.connectors.wire import (
     SlotLayout,
     WindowGeometry,
     WindowProtocolError,
+    seq32,
+    seq_matches,
 )
 from afd.topology import AsyncTopology, Role
 from afd.transport.symm_heap import DEFAULT_TIMEOUT_S, HeapFactory, default_heap_factory, wait_keys
@@ -273,8 +275,13 @@ class AsyncAttentionExchange(_AsyncEndpoint):
 
     def __init__(self, store: dist.Store, topology: AsyncTopology, attn_rank: int, **kwargs: Any) -> None:
         super().__init__(store, topology, attn_rank, **kwargs)
+        # micro-batches of a step in ping-pong (afd.model.run_ubatches): each is one send in flight per FFN rank,
+        # so each needs its own ring stage (the config makes ring_depth cover them)
+        cfg = self.config
+        self.num_ubatches = cfg.async_moe_num_ubatches if cfg.async_moe_ubatching else 1
         self._pending: deque[PendingExchange] = deque()
         self._in_flight: set[tuple[int, int]] = set()  # (ffn_rank, stage)
+        self._early: dict[tuple[int, int], Message] = {}  # (ffn_rank, stage) -> a reply to a later pending send
         try:  # the plan's counts: shared and other rows per FFN rank
             self._counts_host = torch.zeros(
                 2 * self.topology.num_ffn, dtype=torch.int64, pin_memory=self.device.type == "cuda"
@@ -348,15 +355,24 @@ class AsyncAttentionExchange(_AsyncEndpoint):
     def recv(self) -> torch.Tensor:
         """Combine the oldest pending send: [T, H] in the model dtype. The partial sums of the FFN ranks
         are added in fp32 in ascending FFN rank order, whatever order they arrive in: the same bits on
-        every run."""
+        every run.
+
+        With several sends in flight (micro-batches), an FFN rank may answer a later one first: that reply
+        stays where it landed in this rank's window (its stage is not reused before it is combined) and is
+        taken when its own `recv` comes.
+        """
         pending = self._pending.popleft()
         plan = pending.plan
         waiting = dict(pending.sent)
         replies: dict[int, Message] = {}  # views into this rank's window: nobody writes there before the next send
+        for f, sent in list(waiting.items()):  # answers that arrived while an earlier send was received
+            msg = self._early.pop((f, sent.stage), None)
+            if msg is not None:
+                replies[f] = self._take_reply(pending, f, msg)
+                del waiting[f]
         deadline = time.monotonic() + self.timeout_s
         while waiting:
-            expect = {f: s.seq for f, s in waiting.items()}
-            msg = self.window.poll(self.poll_timeout_s, expect_echo=expect)
+            msg = self.window.poll(self.poll_timeout_s)
             if msg is None:
                 self.check_peers_alive(sorted(waiting))
                 if time.monotonic() > deadline:
@@ -369,19 +385,40 @@ class AsyncAttentionExchange(_AsyncEndpoint):
             if h.is_shutdown:
                 self.peers_closed.add(f)
                 raise ConnectorShutdown(f"FFN rank {f} announced shutdown")
-            if f not in waiting or msg.stage != waiting[f].stage or not h.is_response:
+            owner = self._sender_of(f, msg.stage, (pending, *self._pending))
+            if owner is None or not h.is_response:
                 raise WindowProtocolError(f"unexpected message from FFN rank {f} (stage {msg.stage}, flags {h.flags})")
-            if h.layer_idx != pending.layer_idx or h.num_rows != plan.rows[f] or h.shared_rows != plan.shared_rows[f]:
-                raise WindowProtocolError(
-                    f"FFN rank {f} answered layer {h.layer_idx} with {h.num_rows} rows ({h.shared_rows} shared); "
-                    f"sent layer {pending.layer_idx} with {plan.rows[f]} ({plan.shared_rows[f]} shared)"
-                )
-            replies[f] = msg
-            self._in_flight.discard((f, waiting.pop(f).stage))
+            if owner is not pending:
+                self._early[(f, msg.stage)] = msg
+                continue
+            replies[f] = self._take_reply(pending, f, msg)
+            del waiting[f]
         acc = torch.zeros(pending.num_tokens, self.hidden_size, dtype=torch.float32, device=self.device)  # [T, H]
         for f in sorted(replies):
             combine_scatter(acc, replies[f].rows, plan.token_index[plan.segment(f)])
         return acc.to(pending.dtype)
+
+    @staticmethod
+    def _sender_of(ffn_rank: int, stage: int, candidates: tuple[PendingExchange, ...]) -> PendingExchange | None:
+        """The pending send whose message to `ffn_rank` sits in ring `stage` (at most one: a stage in flight is
+        never reused)."""
+        return next((p for p in candidates if (s := p.sent.get(ffn_rank)) is not None and s.stage == stage), None)
+
+    def _take_reply(self, pending: PendingExchange, f: int, msg: Message) -> Message:
+        """Check FFN rank f's reply against what `pending` sent it, and free its ring stage."""
+        h, sent, plan = msg.header, pending.sent[f], pending.plan
+        if not seq_matches(h.echo_seq, sent.seq):
+            raise WindowProtocolError(
+                f"FFN rank {f}'s response echoes seq {h.echo_seq} but the request in flight in its stage "
+                f"{sent.stage} had seq {sent.seq} (mod 2**32: {seq32(sent.seq)})"
+            )
+        if h.layer_idx != pending.layer_idx or h.num_rows != plan.rows[f] or h.shared_rows != plan.shared_rows[f]:
+            raise WindowProtocolError(
+                f"FFN rank {f} answered layer {h.layer_idx} with {h.num_rows} rows ({h.shared_rows} shared); "
+                f"sent layer {pending.layer_idx} with {plan.rows[f]} ({plan.shared_rows[f]} shared)"
+            )
+        self._in_flight.discard((f, sent.stage))
+        return msg
 
 
 # ---------------------------------------------------------------------------------------------

@@ -71,12 +71,25 @@ def run_async_rank(job: RankJob) -> None:
             model = load_attention_model(job.spec.model, **load_args)
             exchange = AsyncAttentionExchange(world.store, topo, job.role_rank, **endpoint_args)
             try:
-                engine = engine_for(job, model, exchange)
+                engine = engine_for(job, model, exchange)  # splits its steps into `exchange.num_ubatches`
+                if exchange.num_ubatches > 1:
+                    log.info(
+                        "attention rank %d: eager steps of two or more sequences run as %d micro-batches in ping-pong",
+                        job.role_rank,
+                        exchange.num_ubatches,
+                    )
                 if job.serve_address is not None:
                     run_online(engine, job)  # no wave: an idle replica waits on its link, not on the others
                 else:
                     outputs, stats = drive_replica(engine, job, lambda has_work: has_work)  # no wave: on its own
                     write_outputs(job, outputs, stats)
+                    if exchange.num_ubatches > 1:
+                        log.info(
+                            "attention rank %d: %d of %d steps ran as micro-batches",
+                            job.role_rank,
+                            engine.ubatched_steps,
+                            stats.num_steps,
+                        )
             finally:
                 exchange.close()  # the shutdown bit to every FFN rank
         else:
