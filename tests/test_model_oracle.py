@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_util import spread_weights
 
 from afd.engine import LocalExchange, generate
 from afd.model import Batch
@@ -79,17 +80,7 @@ def _build(kind: str, overrides: dict, tmp_path) -> torch.nn.Module:
     model_cls = transformers.DeepseekV2ForCausalLM if kind == "v2" else transformers.DeepseekV3ForCausalLM
     torch.manual_seed(0)
     model = model_cls(cfg_cls(**{**COMMON, **overrides})).eval()
-    with torch.no_grad():  # larger weights than the default init, so routing and rope matter
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            elif name.endswith("mlp.gate.weight"):
-                p.normal_(0, 0.5)
-            else:
-                p.normal_(0, 0.15)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.1 * torch.randn_like(b))
+    spread_weights(model)
     model.save_pretrained(tmp_path)
     return model
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 from e2e_util import afd_worker, kill_all, mapped_windows
+from hf_util import spread_weights
 
 from afd.config import parse_config
 from afd.engine import generate
@@ -161,17 +162,8 @@ def _checkpoint(kind: str, path: Path) -> list[list[int]]:
     )
     torch.manual_seed(0)
     model = model_cls(cfg_cls(**SHAPES, **KINDS[kind])).eval()
-    with torch.no_grad():  # larger than the default init, so routing and rope matter
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            elif name.endswith("mlp.gate.weight"):
-                p.normal_(0, 0.5)
-            else:
-                p.normal_(0, 0.15)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.1 * torch.randn_like(b))
+    spread_weights(model)
+    with torch.no_grad():
         model.save_pretrained(path)
         greedy = []
         for prompt in PROMPTS:
