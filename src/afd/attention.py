@@ -41,6 +41,7 @@ class Batch:
     context_rows: dict[int, torch.Tensor] = field(default_factory=dict)  # i -> [ctx + n] rows, other cached seqs
     # Batch even a lone decode token: a CUDA graph (afd.cuda_graph) needs the fixed-shape batched path at size 1.
     batch_decodes: bool = False
+    varlen_meta: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)  # prefill kernel's, built once
 
     @property
     def num_tokens(self) -> int:
@@ -205,7 +206,7 @@ class MLAttention(nn.Module):
         kv_b_proj call, one varlen attention launch (afd.kernels.prefill_attention), no host sync.
 
         Sequence lengths come from the host lists; their device copy (cu_seqlens and, when decodes sit
-        between the sequences, the query rows) is one pinned asynchronous copy.
+        between the sequences, the query rows) is one pinned asynchronous copy per step, kept in the batch.
         """
         from afd.kernels.prefill_attention import prefill_attention
 
@@ -223,14 +224,17 @@ class MLAttention(nn.Module):
         Lk = keys_c.shape[0]
         kv = self.kv_b_proj(keys_c).view(Lk, nh, c.qk_nope_head_dim + c.v_head_dim)
         k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)  # [Lk, nh, Dn], [Lk, nh, Dv]: views
-        cu_seqlens = [0, *itertools.accumulate(query_lens), 0, *itertools.accumulate(key_lens)]
-        meta = torch.tensor(cu_seqlens, dtype=torch.int32)  # [2S + 2] (+ [Tq] query rows below)
         S = len(seqs)
-        if not every_row:  # append the step row of every packed query: its sequence's first row + its index in it
-            shift = torch.tensor([starts[i] for i in seqs], dtype=torch.int32) - meta[:S]  # [S]
-            q_rows = torch.arange(Tq, dtype=torch.int32) + shift.repeat_interleave(torch.tensor(query_lens))
-            meta = torch.cat([meta, q_rows])
-        meta = meta.pin_memory().to(q.device, non_blocking=True) if q.is_cuda else meta.to(q.device)
+        meta = batch.varlen_meta.get(tuple(seqs))  # the same for every layer of the step: built by the first
+        if meta is None:
+            cu_seqlens = [0, *itertools.accumulate(query_lens), 0, *itertools.accumulate(key_lens)]
+            meta = torch.tensor(cu_seqlens, dtype=torch.int32)  # [2S + 2] (+ [Tq] query rows below)
+            if not every_row:  # append the step row of every packed query: its sequence's first row + its index
+                shift = torch.tensor([starts[i] for i in seqs], dtype=torch.int32) - meta[:S]  # [S]
+                q_rows = torch.arange(Tq, dtype=torch.int32) + shift.repeat_interleave(torch.tensor(query_lens))
+                meta = torch.cat([meta, q_rows])
+            meta = meta.pin_memory().to(q.device, non_blocking=True) if q.is_cuda else meta.to(q.device)
+            batch.varlen_meta[tuple(seqs)] = meta
         cu_seqlens_q, cu_seqlens_k = meta[: S + 1], meta[S + 1 : 2 * S + 2]  # [S + 1] int32 each
         args = (k_nope, keys_pe, v, cu_seqlens_q, cu_seqlens_k, max(query_lens), self.softmax_scale)
         if every_row:
