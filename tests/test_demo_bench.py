@@ -44,6 +44,8 @@ def test_bench_writes_raw_json_with_side_by_side_runs(tmp_path: Path) -> None:
         "3",
         "--max-new-tokens",
         "3",
+        "--ubatches",
+        "1,2",
         "--json",
         str(out),
         timeout=220,
@@ -51,8 +53,10 @@ def test_bench_writes_raw_json_with_side_by_side_runs(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
     assert result["topology"] == "2A1F" and result["model"] == "tiny"
-    runs = {r["connector"]: r for r in result["runs"]}
-    assert set(runs) == {"p2p", "async"}
+    runs = {(r["connector"], r["ubatches"]): r for r in result["runs"]}
+    assert set(runs) == {("p2p", 1), ("async", 1), ("async", 2)}  # micro-batching is async's
+    assert set(result["numerics"]) == {"p2p", "async", "async m=2"}
+    assert "async m=2" in proc.stdout
     for run in runs.values():
         assert run["generated_tokens"] == 2 * 2 * 3 and run["tokens_per_s"] > 0
         assert len(run["replicas"]) == 2
@@ -66,6 +70,12 @@ def test_bench_writes_raw_json_with_side_by_side_runs(tmp_path: Path) -> None:
 def test_bench_rejects_unknown_connector() -> None:
     proc = run_afd("bench", "--connectors", "p2p,nccl", timeout=25)
     assert proc.returncode == 2 and "--connectors takes p2p and/or async" in proc.stderr
+
+
+@pytest.mark.timeout(30)
+def test_bench_refuses_a_micro_batch_count_the_async_config_refuses() -> None:
+    proc = run_afd("bench", "--ubatches", "1,40", timeout=25)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--ubatches 40" in proc.stderr
 
 
 def test_demo_times_a_warm_reference_and_says_what_the_numbers_mean(monkeypatch: pytest.MonkeyPatch) -> None:

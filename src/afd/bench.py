@@ -95,8 +95,10 @@ def run_bench(
     connectors: tuple[str, ...],
     workload: Workload,
     score: bool = True,
+    ubatches: tuple[int, ...] = (1,),
     progress=None,
 ) -> dict:
+    """Each connector once, and `async` once per micro-batch count in `ubatches` (1: off; p2p has none)."""
     from afd.weights import load_model_config
 
     say = progress or log.info
@@ -120,9 +122,11 @@ def run_bench(
         "workload": asdict(workload),
         "runs": [],
     }
-    for connector in connectors:
-        say(f"throughput: {connector} {num_attn}A{num_ffn}F ...")
-        result["runs"].append(run_summary(run_connector(connector, num_attn, num_ffn, spec, prompts)))
+    runs = [(c, m) for c in connectors for m in (ubatches if c == "async" else (1,))]
+    for connector, m in runs:
+        say(f"throughput: {run_label(connector, m)} {num_attn}A{num_ffn}F ...")
+        run = run_connector(connector, num_attn, num_ffn, spec, prompts, extra_config=ubatch_config(m))
+        result["runs"].append({**run_summary(run), "ubatches": m})
     if score:
         say("numerics: single-process reference ...")
         reference = run_reference(spec, prompts)
@@ -138,11 +142,22 @@ def run_bench(
         )
         ref_scores = run_reference(score_spec, scored)
         result["numerics"] = {}
-        for connector in connectors:
-            say(f"numerics: {connector} scoring the reference's sequences ...")
-            run = run_connector(connector, num_attn, num_ffn, score_spec, scored)
-            result["numerics"][connector] = probability_diff(ref_scores, run)
+        for connector, m in runs:
+            say(f"numerics: {run_label(connector, m)} scoring the reference's sequences ...")
+            run = run_connector(connector, num_attn, num_ffn, score_spec, scored, extra_config=ubatch_config(m))
+            result["numerics"][run_label(connector, m)] = probability_diff(ref_scores, run)
     return result
+
+
+def ubatch_config(num_ubatches: int) -> dict:
+    """`connector_extra_config` for async micro-batching in `num_ubatches` (1: off)."""
+    if num_ubatches == 1:
+        return {}
+    return {"async_moe_ubatching": True, "async_moe_num_ubatches": num_ubatches}
+
+
+def run_label(connector: str, num_ubatches: int) -> str:
+    return connector if num_ubatches == 1 else f"{connector} m={num_ubatches}"
 
 
 def format_bench(result: dict) -> str:
@@ -153,8 +168,9 @@ def format_bench(result: dict) -> str:
     ]
     for run in result["runs"]:
         per = " / ".join(f"{r['elapsed_s']:.2f}" for r in run["replicas"])
+        label = run_label(run["connector"], run.get("ubatches", 1))
         lines.append(
-            f"{run['connector']:<10} {run['tokens_per_s']:>9.1f} {run['ttft_p50_s'] * 1e3:>8.1f}ms "
+            f"{label:<10} {run['tokens_per_s']:>9.1f} {run['ttft_p50_s'] * 1e3:>8.1f}ms "
             f"{run['ttft_p99_s'] * 1e3:>8.1f}ms  {per}"
         )
     for connector, n in result.get("numerics", {}).items():

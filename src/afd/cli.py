@@ -35,6 +35,7 @@ from afd.cli_input import (
     positive_int,
     rank_count,
     read_prompts,
+    size_list,
 )
 from afd.config import InputError, parse_config
 from afd.topology import SyncTopology
@@ -346,9 +347,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------- afd bench
 def cmd_bench(args: argparse.Namespace) -> int:
-    from afd.bench import Workload, format_bench, run_bench
+    from afd.bench import Workload, format_bench, run_bench, ubatch_config
 
     workload = Workload(args.requests, args.long_len, args.short_len, args.max_new_tokens)
+    for m in args.ubatches:  # what the async config would refuse, refused here, before any rank starts
+        try:
+            parse_config({"connector": "async", "connector_extra_config": ubatch_config(m)})
+        except InputError as exc:
+            raise UsageError(f"--ubatches {m}: {exc}") from None
     prompts = [[0] * len(p) for p in workload.prompts(1, args.attention)]
     # scoring feeds prompt + continuation back in and asks for one more token
     model_config = check_prompts(args.model, prompts, args.device, args.max_new_tokens + (0 if args.no_score else 1))
@@ -363,6 +369,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         connectors=args.connectors,
         workload=workload,
         score=not args.no_score,
+        ubatches=tuple(args.ubatches),
         progress=lambda msg: print(f"[afd bench] {msg}", file=sys.stderr, flush=True),
     )
     print(format_bench(result))
@@ -421,6 +428,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--long-len", type=positive_int, default=1024, help="prompt length on replica 0")
     p.add_argument("--short-len", type=positive_int, default=32, help="prompt length on the other replicas")
     p.add_argument("--max-new-tokens", type=positive_int, default=32, help="tokens generated per prompt")
+    p.add_argument(
+        "--ubatches",
+        type=size_list("--ubatches"),
+        default="1",
+        help="async micro-batch counts to run, comma-separated (1: off; p2p runs once)",
+    )
     p.add_argument("--no-score", action="store_true", help="skip the numerics comparison")
     p.add_argument("--json", help="also write the raw result (JSON) to this file")
     add_skip_resource_check(p)

@@ -100,12 +100,27 @@ def _run_reference(spec: RunSpec, prompts: list[list[int]]) -> RunResult:
     return RunResult("none", "1 proc", outputs, stats.end - stats.start, stats.to_json()["ttft_s"], [stats.to_json()])
 
 
-def run_connector(connector: str, num_attn: int, num_ffn: int, spec: RunSpec, prompts: list[list[int]]) -> RunResult:
-    """One launched run; elapsed is the slowest replica's engine time (process start and loading excluded)."""
+def run_connector(
+    connector: str,
+    num_attn: int,
+    num_ffn: int,
+    spec: RunSpec,
+    prompts: list[list[int]],
+    *,
+    extra_config: dict | None = None,
+) -> RunResult:
+    """One launched run; elapsed is the slowest replica's engine time (process start and loading excluded).
+    `extra_config`: the connector's `connector_extra_config` (e.g. async micro-batching)."""
     from afd.runtime.launch import free_port, launch
 
     config = parse_config(
-        {"connector": connector, "num_attention_ranks": num_attn, "num_ffn_ranks": num_ffn, "port": free_port()}
+        {
+            "connector": connector,
+            "num_attention_ranks": num_attn,
+            "num_ffn_ranks": num_ffn,
+            "port": free_port(),
+            "connector_extra_config": extra_config or {},
+        }
     )
     outputs, stats = launch(config, spec, prompts)
     replicas = stats["replicas"]
