@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from e2e_util import MODEL, Leftovers, afd_worker, hand_config, kill_all
 
-from afd.distributed import MIN_PEER_SILENCE_S, init_world, peer_silence_bound
+from afd.distributed import init_world
 from afd.engine import generate
 from afd.runtime.launch import free_port
 from afd.store import (
@@ -36,6 +36,7 @@ from afd.store import (
     publish_failure,
     read_first_failure,
 )
+from afd.watchdog import MIN_PEER_SILENCE_S, peer_silence_bound
 
 
 class Drained:
