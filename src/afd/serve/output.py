@@ -11,12 +11,16 @@ non-streaming handlers both consume it, so both give the same text.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from afd.serve.frontend import ReplicaPool
 from afd.serve.protocol import APIError, GenerationParams
 from afd.serve.tokenizer import Tokenizer
+
+# The longest a request waits for its next event (tokens or its end), queueing included: generous, but bounded.
+REQUEST_STALL_S = 600.0
 
 
 class OutputText:
@@ -146,7 +150,12 @@ async def run_request(
         raise APIError(503, f"the server cannot take requests: {exc}") from None
     try:
         while True:
-            event = await sub.queue.get()
+            try:  # bounded: a replica that is alive but answers nothing (frozen) must not hold the client forever
+                event = await asyncio.wait_for(sub.queue.get(), REQUEST_STALL_S)
+            except TimeoutError:
+                raise APIError(
+                    504, f"replica {sub.replica} sent nothing for this request in {REQUEST_STALL_S:g} s; it was aborted"
+                ) from None
             if event.kind == "tokens":
                 for token_id, logprob in event.items:
                     shown = token_id not in stop_ids  # a stop token ends the request and is not text
