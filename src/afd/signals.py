@@ -34,7 +34,6 @@ def signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
-
 _signal_seen: int | None = None  # the last signal this process turned into Interrupted
 
 
@@ -57,10 +56,11 @@ def raise_if_signalled() -> None:
         raise Interrupted(_signal_seen)
 
 
-def install_handlers() -> dict:
-    """SIGINT, SIGTERM and SIGHUP raise `Interrupted` for the whole command, so `finally` blocks run and
-    the exit status says which signal it was. A signal ignored when afd started (nohup) stays ignored.
-    Returns the previous handlers, for `restore_handlers`."""
+def install_handlers(handler=None) -> dict:
+    """SIGINT, SIGTERM and SIGHUP raise `Interrupted` for the whole command (or call `handler`), so `finally`
+    blocks run and the exit status says which signal it was. A signal ignored when afd started (nohup) stays
+    ignored; only the main thread can install handlers (elsewhere nothing happens). Returns the previous
+    handlers, for `restore_handlers`."""
     global _signal_seen
     _signal_seen = None
     if threading.current_thread() is not threading.main_thread():
@@ -70,7 +70,7 @@ def install_handlers() -> dict:
         current = signal.getsignal(sig)
         if current is not signal.SIG_IGN:
             previous[sig] = current
-            signal.signal(sig, _raise_interrupted)
+            signal.signal(sig, handler or _raise_interrupted)
     return previous
 
 

@@ -153,35 +153,17 @@ def _serve_until_signal(state: ServerState, sock: socket.socket, on_ready: Calla
                 logger.warning("%s: stopping the server", signals.signal_name(signum))
             loop.call_soon_threadsafe(stop.set)
 
-        previous = _install(on_signal)
+        previous = signals.install_handlers(on_signal)  # set the stop event, not raise
         try:
             await serve(state, sock, stop, on_ready)
         finally:
-            _restore(previous)
+            signals.restore_handlers(previous)
         return state.failed_before_stop
 
     started = time.monotonic()
     died = asyncio.run(main())
     logger.info("served for %.0f s", time.monotonic() - started)
     return died
-
-
-def _install(handler) -> dict:
-    """Stop signals set the server's stop event instead of raising (the loop must unwind in order)."""
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-    previous = {}
-    for sig in signals.HANDLED_SIGNALS:
-        current = signal.getsignal(sig)
-        if current is not signal.SIG_IGN:
-            previous[sig] = current
-            signal.signal(sig, handler)
-    return previous
-
-
-def _restore(previous: dict) -> None:
-    for sig, handler in previous.items():
-        signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 class ServerProcess:
