@@ -37,3 +37,28 @@ def test_bench_exchange_rejects_bad_tokens_in_one_sentence() -> None:
     proc = subprocess.run([sys.executable, "-m", "afd", *args], capture_output=True, text=True, timeout=50)
     assert proc.returncode == 2 and "--tokens takes positive integers" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_exchange_stress_checks_every_reply_against_its_request(tmp_path: Path) -> None:
+    """The ordering stress test through real processes and shared memory: random sizes, an echo FFN, every
+    reply compared with its request (the GPU run uses >= 50,000 round trips over NVSHMEM)."""
+    out = tmp_path / "stress.json"
+    args = ["bench", "exchange", "--stress", "400", "--tokens", "32", "--json", str(out)]
+    proc = subprocess.run([sys.executable, "-m", "afd", *args], capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert result["round_trips"] == 400 and result["messages"] == 800 and result["mismatches"] == 0
+    assert "0 mismatches" in proc.stdout
+
+
+def test_echo_ffn_answers_each_row_with_itself() -> None:
+    import torch
+
+    from afd.bench_exchange import EchoFFN
+    from afd.connectors.expert_pass import WorkRows, expert_pass
+
+    x = torch.randn(5, 8)
+    ids, weights = torch.zeros(5, 2, dtype=torch.int32), torch.ones(5, 2)
+    (out,) = expert_pass(EchoFFN(), 0, [WorkRows(x, ids, weights, 3)])
+    assert torch.equal(out, x)

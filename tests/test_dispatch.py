@@ -176,3 +176,14 @@ def _routing(item: WorkRows):
     from afd.moe import Routing
 
     return Routing(item.topk_ids.long(), item.topk_weights)
+
+
+def test_one_ffn_rank_plans_every_token_without_reading_counts() -> None:
+    """F = 1: every token is one row with its shared experts, in token order (the send needs no device read)."""
+    expert_map = ExpertMap.from_ranges([range(8)])
+    topk_ids = torch.tensor([[3, 1], [7, 0], [2, 5]])
+    plan = plan_dispatch(topk_ids, expert_map)
+    assert plan.rows == (3,) and plan.shared_rows == (3,) and plan.offsets == (0, 3)
+    assert plan.token_index.tolist() == [0, 1, 2]
+    empty = plan_dispatch(torch.zeros(0, 2, dtype=torch.long), expert_map)
+    assert empty.rows == (0,) and empty.dest_ranks() == []

@@ -52,6 +52,17 @@ class NoOpFFN:
         return torch.zeros_like(x)
 
 
+class EchoFFN:
+    """An FFN side that answers each row with itself: a reply equals its request only if both directions
+    delivered the current message (the ordering stress test, `run_exchange_stress`)."""
+
+    def experts_topk(self, layer_idx: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:  # [R, H] fp32
+        return x.float()
+
+    def shared(self, layer_idx: int, x: torch.Tensor) -> torch.Tensor:  # [R, H]
+        return torch.zeros_like(x)
+
+
 def row_bytes(hidden_size: int, topk: int, itemsize: int) -> tuple[int, int]:
     """(request, reply) bytes per token of one 1A1F layer exchange, the same for both connectors."""
     return hidden_size * itemsize + 8 * topk, hidden_size * itemsize
@@ -166,13 +177,36 @@ def _run_p2p(world: World, spec: dict, device: torch.device) -> list[dict] | Non
     return rows
 
 
+def _stress(exchange: Exchange, spec: dict, device: torch.device) -> list[dict]:
+    """`spec["stress"]` round trips of fresh random rows, T drawn from 1..max(tokens), layer index cycling; every
+    reply must equal its request (EchoFFN). Mismatches are counted on the device, read every 1,000 round trips."""
+    dtype = getattr(torch, spec["dtype"])
+    gen = torch.Generator().manual_seed(0)
+    sizes = torch.randint(1, max(spec["tokens"]) + 1, (spec["stress"],), generator=gen).tolist()
+    topk, experts = spec["topk"], spec["num_experts"]
+    bad = torch.zeros((), dtype=torch.int64, device=device)
+    start = time.perf_counter()
+    for i, t in enumerate(sizes):
+        x = torch.randn(t, spec["hidden_size"], device=device).to(dtype)  # [T, H]
+        ids = (torch.arange(topk, device=device) + i).remainder(experts).expand(t, topk)  # [T, K]
+        out = exchange(i % spec["num_layers"], x, Routing(ids, torch.ones(t, topk, device=device)))
+        bad += (out != x).any()
+        if i % 1000 == 999 and int(bad):
+            raise RuntimeError(f"round trip {i}: {int(bad)} replies differed from their requests")
+    _synchronize(device)
+    elapsed = time.perf_counter() - start
+    return [{"round_trips": len(sizes), "messages": 2 * len(sizes), "mismatches": int(bad), "seconds": elapsed}]
+
+
 def _run_async(world: World, spec: dict, device: torch.device) -> list[dict] | None:
-    """Attention: the timed rows. FFN: the self-driven loop until the shutdown flag, returns None."""
+    """Attention: the timed rows (or the stress test's). FFN: the self-driven loop until the shutdown flag,
+    returns None."""
     topo = AsyncTopology(1, 1, spec["num_experts"])
+    stress = spec.get("stress", 0)
     args = dict(
         hidden_size=spec["hidden_size"],
         topk=spec["topk"],
-        num_layers=LAYER + 1,
+        num_layers=spec["num_layers"] if stress else LAYER + 1,
         dtype=getattr(torch, spec["dtype"]),
         device=device,
         max_num_batched_tokens=max(spec["tokens"]),
@@ -180,11 +214,11 @@ def _run_async(world: World, spec: dict, device: torch.device) -> list[dict] | N
         timeout_s=spec["timeout_s"],
     )
     if world.me.role == "ffn":
-        run_ffn_loop(AsyncFFNServer(world.store, topo, 0, **args), NoOpFFN())
+        run_ffn_loop(AsyncFFNServer(world.store, topo, 0, **args), EchoFFN() if stress else NoOpFFN())
         return None
     ex = AsyncAttentionExchange(world.store, topo, 0, **args)
     try:
-        return _time_exchanges(ex, spec, device)
+        return _stress(ex, spec, device) if stress else _time_exchanges(ex, spec, device)
     finally:
         ex.close()  # the shutdown flag: the FFN loop returns
 
@@ -317,6 +351,37 @@ def run_bench_exchange(
         "warmup": warmup,
         "copy_iters": copy_iters,
         "rows": rows,
+    }
+
+
+def run_exchange_stress(
+    *, model: str, dtype: str, device: str, round_trips: int, max_tokens: int = 64, timeout_s: float = 600.0
+) -> dict:
+    """The async connector's ordering under load: `round_trips` exchanges (two messages each) of random sizes
+    through the real window and transport, an echo FFN; raises unless every reply equals its request."""
+    config = load_model_config(model)
+    attn_dev, ffn_dev = rank_devices(device)
+    spec = {
+        "hidden_size": config.hidden_size,
+        "topk": config.num_experts_per_tok,
+        "num_experts": config.n_routed_experts,
+        "num_layers": config.num_hidden_layers,
+        "dtype": dtype,
+        "tokens": [max_tokens],
+        "stress": round_trips,
+        "timeout_s": timeout_s,
+        "devices": {"attention": attn_dev, "ffn": ffn_dev},
+    }
+    (row,) = _run_connector("async", spec)
+    if row["mismatches"]:
+        raise RuntimeError(f"{row['mismatches']} of {round_trips} replies differed from their requests")
+    return {
+        "date": datetime.date.today().isoformat(),
+        "device": device_name(device),
+        "model": model,
+        "dtype": dtype,
+        "max_tokens": max_tokens,
+        **row,
     }
 
 

@@ -31,6 +31,13 @@ def add_bench_parsers(steps) -> None:
     s.add_argument("--tokens", type=size_list("--tokens"), default="1,8,64,512,4096", help="tokens, comma-separated")
     s.add_argument("--connectors", type=connector_list, default="p2p,async", help="connectors to run, in order")
     s.add_argument("--iters", type=positive_int, default=50, help="timed round trips per point")
+    s.add_argument(
+        "--stress",
+        type=positive_int,
+        metavar="N",
+        help="instead: N async round trips of random sizes (up to the largest --tokens) through an echo FFN, "
+        "failing unless every reply equals its request (ordering under load)",
+    )
     s.add_argument("--json", help="also write the raw result (JSON) to this file")
     s.set_defaults(func=cmd_bench_exchange)
 
@@ -60,6 +67,19 @@ def cmd_bench_exchange(args: argparse.Namespace) -> int:
     from afd.bench_exchange import format_bench_exchange, run_bench_exchange
 
     check_prompts(args.model, [[0]], args.device)  # a known model; CUDA where asked
+    if args.stress:
+        from afd.bench_exchange import run_exchange_stress
+
+        result = run_exchange_stress(
+            model=args.model, dtype=args.dtype, device=args.device, round_trips=args.stress, max_tokens=max(args.tokens)
+        )
+        print(
+            f"async ordering stress: {result['round_trips']} round trips ({result['messages']} messages, T up to "
+            f"{result['max_tokens']}) in {result['seconds']:.1f}s, {result['mismatches']} mismatches"
+        )
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2))
+        return 0
     result = run_bench_exchange(
         model=args.model,
         dtype=args.dtype,

@@ -48,6 +48,7 @@ from afd.connectors.wire import (
     SlotLayout,
     WindowGeometry,
     WindowProtocolError,
+    decode_header,
     seq32,
     seq_matches,
 )
@@ -282,6 +283,10 @@ class AsyncAttentionExchange(_AsyncEndpoint):
         self._pending: deque[PendingExchange] = deque()
         self._in_flight: set[tuple[int, int]] = set()  # (ffn_rank, stage)
         self._early: dict[tuple[int, int], Message] = {}  # (ffn_rank, stage) -> a reply to a later pending send
+        # device-side waits (NVSHMEM): reply headers read back behind the combine, checked later
+        self._unchecked: deque[tuple[tuple[int, int], torch.cuda.Event, PendingExchange]] = deque()
+        self._header_host: dict[tuple[int, int], torch.Tensor] = {}
+        self._empty = torch.empty(0, device=self.device)
         try:  # the plan's counts: shared and other rows per FFN rank
             self._counts_host = torch.zeros(
                 2 * self.topology.num_ffn, dtype=torch.int64, pin_memory=self.device.type == "cuda"
@@ -362,6 +367,8 @@ class AsyncAttentionExchange(_AsyncEndpoint):
         taken when its own `recv` comes.
         """
         pending = self._pending.popleft()
+        if self.window.device_waits:
+            return self._recv_on_device(pending)
         plan = pending.plan
         waiting = dict(pending.sent)
         replies: dict[int, Message] = {}  # views into this rank's window: nobody writes there before the next send
@@ -397,6 +404,68 @@ class AsyncAttentionExchange(_AsyncEndpoint):
         for f in sorted(replies):
             combine_scatter(acc, replies[f].rows, plan.token_index[plan.segment(f)])
         return acc.to(pending.dtype)
+
+    def _recv_on_device(self, pending: PendingExchange) -> torch.Tensor:
+        """`recv` without the host (NVSHMEM): the stream waits for each reply's flag (a reply is stamped with its
+        request's seq, so the value is known) and the combine is enqueued behind it. The reply headers are read
+        back behind the combine and checked at a later recv (`_check_replies`), off the critical path."""
+        self._check_replies(block=False)
+        plan, stream = pending.plan, torch.cuda.current_stream(self.device)
+        acc = torch.zeros(pending.num_tokens, self.hidden_size, dtype=torch.float32, device=self.device)  # [T, H]
+        for f in sorted(pending.sent):
+            sent = pending.sent[f]
+            views = self.window.wait_flag(f, sent.stage, sent.seq, stream)
+            combine_scatter(acc, views.out[: plan.rows[f]], plan.token_index[plan.segment(f)])
+            self._read_back_header(pending, f, views.header)
+            # the stage may take the next send now: that send's writes are enqueued after this combine, and the
+            # FFN rank can only overwrite this reply after it has seen that send
+            self._in_flight.discard((f, sent.stage))
+        return acc.to(pending.dtype)
+
+    def _read_back_header(self, pending: PendingExchange, f: int, header: torch.Tensor) -> None:
+        """Copy FFN rank f's reply header to the host behind the work on the stream; `_check_replies` checks it."""
+        sent = pending.sent[f]
+        key = (f, sent.stage)
+        if any(c[0] == key for c in self._unchecked):
+            self._check_replies(block=True, key=key)  # its host buffer is about to be reused
+        host = self._header_host.get(key)
+        if host is None:
+            host = self._header_host[key] = torch.zeros(header.shape, dtype=header.dtype, pin_memory=True)
+        host.copy_(header, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self._unchecked.append((key, done, pending))
+
+    def _check_replies(self, *, block: bool, key: tuple[int, int] | None = None) -> None:
+        """Check the reply headers read back so far (all of them with `block`, or up to `key`'s): magic,
+        version, echo of the request's seq, layer and row counts, as the host-polled path checks them."""
+        while self._unchecked:
+            k, done, pending = self._unchecked[0]
+            if not done.query():
+                if not block:
+                    return
+                self._wait_done(done, f"the reply header of FFN rank {k[0]} (layer {pending.layer_idx})")
+            self._unchecked.popleft()
+            f, stage = k
+            sent = pending.sent[f]
+            header = decode_header(self._header_host[k].tolist(), expect_seq=sent.seq)
+            msg = Message(f, stage, header, self._empty, self._empty, self._empty)
+            self._take_reply(pending, f, msg)
+            if k == key:
+                return
+
+    def _wait_done(self, event: torch.cuda.Event, what: str) -> None:
+        """Wait for `event` from the host, bounded by the connector's timeout, checking the FFN ranks are alive."""
+        deadline = time.monotonic() + self.timeout_s
+        next_check = time.monotonic() + self.poll_timeout_s
+        while not event.query():
+            now = time.monotonic()
+            if now > deadline:
+                raise TimeoutError(f"attention rank {self.role_rank} waited {self.timeout_s:.0f}s for {what}")
+            if now > next_check:
+                self.check_peers_alive()
+                next_check = now + self.poll_timeout_s
+            time.sleep(2e-5)
 
     @staticmethod
     def _sender_of(ffn_rank: int, stage: int, candidates: tuple[PendingExchange, ...]) -> PendingExchange | None:
@@ -488,7 +557,9 @@ class AsyncFFNServer(_AsyncEndpoint):
                     echo_seq=h.seq,
                     flags=FLAG_RESPONSE,
                 )
-                self.window.write_slot(self.peer_world(msg.region), self.role_rank, msg.stage, reply, rows=out)
+                self.window.write_slot(
+                    self.peer_world(msg.region), self.role_rank, msg.stage, reply, rows=out, seq=h.seq
+                )
             self.items_served += len(group)
 
     @torch.inference_mode()

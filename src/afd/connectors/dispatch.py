@@ -8,7 +8,8 @@ exactly one of the ranks it already goes to — the first of them at or cyclical
 
 Planning is one stable argsort over a (destination, shared-first) key of the `[F, T]` membership
 matrix: each rank's rows form one contiguous segment, its shared rows leading, tokens ascending.
-The counts (`2F` integers) are the only device→host copy of a send.
+The counts (`2F` integers) are the only device→host copy of a send; with one FFN rank they are
+known without it (every token goes there, shared experts included), so that send never waits on the device.
 """
 
 from __future__ import annotations
@@ -89,6 +90,9 @@ def plan_dispatch(
     """
     num_tokens = topk_ids.shape[0]
     num_ffn, device = expert_map.num_ffn, topk_ids.device
+    if num_ffn == 1:  # every token goes to the one FFN rank, shared experts included: no count to read back
+        token_index = torch.arange(num_tokens, device=device)  # [T]
+        return DispatchPlan(num_tokens, token_index, (num_tokens,), (num_tokens,), (0, num_tokens))
     is_dest = destinations(topk_ids, expert_map.owner, num_ffn)  # [T, F]
     ranks = torch.arange(num_ffn, device=device)  # [F]
     is_shared = ranks[None, :] == shared_owner(is_dest)[:, None]  # [T, F]

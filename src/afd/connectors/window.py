@@ -6,7 +6,9 @@
 A sender writes only region == its own role rank of the receiver's window, so every offset is
 computed locally and no remote atomics are needed. Dispatch (A→F) and combine (F→A) share one
 slot layout. Write order: payload, header, then the flag (the sender's monotonically increasing
-int64 seq; the header keeps its low 32 bits) — same stream on GPU, program order on CPU. The
+int64 seq; a reply carries its request's seq instead; the header keeps its low 32 bits) — same
+stream on GPU, program order on CPU. On NVSHMEM a receiver that knows the seq it expects (the
+attention side waiting for replies) waits for it on its stream (`wait_flag`), without the host. The
 receiver keeps a host mirror of the flag values it has seen; `poll_many` reads every flag at once
 (slots and shutdown flags) and returns every changed slot of that read (`poll`: the first one),
 starting its scan after the last hit so no region starves. Shutdown has its own flag per region:
@@ -38,6 +40,9 @@ from afd.connectors.wire import (
 from afd.transport.symm_heap import DEFAULT_TIMEOUT_S, HeapFactory, SymmetricHeap
 
 logger = logging.getLogger("afd.connectors.window")
+
+BUSY_POLL_S = 0.05  # CUDA receivers poll without sleeping this long after a message
+STAGING_DEPTH = 16  # header/flag source buffers per peer: how far a sender's host may run ahead of its stream
 
 
 @dataclass
@@ -78,12 +83,15 @@ class Window:
         # 2**63 messages); headers carry its low 32 bits and compare them mod 2**32
         self._seq = 0
         self._peer_flags: dict[int, torch.Tensor] = {}
-        self._staging: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._staging: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]]] = {}
+        self._staging_turn: dict[int, int] = {}
+        self.timeout_s = timeout_s
         self._shutdown_staging: dict[int, torch.Tensor] = {}
         pin = self._is_cuda
         self._host_flags = torch.zeros(geometry.num_flags, dtype=torch.int64, pin_memory=pin)
         self._host_header = torch.zeros(HEADER_WORDS, dtype=torch.int32, pin_memory=pin)
         self._poll_stream = torch.cuda.Stream(self.device) if self._is_cuda else None
+        self._last_hit = 0.0  # when the last poll returned a message (busy polling on CUDA follows it)
 
     @classmethod
     def create(
@@ -140,10 +148,15 @@ class Window:
         rows: torch.Tensor | None = None,  # [num_rows, hidden]
         topk_ids: torch.Tensor | None = None,  # [num_rows, topk] (requests)
         topk_weights: torch.Tensor | None = None,  # [num_rows, topk] (requests)
+        seq: int | None = None,
     ) -> int:
         """One-sided write of a message into world rank `peer`'s slot (region, stage): payload, then
         header, then flag. Returns the seq stamped into header and flag. Raises WindowOverflow before
         writing anything.
+
+        `seq` (a reply: the request's seq) replaces this rank's own counter as the stamp: the receiver then
+        knows in advance which flag value ends its wait (`wait_flag`). Every reply in one slot answers a
+        newer request of the same sender, so the slot's flag still only grows.
 
         `rows` lands in the request view (model dtype) or, for a reply (`FLAG_RESPONSE`), the reply
         view (reply dtype); the copy converts (an FFN rank hands its fp32 sums over as they are).
@@ -159,9 +172,10 @@ class Window:
             if src is None and header.num_rows and (name == "rows" or not header.is_response):
                 raise ValueError(f"a message of {header.num_rows} rows needs its {name}")
         index = self.geometry.slot_index(region, stage)
-        header = dataclasses.replace(header, seq=self._seq + 1, stage=stage)
+        header = dataclasses.replace(header, seq=self._seq + 1 if seq is None else seq, stage=stage)
         words = encode_header(header)  # a bad header raises here, before any byte is written
-        self._seq += 1
+        if seq is None:
+            self._seq += 1
         window = self.heap.peer_view(peer)
         dst = self._slot_views(window, index)
         n = header.num_rows
@@ -171,11 +185,13 @@ class Window:
             dst.topk_ids[:n].copy_(topk_ids, non_blocking=True)
         if topk_weights is not None:
             dst.topk_weights[:n].copy_(topk_weights, non_blocking=True)
-        header_stage, flag_stage = self._staging_for(peer, stage)
+        header_stage, flag_stage, sent = self._staging_for(peer)
         header_stage.copy_(torch.tensor(words, dtype=torch.int32))
         dst.header.copy_(header_stage, non_blocking=True)
         flag_stage.fill_(header.seq)
         self._peer_flag_view(peer, window)[index : index + 1].copy_(flag_stage, non_blocking=True)
+        if sent is not None:
+            sent.record()
         return header.seq
 
     @torch.inference_mode()
@@ -192,19 +208,54 @@ class Window:
         self._peer_flag_view(peer, window)[index : index + 1].copy_(stage, non_blocking=True)
         return self._seq
 
-    def _staging_for(self, peer: int, stage: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Source buffers of the async header/flag copies, one pair per (peer, ring slot): a shared
-        staging buffer was overwritten by the next send while its copy was in flight (prior art)."""
-        key = (peer, stage)
-        if key not in self._staging:
+    def _staging_for(self, peer: int) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]:
+        """Source buffers of the async header/flag copies to `peer`: a ring of STAGING_DEPTH, each entry with the
+        event recorded after its copies. A host that runs ahead of its stream (device-side waits) must not rewrite
+        a buffer whose copy has not run yet (a shared buffer was once overwritten that way), so reusing an entry
+        waits, bounded, for its event."""
+        ring = self._staging.setdefault(peer, [])
+        turn = self._staging_turn.get(peer, 0)
+        self._staging_turn[peer] = (turn + 1) % STAGING_DEPTH
+        if turn == len(ring):
             pin = self._is_cuda
-            self._staging[key] = (
-                torch.zeros(HEADER_WORDS, dtype=torch.int32, pin_memory=pin),
-                torch.zeros(1, dtype=torch.int64, pin_memory=pin),
+            ring.append(
+                (
+                    torch.zeros(HEADER_WORDS, dtype=torch.int32, pin_memory=pin),
+                    torch.zeros(1, dtype=torch.int64, pin_memory=pin),
+                    torch.cuda.Event() if pin else None,
+                )
             )
-        return self._staging[key]
+            return ring[turn]
+        sent = ring[turn][2]
+        if sent is not None and not sent.query():
+            deadline = time.monotonic() + self.timeout_s
+            while not sent.query():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"world rank {self.heap.world_rank} waited {self.timeout_s:.0f}s for a send to world rank "
+                        f"{peer} issued {STAGING_DEPTH} sends ago to leave its stream (the peer stopped answering?)"
+                    )
+                time.sleep(2e-5)
+        return ring[turn]
 
     # -- receive -------------------------------------------------------------------------------
+
+    @property
+    def device_waits(self) -> bool:
+        """Whether a receiver can wait for a slot on its stream (`wait_flag`) instead of polling from the host."""
+        return self.heap.device_waits
+
+    def wait_flag(self, region: int, stage: int, seq: int, stream: torch.cuda.Stream) -> SlotViews:
+        """Enqueue on `stream` a device-side wait until slot (region, stage) holds a message stamped `seq` or later;
+        returns the slot's local views for the work enqueued after it. The host does not block (the world's
+        heartbeat watchdog bounds a peer that never answers). The header is not checked here: the caller reads
+        it back later (`local_slot(...).header`) to keep the magic/version/echo checks off the critical path."""
+        idx = self.geometry.slot_index(region, stage)
+        self.heap.wait_on_stream(8 * idx, seq, stream)
+        return self._local_slots[idx]
+
+    def local_slot(self, region: int, stage: int) -> SlotViews:
+        return self._local_slots[self.geometry.slot_index(region, stage)]
 
     def _read_flags(self) -> list[int]:
         if self._poll_stream is None:
@@ -281,11 +332,17 @@ class Window:
                 self._scan = (idx + 1) % n
                 self._seen[idx] = flags[idx]
                 out.append(self._message(region, stage, idx, flags[idx], expect_echo))
-            if out or time.monotonic() >= deadline:
+            now = time.monotonic()
+            if out:
+                self._last_hit = now
                 return out
-            # spin briefly, then sleep: ranks may share few cores; at most 200 us between flag reads
+            if now >= deadline:
+                return out
+            # On CUDA every read is a device->host copy (~20 us) and a rank has its own cores: keep reading without
+            # sleeping for BUSY_POLL_S after the last message (a decode step's next layer comes within that).
+            # Otherwise spin briefly, then sleep: ranks may share few cores; at most 200 us between flag reads.
             spins += 1
-            if spins > 10:
+            if spins > 10 and not (self._is_cuda and now - self._last_hit < BUSY_POLL_S):
                 time.sleep(min(2e-4, 2e-5 * (spins - 10)))
 
     def _message(self, region: int, stage: int, idx: int, flag: int, expect_echo: Mapping[int, int] | None) -> Message:

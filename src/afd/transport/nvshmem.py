@@ -211,6 +211,10 @@ class NvshmemHeap(SymmetricHeap):
                 f"PE {world_rank} of {world_size} (PE must equal the AFD world rank)"
             )
 
+        import nvshmem.bindings as bindings
+
+        self._bindings = bindings
+        self._cmp_ge = int(bindings.Cmp_type.CMP_GE)
         self.local = nvshmem.interop.torch.tensor((nbytes,), dtype=torch.uint8)  # [nbytes] symmetric
         _KEEP_ALIVE.append(self.local)
         self.local.zero_()
@@ -235,6 +239,17 @@ class NvshmemHeap(SymmetricHeap):
                 "the async connector on CUDA is single node only and needs P2P/NVLink between all GPUs"
             )
         return view
+
+    device_waits = True
+
+    def wait_on_stream(self, offset: int, value: int, stream: torch.cuda.Stream) -> None:
+        """`nvshmemx_signal_wait_until_on_stream(flag >= value)`: the stream stalls on the device (a stream
+        memory operation, no SM spins), the host goes on. The flag is an int64 the peer raises to `value`."""
+        if offset % 8 or not 0 <= offset <= self.nbytes - 8:
+            raise ValueError(f"a flag needs 8 aligned bytes inside the window, got offset {offset}")
+        self._bindings.signal_wait_until_on_stream(
+            self.local.data_ptr() + offset, self._cmp_ge, value, stream.cuda_stream
+        )
 
     def close(self) -> None:
         """Stop handing out views; deliberately no nvshmem free/finalize (collective, may hang)."""

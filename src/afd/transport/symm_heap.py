@@ -114,6 +114,15 @@ class SymmetricHeap(ABC):
             timeout_s,
         )
 
+    def wait_on_stream(self, offset: int, value: int, stream: torch.cuda.Stream) -> None:
+        """Make `stream` wait, on the device, until the int64 at byte `offset` of the local window is >= `value`.
+
+        Only heaps with `device_waits` implement it (NVSHMEM); the others are polled from the host.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no device-side wait; poll from the host")
+
+    device_waits = False  # whether `wait_on_stream` exists (the window's receivers then skip the host poll)
+
     @abstractmethod
     def close(self) -> None:
         """Release this rank's resources; never blocks on peers and never raises."""
