@@ -193,13 +193,16 @@ def mla_decode(
     num_splits: int | None = None,
     block_n: int | None = None,
     block_h: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Absorbed MLA decode attention over paged latents, read in place.
 
     q_latent: [B, nh, C] (q_nope through W_uk), q_pe: [B, nh, R] (roped), cache_layer: [rows, C + R] (one
     layer of the pool, a view), rows: [B, L] int64 flat cache rows, valid: [B, L] bool (invalid columns are
     neither read nor weighted; a sequence needs one valid column) -> o_latent [B, nh, C] in q's dtype.
-    `num_splits` (default: from the shapes and the SM count), `block_n` and `block_h` exist for tests.
+    `num_splits` (default: from the shapes and the SM count), `block_n`, `block_h`, `num_warps` and `num_stages`
+    exist for tests and tuning sweeps (`scripts/gpu_mla_sweep.py`).
     """
     B, nh, C = q_latent.shape
     R = q_pe.shape[-1]
@@ -268,8 +271,8 @@ def mla_decode(
         BLOCK_N=block_n,
         DIRECT=direct,
         PRECISION=precision,
-        num_warps=4 if block_h == 16 else 8,
-        num_stages=2 if fp32 else 3,
+        num_warps=num_warps or (4 if block_h == 16 else 8),
+        num_stages=num_stages or (2 if fp32 else 3),
     )
     if not direct:
         _combine_kernel[(nh, B)](

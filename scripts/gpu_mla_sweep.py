@@ -1,0 +1,83 @@
+"""Sweep the MLA decode kernel's launch parameters at decode shapes (DeepSeek-V2-Lite, bf16, one H200).
+
+One JSON line per point on stdout: batch, context, splits, block_n, warps, stages, microseconds per call (mean of
+many calls between one CUDA event pair), the latent bytes read per call and GB/s, and the largest difference from
+the default launch. Run: python scripts/gpu_mla_sweep.py [--quick]
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import sys
+
+import torch
+
+from afd.kernels.mla_decode import mla_decode, num_splits_for
+
+NH, C, R, BLOCK = 16, 512, 64, 16
+
+
+def case(batch: int, context: int, gen: torch.Generator) -> tuple:
+    blocks = batch * context // BLOCK + 1
+    cache = torch.randn(blocks * BLOCK, C + R, generator=gen).to("cuda", torch.bfloat16)  # [rows, C + R]
+    order = torch.randperm(blocks - 1, generator=gen)[: batch * context // BLOCK] + 1  # scattered blocks
+    rows = (order.view(batch, -1, 1) * BLOCK + torch.arange(BLOCK)).view(batch, context).cuda()  # [B, L]
+    valid = torch.ones(batch, context, dtype=torch.bool, device="cuda")
+    q_latent = torch.randn(batch, NH, C, generator=gen).to("cuda", torch.bfloat16)
+    q_pe = torch.randn(batch, NH, R, generator=gen).to("cuda", torch.bfloat16)
+    return q_latent, q_pe, cache, rows, valid
+
+
+def time_us(fn, iters: int = 100) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters
+
+
+def main() -> None:
+    quick = "--quick" in sys.argv
+    gen = torch.Generator().manual_seed(0)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    shapes = [(64, 512), (256, 512), (8, 512), (64, 4096)] if not quick else [(256, 512)]
+    for batch, context in shapes:
+        q_latent, q_pe, cache, rows, valid = case(batch, context, gen)
+        scale = 1 / (192**0.5)
+        ref = mla_decode(q_latent, q_pe, cache, rows, valid, scale).float()
+        nbytes = batch * context * (C + R) * 2
+        default = num_splits_for(batch, 1, context, sms)
+        for splits, block_n, warps, stages in itertools.product(
+            sorted({1, 2, 3, 4, 6, 8, 16, default}), (32, 64), (4, 8), (2, 3, 4)
+        ):
+            try:
+                kwargs = dict(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages)
+                args = (q_latent, q_pe, cache, rows, valid, scale)
+                out = mla_decode(*args, **kwargs)
+                us = time_us(functools.partial(mla_decode, *args, **kwargs))
+                diff = (out.float() - ref).abs().max().item()
+                point = {"us": round(us, 2), "GBps": round(nbytes / us / 1e3, 1), "max_diff": diff}
+            except Exception as exc:  # noqa: BLE001 - a launch that does not fit (shared memory) is a data point
+                point = {"error": f"{type(exc).__name__}: {str(exc)[:120]}"}
+            row = {
+                "batch": batch,
+                "context": context,
+                "splits": splits,
+                "default_splits": default,
+                "block_n": block_n,
+                "warps": warps,
+                "stages": stages,
+                "bytes": nbytes,
+                **point,
+            }
+            print(json.dumps(row), flush=True)  # noqa: T201 - the script's output
+
+
+if __name__ == "__main__":
+    main()
