@@ -16,16 +16,6 @@ t0=$SECONDS
 timeout 90 python3 -m afd bench exchange --model deepseek-v2-lite --dtype bfloat16 --device cuda \
   --json "$OUT/exchange.json" 2>&1 | tail -n 16
 echo "bench exchange rc=$? in $((SECONDS - t0)) s"
-B=/tmp/afd_bench; mkdir -p "$B"
-OUT=$B STEP_TIMEOUT=150 bash scripts/gpu_bench.sh --connectors p2p,async >/dev/null 2>&1
-for f in "$B"/*.json; do echo "== $f"; python3 -c "
-import json, sys
-r = json.load(open(sys.argv[1]))
-for row in r['runs']:
-    print({k: row.get(k) for k in ('connector', 'topology', 'tokens_per_s', 'ttft_p50_s', 'elapsed_s')})
-print('numerics', r.get('numerics'))
-" "$f" 2>&1 | head; done
-tar -czf "$OUT/bench.tar.gz" -C "$B" .
 timeout 150 python3 scripts/gpu_mla_sweep.py >"$OUT/mla_sweep.jsonl" 2>"$OUT/mla_sweep.err"
 echo "mla sweep rc=$? $(wc -l <"$OUT/mla_sweep.jsonl") points"; tail -n 2 "$OUT/mla_sweep.err"
 python3 - "$OUT/mla_sweep.jsonl" <<'PY'
@@ -43,4 +33,14 @@ for line in open(sys.argv[1]):
 for r in best.values():
     print("best", r)
 PY
+B=/tmp/afd_bench; mkdir -p "$B"
+OUT=$B STEP_TIMEOUT=150 bash scripts/gpu_bench.sh --connectors p2p,async >/dev/null 2>&1
+for f in "$B"/*.json; do echo "== $f"; python3 -c "
+import json, sys
+r = json.load(open(sys.argv[1]))
+for row in r['runs']:
+    print({k: row.get(k) for k in ('connector', 'topology', 'tokens_per_s', 'ttft_p50_s', 'elapsed_s')})
+print('numerics', r.get('numerics'))
+" "$f" 2>&1 | head; done
+tar -czf "$OUT/bench.tar.gz" -C "$B" .
 echo "== leftover processes:"; pgrep -af "afd" | grep -v pgrep || echo none
