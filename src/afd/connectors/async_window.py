@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from afd import env
 from afd.config import AsyncExtraConfig
 from afd.connectors.dispatch import DispatchPlan, ExpertMap, combine_scatter, plan_dispatch
 from afd.connectors.expert_pass import FFNModelLike, WorkRows, expert_pass
@@ -287,6 +288,7 @@ class AsyncAttentionExchange(_AsyncEndpoint):
         self._unchecked: deque[tuple[tuple[int, int], torch.cuda.Event, PendingExchange]] = deque()
         self._header_host: dict[tuple[int, int], torch.Tensor] = {}
         self._empty = torch.empty(0, device=self.device)
+        self._device_waits = self.window.device_waits and not env.async_host_wait()
         try:  # the plan's counts: shared and other rows per FFN rank
             self._counts_host = torch.zeros(
                 2 * self.topology.num_ffn, dtype=torch.int64, pin_memory=self.device.type == "cuda"
@@ -367,7 +369,7 @@ class AsyncAttentionExchange(_AsyncEndpoint):
         taken when its own `recv` comes.
         """
         pending = self._pending.popleft()
-        if self.window.device_waits:
+        if self._device_waits:
             return self._recv_on_device(pending)
         plan = pending.plan
         waiting = dict(pending.sent)
