@@ -1,8 +1,8 @@
 """Sweep the MLA decode kernel's launch parameters at decode shapes (DeepSeek-V2-Lite, bf16, one H200).
 
-One JSON line per point on stdout: batch, context, splits, block_n, warps, stages, microseconds per call (mean of
-many calls between one CUDA event pair), the latent bytes read per call and GB/s, and the largest difference from
-the default launch. Run: python scripts/gpu_mla_sweep.py [--quick]
+One JSON line per point on stdout: batch, context, splits, block_n, warps, stages, microseconds per call (mean
+of calls captured in a CUDA graph, replayed between two events), the latent bytes read per call and GB/s, and the
+largest difference from the default launch. Run: python scripts/gpu_mla_sweep.py [--quick]
 """
 
 from __future__ import annotations
@@ -30,16 +30,24 @@ def case(batch: int, context: int, gen: torch.Generator) -> tuple:
     return q_latent, q_pe, cache, rows, valid
 
 
-def time_us(fn, iters: int = 100) -> float:
+def time_us(fn, calls: int = 20, replays: int = 10) -> float:
+    """Device time per call: `calls` calls captured in one CUDA graph (as the step runs them, so the host's
+    launch cost of a Triton kernel, ~20-40 us, is not counted), replayed `replays` times between two events."""
     fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(iters):
-        fn()
+    for _ in range(replays):
+        graph.replay()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
+    return start.elapsed_time(end) * 1e3 / (calls * replays)
 
 
 def main() -> None:

@@ -69,6 +69,8 @@ def warm_up_ffn(ffn_model: FFNModel, device: torch.device, *, force: bool = Fals
             for layer in dense:
                 ffn_model(layer, x, None)
             for layer in moe:
+                if not ffn_model.gate_on_attention:  # the router runs here: its kernel compiles too
+                    ffn_model.route(layer, x)
                 logits = torch.randn(num_tokens, config.n_routed_experts, device=device, generator=gen)
                 routing = select_experts(logits, top_k=config.num_experts_per_tok)
                 ffn_model(layer, x, routing)

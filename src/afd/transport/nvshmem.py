@@ -36,6 +36,7 @@ import logging
 import os
 import socket
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -163,6 +164,34 @@ def _set_heap_size(nbytes: int) -> None:
     os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(need)
 
 
+WaitValue = Callable[[int, int, int], None]  # (device address of an int64, value, stream handle)
+
+
+def _device_wait(ranks_on_my_gpu: int) -> WaitValue | None:
+    """How a stream waits for `flag >= value` here: NVSHMEM's `signal_wait_until_on_stream` with one rank per GPU;
+    with several ranks per GPU NVSHMEM refuses that call ("not supported with limited MPG") and ends the process,
+    so the CUDA driver's `cuStreamWaitValue64` on the same local address does it; None (host polling) when
+    neither is available."""
+    if ranks_on_my_gpu == 1:
+        import nvshmem.bindings as bindings
+
+        ge = int(bindings.Cmp_type.CMP_GE)
+        return lambda addr, value, stream: bindings.signal_wait_until_on_stream(addr, ge, value, stream)
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        logger.info("no cuda-bindings: async replies are polled from the host (%d ranks on this GPU)", ranks_on_my_gpu)
+        return None
+    geq = int(driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+
+    def wait(addr: int, value: int, stream: int) -> None:
+        (err,) = driver.cuStreamWaitValue64(driver.CUstream(stream), driver.CUdeviceptr(addr), value, geq)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuStreamWaitValue64 failed: {err}")
+
+    return wait
+
+
 class NvshmemHeap(SymmetricHeap):
     """Symmetric window in NVSHMEM memory; `peer_view(r)` is a device tensor aliasing PE r's window."""
 
@@ -186,7 +215,9 @@ class NvshmemHeap(SymmetricHeap):
         torch.cuda.set_device(index)
 
         mine = {"host": socket.gethostname(), "gpu": _gpu_identity(index), "nbytes": nbytes}
-        check_placement(exchange_placement(store, world_rank, world_size, mine, timeout_s))
+        placements = exchange_placement(store, world_rank, world_size, mine, timeout_s)
+        check_placement(placements)
+        self._ranks_on_my_gpu = sum(p["gpu"] == mine["gpu"] for p in placements)
 
         _set_heap_size(nbytes)
         dev = _cuda_core_device(index)
@@ -211,10 +242,6 @@ class NvshmemHeap(SymmetricHeap):
                 f"PE {world_rank} of {world_size} (PE must equal the AFD world rank)"
             )
 
-        import nvshmem.bindings as bindings
-
-        self._bindings = bindings
-        self._cmp_ge = int(bindings.Cmp_type.CMP_GE)
         self.local = nvshmem.interop.torch.tensor((nbytes,), dtype=torch.uint8)  # [nbytes] symmetric
         _KEEP_ALIVE.append(self.local)
         self.local.zero_()
@@ -224,6 +251,8 @@ class NvshmemHeap(SymmetricHeap):
             if r != world_rank:
                 self._views[r] = self._map_peer(nvshmem, r)
         _KEEP_ALIVE.extend(self._views.values())
+        self._wait = _device_wait(self._ranks_on_my_gpu)
+        self.device_waits = self._wait is not None
 
     def _map_peer(self, nvshmem: Any, peer: int) -> torch.Tensor:
         try:
@@ -240,16 +269,14 @@ class NvshmemHeap(SymmetricHeap):
             )
         return view
 
-    device_waits = True
-
     def wait_on_stream(self, offset: int, value: int, stream: torch.cuda.Stream) -> None:
-        """`nvshmemx_signal_wait_until_on_stream(flag >= value)`: the stream stalls on the device (a stream
-        memory operation, no SM spins), the host goes on. The flag is an int64 the peer raises to `value`."""
+        """The stream stalls on the device until the int64 flag at `offset` is >= `value` (a stream memory
+        operation, no SM spins); the host goes on."""
+        if self._wait is None:
+            raise NotImplementedError("this NVSHMEM heap has no device-side wait; poll from the host")
         if offset % 8 or not 0 <= offset <= self.nbytes - 8:
             raise ValueError(f"a flag needs 8 aligned bytes inside the window, got offset {offset}")
-        self._bindings.signal_wait_until_on_stream(
-            self.local.data_ptr() + offset, self._cmp_ge, value, stream.cuda_stream
-        )
+        self._wait(self.local.data_ptr() + offset, value, stream.cuda_stream)
 
     def close(self) -> None:
         """Stop handing out views; deliberately no nvshmem free/finalize (collective, may hang)."""
