@@ -174,10 +174,10 @@ def test_num_splits_depend_on_shapes_only() -> None:
     """Enough programs to fill the SMs once, each split >= MIN_SPLIT_ROWS rows, at most MAX_SPLITS."""
     assert num_splits_for(256, 1, 4096, 132) == 1  # the batch fills the GPU alone
     assert num_splits_for(132, 1, 4096, 132) == 1
-    assert num_splits_for(64, 1, 512, 132) == 3
+    assert num_splits_for(64, 1, 512, 132) == 4  # 3 to fill 132 SMs, rounded up to a power of two
     assert num_splits_for(8, 1, 512, 132) == 512 // MIN_SPLIT_ROWS
     assert num_splits_for(1, 1, 4096, 132) == MAX_SPLITS
-    assert num_splits_for(1, 4, 4096, 132) == 33
+    assert num_splits_for(1, 4, 4096, 132) == MAX_SPLITS  # 33 -> 64
     assert num_splits_for(4, 1, 1, 132) == 1
     assert num_splits_for(0, 1, 100, 132) == 1
 

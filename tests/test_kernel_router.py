@@ -474,3 +474,11 @@ if __name__ == "__main__":
     if sys.argv[1:] != ["bench"]:
         raise SystemExit("usage: python tests/test_kernel_router.py bench")
     bench()
+
+
+def test_pays_keeps_fp32_gates_on_cublas_where_it_was_faster() -> None:
+    assert router.pays(torch.zeros(64, 16), 256) and router.pays(torch.zeros(64, 16, dtype=torch.bfloat16), 8)
+    assert not router.pays(torch.zeros(256, 16), 1)  # V3's fp32 gate: cuBLAS won at every T
+    assert not router.pays(torch.zeros(64, 16), 4096)  # prefill-sized: cuBLAS won
+    assert router.pays(torch.zeros(256, 16, dtype=torch.bfloat16), 4096)
+    assert not router.pays(torch.zeros(64, 16, dtype=torch.float64), 1)

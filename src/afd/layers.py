@@ -118,7 +118,7 @@ class Gate(nn.Module):
         if kernels.enabled(x.device):  # one launch instead of ~8 (afd.kernels.router)
             from afd.kernels import router
 
-            if router.supports(c) and x.dtype in router.DTYPES and self.weight.dtype in router.DTYPES:
+            if router.supports(c) and router.pays(self.weight, x.shape[0]) and x.dtype in router.DTYPES:
                 return router.fused_router(x, self.weight, self.e_score_correction_bias, c, self.routed_scaling_factor)
         logits = F.linear(x.float(), self._weight_fp32())  # [T, E]
         return select_experts(
