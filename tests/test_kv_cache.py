@@ -310,7 +310,8 @@ def test_cuda_paged_decode_is_exact_sized_from_memory_and_never_syncs_the_host()
         torch.cuda.set_sync_debug_mode(0)
     where = [w.filename for w in caught if "synchroniz" in str(w.message)]
     assert not [f for f in where if f.endswith(("kv_cache.py", "model.py"))]
-    assert sum(f.endswith("engine.py") for f in where) == 1
+    # the sampled tokens' copy is pinned and asynchronous, waited on by an event: no stream sync in the engine
+    assert sum(f.endswith("engine.py") for f in where) == 0
     outs = engine.run()
     for out in outs:
         (full,) = generate(

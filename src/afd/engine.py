@@ -9,6 +9,12 @@ Chunked prefill: a step is the running decodes (one token each, first) plus prom
 what is left of `max_num_batched_tokens`, so a long prompt never stalls the decodes and no step is ever
 larger than the budget (the async window is sized by it). A chunk after the first reads the earlier
 chunks through the paged cache; only the chunk that ends a prompt is sampled.
+
+Overlapped steps ("async scheduling", `overlap_steps`): the host's work between two steps (reading the
+sampled tokens, bookkeeping, scheduling, building the next step's metadata, launching it) would leave
+the GPU idle. So a pure decode step is left in flight: the next `step()` launches its successor first,
+with the input ids gathered on the device from the tokens the step in flight sampled, and only then
+waits for those tokens and does their bookkeeping while the GPU runs the successor.
 """
 
 from __future__ import annotations
@@ -73,10 +79,15 @@ class _Sequence:
         return self.num_cached < len(self.request.prompt_ids)
 
 
+# The input id of a decode launched ahead (`Engine._follow`): the token the step in flight sampled, read on the
+# device; the host never sees it in `input_ids`.
+_ON_DEVICE = -1
+
+
 @dataclass
 class _Scheduled:
     seq: _Sequence
-    input_ids: list[int]
+    input_ids: list[int]  # [_ON_DEVICE] for a decode launched ahead
     start: int  # first position (== tokens already cached)
 
     @property
@@ -90,6 +101,17 @@ class _Scheduled:
         return self.start + len(self.input_ids) >= len(self.seq.request.prompt_ids)
 
 
+@dataclass
+class _Launched:
+    """A step whose forward and sampling are queued on the device; its tokens reach the host in `_finalize`."""
+
+    scheduled: list[_Scheduled]
+    sampled: list[_Scheduled]  # the sequences whose rows were sampled, in row order
+    tokens: torch.Tensor | None  # [B] int64 on the device: the sampled tokens (a follow-up step's input ids)
+    host: torch.Tensor | None  # [2, B] float64 (pinned on CUDA): tokens and their logprobs, copy under way
+    ready: torch.cuda.Event | None  # recorded after that copy (CUDA); None: the copy is already done
+
+
 class Engine:
     """Continuous batching with chunked prefill over one `AttentionModel` and an `exchange` to the FFN side.
 
@@ -101,6 +123,14 @@ class Engine:
     and the activation peak, else (CPU) a 4 GiB budget; never more than `max_num_seqs` sequences of
     `max_model_len` tokens could use. A request reserves its blocks at admission; while the pool is full,
     new requests wait in the queue.
+
+    `overlap_steps` (None: on with CUDA and the in-process `LocalExchange` unless `enforce_eager`): leave
+    a pure decode step in flight and launch the next one before reading its tokens
+    (module docstring). `step()` then returns the requests the previous step finished, and
+    `last_step_tokens` are that step's, one call later than without overlap. Off by default with a
+    disaggregated exchange: its forward already waits on the host at every exchange, and the p2p DP wave
+    announces each step's token count before it runs. An explicit True also works on CPU (the tests compare
+    it with False there), where it gains nothing.
     """
 
     def __init__(
@@ -116,6 +146,7 @@ class Engine:
         gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
         max_model_len: int | None = None,
         enforce_eager: bool = False,
+        overlap_steps: bool | None = None,
     ) -> None:
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be at least 1")
@@ -172,6 +203,13 @@ class Engine:
         self._next_id = 0
         self.last_step_tokens: list[StepToken] = []  # every token the last step appended, in batch order
         self.ubatched_steps = 0  # steps run as micro-batches in ping-pong
+        if overlap_steps is None:
+            overlap_steps = self.device.type == "cuda" and isinstance(exchange, LocalExchange) and not enforce_eager
+        if overlap_steps and self.num_ubatches > 1:
+            raise ValueError("overlap_steps cannot be combined with micro-batches (async_moe_ubatching); turn one off")
+        self.overlap_steps = overlap_steps
+        self._in_flight: _Launched | None = None  # a pure decode step launched, its tokens not read yet
+        self.overlapped_steps = 0  # steps launched before the tokens of the step before them were read
 
     # --- requests ---
 
@@ -205,8 +243,9 @@ class Engine:
 
     def abort(self, request_id: int) -> Output | None:
         """Stop a waiting or running request now and free its cache blocks; its Output (reason "abort")
-        holds what it generated so far. An unknown or finished id is a no-op (None): a client's abort may
-        cross its request's end."""
+        holds what it generated so far: not the token of a step still in flight, which is dropped when that
+        step is finalized. An unknown or finished id is a no-op (None): a client's abort may cross its
+        request's end."""
         seq = self._live.get(request_id)
         if seq is None:
             return None
@@ -216,7 +255,12 @@ class Engine:
         return self._output(seq, "abort")
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._in_flight)
+
+    @property
+    def step_in_flight(self) -> bool:
+        """Whether a step was launched whose tokens the host has not read yet (`overlap_steps`)."""
+        return self._in_flight is not None
 
     def load(self) -> EngineLoad:
         pool = self.kv_cache.pool
@@ -271,14 +315,79 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[Output]:
-        """Run one forward over all scheduled tokens; returns the requests that finished.
+        """Run one step; returns the requests that finished.
 
         Host->device: one copy (token ids, positions, sampled rows and the cache metadata together);
-        device->host: one copy of the sampled tokens and their logprobs.
+        device->host: one copy of the sampled tokens and their logprobs. With `overlap_steps`:
+        1. a step in flight whose successor is known (`_follow`): launch the successor, then finalize the
+           step in flight (read its tokens, append, finish); the successor stays in flight;
+        2. a step in flight otherwise: finalize it, launch nothing (the next call schedules);
+        3. nothing in flight: schedule and launch; a pure decode step stays in flight (returns []), any
+           other step is finalized at once.
         """
+        flight, self._in_flight = self._in_flight, None
+        if flight is not None:
+            follow = self._follow(flight)
+            if follow is not None:
+                self._in_flight = self._launch(*follow)
+                self.overlapped_steps += 1
+            return self._finalize(flight)
         scheduled = self.schedule()
         if not scheduled:
             return self._idle_step()
+        launched = self._launch(scheduled)
+        if self.overlap_steps and all(s.is_decode for s in scheduled):
+            self._in_flight = launched
+            self.last_step_tokens = []
+            return []
+        return self._finalize(launched)
+
+    @torch.inference_mode()
+    def drain(self) -> list[Output]:
+        """Finalize the step in flight, if any, without launching another; returns the requests it finished."""
+        flight, self._in_flight = self._in_flight, None
+        return self._finalize(flight) if flight is not None else []
+
+    def _follow(self, flight: _Launched) -> tuple[list[_Scheduled], _Launched, list[int]] | None:
+        """The step `schedule()` will pick once `flight`'s tokens are in, when the host can know it now; as
+        `_launch`'s arguments: the decodes, `flight`, and each decode's row of `flight`'s sampled tokens.
+
+        Known when `flight` (a pure decode step) held every running sequence and no queued request could
+        be admitted after it: then the next step is the decodes of the sequences that do not end by length
+        in `flight`. A stop token is not known yet: such a sequence is decoded once more in vain (its row
+        is skipped in `_finalize`), the price of overlapping. Exactly `schedule()`'s choice when no
+        sequence of `flight` stops.
+        """
+        if not self.overlap_steps:
+            return None
+        live = [(row, s) for row, s in enumerate(flight.sampled) if self._live.get(s.seq.request_id) is s.seq]
+        if len(live) != len(self.running):  # a running sequence the step did not hold (budget-capped decodes)
+            return None
+        cont, ending = [], []  # (row, decode): sequences that go on after `flight`, and those it ends by length
+        for row, s in live:
+            (cont if len(s.seq.token_ids) + 1 < s.seq.request.max_new_tokens else ending).append((row, s))
+        if not cont:
+            return None
+        if self.waiting and len(cont) < min(self.max_num_seqs, self.max_num_batched_tokens):
+            cache = self.kv_cache
+            freed = sum(cache.blocks_for(s.seq.capacity) for _, s in ending)
+            if cache.blocks_for(self.waiting[0].capacity) <= cache.pool.num_free + freed:
+                return None  # the queue's head is admitted after `flight`: schedule normally
+        # Cache safety. A sequence that stops (or is aborted) in `flight` has its blocks freed on the host by
+        # `_finalize(flight)` while this step, already queued on the same stream, may still write its row. Every
+        # later use of those blocks (another sequence's writes and reads, a block-table row) is launched after this
+        # step on that stream, so it is ordered after that write. The row is inside the sequence's reservation: a
+        # sequence goes on only if it holds j < max_new_tokens tokens after `flight`, and this step feeds its j-th
+        # token at position prompt + j - 1 <= prompt + max_new_tokens - 2, below its capacity (`_Sequence.capacity`)
+        # of prompt + max_new_tokens - 1 rows (`prepare` checks it too, before the blocks are freed).
+        decodes = [_Scheduled(s.seq, [_ON_DEVICE], s.start + 1) for _, s in cont]
+        return decodes, flight, [row for row, _ in cont]
+
+    def _launch(
+        self, scheduled: list[_Scheduled], after: _Launched | None = None, after_rows: list[int] | None = None
+    ) -> _Launched:
+        """Queue the forward and the sampling of `scheduled` on the device. `after`: the step in flight whose
+        sampled tokens (rows `after_rows`) are this all-decode step's input ids."""
         query_lens = [len(s.input_ids) for s in scheduled]
         context_lens = [s.start for s in scheduled]
         # Only pure decode steps replay a graph; a step with a prompt chunk (even a one-token one) runs eager.
@@ -294,7 +403,8 @@ class Engine:
             context_lens=context_lens,
             batch_decodes=graphs is not None,
         )
-        input_ids = [t for s in scheduled for t in s.input_ids]
+        # launched ahead: the host sends the rows of `after`'s sampled tokens, gathered below on the device
+        input_ids = after_rows if after is not None else [t for s in scheduled for t in s.input_ids]
         positions = [s.start + i for s in scheduled for i in range(len(s.input_ids))]
         last_rows = [  # the rows sampled: decodes and the last row of every chunk that ends its prompt
             start + n - 1 for s, start, n in zip(scheduled, batch.starts, query_lens, strict=True) if s.samples
@@ -304,16 +414,18 @@ class Engine:
         ubatches = split_ubatches(query_lens, self.num_ubatches) if graphs is None else []
         if len(ubatches) > 1:
             hidden, last = self._forward_ubatches(batch, ubatches, input_ids, positions, last_rows)  # [T, H]
-            return self._postprocess(scheduled, batch, hidden, last)
+            return self._sample(scheduled, batch, hidden, last)
         ids, pos, last = self.kv_cache.prepare(
             batch, *(torch.tensor(v, dtype=torch.long) for v in (input_ids, positions, last_rows))
         )
+        if after is not None:
+            ids = after.tokens.index_select(0, ids)  # [T]: the tokens the step in flight sampled, never on the host
         if hasattr(self.exchange, "begin_step"):
-            self.exchange.begin_step(len(input_ids))
+            self.exchange.begin_step(len(positions))
         hidden = graphs.forward(batch, ids, pos) if graphs is not None else None  # [T, H] replayed
         if hidden is None:
             hidden = self.model(ids, pos, batch, self.kv_cache, self.exchange)  # [T, H]
-        return self._postprocess(scheduled, batch, hidden, last)
+        return self._sample(scheduled, batch, hidden, last)
 
     @property
     def num_ubatches(self) -> int:
@@ -365,21 +477,29 @@ class Engine:
         self.last_step_tokens = []
         return []
 
-    def _postprocess(
+    def _sample(
         self, scheduled: list[_Scheduled], batch: Batch, hidden: torch.Tensor, last_rows: torch.Tensor
-    ) -> list[Output]:
-        """Sample every sequence that ends its prompt or decodes, at once: one lm_head call and one
-        device->host copy per step; a chunk in the middle of a prompt is only cached (and scored)."""
+    ) -> _Launched:
+        """Sample every sequence that ends its prompt or decodes, at once: one lm_head call, and one
+        device->host copy started (read in `_finalize`); a chunk in the middle of a prompt is only cached
+        (and scored, which reads its scores at once: such a step is never left in flight)."""
         sampled = [s for s in scheduled if s.samples]
-        tokens: list[float] = []
-        token_logprobs: list[float] = []
+        tokens = host = ready = None
         if sampled:
             logprobs = torch.log_softmax(self.model.compute_logits(hidden[last_rows]), dim=-1)  # [B, V] fp32
             sampling = [s.seq.request.sampling for s in sampled]
-            positions = [len(s.seq.request.prompt_ids) + len(s.seq.token_ids) for s in sampled]
-            best = sample(logprobs, sampling, positions)  # [B]; greedy rows: logprobs.argmax
-            picked = logprobs.gather(1, best[:, None]).squeeze(1)  # [B]
-            tokens, token_logprobs = torch.stack([best.double(), picked.double()]).tolist()
+            # the index of the token each row samples, from the schedule: a decode launched ahead has not
+            # appended its input token on the host yet
+            positions = [s.start + len(s.input_ids) for s in sampled]
+            tokens = sample(logprobs, sampling, positions)  # [B]; greedy rows: logprobs.argmax
+            picked = logprobs.gather(1, tokens[:, None]).squeeze(1)  # [B]
+            both = torch.stack([tokens.double(), picked.double()])  # [2, B]
+            cuda = both.is_cuda
+            host = torch.empty(both.shape, dtype=both.dtype, pin_memory=cuda)
+            host.copy_(both, non_blocking=cuda)
+            if cuda:  # queued before any later step, so reading it never waits for one
+                ready = torch.cuda.Event()
+                ready.record()
         for s, first, n in zip(scheduled, batch.starts, batch.query_lens, strict=True):
             prompt = s.seq.request.prompt_ids
             if s.is_decode or not s.seq.request.prompt_logprobs:
@@ -391,12 +511,23 @@ class Engine:
                 rows = torch.log_softmax(self.model.compute_logits(hidden[first : first + scored]), dim=-1)
                 targets = torch.tensor(prompt[s.start + 1 : s.start + 1 + scored], device=rows.device)
                 s.seq.prompt_logprobs += rows.gather(1, targets[:, None]).squeeze(1).tolist()
-        for s in scheduled:
+        return _Launched(scheduled, sampled, tokens, host, ready)
+
+    def _finalize(self, step: _Launched) -> list[Output]:
+        """Read a launched step's tokens (waiting for its copy only) and do its bookkeeping: append, finish
+        by stop token or length, free. A sequence that ended while the step was in flight (a stop token in
+        the step before, or an abort) is skipped: its row was computed in vain."""
+        if step.ready is not None:
+            step.ready.synchronize()
+        tokens, token_logprobs = step.host.tolist() if step.host is not None else ([], [])
+        for s in step.scheduled:
             s.seq.num_cached = s.start + len(s.input_ids)
         finished = []
         appended = []
-        for s, token, logprob in zip(sampled, tokens, token_logprobs, strict=True):
+        for s, token, logprob in zip(step.sampled, tokens, token_logprobs, strict=True):
             seq = s.seq
+            if self._live.get(seq.request_id) is not seq:
+                continue
             token = int(token)
             if len(seq.token_ids) < seq.request.max_new_tokens:
                 seq.token_ids.append(token)
