@@ -21,7 +21,9 @@ def add_bench_parsers(steps) -> None:
     s.add_argument(
         "--prefill", type=prefill_list, default="8x1024", help="prefills BxC (B prompts of C tokens), comma-separated"
     )
-    s.add_argument("--steps", type=positive_int, default=10, help="timed steps per point (steady state: their mean; the isolated figure is their median)")
+    s.add_argument(
+        "--steps", type=positive_int, default=10, help="timed steps per point (their mean; isolated: their median)"
+    )
     s.add_argument("--json", help="also write the raw result (JSON) to this file")
     s.set_defaults(func=cmd_bench_step)
     s = steps.add_parser("exchange", help="one layer's exchange round trip (no-op FFN) beside a copy of its bytes")

@@ -46,6 +46,8 @@ def pays(weight: torch.Tensor, num_tokens: int) -> bool:
     if weight.dtype not in DTYPES:
         return False
     return weight.dtype != torch.float32 or (weight.shape[0] <= FP32_MAX_EXPERTS and num_tokens <= FP32_MAX_TOKENS)
+
+
 METHODS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
 MAX_EXPERTS = 512  # one T-block's [BLOCK_T, E] logits sit in registers
 MAX_TOP_K = 16  # K and topk_group rounds are unrolled
