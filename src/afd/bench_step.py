@@ -2,10 +2,12 @@
 
 Decode: `batch` sequences of `context` cached tokens each take one step; timed eager and (CUDA) replayed
 from CUDA graphs, two ways:
-- `{eager,graph}_ms`, the figure held against the targets: steady state, what a serving loop sees — `steps`
-  consecutive `engine.step()` calls between one device sync before and one after, divided by `steps`. With
-  overlapped steps (`Engine.overlap_steps`, on by default on CUDA) the host's work for the next step
-  hides behind the GPU's work on this one, which a sync around every step would not let happen.
+- `{eager,graph}_ms`, the figure held against the targets: steady state, what a serving loop sees — on CUDA
+  the time between CUDA events recorded after the first and the last of `steps` + 1 consecutive
+  `engine.step()` calls, divided by `steps` (device time plus every gap the host leaves; on CPU the wall
+  time of `steps` calls). With overlapped steps (`Engine.overlap_steps`, on by default on CUDA) the host's
+  work for the next step hides behind the GPU's work on this one, which a sync around every step would not
+  let happen.
 - `{eager,graph}_isolated_ms`: the median of `steps` steps with overlap off and the device drained around
   each (sync, step, sync): how `*_ms` was measured before overlapped steps, kept to compare old numbers.
 The floor is the bytes a step must read at the bandwidth measured in the same run (a
@@ -143,14 +145,25 @@ def _timed_steps(engine: Engine, steps: int) -> float:
 
 
 def _steady_steps(engine: Engine, steps: int) -> float:
-    """Seconds per step of `steps` consecutive engine steps between one device sync before and one after: the
-    time per step of a serving loop, where an overlapped step's host work hides behind the previous step."""
-    _sync(engine.device)
-    start = time.perf_counter()
-    for _ in range(steps):
+    """Seconds per step of a serving loop. On CUDA: `steps + 1` consecutive engine steps, a CUDA event recorded
+    on the stream after each call (so it fires when that call's launched step ends), and the time between the
+    first and the last event over `steps`: the device time per step plus any idle gap the host leaves between
+    steps, without the launch of the first step or a final drain (an overlapped step's host work hides behind
+    the previous step; a one-off start-up launch would otherwise add ~1/steps of a launch to every step).
+    On CPU (nothing runs ahead): the wall time of `steps` steps."""
+    if engine.device.type != "cuda":
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        return (time.perf_counter() - start) / steps
+    marks = []
+    for _ in range(steps + 1):
         engine.step()
-    _sync(engine.device)
-    return (time.perf_counter() - start) / steps
+        mark = torch.cuda.Event(enable_timing=True)
+        mark.record()
+        marks.append(mark)
+    marks[-1].synchronize()
+    return marks[0].elapsed_time(marks[-1]) / 1e3 / steps
 
 
 def _seed_decodes(engine: Engine, batch: int, context: int, max_new_tokens: int, gen: torch.Generator) -> None:
@@ -209,7 +222,7 @@ def run_bench_step(
     warmup = 2
     # the drained steps, then the steady ones: no sequence may end inside a timed run (an overlapped step is
     # launched only while every sequence goes on after the one in flight)
-    max_new = warmup + 2 * steps + 3
+    max_new = warmup + 2 * steps + 4
     max_batch = max([*batches, *(b for b, _ in prefills), 1])
     longest = max([*contexts, *(c for _, c in prefills), 1]) + max_new
     block_size = 16
@@ -239,9 +252,10 @@ def run_bench_step(
         "steps": steps,
         "overlap_steps": engine.overlap_steps,
         "timing": (
-            "*_ms: steady state, `steps` consecutive engine.step() calls between two device syncs / steps "
-            "(overlap_steps as in that field); *_isolated_ms: median of `steps` steps, overlap off, "
-            "device synced around each"
+            "*_ms: steady state, per step: on CUDA the time between CUDA events recorded after the first and the "
+            "last of `steps` + 1 consecutive engine.step() calls, / steps (device time plus host gaps; overlap_steps "
+            "as in that field); on CPU the wall time of `steps` calls / steps; *_isolated_ms: median of `steps` "
+            "steps, overlap off, device synced around each"
         ),
         "decode": [],
         "prefill": [],
@@ -278,8 +292,9 @@ def run_bench_step(
                 launched_ahead = engine.overlapped_steps
                 row[f"{mode}_ms"] = _steady_steps(engine, steps) * 1e3
                 launched_ahead = engine.overlapped_steps - launched_ahead
-                if overlap and launched_ahead != steps - 1:  # the first step of the run is never launched ahead
-                    logger.warning("only %d of %d %s steps were launched ahead", launched_ahead, steps - 1, mode)
+                calls = steps + 1 if cuda else steps  # `_steady_steps`
+                if overlap and launched_ahead != calls - 1:  # the first step of the run is never launched ahead
+                    logger.warning("only %d of %d %s steps were launched ahead", launched_ahead, calls - 1, mode)
                 row[f"{mode}_launched_ahead"] = launched_ahead
                 _drop_all(engine)
             for mode in ("eager", "graph"):
@@ -333,7 +348,7 @@ def format_bench_step(result: dict) -> str:
     lines = [
         f"{result['model']} {result['dtype']} on {result['device']} (torch {result['torch']}): copy "
         f"{result['copy_bandwidth_GBps']:.0f} GB/s, matmul {result['matmul_TFLOPs']:.3g} TFLOP/s",
-        f"ms: steady state, {result['steps']} consecutive steps between two syncs, per step (overlapped steps "
+        f"ms: steady state, per step over {result['steps']} consecutive steps, CUDA events (overlapped steps "
         f"{'on' if result['overlap_steps'] else 'off'}); iso: median of {result['steps']} steps, overlap off, "
         "synced around each",
         f"{'decode':<8} {'batch':>5} {'context':>7} {'eager ms':>9} {'graph ms':>9} {'eager iso':>9} "
