@@ -41,7 +41,7 @@ import torch.distributed as dist
 from afd import env
 from afd.config import AsyncExtraConfig
 from afd.connectors.dispatch import DispatchPlan, ExpertMap, combine_scatter, plan_dispatch
-from afd.connectors.expert_pass import FFNModelLike, WorkRows, expert_pass
+from afd.connectors.expert_pass import FFNModelLike, GraphedPass, WorkRows, expert_pass
 from afd.connectors.window import Message, Window
 from afd.connectors.wire import (
     FLAG_RESPONSE,
@@ -501,8 +501,17 @@ class AsyncFFNServer(_AsyncEndpoint):
 
     role: Role = "ffn"
 
-    def __init__(self, store: dist.Store, topology: AsyncTopology, ffn_rank: int, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        store: dist.Store,
+        topology: AsyncTopology,
+        ffn_rank: int,
+        *,
+        expert_graphs: GraphedPass | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(store, topology, ffn_rank, **kwargs)  # closes its window itself if it fails
+        self.expert_graphs = expert_graphs  # replayed expert passes at decode sizes (afd.ffn_graphs), or None
         self.items_served = 0
         self.expert_passes = 0  # fewer than items_served when items of one layer were served together
 
@@ -547,7 +556,7 @@ class AsyncFFNServer(_AsyncEndpoint):
             by_layer.setdefault(h.layer_idx, []).append(msg)
         for layer_idx, group in by_layer.items():
             items = [WorkRows(m.rows, m.topk_ids, m.topk_weights, m.header.shared_rows) for m in group]
-            outs = expert_pass(ffn_model, layer_idx, items)  # [R_i, H] fp32 each
+            outs = expert_pass(ffn_model, layer_idx, items, self.expert_graphs)  # [R_i, H] fp32 each
             self.expert_passes += 1
             for msg, out in zip(group, outs, strict=True):
                 h = msg.header

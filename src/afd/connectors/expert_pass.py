@@ -45,15 +45,37 @@ def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def expert_pass(ffn_model: FFNModelLike, layer_idx: int, items: Sequence[WorkRows]) -> list[torch.Tensor]:
+class GraphedPass(Protocol):
+    """A replayed expert pass (`afd.ffn_graphs.ExpertPassGraphs`): None where it has no graph for the rows."""
+
+    def run(
+        self,
+        layer_idx: int,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        shared: Sequence[tuple[int, int]],
+    ) -> torch.Tensor | None: ...
+
+
+def expert_pass(
+    ffn_model: FFNModelLike, layer_idx: int, items: Sequence[WorkRows], graphs: GraphedPass | None = None
+) -> list[torch.Tensor]:
     """Items of one layer → per item `[R_i, H]` fp32: its rows' weighted sum over their local experts,
     plus the shared experts on its leading `shared_rows` rows. One routed pass and one shared pass for
-    all items together."""
+    all items together; with `graphs`, one replay where a graph holds the rows (the results are then views
+    of the graph's output: write them out before the next pass)."""
     if not items:
         return []
     sizes = [it.x.shape[0] for it in items]
     shared = [it.shared_rows for it in items]
     x = _cat([it.x for it in items])  # [N, H]
+    if graphs is not None and x.shape[0]:
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        ids, weights = _cat([it.topk_ids for it in items]), _cat([it.topk_weights for it in items])
+        out = graphs.run(layer_idx, x, ids, weights, list(zip(starts, shared, strict=True)))
+        if out is not None:
+            return list(out.split(sizes))
     routing = Routing(_cat([it.topk_ids for it in items]).long(), _cat([it.topk_weights for it in items]).float())
     if x.shape[0]:
         out = ffn_model.experts_topk(layer_idx, x, routing).float()  # [N, H] fp32

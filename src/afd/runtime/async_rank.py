@@ -17,6 +17,7 @@ import torch
 
 from afd.connectors.async_window import AsyncAttentionExchange, AsyncFFNServer, run_ffn_loop
 from afd.distributed import World, init_world
+from afd.ffn_graphs import ExpertPassGraphs
 from afd.runtime.online import run_online, stop_on_signals
 from afd.runtime.rank import RankJob, drive_replica, engine_for, select_device, world_options, write_outputs
 from afd.topology import AsyncTopology
@@ -96,7 +97,10 @@ def run_async_rank(job: RankJob) -> None:
             experts = topo.expert_ranges[job.role_rank]
             ffn_model = load_ffn_model(job.spec.model, expert_range=experts, **load_args)
             warm_up_ffn(ffn_model, device)  # compile the kernels before the first work item
-            server = AsyncFFNServer(world.store, topo, job.role_rank, **endpoint_args)
+            graphs = ExpertPassGraphs(ffn_model) if ExpertPassGraphs.usable(ffn_model) else None
+            if graphs is not None:
+                graphs.capture_all()  # one replay per layer at decode sizes: the host launches once per message
+            server = AsyncFFNServer(world.store, topo, job.role_rank, expert_graphs=graphs, **endpoint_args)
             if job.serve_address is not None:
                 stop_on_signals()  # a server's FFN rank ends when every replica shut down, also after a signal
             run_ffn_loop(server, ffn_model)

@@ -1,0 +1,83 @@
+"""The FFN rank's replayed expert pass (`afd.ffn_graphs`): its padding and shared-row mask on CPU (run eagerly,
+`capture=False`), and on CUDA capture + replay against the eager expert pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from afd.connectors.expert_pass import WorkRows, expert_pass
+from afd.ffn_graphs import ExpertPassGraphs
+from afd.weights import load_ffn_model
+
+
+def _items(config, sizes_shared, *, expert_range, device="cpu", dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    items = []
+    for rows, shared in sizes_shared:
+        x = torch.randn(rows, config.hidden_size, generator=gen).to(device, dtype)
+        ids = (
+            torch.stack(
+                [
+                    torch.randperm(config.n_routed_experts, generator=gen)[: config.num_experts_per_tok]
+                    for _ in range(rows)
+                ]
+            )
+            if rows
+            else torch.zeros(0, config.num_experts_per_tok, dtype=torch.long)
+        )
+        weights = torch.rand(rows, config.num_experts_per_tok, generator=gen)
+        items.append(WorkRows(x, ids.to(device, torch.int32), weights.to(device), shared))
+    return items
+
+
+@pytest.mark.parametrize(
+    "expert_range, sizes_shared",
+    [
+        (None, [(5, 5)]),  # one item, every row with its shared experts (F = 1)
+        ((2, 6), [(3, 1)]),  # a subset of the experts; one row with the shared experts
+        ((0, 4), [(2, 2), (7, 3), (1, 0)]),  # items from three replicas in one pass
+    ],
+)
+def test_padded_pass_equals_the_eager_expert_pass(expert_range, sizes_shared) -> None:
+    ffn = load_ffn_model("tiny", expert_range=expert_range)
+    graphs = ExpertPassGraphs(ffn, buckets=(1, 4, 16), capture=False)
+    items = _items(ffn.config, sizes_shared, expert_range=expert_range)
+    layer = graphs.moe_layers[0]
+    with torch.inference_mode():
+        want = expert_pass(ffn, layer, items)
+        got = expert_pass(ffn, layer, items, graphs)
+    assert [g.shape for g in got] == [w.shape for w in want]
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)  # fp32 GEMMs over other row counts round apart
+
+
+def test_rows_beyond_the_largest_bucket_or_a_dense_layer_fall_back() -> None:
+    ffn = load_ffn_model("tiny")
+    graphs = ExpertPassGraphs(ffn, buckets=(1, 2), capture=False)
+    x = torch.randn(3, ffn.config.hidden_size)
+    ids, weights = torch.zeros(3, ffn.config.num_experts_per_tok, dtype=torch.long), torch.ones(3, 2)
+    assert graphs.run(graphs.moe_layers[0], x, ids, weights, [(0, 3)]) is None
+    dense = [i for i in range(ffn.config.num_hidden_layers) if not ffn.config.is_moe_layer(i)]
+    if dense:
+        assert graphs.run(dense[0], x[:1], ids[:1], weights[:1], [(0, 1)]) is None
+    assert not ExpertPassGraphs.usable(ffn)  # CPU: never captured
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_replay_equals_the_eager_expert_pass_bf16() -> None:
+    ffn = load_ffn_model("deepseek-v2-lite", dtype="bfloat16", device="cuda", expert_range=(0, 32))
+    assert ExpertPassGraphs.usable(ffn)
+    graphs = ExpertPassGraphs(ffn, buckets=(1, 8, 64))
+    layer = graphs.moe_layers[0]
+    with torch.inference_mode():
+        for sizes_shared in ([(1, 1)], [(5, 2)], [(40, 40), (9, 4)]):
+            items = _items(ffn.config, sizes_shared, expert_range=(0, 32), device="cuda", dtype=torch.bfloat16)
+            want = [w.clone() for w in expert_pass(ffn, layer, items)]
+            got = [g.clone() for g in expert_pass(ffn, layer, items, graphs)]
+            for g, w in zip(got, want, strict=True):
+                # a bucket's GEMMs may tile differently than the eager rows': bf16 products, fp32 sums
+                torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)
+                assert (g - w).abs().mean() < 2e-3
+    assert len(graphs._graphs) >= 2
