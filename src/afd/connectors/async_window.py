@@ -337,10 +337,11 @@ class AsyncAttentionExchange(_AsyncEndpoint):
         for f, header in headers.items():
             self.window.layout.check_fits(header, self.peer_world(f))
         stages = {f: self._free_stage(f) for f in headers}
-        # one gather of every destination's rows; each message is a segment of it
-        rows_x = x.index_select(0, plan.token_index)  # [N, H]
-        rows_ids = topk_ids.index_select(0, plan.token_index).to(torch.int32)  # [N, K]
-        rows_w = topk_weights.index_select(0, plan.token_index).to(torch.float32)  # [N, K]
+        # one gather of every destination's rows; each message is a segment of it (one FFN rank: the rows are x's)
+        gather = (lambda t: t) if self.topology.num_ffn == 1 else (lambda t: t.index_select(0, plan.token_index))
+        rows_x = gather(x)  # [N, H]
+        rows_ids = gather(topk_ids).to(torch.int32)  # [N, K]
+        rows_w = gather(topk_weights).to(torch.float32)  # [N, K]
         sent: dict[int, InFlight] = {}
         for f, header in headers.items():
             seg = plan.segment(f)
@@ -413,6 +414,14 @@ class AsyncAttentionExchange(_AsyncEndpoint):
         back behind the combine and checked at a later recv (`_check_replies`), off the critical path."""
         self._check_replies(block=False)
         plan, stream = pending.plan, torch.cuda.current_stream(self.device)
+        if self.topology.num_ffn == 1 and pending.sent:  # one answer, row t for token t: it is the sum
+            sent = pending.sent[0]
+            views = self.window.wait_flag(0, sent.stage, sent.seq, stream)
+            # a copy, never a view of the window: the next reply into this slot must not change the result
+            result = views.out[: pending.num_tokens].to(pending.dtype, copy=True)
+            self._read_back_header(pending, 0, views.header)
+            self._in_flight.discard((0, sent.stage))
+            return result
         acc = torch.zeros(pending.num_tokens, self.hidden_size, dtype=torch.float32, device=self.device)  # [T, H]
         for f in sorted(pending.sent):
             sent = pending.sent[f]
