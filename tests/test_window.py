@@ -380,17 +380,18 @@ def test_shutdown_drops_what_the_departed_sender_left_unread() -> None:
         sender.write_slot(1, 0, 0, SlotHeader(flags=FLAG_SHUTDOWN))
 
 
-def test_version_3_slot_carries_topk_in_band_and_v2_peers_are_refused() -> None:
-    """Version 3: one row per (token, FFN rank) with ids and weights; no per-expert counts in the header."""
+def test_version_4_slot_carries_topk_in_band_and_older_peers_are_refused() -> None:
+    """Version 3's layout (one row per (token, FFN rank) with ids and weights; no per-expert counts in the header)
+    with version 4's reply stamp (the request's seq): a version 3 peer stamps replies otherwise and is refused."""
     layout = make_layout(hidden=64, dtype=torch.bfloat16)
-    assert VERSION == 3 and set(layout.fields) == {"header", "rows", "topk_ids", "topk_weights"}
+    assert VERSION == 4 and set(layout.fields) == {"header", "rows", "topk_ids", "topk_weights"}
     words = encode_header(SlotHeader())
     assert len(words) == HEADER_WORDS
-    with pytest.raises(WindowProtocolError, match="version 2, this build speaks 3"):
-        decode_header([words[0], 2, *words[2:]])
+    with pytest.raises(WindowProtocolError, match="version 3, this build speaks 4"):
+        decode_header([words[0], 3, *words[2:]])
     store = dist.HashStore()
     mine = WindowGeometry(layout, 2, 1).as_dict()
     assert mine["reply_dtype"] == "float32" and mine["topk"] == 2
-    store.set("afd_async/geometry/1", json.dumps({**mine, "version": 2}))
-    with pytest.raises(ValueError, match="protocol version 3 on world rank 0 but 2 on world rank 1"):
+    store.set("afd_async/geometry/1", json.dumps({**mine, "version": 3}))
+    with pytest.raises(ValueError, match="protocol version 4 on world rank 0 but 3 on world rank 1"):
         check_geometry(store, 0, 2, mine, timeout_s=1.0)

@@ -40,7 +40,9 @@ MAGIC = int.from_bytes(b"AFDG", "little")
 # 1: the seed's slot with route_table/shared_idx, shutdown written into ring stage 0.
 # 2: no route_table/shared_idx, a shutdown flag per region, seq words mod 2**32.
 # 3: one row per (token, destination FFN rank) with its top-k ids and fp32 weights; one partial sum back.
-VERSION = 3
+# 4: a reply is stamped (flag and header seq) with its request's seq, not the FFN rank's own counter, so the
+#    attention rank knows the flag value its stream waits for (device-side waits); the layout is version 3's.
+VERSION = 4
 HEADER_WORDS = 12
 ALIGN = 256
 FLAG_RESPONSE = 1 << 0  # FFN → attention (combine) message
