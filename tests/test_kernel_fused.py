@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from gpu_timing import graph_ms
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -365,28 +366,7 @@ def test_gpu_cuda_graph_replay_equals_eager_kernels(T):
 
 
 def _graph_ms(fn, reps: int = 50, rounds: int = 5) -> float:
-    """ms per call of `fn`, `reps` calls captured in one CUDA graph (as the decode step runs them), median round."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / reps)
-    return sorted(times)[len(times) // 2]
+    return graph_ms(fn, reps, rounds)
 
 
 def _bench_ops(T: int) -> dict:

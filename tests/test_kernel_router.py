@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from gpu_timing import graph_ms
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -403,28 +404,8 @@ def test_gpu_cuda_graph_replay_equals_eager(model, T, fresh_counters):
 
 
 def _graph_us(fn, reps: int = 50, rounds: int = 7) -> float:
-    """us per call of `fn`, `reps` calls captured in one CUDA graph (as the decode step runs them), median round."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / reps)
-    return sorted(times)[len(times) // 2]
+    """us per call of `fn` inside a CUDA graph (`gpu_timing.graph_ms`)."""
+    return graph_ms(fn, reps, rounds) * 1e3
 
 
 def _stream_us(fn, reps: int = 200) -> float:

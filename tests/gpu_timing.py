@@ -1,0 +1,33 @@
+"""Device time of a GPU call as the decode step runs it: many calls captured in one CUDA graph (so a Triton
+launch's host cost, 20-40 us, is not counted), the median of a few replays. Shared by the kernel benchmarks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def graph_ms(fn: Callable[[], object], reps: int = 50, rounds: int = 5) -> float:
+    """ms per call of `fn`, `reps` calls captured in one CUDA graph, median of `rounds` replays."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and allocate outside the capture
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / reps)
+    return sorted(times)[len(times) // 2]
