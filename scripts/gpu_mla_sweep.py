@@ -2,7 +2,8 @@
 
 One JSON line per point on stdout: batch, context, splits, block_n, warps, stages, microseconds per call (mean
 of calls captured in a CUDA graph, replayed between two events), the latent bytes read per call and GB/s, and the
-largest difference from the default launch. Run: python scripts/gpu_mla_sweep.py [--quick]
+largest difference from the default launch.
+Run: python scripts/gpu_mla_sweep.py [--quick] > OUT.jsonl; python scripts/gpu_mla_sweep.py --summary OUT.jsonl
 """
 
 from __future__ import annotations
@@ -50,7 +51,25 @@ def time_us(fn, calls: int = 20, replays: int = 10) -> float:
     return start.elapsed_time(end) * 1e3 / (calls * replays)
 
 
+def summarize(path: str) -> None:
+    """The default launch's point and the fastest point of every shape in a sweep's output."""
+    best: dict[tuple[int, int], dict] = {}
+    for line in open(path):
+        r = json.loads(line)
+        if "us" not in r:
+            continue
+        key = (r["batch"], r["context"])
+        if key not in best or r["us"] < best[key]["us"]:
+            best[key] = r
+        if r["splits"] == r["default_splits"] and r["block_n"] == 32 and r["warps"] == 4 and r["stages"] == 2:
+            print("default", r)  # noqa: T201 - the script's output
+    for r in best.values():
+        print("best", r)  # noqa: T201 - the script's output
+
+
 def main() -> None:
+    if "--summary" in sys.argv:
+        return summarize(sys.argv[sys.argv.index("--summary") + 1])
     quick = "--quick" in sys.argv
     gen = torch.Generator().manual_seed(0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count

@@ -18,21 +18,7 @@ timeout 90 python3 -m afd bench exchange --model deepseek-v2-lite --dtype bfloat
 echo "bench exchange rc=$? in $((SECONDS - t0)) s"
 timeout 150 python3 scripts/gpu_mla_sweep.py >"$OUT/mla_sweep.jsonl" 2>"$OUT/mla_sweep.err"
 echo "mla sweep rc=$? $(wc -l <"$OUT/mla_sweep.jsonl") points"; tail -n 2 "$OUT/mla_sweep.err"
-python3 - "$OUT/mla_sweep.jsonl" <<'PY'
-import json, sys
-best = {}
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    if "us" not in r:
-        continue
-    key = (r["batch"], r["context"])
-    if key not in best or r["us"] < best[key]["us"]:
-        best[key] = r
-    if r["splits"] == r["default_splits"] and r["block_n"] == 32 and r["warps"] == 4 and r["stages"] == 3:
-        print("default", r)
-for r in best.values():
-    print("best", r)
-PY
+python3 scripts/gpu_mla_sweep.py --summary "$OUT/mla_sweep.jsonl"
 B=/tmp/afd_bench; mkdir -p "$B"
 OUT=$B STEP_TIMEOUT=150 bash scripts/gpu_bench.sh --connectors p2p,async >/dev/null 2>&1
 for f in "$B"/*.json; do echo "== $f"; python3 -c "

@@ -12,21 +12,7 @@ OUT=$EV STEP_TIMEOUT=90 bash scripts/gpu_evidence.sh
 tar -czf "$OUT/evidence.tar.gz" -C "$EV" .
 timeout 150 python3 scripts/gpu_mla_sweep.py >"$OUT/mla_sweep.jsonl" 2>"$OUT/mla_sweep.err"
 echo "mla sweep rc=$? $(wc -l <"$OUT/mla_sweep.jsonl") points"; tail -n 2 "$OUT/mla_sweep.err"
-python3 - "$OUT/mla_sweep.jsonl" <<'PY'
-import json, sys
-best = {}
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    if "us" not in r:
-        continue
-    key = (r["batch"], r["context"])
-    if key not in best or r["us"] < best[key]["us"]:
-        best[key] = r
-    if r["splits"] == r["default_splits"] and r["block_n"] == 32 and r["warps"] == 4 and r["stages"] == 3:
-        print("default", r)
-for r in best.values():
-    print("best", r)
-PY
+python3 scripts/gpu_mla_sweep.py --summary "$OUT/mla_sweep.jsonl"
 B=/tmp/afd_bench; mkdir -p "$B"
 source "$(dirname "$0")/device_env.sh"
 OUT=$B timeout 200 python3 -m afd bench --model deepseek-v2-lite --dtype bfloat16 --device cuda --attention 2 --ffn 2 \
