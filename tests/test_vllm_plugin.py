@@ -115,6 +115,17 @@ def _engine(**overrides) -> EngineSettings:
         (lambda: check_engine(parse_config({}), _engine(enforce_eager=False)), "enforce_eager=True"),
         (lambda: check_engine(parse_config({}), _engine(tensor_parallel_size=2)), "tensor_parallel_size=1"),
         (
+            lambda: check_engine(parse_config({"connector_extra_config": {"p2p_ubatching": True}}), _engine()),
+            "turn it off in connector_extra_config",
+        ),
+        (
+            lambda: check_engine(
+                parse_config({"connector": "async", "connector_extra_config": {"async_moe_ubatching": True}}),
+                _engine(),
+            ),
+            "vLLM runs a step as one forward",
+        ),
+        (
             lambda: check_engine(parse_config({"connector": "async", "num_attention_ranks": 2}), _engine()),
             "num_attention_ranks=2 but vLLM runs data_parallel_size=1",
         ),

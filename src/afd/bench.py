@@ -98,7 +98,7 @@ def run_bench(
     ubatches: tuple[int, ...] = (1,),
     progress=None,
 ) -> dict:
-    """Each connector once, and `async` once per micro-batch count in `ubatches` (1: off; p2p has none)."""
+    """Each connector once per micro-batch count in `ubatches` (1: off)."""
     from afd.weights import load_model_config
 
     say = progress or log.info
@@ -122,10 +122,10 @@ def run_bench(
         "workload": asdict(workload),
         "runs": [],
     }
-    runs = [(c, m) for c in connectors for m in (ubatches if c == "async" else (1,))]
+    runs = [(c, m) for c in connectors for m in ubatches]
     for connector, m in runs:
         say(f"throughput: {run_label(connector, m)} {num_attn}A{num_ffn}F ...")
-        run = run_connector(connector, num_attn, num_ffn, spec, prompts, extra_config=ubatch_config(m))
+        run = run_connector(connector, num_attn, num_ffn, spec, prompts, extra_config=ubatch_config(connector, m))
         result["runs"].append({**run_summary(run), "ubatches": m})
     if score:
         say("numerics: single-process reference ...")
@@ -144,16 +144,19 @@ def run_bench(
         result["numerics"] = {}
         for connector, m in runs:
             say(f"numerics: {run_label(connector, m)} scoring the reference's sequences ...")
-            run = run_connector(connector, num_attn, num_ffn, score_spec, scored, extra_config=ubatch_config(m))
+            run = run_connector(
+                connector, num_attn, num_ffn, score_spec, scored, extra_config=ubatch_config(connector, m)
+            )
             result["numerics"][run_label(connector, m)] = probability_diff(ref_scores, run)
     return result
 
 
-def ubatch_config(num_ubatches: int) -> dict:
-    """`connector_extra_config` for async micro-batching in `num_ubatches` (1: off)."""
+def ubatch_config(connector: str, num_ubatches: int) -> dict:
+    """`connector_extra_config` for `connector`'s micro-batching in `num_ubatches` (1: off)."""
     if num_ubatches == 1:
         return {}
-    return {"async_moe_ubatching": True, "async_moe_num_ubatches": num_ubatches}
+    prefix = "async_moe" if connector == "async" else connector
+    return {f"{prefix}_ubatching": True, f"{prefix}_num_ubatches": num_ubatches}
 
 
 def run_label(connector: str, num_ubatches: int) -> str:

@@ -350,11 +350,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from afd.bench import Workload, format_bench, run_bench, ubatch_config
 
     workload = Workload(args.requests, args.long_len, args.short_len, args.max_new_tokens)
-    for m in args.ubatches:  # what the async config would refuse, refused here, before any rank starts
-        try:
-            parse_config({"connector": "async", "connector_extra_config": ubatch_config(m)})
-        except InputError as exc:
-            raise UsageError(f"--ubatches {m}: {exc}") from None
+    for connector in args.connectors:  # what a connector's config would refuse, refused here, before any rank starts
+        for m in args.ubatches:
+            try:
+                parse_config({"connector": connector, "connector_extra_config": ubatch_config(connector, m)})
+            except InputError as exc:
+                raise UsageError(f"--ubatches {m}: {exc}") from None
     prompts = [[0] * len(p) for p in workload.prompts(1, args.attention)]
     # scoring feeds prompt + continuation back in and asks for one more token
     model_config = check_prompts(args.model, prompts, args.device, args.max_new_tokens + (0 if args.no_score else 1))
@@ -432,7 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--ubatches",
         type=size_list("--ubatches"),
         default="1",
-        help="async micro-batch counts to run, comma-separated (1: off; p2p runs once)",
+        help="micro-batch counts to run each connector with, comma-separated (1: off)",
     )
     p.add_argument("--no-score", action="store_true", help="skip the numerics comparison")
     p.add_argument("--json", help="also write the raw result (JSON) to this file")

@@ -119,19 +119,47 @@ def _reject_unknown(where: str, given: dict, known: list[str]) -> None:
         raise ConfigError(f"unknown key {unknown[0]!r} in {where}; accepted keys are {', '.join(known)}")
 
 
+MAX_UBATCHES = 16  # far above the 2-4 that ping-pong wants; each one is a ring stage of window memory (async)
+
+
 @dataclass(frozen=True)
 class P2pExtraConfig:
-    """`connector_extra_config` of `p2p`."""
+    """`connector_extra_config` of `p2p`.
+
+    `p2p_ubatching` splits every eager step of two or more sequences into `p2p_num_ubatches` micro-batches in
+    ping-pong; the FFN ranks then serve that many micro-batch slots per boundary layer in every step of the wave.
+    """
 
     timeout_s: float = 120.0  # bound on every rendezvous and transfer wait
+    p2p_ubatching: bool = False
+    p2p_num_ubatches: int = 2
 
     @classmethod
     def from_dict(cls, raw: dict) -> P2pExtraConfig:
         _reject_unknown("connector_extra_config for p2p", raw, [f.name for f in fields(cls)])
-        return cls(timeout_s=_check_float("connector_extra_config.timeout_s", raw.get("timeout_s", 120.0), above=0))
+        d, key = cls(), "connector_extra_config."
+        return cls(
+            timeout_s=_check_float(key + "timeout_s", raw.get("timeout_s", d.timeout_s), above=0),
+            p2p_ubatching=_check_bool(key + "p2p_ubatching", raw.get("p2p_ubatching", d.p2p_ubatching)),
+            p2p_num_ubatches=_check_int(
+                key + "p2p_num_ubatches",
+                raw.get("p2p_num_ubatches", d.p2p_num_ubatches),
+                minimum=1,
+                maximum=MAX_UBATCHES,
+            ),
+        )
 
+    def __post_init__(self) -> None:
+        if self.p2p_ubatching and self.p2p_num_ubatches < 2:
+            raise ConfigError(
+                "connector_extra_config.p2p_num_ubatches must be at least 2 when p2p_ubatching is true, "
+                f"got {self.p2p_num_ubatches}"
+            )
 
-MAX_UBATCHES = 16  # far above the 2-4 that ping-pong wants; each one is a ring stage of window memory
+    @property
+    def num_ubatches(self) -> int:
+        """Micro-batch slots per step and boundary layer: `p2p_num_ubatches` when `p2p_ubatching`, else 1."""
+        return self.p2p_num_ubatches if self.p2p_ubatching else 1
 
 
 @dataclass(frozen=True)
@@ -150,6 +178,11 @@ class AsyncExtraConfig:
     async_moe_num_ubatches: int = 2
     async_moe_split: str = "token"
     timeout_s: float = 120.0  # bound on every rendezvous and window wait, as p2p's
+
+    @property
+    def num_ubatches(self) -> int:
+        """Micro-batches a step is split into: `async_moe_num_ubatches` when `async_moe_ubatching`, else 1."""
+        return self.async_moe_num_ubatches if self.async_moe_ubatching else 1
 
     @classmethod
     def from_dict(cls, raw: dict) -> AsyncExtraConfig:

@@ -3,7 +3,7 @@
 One step = schedule -> `exchange.begin_step(T)` (if present) -> forward of the flattened batch ->
 sample -> post-process. The exchange is the only way to the FFN side, so the same engine drives the
 local reference (`LocalExchange`) and every disaggregated connector. An exchange with `num_ubatches` > 1
-(async micro-batching) gets the forward as that many micro-batches in ping-pong (`afd.model.run_ubatches`).
+(async or p2p micro-batching) gets the forward as that many micro-batches in ping-pong (`afd.model.run_ubatches`).
 
 Chunked prefill: a step is the running decodes (one token each, first) plus prompt chunks that fill
 what is left of `max_num_batched_tokens`, so a long prompt never stalls the decodes and no step is ever
@@ -429,8 +429,9 @@ class Engine:
 
     @property
     def num_ubatches(self) -> int:
-        """Micro-batches a step is split into: the exchange's (async with `async_moe_ubatching`), else 1. An exchange
-        with more than one must have `send`/`recv` (`afd.model.SendRecv`); a split step calls no `begin_step`."""
+        """Micro-batches a step is split into: the exchange's (`async_moe_ubatching`, `p2p_ubatching`), else 1. An
+        exchange with more than one must have `send`/`recv` (`afd.model.SendRecv`); a split step calls
+        `begin_step(T, tokens per micro-batch)` where the exchange has one (p2p: the FFN ranks must know them)."""
         return int(getattr(self.exchange, "num_ubatches", 1))
 
     def _forward_ubatches(
@@ -456,6 +457,8 @@ class Engine:
             ids, pos, *sampled = self.kv_cache.prepare(part, *host)
             last = sampled[0] if sampled else last
             segments.append(self.model.forward_segments(ids, pos, part, self.kv_cache))
+        if hasattr(self.exchange, "begin_step"):  # p2p: the control plane announces every micro-batch's rows
+            self.exchange.begin_step(batch.num_tokens, [starts[g.stop] - starts[g.start] for g in ubatches])
         self.ubatched_steps += 1
         return torch.cat(run_ubatches(segments, self.exchange)), last
 

@@ -10,17 +10,28 @@ weights packed into one buffer whose layout both sides derive from the control p
 pairs go to the FFN rank owning the expert (`expert_ranges`) through an all-to-all, and come back
 for a weighted fp32 sum plus the locally computed shared experts.
 
+Micro-batches (`p2p_ubatching`, m = `num_ubatches` > 1): the engine splits a step into at most m
+micro-batches and drives them in ping-pong through `send` (posts the fused message, returns at once) and
+`recv` (the oldest send's answer). Every step of the wave then has m slots per boundary layer: the control
+message carries each slot's token count (a whole step fills slot 0, unused slots are empty and cost no
+message), and the FFN ranks serve, layer by layer, the slots in send order up to the last one any rank of
+the wave filled (they agree on it once per step), so the expert all-to-alls stay in lockstep. Answers travel
+on a second group (`back`): on NCCL its own communicator and stream, so a micro-batch's rows never queue
+behind another's answer on one peer-to-peer stream.
+
 Reading order: wiring (pure, in `p2p_wire`) -> groups -> attention exchange -> FFN loop.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
 from afd.connectors.p2p_wire import (  # noqa: F401 - the wiring is part of this connector's API
     EpDispatch,
@@ -39,8 +50,9 @@ from afd.topology import SyncTopology, expert_ranges
 
 logger = logging.getLogger(__name__)
 
-# Control message per step, attention -> FFN: [num_tokens, is_wave_finished, is_wave_idle] int64. An idle
-# wave (no replica has work: a server between requests) skips every layer on both sides.
+# Control message per step, attention -> FFN: [num_tokens, is_wave_finished, is_wave_idle] int64, followed with
+# micro-batches by the m slots' token counts. An idle wave (no replica has work: a server between requests) skips
+# every layer on both sides.
 CTRL_LEN = 3
 TAG_CTRL, TAG_ROWS, TAG_OUT = 0, 1, 4  # TAG_ROWS: the fused payload (it replaced x, ids, weights: tags 1, 2, 3)
 
@@ -56,10 +68,23 @@ class P2pGroups:
     ctrl: Group  # same members, always gloo (host-side counts)
     ep: Group | None  # FFN role: all FFN ranks, group rank = FFN rank
     wave: Group | None  # attention role: all attention ranks, group rank = attention rank
+    back: Group | None = None  # micro-batches: the sync group's members again, for the answers (else `data`)
+    ffn_wave: Group | None = None  # micro-batches, FFN role, F > 1: all FFN ranks, gloo (the slots in use)
+
+    @property
+    def answers(self) -> Group:
+        """The group FFN -> attention answers travel on."""
+        return self.back if self.back is not None else self.data
 
 
-def build_p2p_groups(world: World, topology: SyncTopology, name: str = "p2p") -> P2pGroups:
-    """Create this rank's groups; every rank calls it once per connector with the same `name`."""
+def ctrl_len(num_ubatches: int) -> int:
+    """Words of the step's control message: the slot counts travel only with micro-batches (m > 1)."""
+    return CTRL_LEN + (num_ubatches if num_ubatches > 1 else 0)
+
+
+def build_p2p_groups(world: World, topology: SyncTopology, name: str = "p2p", answers_apart: bool = False) -> P2pGroups:
+    """Create this rank's groups; every rank calls it once per connector with the same `name`.
+    `answers_apart` (micro-batches): FFN -> attention answers get their own group `back`."""
     if world.world_size != topology.world_size or world.me.world_order != "ffn_first":
         raise ValueError("the p2p connector needs a world of A+F ranks in ffn_first order")
     role, role_rank = world.me.role, world.me.role_rank
@@ -69,20 +94,38 @@ def build_p2p_groups(world: World, topology: SyncTopology, name: str = "p2p") ->
     ctrl = data if world.backend == "gloo" else world.new_group(f"{name}/sync{sync.index}/ctrl", members, "gloo")
     ffn_world = [topology.world_rank("ffn", f) for f in range(topology.num_ffn)]
     attn_world = [topology.world_rank("attention", a) for a in range(topology.num_attention)]
+    back = world.new_group(f"{name}/sync{sync.index}/back", members) if answers_apart else None
     ep = world.new_group(f"{name}/ffn_ep", ffn_world) if role == "ffn" else None
     wave = world.new_group(f"{name}/attn_wave", attn_world, "gloo") if role == "attention" else None
+    ffn_wave = None
+    if answers_apart and role == "ffn" and topology.num_ffn > 1:
+        ffn_wave = world.new_group(f"{name}/ffn_wave", ffn_world, "gloo")
     assert data is not None and ctrl is not None
-    return P2pGroups(data=data, ctrl=ctrl, ep=ep, wave=wave)
+    return P2pGroups(data=data, ctrl=ctrl, ep=ep, wave=wave, back=back, ffn_wave=ffn_wave)
 
 
 # ---------------------------------------------------------------------------------------------
 # Attention side
 # ---------------------------------------------------------------------------------------------
+@dataclass
+class PendingRows:
+    """One boundary's rows on the wire (`send`) until `recv` takes the answer: the transfers in flight, the
+    answer buffers they fill (one per FFN peer, in row order) and the payloads the sends read (held until
+    they complete)."""
+
+    layer_idx: int
+    works: list[tuple[Any, str]]
+    outs: list[torch.Tensor]  # [n_i, H] each
+    payloads: list[torch.Tensor]
+
+
 class P2pAttentionExchange:
     """The model's `exchange(layer_idx, x, routing)` for one attention replica, over p2p.
 
     Drive it per step: `while ex.step_wave(engine.has_work()): engine.step()` — the engine calls
-    `begin_step(T)` then the exchange once per boundary layer (with `[0, H]` when idle).
+    `begin_step(T)` then the exchange once per boundary layer (with `[0, H]` when idle). With
+    `num_ubatches` m > 1 the engine may instead split the step: `begin_step(T, [t_0, .., t_k-1])` (k <= m)
+    then `send` / `recv` in ping-pong (`afd.model.run_ubatches`), micro-batch i's boundaries in slot i.
     """
 
     def __init__(
@@ -93,18 +136,25 @@ class P2pAttentionExchange:
         gate_on_attention: bool,
         topk: int | None = None,
         boundary_layers: Sequence[int] | None = None,
+        num_ubatches: int = 1,
         name: str = "p2p",
     ) -> None:
         if world.me.role != "attention":
             raise ValueError(f"{world.me.name} is not an attention rank")
+        if num_ubatches < 1:
+            raise ValueError(f"num_ubatches must be at least 1, got {num_ubatches}")
         self.world, self.topology, self.attn_rank = world, topology, world.me.role_rank
         self.gate_on_attention, self.topk = gate_on_attention, topk
         self.boundary_layers = list(boundary_layers) if boundary_layers is not None else None
-        self.groups = build_p2p_groups(world, topology, name)
+        self.num_ubatches = num_ubatches  # the engine splits its steps into this many (afd.engine.num_ubatches)
+        self.groups = build_p2p_groups(world, topology, name, num_ubatches > 1)
         self.sync = topology.group("attention", self.attn_rank)
         self.device = device_for(world.backend)
         self.num_tokens: int | None = None  # this step's T, None outside a step
-        self.next_layer = 0  # index into boundary_layers within the step
+        self.slot_tokens: list[int] = []  # this step's rows per slot, as announced (m entries)
+        self.num_split = 1  # micro-batches this step runs: 1 = the whole step in slot 0, through __call__
+        self.num_sends = 0  # boundary sends of this step: send n is slot n % num_split, layer n // num_split
+        self.pending: deque[PendingRows] = deque()  # sends whose answer was not taken yet, oldest first
         self.is_finished = False
         self.num_steps = 0
         self.wave_idle = False  # whether no replica had work in the last wave
@@ -123,24 +173,39 @@ class P2pAttentionExchange:
         self.wave_idle = int(flags[0]) == 0
         if int(flags[1]) > 0:
             return True
-        self._send_ctrl(0, finished=True)
+        self._send_ctrl(0, finished=True, slots=[0] * self.num_ubatches)
         self.is_finished = True
         logger.info("%s: DP wave finished after %d steps", self.world.me.name, self.num_steps)
         return False
 
-    def begin_step(self, num_tokens: int) -> None:
-        """Control plane: tell this step's token count to every FFN member of the sync group."""
+    def begin_step(self, num_tokens: int, ubatch_tokens: Sequence[int] | None = None) -> None:
+        """Control plane: tell this step's token count to every FFN member of the sync group; with
+        micro-batches also each slot's (`ubatch_tokens`: a step split into that many micro-batches, in order;
+        None: the whole step in slot 0)."""
         if self.is_finished:
             raise RuntimeError(f"{self.world.me.name}: begin_step after the DP wave finished")
         self._check_step_end()
         if self.wave_idle and num_tokens:
             raise RuntimeError(f"{self.world.me.name}: a step of {num_tokens} tokens in a wave it said was idle")
-        self._send_ctrl(num_tokens, finished=False)
-        self.num_tokens, self.next_layer = num_tokens, 0
+        slots = self._slots(num_tokens, ubatch_tokens)
+        self._send_ctrl(num_tokens, finished=False, slots=slots)
+        self.num_tokens, self.slot_tokens, self.num_sends = num_tokens, slots, 0
+        self.num_split = len(ubatch_tokens) if ubatch_tokens is not None else 1
         self.num_steps += 1
 
-    def _send_ctrl(self, num_tokens: int, finished: bool) -> None:
-        msg = torch.tensor([num_tokens, int(finished), int(self.wave_idle and not finished)], dtype=torch.long)
+    def _slots(self, num_tokens: int, ubatch_tokens: Sequence[int] | None) -> list[int]:
+        """Rows per slot [m]: the micro-batches' counts, then empty slots."""
+        tokens = [num_tokens] if ubatch_tokens is None else [int(t) for t in ubatch_tokens]
+        if not 1 <= len(tokens) <= self.num_ubatches or sum(tokens) != num_tokens or min(tokens) < 0:
+            raise ValueError(
+                f"{self.world.me.name}: micro-batches of {tokens} tokens do not split a step of {num_tokens} "
+                f"tokens into at most {self.num_ubatches}"
+            )
+        return tokens + [0] * (self.num_ubatches - len(tokens))
+
+    def _send_ctrl(self, num_tokens: int, finished: bool, slots: list[int]) -> None:
+        words = [num_tokens, int(finished), int(self.wave_idle and not finished)]
+        msg = torch.tensor(words + (slots if self.num_ubatches > 1 else []), dtype=torch.long)
         pg = self.groups.ctrl.pg
         works = [
             (pg.send([msg], self._dst(f), TAG_CTRL), f"sending the step count to ffn {f}") for f in self.sync.ffn_ranks
@@ -149,22 +214,32 @@ class P2pAttentionExchange:
 
     def _check_step_end(self) -> None:
         if self.num_tokens is not None and self.boundary_layers is not None:
-            if self.next_layer != len(self.boundary_layers):
+            sent, expected = self.num_sends, self.num_split * len(self.boundary_layers)
+            if sent != expected or self.pending:
                 raise RuntimeError(
-                    f"{self.world.me.name}: step ended after {self.next_layer} of "
-                    f"{len(self.boundary_layers)} boundary layers"
+                    f"{self.world.me.name}: step ended after {sent} of {expected} boundary sends "
+                    f"({len(self.pending)} answers not taken)"
                 )
 
     def __call__(self, layer_idx: int, x: torch.Tensor, routing: Any | None) -> torch.Tensor:
         """x: [T, H] model dtype; routing: Routing (gate on attention) or None -> [T, H] model dtype."""
+        if self.num_split != 1:
+            raise RuntimeError(f"{self.world.me.name}: a step split into micro-batches exchanges through send/recv")
+        self.send(layer_idx, x, routing)
+        return self.recv()
+
+    def send(self, layer_idx: int, x: torch.Tensor, routing: Any | None) -> PendingRows:
+        """Post one boundary of the next micro-batch (slot `num_sends % num_split`): its fused rows to each FFN
+        peer, and the receives of the answers; returns at once (`afd.model.SendRecv`).
+        x: [n, H] model dtype; routing: Routing (gate on attention) or None."""
         self._check_layer(layer_idx, x, routing)
-        num_tokens = x.shape[0]
+        num_rows = x.shape[0]
         if len(self.sync.ffn_ranks) == 1:
-            sends = [RowSend(self.attn_rank, self.sync.ffn_ranks[0], num_tokens, 0, 0)]
+            sends = [RowSend(self.attn_rank, self.sync.ffn_ranks[0], num_rows, 0, 0)]
         else:
-            sends = attn_sends(self.topology, self.attn_rank, num_tokens)
-        pg = self.groups.data.pg
-        works, outs = [], []
+            sends = attn_sends(self.topology, self.attn_rank, num_rows)
+        pg, answers = self.groups.data.pg, self.groups.answers.pg
+        pending = PendingRows(layer_idx, [], [], [])
         for s in sends:
             if s.num_rows == 0:
                 continue
@@ -175,32 +250,41 @@ class P2pAttentionExchange:
                 layout = RowPayload(x.shape[1], routing.topk_ids.shape[1], x.dtype)
                 payload = layout.pack(x[rows], routing.topk_ids[rows], routing.topk_weights[rows])
             what = f"sending layer {layer_idx} rows to ffn {s.ffn_rank}"
-            works.append((pg.send([payload], self._dst(s.ffn_rank), TAG_ROWS), what))
+            pending.works.append((pg.send([payload], self._dst(s.ffn_rank), TAG_ROWS), what))
+            pending.payloads.append(payload)
         for s in sends:
             out = torch.empty(s.num_rows, x.shape[1], dtype=x.dtype, device=x.device)  # [n, H]
             if s.num_rows:
-                works.append(
-                    (
-                        pg.recv([out], self._dst(s.ffn_rank), TAG_OUT),
-                        f"receiving layer {layer_idx} output from ffn {s.ffn_rank}",
-                    )
-                )
-            outs.append(out)
-        self.world.wait_all(works)
-        self.next_layer += 1
-        return torch.cat(outs) if len(outs) > 1 else outs[0]  # [T, H]
+                what = f"receiving layer {layer_idx} output from ffn {s.ffn_rank}"
+                pending.works.append((answers.recv([out], self._dst(s.ffn_rank), TAG_OUT), what))
+            pending.outs.append(out)
+        self.pending.append(pending)
+        self.num_sends += 1
+        return pending
+
+    def recv(self) -> torch.Tensor:
+        """Wait for the oldest send's transfers -> its answer [n, H] model dtype (`afd.model.SendRecv`)."""
+        if not self.pending:
+            raise RuntimeError(f"{self.world.me.name}: recv without a send in flight")
+        pending = self.pending.popleft()
+        self.world.wait_all(pending.works)
+        outs = pending.outs
+        return torch.cat(outs) if len(outs) > 1 else outs[0]  # [n, H]
 
     def _check_layer(self, layer_idx: int, x: torch.Tensor, routing: Any | None) -> None:
         if self.num_tokens is None:
             raise RuntimeError(f"{self.world.me.name}: exchange called before begin_step")
-        if x.shape[0] != self.num_tokens:
+        slot, index = self.num_sends % self.num_split, self.num_sends // self.num_split
+        if x.shape[0] != self.slot_tokens[slot]:
+            whole = self.num_split == 1
             raise RuntimeError(
-                f"{self.world.me.name}: layer {layer_idx} got {x.shape[0]} rows, begin_step announced {self.num_tokens}"
+                f"{self.world.me.name}: layer {layer_idx} got {x.shape[0]} rows, begin_step announced "
+                + (f"{self.num_tokens}" if whole else f"{self.slot_tokens[slot]} for micro-batch {slot}")
             )
         if (routing is not None) != self.gate_on_attention:
             raise RuntimeError(f"routing must be given iff the gate is on attention (layer {layer_idx})")
         if self.boundary_layers is not None:
-            expected = self.boundary_layers[self.next_layer] if self.next_layer < len(self.boundary_layers) else None
+            expected = self.boundary_layers[index] if index < len(self.boundary_layers) else None
             if layer_idx != expected:
                 raise RuntimeError(f"{self.world.me.name}: exchange called for layer {layer_idx}, expected {expected}")
 
@@ -243,10 +327,13 @@ class P2pFFNLoop:
         boundary_layers: Sequence[int],
         gate_on_attention: bool,
         dense_layers: Collection[int] = (),
+        num_ubatches: int = 1,
         name: str = "p2p",
     ) -> None:
         if world.me.role != "ffn":
             raise ValueError(f"{world.me.name} is not an FFN rank")
+        if num_ubatches < 1:
+            raise ValueError(f"num_ubatches must be at least 1, got {num_ubatches}")
         if num_experts < topology.num_ffn:
             raise ValueError(f"{num_experts} routed experts cannot be spread over {topology.num_ffn} FFN ranks")
         if dense_layers and gate_on_attention:
@@ -256,11 +343,13 @@ class P2pFFNLoop:
         self.hidden_size, self.dtype = hidden_size, dtype
         self.boundary_layers, self.dense_layers = list(boundary_layers), set(dense_layers)
         self.gate_on_attention = gate_on_attention
-        self.groups = build_p2p_groups(world, topology, name)
+        self.num_ubatches = num_ubatches  # slots served per step and boundary layer (the attention side's m)
+        self.groups = build_p2p_groups(world, topology, name, num_ubatches > 1)
         self.sync = topology.group("ffn", self.ffn_rank)
         self.local_experts = expert_ranges(num_experts, topology.num_ffn)[self.ffn_rank]
         self.device = device_for(world.backend)
         self.num_steps = 0
+        self.num_slots_served = 0  # slots served over all busy steps, each through every boundary layer
         self.wave_idle = False  # no replica had work in this step's wave: no layer crosses
 
     def _src(self, attn_rank: int) -> int:
@@ -274,20 +363,38 @@ class P2pFFNLoop:
         return self.num_steps
 
     def step(self) -> bool:
-        """One engine step of every peer; False once they report the wave finished."""
-        counts = self._recv_counts()
-        if counts is None:
+        """One engine step of every peer; False once they report the wave finished. Per boundary layer the
+        slots (micro-batches) in the order the attention ranks send them: slot 0..m-1."""
+        slots = self._recv_counts()
+        if slots is None:
             return False
         if not self.wave_idle:  # every FFN rank sees the same bit, so all skip the expert all-to-all together
+            slots = slots[: self._slots_in_use(slots)]
             for layer_idx in self.boundary_layers:
-                self._layer(layer_idx, counts)
+                for counts in slots:
+                    self._layer(layer_idx, counts)
+            self.num_slots_served += len(slots)
         self.num_steps += 1
         return True
 
-    def _recv_counts(self) -> dict[int, int] | None:
-        """Per-peer control messages: {attn_rank: num_tokens}, or None when the wave is finished."""
+    def _slots_in_use(self, slots: list[dict[int, int]]) -> int:
+        """How many slots this step serves: past the wave's last non-empty slot no rank sends anything (a whole
+        step, such as a graphed decode, fills slot 0 alone). Every FFN rank must serve as many (each slot is an
+        expert all-to-all), so with several they agree on the largest: one gloo all-reduce per step."""
+        used = max((i + 1 for i, counts in enumerate(slots) if any(counts.values())), default=1)
+        if self.groups.ffn_wave is None:
+            return used
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        agreed = torch.tensor([used], dtype=torch.long)
+        self.world.wait(self.groups.ffn_wave.pg.allreduce([agreed], opts), "agreeing on the micro-batch slots in use")
+        return int(agreed[0])
+
+    def _recv_counts(self) -> list[dict[int, int]] | None:
+        """Per-peer control messages -> per slot {attn_rank: num_tokens} (one slot without micro-batches), or
+        None when the wave is finished."""
         pg = self.groups.ctrl.pg
-        msgs = {a: torch.zeros(CTRL_LEN, dtype=torch.long) for a in self.sync.attn_ranks}
+        msgs = {a: torch.zeros(ctrl_len(self.num_ubatches), dtype=torch.long) for a in self.sync.attn_ranks}
         self.world.wait_all(
             [
                 (pg.recv([m], self._src(a), TAG_CTRL), f"receiving step {self.num_steps} count from attention {a}")
@@ -301,7 +408,17 @@ class P2pFFNLoop:
                 f"others did not (step {self.num_steps})"
             )
         self.wave_idle = all(int(m[2]) for m in msgs.values())
-        return None if finished else {a: int(m[0]) for a, m in msgs.items()}
+        if finished:
+            return None
+        if self.num_ubatches == 1:
+            return [{a: int(m[0]) for a, m in msgs.items()}]
+        for a, m in msgs.items():
+            if int(m[CTRL_LEN:].sum()) != int(m[0]):
+                raise RuntimeError(
+                    f"{self.world.me.name}: attention {a} announced {int(m[0])} tokens in micro-batches of "
+                    f"{m[CTRL_LEN:].tolist()} (step {self.num_steps})"
+                )
+        return [{a: int(m[CTRL_LEN + i]) for a, m in msgs.items()} for i in range(self.num_ubatches)]
 
     def _recv_rows(self, layer_idx: int, recvs: list[RowSend]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One fused message per spoke, sized from the control plane -> x [N, H], ids [N, K] int64 and
@@ -324,8 +441,10 @@ class P2pFFNLoop:
     def _layer(self, layer_idx: int, counts: Mapping[int, int]) -> None:
         recvs = ffn_recvs(self.topology, self.ffn_rank, counts)
         num_rows = sum(s.num_rows for s in recvs)
+        if num_rows == 0 and self.topology.num_ffn == 1:
+            return  # nothing arrives, nothing goes back, and no expert all-to-all waits for this rank (empty slot)
         x, ids, weights = self._recv_rows(layer_idx, recvs)  # [N, H], [N, K], [N, K]
-        pg = self.groups.data.pg
+        pg = self.groups.answers.pg
 
         if not self.gate_on_attention and layer_idx in self.dense_layers:
             out = self.model.dense(layer_idx, x) if num_rows else torch.zeros_like(x)  # [N, H]

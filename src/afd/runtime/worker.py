@@ -46,6 +46,7 @@ def run_p2p_rank(job: RankJob) -> None:
     device = select_device(job, world_rank)
     model_config = load_model_config(job.spec.model)
     gate_on_attention = cfg.compute_gate_on_attention
+    num_ubatches = cfg.connector_extra_config.num_ubatches  # p2p_ubatching: both roles must agree
     world = init_world(
         cfg.host,
         cfg.port,
@@ -67,6 +68,7 @@ def run_p2p_rank(job: RankJob) -> None:
                 gate_on_attention=gate_on_attention,
                 topk=model_config.num_experts_per_tok,
                 boundary_layers=model.boundary_layers,
+                num_ubatches=num_ubatches,
             )
             engine = engine_for(job, model, exchange)
             if job.serve_address is not None:
@@ -74,6 +76,13 @@ def run_p2p_rank(job: RankJob) -> None:
             else:
                 outputs, stats = drive_replica(engine, job, exchange.step_wave)
                 write_outputs(job, outputs, stats)
+                if num_ubatches > 1:
+                    log.info(
+                        "attention rank %d: %d of %d steps ran as micro-batches",
+                        job.role_rank,
+                        engine.ubatched_steps,
+                        stats.num_steps,
+                    )
         else:
             experts = expert_ranges(model_config.n_routed_experts, cfg.num_ffn_ranks)[job.role_rank]
             ffn_model = load_ffn_model(job.spec.model, expert_range=experts, **common)
@@ -91,6 +100,7 @@ def run_p2p_rank(job: RankJob) -> None:
                 boundary_layers=boundary,
                 gate_on_attention=gate_on_attention,
                 dense_layers=dense,
+                num_ubatches=num_ubatches,
             )
             if job.serve_address is not None:
                 stop_on_signals()  # a server's FFN rank ends with the wave, also after a stop signal

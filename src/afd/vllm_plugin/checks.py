@@ -100,6 +100,11 @@ def check_engine(cfg: AFDConfig, engine: EngineSettings) -> None:
             "sends to keep the FFN ranks waiting would not line up across data-parallel engines; use the async "
             "connector for several attention ranks, or set num_attention_ranks to 1"
         )
+    if cfg.connector_extra_config.num_ubatches > 1:
+        raise AdapterError(
+            "micro-batch ping-pong (async_moe_ubatching / p2p_ubatching) needs afd's engine to split each step; "
+            "vLLM runs a step as one forward, so turn it off in connector_extra_config"
+        )
     if not engine.enforce_eager:
         raise AdapterError(
             "the afd MoE exchange talks to the FFN ranks from Python, which torch.compile and CUDA graphs cannot "
