@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 from afd.bench import device_name
-from afd.connectors.async_window import AsyncAttentionExchange, AsyncFFNServer, run_ffn_loop
+from afd.connectors.async_ffn import AsyncFFNServer, run_ffn_loop
+from afd.connectors.async_window import AsyncAttentionExchange
 from afd.connectors.p2p import P2pAttentionExchange, P2pFFNLoop
 from afd.distributed import World, init_world
 from afd.moe import Routing

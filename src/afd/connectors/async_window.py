@@ -2,7 +2,7 @@
 
 Attention replicas never wait for each other: an attention rank writes each FFN rank's rows into
 that rank's window (region == attn_rank) and waits only on the FFN ranks it wrote to. A token goes
-once to each FFN rank owning one of its experts, its top-k ids and weights in band (wire version 3);
+once to each FFN rank owning one of its experts, its top-k ids and weights in band (wire version 4);
 the answers are weighted partial sums that the attention side adds in FFN rank order (fp32). FFN
 ranks know nothing beforehand: they poll their window, compute whatever arrives (any layer, any
 replica, any order; the items of one layer that wait together in one expert pass) and write each
@@ -13,8 +13,11 @@ Launch (every rank, same arguments except role/role_rank):
     exchange = AsyncAttentionExchange(store, topology, attn_rank, hidden_size=..., ...)
     hidden = model.forward(..., exchange=exchange); ...; exchange.close()
 
-    server = AsyncFFNServer(store, topology, ffn_rank, hidden_size=..., ...)
+    server = AsyncFFNServer(store, topology, ffn_rank, hidden_size=..., ...)   # afd.connectors.async_ffn
     run_ffn_loop(server, ffn_model, stop_event)   # returns when every attention rank shut down
+
+This module holds the endpoint both roles share and the attention side; the FFN side is in
+`afd.connectors.async_ffn`, the peer liveness check in `afd.connectors.liveness`.
 
 Shutdown: `close()` raises this rank's shutdown flag (its own flag per region, never a ring slot) in
 every opposite-role peer's window; the FFN loop returns normally once all attention ranks announced
@@ -26,9 +29,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import socket
-import threading
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -41,10 +41,9 @@ import torch.distributed as dist
 from afd import env
 from afd.config import AsyncExtraConfig
 from afd.connectors.dispatch import DispatchPlan, ExpertMap, combine_scatter, plan_dispatch
-from afd.connectors.expert_pass import FFNModelLike, GraphedPass, WorkRows, expert_pass
+from afd.connectors.liveness import is_alive, proc_info
 from afd.connectors.window import Message, Window
 from afd.connectors.wire import (
-    FLAG_RESPONSE,
     SlotHeader,
     SlotLayout,
     WindowGeometry,
@@ -76,45 +75,10 @@ class PeerDied(RuntimeError):
 
 
 # ---------------------------------------------------------------------------------------------
-# peer liveness (both transports are single host: a pid check is exact)
-
-
-def _proc_start(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    rest = stat[stat.rfind(")") + 2 :].split()
-    return f"{rest[0]}:{rest[19]}"  # state, start time (field 22)
-
-
-def _proc_info() -> dict[str, Any]:
-    start = _proc_start(os.getpid())
-    return {"host": socket.gethostname(), "pid": os.getpid(), "start": start.split(":")[1] if start else None}
-
-
-def _is_alive(info: Mapping[str, Any]) -> bool:
-    if info.get("host") != socket.gethostname():
-        return True  # cannot tell from here
-    try:
-        os.kill(int(info["pid"]), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    stat = _proc_start(int(info["pid"]))
-    if stat is None:
-        return True
-    state, start = stat.split(":")
-    return state not in ("Z", "X") and (info.get("start") is None or start == info["start"])
-
-
-# ---------------------------------------------------------------------------------------------
 # common endpoint
 
 
-class _AsyncEndpoint:
+class AsyncEndpoint:
     """Window, geometry check, peer bookkeeping and shutdown shared by both roles."""
 
     role: Role
@@ -167,7 +131,7 @@ class _AsyncEndpoint:
         )
         geometry = WindowGeometry(layout, topology.num_regions, self.config.ring_depth)
         world = topology.world_size
-        store.set(f"{namespace}/proc/{self.world_rank}", json.dumps(_proc_info()))
+        store.set(f"{namespace}/proc/{self.world_rank}", json.dumps(proc_info()))
         factory = heap_factory or default_heap_factory(store, self.world_rank, world, self.device, timeout_s)
         self.window = Window.create(
             store,
@@ -202,7 +166,7 @@ class _AsyncEndpoint:
         """Raise PeerDied naming the first opposite-role rank whose process is gone."""
         self._last_liveness = time.monotonic()
         for p in peers if peers is not None else range(self.num_peers):
-            if p not in self.peers_closed and not _is_alive(self._peer_proc[p]):
+            if p not in self.peers_closed and not is_alive(self._peer_proc[p]):
                 raise PeerDied(
                     f"{self.opposite} rank {p} (world rank {self.peer_world(p)}, pid {self._peer_proc[p]['pid']}) "
                     f"died without announcing shutdown; {self.role} rank {self.role_rank} gives up"
@@ -242,7 +206,7 @@ class _AsyncEndpoint:
         self.announce_shutdown()
         self.window.close()
 
-    def __enter__(self) -> _AsyncEndpoint:
+    def __enter__(self) -> AsyncEndpoint:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -270,7 +234,7 @@ class PendingExchange:
     sent: dict[int, InFlight]  # ffn_rank → slot and seq; the only ranks recv waits on
 
 
-class AsyncAttentionExchange(_AsyncEndpoint):
+class AsyncAttentionExchange(AsyncEndpoint):
     """Attention side; usable as the model's `exchange(layer_idx, x, routing)`."""
 
     role: Role = "attention"
@@ -499,108 +463,3 @@ class AsyncAttentionExchange(_AsyncEndpoint):
             )
         self._in_flight.discard((f, sent.stage))
         return msg
-
-
-# ---------------------------------------------------------------------------------------------
-# FFN side
-
-
-class AsyncFFNServer(_AsyncEndpoint):
-    """FFN side: pulls work items from its window, computes local + shared experts, answers."""
-
-    role: Role = "ffn"
-
-    def __init__(
-        self,
-        store: dist.Store,
-        topology: AsyncTopology,
-        ffn_rank: int,
-        *,
-        expert_graphs: GraphedPass | None = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(store, topology, ffn_rank, **kwargs)  # closes its window itself if it fails
-        self.expert_graphs = expert_graphs  # replayed expert passes at decode sizes (afd.ffn_graphs), or None
-        self.items_served = 0
-        self.expert_passes = 0  # fewer than items_served when items of one layer were served together
-
-    def step(self, ffn_model: FFNModelLike, max_items: int | None = None) -> int:
-        """Serve up to `max_items` (default num_layers) work items; returns early on a poll timeout.
-
-        Every poll takes all the items waiting at that moment; those of one layer go through one
-        expert pass. Raises ConnectorShutdown once every attention rank has announced shutdown,
-        PeerDied if one is gone without it. No device synchronize: ordering is the stream's.
-        """
-        limit = max_items if max_items is not None else self.num_layers
-        served = 0
-        while served < limit:
-            msgs = self.window.poll_many(self.poll_timeout_s, limit - served)
-            if not msgs:
-                self.check_peers_alive()
-                break
-            work = [m for m in msgs if not m.header.is_shutdown]
-            if work:
-                self._serve(ffn_model, work)
-                served += len(work)
-            for msg in msgs:
-                if msg.header.is_shutdown:
-                    self.peers_closed.add(msg.region)
-                    logger.debug("FFN rank %d: attention rank %d shut down", self.role_rank, msg.region)
-            if len(self.peers_closed) == self.num_peers:
-                raise ConnectorShutdown("every attention rank announced shutdown")
-        if time.monotonic() - self._last_liveness > max(1.0, self.poll_timeout_s):
-            self.check_peers_alive()
-        return served
-
-    def _serve(self, ffn_model: FFNModelLike, msgs: list[Message]) -> None:
-        """Answer work items: one expert pass per layer among them, one reply per item."""
-        by_layer: dict[int, list[Message]] = {}
-        for msg in msgs:
-            h = msg.header
-            if h.is_response or not 0 <= h.layer_idx < self.num_layers or msg.region >= self.topology.num_attention:
-                raise WindowProtocolError(
-                    f"FFN rank {self.role_rank} got a malformed work item from region {msg.region} (layer "
-                    f"{h.layer_idx}, flags {h.flags})"
-                )
-            by_layer.setdefault(h.layer_idx, []).append(msg)
-        for layer_idx, group in by_layer.items():
-            items = [WorkRows(m.rows, m.topk_ids, m.topk_weights, m.header.shared_rows) for m in group]
-            outs = expert_pass(ffn_model, layer_idx, items, self.expert_graphs)  # [R_i, H] fp32 each
-            self.expert_passes += 1
-            for msg, out in zip(group, outs, strict=True):
-                h = msg.header
-                reply = SlotHeader(
-                    layer_idx=h.layer_idx,
-                    num_tokens=h.num_tokens,
-                    num_rows=h.num_rows,
-                    shared_rows=h.shared_rows,
-                    echo_seq=h.seq,
-                    flags=FLAG_RESPONSE,
-                )
-                self.window.write_slot(
-                    self.peer_world(msg.region), self.role_rank, msg.stage, reply, rows=out, seq=h.seq
-                )
-            self.items_served += len(group)
-
-    @torch.inference_mode()
-    def serve(self, ffn_model: FFNModelLike, stop_event: threading.Event | None = None) -> None:
-        """Run until every attention rank shut down (normal return) or `stop_event` is set."""
-        try:
-            while stop_event is None or not stop_event.is_set():
-                self.step(ffn_model)
-        except ConnectorShutdown as e:
-            logger.info(
-                "FFN rank %d: %s after %d work items in %d expert passes",
-                self.role_rank,
-                e,
-                self.items_served,
-                self.expert_passes,
-            )
-
-
-def run_ffn_loop(server: AsyncFFNServer, ffn_model: FFNModelLike, stop_event: threading.Event | None = None) -> None:
-    """The self-driven FFN loop; closes the server (announcing shutdown) on the way out."""
-    try:
-        server.serve(ffn_model, stop_event)
-    finally:
-        server.close()

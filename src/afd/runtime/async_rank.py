@@ -15,7 +15,8 @@ from collections.abc import Callable
 
 import torch
 
-from afd.connectors.async_window import AsyncAttentionExchange, AsyncFFNServer, run_ffn_loop
+from afd.connectors.async_ffn import AsyncFFNServer, run_ffn_loop
+from afd.connectors.async_window import AsyncAttentionExchange
 from afd.distributed import World, init_world
 from afd.ffn_graphs import ExpertPassGraphs
 from afd.runtime.online import run_online, stop_on_signals

@@ -1,0 +1,124 @@
+"""The `async` connector's FFN side: a self-driven loop that pulls work items from its window (any layer, any
+attention replica, any order), runs the items of one layer that wait together through one expert pass
+(replayed from CUDA graphs at decode sizes when given them), and writes each answer back into its sender's
+window. The protocol is in `afd.connectors.async_window`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from afd.connectors.async_window import AsyncEndpoint, ConnectorShutdown
+from afd.connectors.expert_pass import FFNModelLike, GraphedPass, WorkRows, expert_pass
+from afd.connectors.window import Message
+from afd.connectors.wire import FLAG_RESPONSE, SlotHeader, WindowProtocolError
+from afd.topology import AsyncTopology, Role
+
+logger = logging.getLogger("afd.connectors.async_window")
+
+
+class AsyncFFNServer(AsyncEndpoint):
+    """FFN side: pulls work items from its window, computes local + shared experts, answers."""
+
+    role: Role = "ffn"
+
+    def __init__(
+        self,
+        store: dist.Store,
+        topology: AsyncTopology,
+        ffn_rank: int,
+        *,
+        expert_graphs: GraphedPass | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(store, topology, ffn_rank, **kwargs)  # closes its window itself if it fails
+        self.expert_graphs = expert_graphs  # replayed expert passes at decode sizes (afd.ffn_graphs), or None
+        self.items_served = 0
+        self.expert_passes = 0  # fewer than items_served when items of one layer were served together
+
+    def step(self, ffn_model: FFNModelLike, max_items: int | None = None) -> int:
+        """Serve up to `max_items` (default num_layers) work items; returns early on a poll timeout.
+
+        Every poll takes all the items waiting at that moment; those of one layer go through one
+        expert pass. Raises ConnectorShutdown once every attention rank has announced shutdown,
+        PeerDied if one is gone without it. No device synchronize: ordering is the stream's.
+        """
+        limit = max_items if max_items is not None else self.num_layers
+        served = 0
+        while served < limit:
+            msgs = self.window.poll_many(self.poll_timeout_s, limit - served)
+            if not msgs:
+                self.check_peers_alive()
+                break
+            work = [m for m in msgs if not m.header.is_shutdown]
+            if work:
+                self._serve(ffn_model, work)
+                served += len(work)
+            for msg in msgs:
+                if msg.header.is_shutdown:
+                    self.peers_closed.add(msg.region)
+                    logger.debug("FFN rank %d: attention rank %d shut down", self.role_rank, msg.region)
+            if len(self.peers_closed) == self.num_peers:
+                raise ConnectorShutdown("every attention rank announced shutdown")
+        if time.monotonic() - self._last_liveness > max(1.0, self.poll_timeout_s):
+            self.check_peers_alive()
+        return served
+
+    def _serve(self, ffn_model: FFNModelLike, msgs: list[Message]) -> None:
+        """Answer work items: one expert pass per layer among them, one reply per item."""
+        by_layer: dict[int, list[Message]] = {}
+        for msg in msgs:
+            h = msg.header
+            if h.is_response or not 0 <= h.layer_idx < self.num_layers or msg.region >= self.topology.num_attention:
+                raise WindowProtocolError(
+                    f"FFN rank {self.role_rank} got a malformed work item from region {msg.region} (layer "
+                    f"{h.layer_idx}, flags {h.flags})"
+                )
+            by_layer.setdefault(h.layer_idx, []).append(msg)
+        for layer_idx, group in by_layer.items():
+            items = [WorkRows(m.rows, m.topk_ids, m.topk_weights, m.header.shared_rows) for m in group]
+            outs = expert_pass(ffn_model, layer_idx, items, self.expert_graphs)  # [R_i, H] fp32 each
+            self.expert_passes += 1
+            for msg, out in zip(group, outs, strict=True):
+                h = msg.header
+                reply = SlotHeader(
+                    layer_idx=h.layer_idx,
+                    num_tokens=h.num_tokens,
+                    num_rows=h.num_rows,
+                    shared_rows=h.shared_rows,
+                    echo_seq=h.seq,
+                    flags=FLAG_RESPONSE,
+                )
+                self.window.write_slot(
+                    self.peer_world(msg.region), self.role_rank, msg.stage, reply, rows=out, seq=h.seq
+                )
+            self.items_served += len(group)
+
+    @torch.inference_mode()
+    def serve(self, ffn_model: FFNModelLike, stop_event: threading.Event | None = None) -> None:
+        """Run until every attention rank shut down (normal return) or `stop_event` is set."""
+        try:
+            while stop_event is None or not stop_event.is_set():
+                self.step(ffn_model)
+        except ConnectorShutdown as e:
+            logger.info(
+                "FFN rank %d: %s after %d work items in %d expert passes",
+                self.role_rank,
+                e,
+                self.items_served,
+                self.expert_passes,
+            )
+
+
+def run_ffn_loop(server: AsyncFFNServer, ffn_model: FFNModelLike, stop_event: threading.Event | None = None) -> None:
+    """The self-driven FFN loop; closes the server (announcing shutdown) on the way out."""
+    try:
+        server.serve(ffn_model, stop_event)
+    finally:
+        server.close()
