@@ -14,7 +14,8 @@ import threading
 import time
 from pathlib import Path
 
-from afd.engine import Output, generate
+from afd.engine import Output
+from afd.generate import generate
 
 MODEL = "tiny"
 # Ragged on purpose: long and short prompts, and (with 5 attention replicas) replicas that get nothing.

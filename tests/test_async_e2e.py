@@ -29,7 +29,7 @@ from e2e_util import (
     wait_until_mapped,
 )
 
-from afd.engine import generate
+from afd.generate import generate
 from afd.runtime.launch import free_port
 
 VOCAB = 256  # the tiny preset

@@ -73,16 +73,16 @@ def test_a_pool_for_one_request_makes_the_next_wait_in_every_engine() -> None:
 
 def test_enforce_eager_reaches_the_single_process_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     """`--enforce-eager` is vLLM's switch; afd's CPU engine never captures, so check the plumbing."""
-    import afd.engine
+    import afd.generate
     from afd.cli import main
 
     seen = {}
-    real = afd.engine.generate
+    real = afd.generate.generate
 
     def spy(*args, **kwargs):
         seen.update(kwargs)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(afd.engine, "generate", spy)
+    monkeypatch.setattr(afd.generate, "generate", spy)
     assert main(["generate", "--model", "tiny", "--prompt-ids", "1,2", "--max-new-tokens", "1", "--enforce-eager"]) == 0
     assert seen["enforce_eager"] is True

@@ -14,7 +14,8 @@ import pytest
 from e2e_util import MODEL, launch_checked
 
 from afd.cli import build_parser, run_spec
-from afd.engine import Engine, LocalExchange, Output, Request, generate
+from afd.engine import Engine, LocalExchange, Output, Request
+from afd.generate import generate
 from afd.sampling import SamplingParams
 from afd.weights import load_attention_model, load_ffn_model
 

@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from afd.engine import Engine, LocalExchange, Request, generate
+from afd.engine import Engine, LocalExchange, Request
+from afd.generate import generate
 from afd.kv_cache import (
     BlockPool,
     DeviceMemory,

@@ -32,7 +32,7 @@ from e2e_util import (
 )
 
 from afd.config import parse_config
-from afd.engine import generate
+from afd.generate import generate
 from afd.runtime.launch import Interrupted, LaunchError, RunSpec, describe_exit, explain_failure, free_port, launch
 
 

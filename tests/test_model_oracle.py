@@ -6,7 +6,8 @@ import pytest
 import torch
 from hf_util import spread_weights
 
-from afd.engine import LocalExchange, generate
+from afd.engine import LocalExchange
+from afd.generate import generate
 from afd.model import Batch
 from afd.weights import load_attention_model, load_ffn_model
 

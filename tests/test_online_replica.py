@@ -14,7 +14,8 @@ import pytest
 from e2e_util import MODEL, PROMPTS, TEST_TAG_VAR, TOLERANCE, Leftovers, worker_pids
 
 from afd.config import parse_config
-from afd.engine import Engine, LocalExchange, Request, generate
+from afd.engine import Engine, LocalExchange, Request
+from afd.generate import generate
 from afd.kv_cache import CacheOptions
 from afd.runtime.launch import RunSpec, free_port
 from afd.runtime.online import serve_replica
@@ -222,7 +223,7 @@ def reference_tokens(prompt: list[int], max_tokens: int) -> list[tuple[int, floa
 
 
 def assert_same_tokens(got: list[tuple[int, float]], want: list[tuple[int, float]]) -> None:
-    assert [t for t, _ in got] == [t for t, _ in want], "greedy tokens differ from afd.engine.generate"
+    assert [t for t, _ in got] == [t for t, _ in want], "greedy tokens differ from afd.generate.generate"
     assert all(abs(a - b) <= TOLERANCE for (_, a), (_, b) in zip(got, want, strict=True))
 
 

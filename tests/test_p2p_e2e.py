@@ -40,7 +40,7 @@ def test_zero_share_ffn_rank() -> None:
     """1A4F with one single-token prompt: 1 token over 4 FFN members leaves three with nothing at all."""
     prompts = [[42]]
     outputs = run_p2p(1, 4, True, prompts)
-    from afd.engine import generate
+    from afd.generate import generate
 
     ref = generate(MODEL, prompts, max_new_tokens=MAX_NEW_TOKENS, prompt_logprobs=True)
     assert_matches_reference(outputs, ref)

@@ -19,7 +19,7 @@ from test_p2p_wiring import RecordingPG, fake_world
 
 from afd.config import ConfigError, parse_config
 from afd.connectors.p2p import TAG_CTRL, TAG_OUT, TAG_ROWS, P2pAttentionExchange, P2pFFNLoop, RowPayload
-from afd.engine import generate
+from afd.generate import generate
 from afd.topology import SyncTopology
 
 H, K = 16, 3  # the stand-in FFN's hidden size and top-k

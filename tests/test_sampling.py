@@ -14,7 +14,8 @@ import torch
 from e2e_util import Leftovers
 
 from afd.cli import build_parser, sampling_params
-from afd.engine import Engine, LocalExchange, Request, generate
+from afd.engine import Engine, LocalExchange, Request
+from afd.generate import generate
 from afd.runtime.launch import sampling_flags
 from afd.sampling import SamplingParams, mix32, sample
 from afd.weights import load_attention_model, load_ffn_model

@@ -1,7 +1,7 @@
 """`afd serve`'s HTTP side without processes: the pure parts (protocol, router, tokenizer, metrics, SSE) and
 the real aiohttp app over in-process replicas — threads that each run the real replica loop
 (`afd.runtime.online.serve_replica`) over a real `Engine` on the tiny model — so greedy tokens can be
-compared with `afd.engine.generate` in seconds."""
+compared with `afd.generate.generate` in seconds."""
 
 from __future__ import annotations
 
@@ -282,7 +282,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def reference():
-    from afd.engine import generate
+    from afd.generate import generate
 
     prompts = [[5, 17, 33, 2, 9, 41], [4, 8], [100, 3, 77, 12]]
     return prompts, generate(MODEL, prompts, max_new_tokens=6)

@@ -65,7 +65,7 @@ def served(request):
 
 @pytest.fixture(scope="module")
 def reference():
-    from afd.engine import generate
+    from afd.generate import generate
 
     return generate(MODEL, PROMPTS, max_new_tokens=MAX_TOKENS)
 

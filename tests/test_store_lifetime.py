@@ -16,7 +16,7 @@ import pytest
 import torch
 from e2e_util import MODEL, TOLERANCE, Leftovers, afd_worker, hand_config, kill_all
 
-from afd.engine import generate
+from afd.generate import generate
 from afd.runtime.launch import free_port
 
 TIMEOUT_S = 5  # a few seconds; rank start-up on 2 busy cores needs about that for the window bootstrap

@@ -12,15 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from afd.connectors.async_ffn import AsyncFFNServer, run_ffn_loop
 from e2e_util import MODEL, assert_matches_reference, launch_checked
 from hypothesis import given
 from hypothesis import strategies as st
 from test_async_connector import HIDDEN, reference, routing
 from test_async_faults import endpoints, models
 
+from afd.connectors.async_ffn import AsyncFFNServer, run_ffn_loop
 from afd.connectors.async_window import AsyncAttentionExchange
-from afd.engine import Engine, LocalExchange, Request, generate
+from afd.engine import Engine, LocalExchange, Request
+from afd.generate import generate
 from afd.model import Batch, run_segments, run_ubatches, split_ubatches
 from afd.topology import AsyncTopology
 from afd.transport.shm import cleanup_segments

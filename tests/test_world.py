@@ -25,7 +25,7 @@ import torch.distributed as dist
 from e2e_util import MODEL, Leftovers, afd_worker, hand_config, kill_all
 
 from afd.distributed import init_world
-from afd.engine import generate
+from afd.generate import generate
 from afd.runtime.launch import free_port
 from afd.store import (
     RUN_TAG_KEY,

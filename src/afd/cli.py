@@ -124,7 +124,7 @@ def run_generate(args: argparse.Namespace) -> tuple[list, dict]:
             max_new_tokens=args.max_new_tokens,
             gate_on_attention=not args.gate_on_ffn,
         )
-        from afd.engine import generate
+        from afd.generate import generate
 
         signals.raise_if_signalled()
         outputs = generate(

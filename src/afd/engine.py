@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -31,7 +29,6 @@ from afd.ffn_model import FFNModel
 from afd.kv_cache import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_GPU_MEMORY_UTILIZATION,
-    CacheOptions,
     PagedLatentCache,
     activation_bytes_estimate,
     blocks_needed,
@@ -42,7 +39,8 @@ from afd.kv_cache import (
 from afd.model import AttentionModel, Batch, Exchange, run_ubatches, split_ubatches
 from afd.moe import Routing
 from afd.request import EngineLoad, Output, Request, StepToken
-from afd.sampling import SamplingParams, sample
+from afd.sampling import sample
+from afd.sequence import ON_DEVICE, LaunchedStep, Scheduled, SequenceState
 
 logger = logging.getLogger(__name__)
 
@@ -55,61 +53,6 @@ class LocalExchange:
 
     def __call__(self, layer_idx: int, x: torch.Tensor, routing: Routing | None) -> torch.Tensor:
         return self.ffn_model(layer_idx, x, routing)
-
-
-@dataclass
-class _Sequence:
-    request_id: int
-    request: Request
-    slot: int = -1
-    num_cached: int = 0
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    prompt_logprobs: list[float | None] | None = None
-    stop_ids: frozenset[int] = frozenset()
-
-    @property
-    def capacity(self) -> int:
-        """Cache rows the sequence ever needs: the last sampled token is never fed back."""
-        return len(self.request.prompt_ids) + max(self.request.max_new_tokens - 1, 0)
-
-    @property
-    def prefilling(self) -> bool:
-        """Whether part of the prompt is not cached yet (derived from `num_cached`, the one progress counter)."""
-        return self.num_cached < len(self.request.prompt_ids)
-
-
-# The input id of a decode launched ahead (`Engine._follow`): the token the step in flight sampled, read on the
-# device; the host never sees it in `input_ids`.
-_ON_DEVICE = -1
-
-
-@dataclass
-class _Scheduled:
-    seq: _Sequence
-    input_ids: list[int]  # [_ON_DEVICE] for a decode launched ahead
-    start: int  # first position (== tokens already cached)
-
-    @property
-    def is_decode(self) -> bool:
-        """One generated token fed back (not a piece of the prompt)."""
-        return self.start >= len(self.seq.request.prompt_ids)
-
-    @property
-    def samples(self) -> bool:
-        """Whether this step samples the sequence's next token: a decode, or the chunk that ends its prompt."""
-        return self.start + len(self.input_ids) >= len(self.seq.request.prompt_ids)
-
-
-@dataclass
-class _Launched:
-    """A step whose forward and sampling are queued on the device; its tokens reach the host in `_finalize`."""
-
-    scheduled: list[_Scheduled]
-    sampled: list[_Scheduled]  # the sequences whose rows were sampled, in row order
-    tokens: torch.Tensor | None  # [B] int64 on the device: the sampled tokens (a follow-up step's input ids)
-    host: torch.Tensor | None  # [2, B] float64 (pinned on CUDA): tokens and their logprobs, copy under way
-    ready: torch.cuda.Event | None  # recorded after that copy (CUDA); None: the copy is already done
 
 
 class Engine:
@@ -196,9 +139,9 @@ class Engine:
                     "whole step" if local else "pieces between exchanges",
                     self.cuda_graphs.buckets,
                 )
-        self.waiting: deque[_Sequence] = deque()
-        self.running: list[_Sequence] = []
-        self._live: dict[int, _Sequence] = {}  # request id -> its sequence, waiting or running
+        self.waiting: deque[SequenceState] = deque()
+        self.running: list[SequenceState] = []
+        self._live: dict[int, SequenceState] = {}  # request id -> its sequence, waiting or running
         self.cache_tokens_used = 0  # tokens reserved by running sequences (their capacities)
         self._next_id = 0
         self.last_step_tokens: list[StepToken] = []  # every token the last step appended, in batch order
@@ -208,7 +151,7 @@ class Engine:
         if overlap_steps and self.num_ubatches > 1:
             raise ValueError("overlap_steps cannot be combined with micro-batches (async_moe_ubatching); turn one off")
         self.overlap_steps = overlap_steps
-        self._in_flight: _Launched | None = None  # a pure decode step launched, its tokens not read yet
+        self._in_flight: LaunchedStep | None = None  # a pure decode step launched, its tokens not read yet
         self.overlapped_steps = 0  # steps launched before the tokens of the step before them were read
 
     # --- requests ---
@@ -223,7 +166,7 @@ class Engine:
         if request.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {request.max_new_tokens}")
         cache = self.kv_cache
-        tokens = _Sequence(-1, request).capacity
+        tokens = SequenceState(-1, request).capacity
         if cache.blocks_for(tokens) > cache.num_blocks:
             raise ValueError(
                 f"a request of {len(request.prompt_ids)} prompt tokens and {request.max_new_tokens} new tokens "
@@ -235,7 +178,7 @@ class Engine:
     def add(self, request: Request) -> int:
         """Queue a request; returns its id (carried by its Output)."""
         self.validate(request)
-        seq = _Sequence(self._next_id, request, stop_ids=frozenset(int(t) for t in request.stop_token_ids))
+        seq = SequenceState(self._next_id, request, stop_ids=frozenset(int(t) for t in request.stop_token_ids))
         self._next_id += 1
         self.waiting.append(seq)
         self._live[seq.request_id] = seq
@@ -268,24 +211,24 @@ class Engine:
 
     # --- scheduling and cache bookkeeping ---
 
-    def can_allocate(self, seq: _Sequence) -> bool:
+    def can_allocate(self, seq: SequenceState) -> bool:
         return self.kv_cache.can_allocate(seq.capacity)
 
-    def allocate(self, seq: _Sequence) -> None:
+    def allocate(self, seq: SequenceState) -> None:
         seq.slot = self.kv_cache.allocate(seq.capacity)
         self.cache_tokens_used += seq.capacity
 
-    def free(self, seq: _Sequence) -> None:
+    def free(self, seq: SequenceState) -> None:
         self.kv_cache.free(seq.slot)
         self.cache_tokens_used -= seq.capacity
 
-    def schedule(self) -> list[_Scheduled]:
+    def schedule(self) -> list[Scheduled]:
         """One decode token per running sequence that finished its prompt, then the next chunk of every
         running prompt, then new prompts, while the token budget and the free cache blocks last. A chunk
         is the rest of its prompt or the rest of the budget, whichever is smaller. The queue is first
         come, first served: when its head does not fit the cache, it waits."""
         budget = self.max_num_batched_tokens
-        out = [_Scheduled(seq, seq.token_ids[-1:], seq.num_cached) for seq in self.running if not seq.prefilling]
+        out = [Scheduled(seq, seq.token_ids[-1:], seq.num_cached) for seq in self.running if not seq.prefilling]
         out = out[:budget]
         budget -= len(out)
         for seq in self.running:
@@ -306,10 +249,10 @@ class Engine:
         return out
 
     @staticmethod
-    def _chunk(seq: _Sequence, budget: int) -> _Scheduled:
+    def _chunk(seq: SequenceState, budget: int) -> Scheduled:
         """The next `budget` (at most) uncached prompt tokens of `seq`."""
         start = seq.num_cached
-        return _Scheduled(seq, list(seq.request.prompt_ids[start : start + budget]), start)
+        return Scheduled(seq, list(seq.request.prompt_ids[start : start + budget]), start)
 
     # --- the step ---
 
@@ -348,7 +291,7 @@ class Engine:
         flight, self._in_flight = self._in_flight, None
         return self._finalize(flight) if flight is not None else []
 
-    def _follow(self, flight: _Launched) -> tuple[list[_Scheduled], _Launched, list[int]] | None:
+    def _follow(self, flight: LaunchedStep) -> tuple[list[Scheduled], LaunchedStep, list[int]] | None:
         """The step `schedule()` will pick once `flight`'s tokens are in, when the host can know it now; as
         `_launch`'s arguments: the decodes, `flight`, and each decode's row of `flight`'s sampled tokens.
 
@@ -378,14 +321,14 @@ class Engine:
         # later use of those blocks (another sequence's writes and reads, a block-table row) is launched after this
         # step on that stream, so it is ordered after that write. The row is inside the sequence's reservation: a
         # sequence goes on only if it holds j < max_new_tokens tokens after `flight`, and this step feeds its j-th
-        # token at position prompt + j - 1 <= prompt + max_new_tokens - 2, below its capacity (`_Sequence.capacity`)
+        # token at position prompt + j - 1 <= prompt + max_new_tokens - 2, below its capacity (`SequenceState.capacity`)
         # of prompt + max_new_tokens - 1 rows (`prepare` checks it too, before the blocks are freed).
-        decodes = [_Scheduled(s.seq, [_ON_DEVICE], s.start + 1) for _, s in cont]
+        decodes = [Scheduled(s.seq, [ON_DEVICE], s.start + 1) for _, s in cont]
         return decodes, flight, [row for row, _ in cont]
 
     def _launch(
-        self, scheduled: list[_Scheduled], after: _Launched | None = None, after_rows: list[int] | None = None
-    ) -> _Launched:
+        self, scheduled: list[Scheduled], after: LaunchedStep | None = None, after_rows: list[int] | None = None
+    ) -> LaunchedStep:
         """Queue the forward and the sampling of `scheduled` on the device. `after`: the step in flight whose
         sampled tokens (rows `after_rows`) are this all-decode step's input ids."""
         query_lens = [len(s.input_ids) for s in scheduled]
@@ -481,8 +424,8 @@ class Engine:
         return []
 
     def _sample(
-        self, scheduled: list[_Scheduled], batch: Batch, hidden: torch.Tensor, last_rows: torch.Tensor
-    ) -> _Launched:
+        self, scheduled: list[Scheduled], batch: Batch, hidden: torch.Tensor, last_rows: torch.Tensor
+    ) -> LaunchedStep:
         """Sample every sequence that ends its prompt or decodes, at once: one lm_head call, and one
         device->host copy started (read in `_finalize`); a chunk in the middle of a prompt is only cached
         (and scored, which reads its scores at once: such a step is never left in flight)."""
@@ -514,9 +457,9 @@ class Engine:
                 rows = torch.log_softmax(self.model.compute_logits(hidden[first : first + scored]), dim=-1)
                 targets = torch.tensor(prompt[s.start + 1 : s.start + 1 + scored], device=rows.device)
                 s.seq.prompt_logprobs += rows.gather(1, targets[:, None]).squeeze(1).tolist()
-        return _Launched(scheduled, sampled, tokens, host, ready)
+        return LaunchedStep(scheduled, sampled, tokens, host, ready)
 
-    def _finalize(self, step: _Launched) -> list[Output]:
+    def _finalize(self, step: LaunchedStep) -> list[Output]:
         """Read a launched step's tokens (waiting for its copy only) and do its bookkeeping: append, finish
         by stop token or length, free. A sequence that ended while the step was in flight (a stop token in
         the step before, or an abort) is skipped: its row was computed in vain."""
@@ -544,12 +487,12 @@ class Engine:
         self.last_step_tokens = appended
         return finished
 
-    def _finish(self, seq: _Sequence, reason: str) -> Output:
+    def _finish(self, seq: SequenceState, reason: str) -> Output:
         self.running.remove(seq)
         self.free(seq)
         return self._output(seq, reason)
 
-    def _output(self, seq: _Sequence, reason: str) -> Output:
+    def _output(self, seq: SequenceState, reason: str) -> Output:
         del self._live[seq.request_id]
         return Output(
             prompt_ids=list(seq.request.prompt_ids),
@@ -567,47 +510,3 @@ class Engine:
             for out in self.step():
                 outputs[out.request_id] = out
         return [outputs[k] for k in sorted(outputs)]
-
-
-def generate(
-    model: str | Path,
-    prompts: list[list[int]],
-    *,
-    max_new_tokens: int,
-    dtype: str | torch.dtype = "float32",
-    device: str | torch.device = "cpu",
-    seed: int = 0,
-    prompt_logprobs: bool = False,
-    gate_on_attention: bool = True,
-    max_num_batched_tokens: int | None = None,
-    cache: CacheOptions | None = None,
-    sampling: SamplingParams | None = None,
-    enforce_eager: bool = False,
-) -> list[Output]:
-    """The single-process reference: load both sides, run all prompts (each sampled by `sampling`,
-    greedy when None), outputs in prompt order."""
-    from afd.weights import load_attention_model, load_ffn_model, load_model_config
-
-    config = load_model_config(model)
-    if not prompts:
-        raise ValueError("no prompts were given; pass at least one prompt")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    for p in prompts:
-        if not p:
-            raise ValueError("a prompt is empty; every prompt needs at least one token id")
-        bad = [t for t in p if not 0 <= t < config.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {config.vocab_size})")
-    attn = load_attention_model(model, dtype=dtype, device=device, gate_on_attention=gate_on_attention, seed=seed)
-    ffn = load_ffn_model(model, dtype=dtype, device=device, gate_on_attention=gate_on_attention, seed=seed)
-    engine = Engine(
-        attn,
-        LocalExchange(ffn),
-        max_num_batched_tokens or 8192,
-        enforce_eager=enforce_eager,
-        **(cache or CacheOptions()).engine_kwargs(),
-    )
-    for p in prompts:
-        engine.add(Request(list(p), max_new_tokens, prompt_logprobs, sampling))
-    return engine.run()
