@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from afd.connectors.p2p import P2pAttentionExchange, P2pFFNLoop
+from afd.connectors.p2p import P2pAttentionExchange
+from afd.connectors.p2p_ffn import P2pFFNLoop
 from afd.distributed import init_world
 from afd.topology import SyncTopology, expert_ranges
 

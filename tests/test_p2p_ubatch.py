@@ -18,7 +18,8 @@ from test_p2p_connector import StandInFFN
 from test_p2p_wiring import RecordingPG, fake_world
 
 from afd.config import ConfigError, parse_config
-from afd.connectors.p2p import TAG_CTRL, TAG_OUT, TAG_ROWS, P2pAttentionExchange, P2pFFNLoop, RowPayload
+from afd.connectors.p2p import TAG_CTRL, TAG_OUT, TAG_ROWS, P2pAttentionExchange, RowPayload
+from afd.connectors.p2p_ffn import P2pFFNLoop
 from afd.generate import generate
 from afd.topology import SyncTopology
 

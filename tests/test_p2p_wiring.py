@@ -8,11 +8,11 @@ import torch
 from test_p2p_connector import StandInFFN
 
 import afd.connectors.p2p as p2p
+import afd.connectors.p2p_ffn as p2p_ffn
 from afd.connectors.p2p import (
     TAG_OUT,
     TAG_ROWS,
     P2pAttentionExchange,
-    P2pFFNLoop,
     P2pGroups,
     RowPayload,
     RowSend,
@@ -21,6 +21,7 @@ from afd.connectors.p2p import (
     plan_ep_dispatch,
     plan_layer,
 )
+from afd.connectors.p2p_ffn import P2pFFNLoop
 from afd.topology import SyncTopology, expert_ranges
 
 
@@ -195,7 +196,9 @@ class RecordingPG:
 
 def fake_world(monkeypatch: pytest.MonkeyPatch, role: str, role_rank: int, pg: RecordingPG) -> SimpleNamespace:
     group = SimpleNamespace(pg=pg, group_rank=lambda world_rank: world_rank)
-    monkeypatch.setattr(p2p, "build_p2p_groups", lambda *a: P2pGroups(data=group, ctrl=group, ep=None, wave=None))
+    fake = lambda *a: P2pGroups(data=group, ctrl=group, ep=None, wave=None)  # noqa: E731
+    monkeypatch.setattr(p2p, "build_p2p_groups", fake)
+    monkeypatch.setattr(p2p_ffn, "build_p2p_groups", fake)
     me = SimpleNamespace(role=role, role_rank=role_rank, name=f"{role} {role_rank}")
     return SimpleNamespace(me=me, backend="gloo", wait_all=lambda works: None, wait=lambda work, what: None)
 

@@ -31,7 +31,8 @@ import torch
 from afd.bench import device_name
 from afd.connectors.async_ffn import AsyncFFNServer, run_ffn_loop
 from afd.connectors.async_window import AsyncAttentionExchange
-from afd.connectors.p2p import P2pAttentionExchange, P2pFFNLoop
+from afd.connectors.p2p import P2pAttentionExchange
+from afd.connectors.p2p_ffn import P2pFFNLoop
 from afd.distributed import World, init_world
 from afd.moe import Routing
 from afd.runtime.launch import free_port

@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------- p2p
 def run_p2p_rank(job: RankJob) -> None:
-    from afd.connectors.p2p import P2pAttentionExchange, P2pFFNLoop
+    from afd.connectors.p2p import P2pAttentionExchange
+    from afd.connectors.p2p_ffn import P2pFFNLoop
     from afd.distributed import init_world
     from afd.weights import load_attention_model, load_ffn_model, load_model_config, resolve_dtype
 
