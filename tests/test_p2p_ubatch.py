@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from e2e_util import MODEL, assert_matches_reference, launch_checked
+from e2e_util import MODEL, assert_matches_reference
 from test_p2p_connector import StandInFFN
 from test_p2p_wiring import RecordingPG, fake_world
 
@@ -182,35 +182,8 @@ def test_ffn_refuses_slots_that_do_not_add_up(monkeypatch: pytest.MonkeyPatch) -
 
 # ---------------------------------------------------------------- launched runs
 
-# topology and micro-batch count: both counts, every topology of the evidence, each once (runtime)
-RUNS = [(1, 1, 2), (2, 2, 3), (3, 1, 2), (1, 3, 3)]
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("num_attn, num_ffn, m", RUNS, ids=[f"{a}A{f}F-m{m}" for a, f, m in RUNS])
-def test_launched_p2p_with_micro_batches_equals_the_reference(num_attn: int, num_ffn: int, m: int, tmp_path: Path):
-    """`afd launch --connector p2p` with `p2p_ubatching`: every replica gets three prompts of different lengths
-    and a 16-token budget, so its steps mix decodes and prompt chunks, its micro-batches differ from its
-    peers' (and some steps are whole: one sequence left), and the DP wave stays in lockstep."""
-    lens = [23, 2, 9, 1, 14, 5, 30, 3, 7]
-    prompts = [tokens(lens[i % len(lens)], i) for i in range(3 * num_attn)]
-    outputs, _ = launch_checked(
-        "p2p",
-        num_attn,
-        num_ffn,
-        prompts,
-        max_new_tokens=4,
-        max_num_batched_tokens=16,
-        run_dir=tmp_path,
-        timeout_s=60,
-        p2p_ubatching=True,
-        p2p_num_ubatches=m,
-    )
-    assert_matches_reference(outputs, generate(MODEL, prompts, max_new_tokens=4, prompt_logprobs=True))
-    for a in range(num_attn):  # each replica says how many of its steps ran as micro-batches
-        log = (tmp_path / f"attention{a}.log").read_text()
-        split = re.search(r"attention rank \d+: (\d+) of (\d+) steps ran as micro-batches", log)
-        assert split and int(split[1]) > 0, f"replica {a} never split a step: {log[-2000:]}"
+# The launched runs of every topology (1A1F, 2A2F, 3A1F, 1A3F) with 2 and 3 micro-batches, against the reference,
+# are `tests/test_ubatch.py::test_launched_micro_batches_equal_the_reference[p2p-...]`.
 
 
 @pytest.mark.timeout(120)

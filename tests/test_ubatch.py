@@ -228,24 +228,34 @@ def test_engine_over_the_async_exchange_in_process_equals_the_reference(tiny) ->
 RUNS = [(1, 1, 2), (2, 2, 3), (3, 1, 2), (1, 3, 3)]
 
 
-@pytest.mark.timeout(90)
+def ubatch_keys(connector: str, m: int) -> dict:
+    """The launch options that turn on m micro-batches for `connector`."""
+    if connector == "async":
+        return {"recv_poll_timeout_ms": 100, "async_moe_ubatching": True, "async_moe_num_ubatches": m}
+    return {"timeout_s": 60, "p2p_ubatching": True, "p2p_num_ubatches": m}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("connector", ["async", "p2p"])
 @pytest.mark.parametrize("num_attn, num_ffn, m", RUNS, ids=[f"{a}A{f}F-m{m}" for a, f, m in RUNS])
-def test_launched_async_with_micro_batches_equals_the_reference(num_attn: int, num_ffn: int, m: int, tmp_path: Path):
-    """`afd launch --connector async` with `async_moe_ubatching`: every replica gets three prompts of different
-    lengths and a 16-token budget, so its steps mix decodes and prompt chunks and its micro-batches differ."""
+def test_launched_micro_batches_equal_the_reference(
+    connector: str, num_attn: int, num_ffn: int, m: int, tmp_path: Path
+) -> None:
+    """`afd launch` with micro-batching on (`async_moe_ubatching` / `p2p_ubatching`): every replica gets three
+    prompts of different lengths and a 16-token budget, so its steps mix decodes and prompt chunks, its
+    micro-batches differ from its peers' (and some steps are whole: one sequence left); p2p's DP wave stays in
+    lockstep."""
     lens = [23, 2, 9, 1, 14, 5, 30, 3, 7]
     prompts = [tokens(lens[i % len(lens)], i) for i in range(3 * num_attn)]
     outputs, _ = launch_checked(
-        "async",
+        connector,
         num_attn,
         num_ffn,
         prompts,
         max_new_tokens=4,
         max_num_batched_tokens=16,
         run_dir=tmp_path,
-        recv_poll_timeout_ms=100,
-        async_moe_ubatching=True,
-        async_moe_num_ubatches=m,
+        **ubatch_keys(connector, m),
     )
     assert_matches_reference(outputs, generate(MODEL, prompts, max_new_tokens=4, prompt_logprobs=True))
     for a in range(num_attn):  # each replica says how many of its steps ran as micro-batches
