@@ -81,3 +81,46 @@ def test_cuda_replay_equals_the_eager_expert_pass_bf16() -> None:
                 torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)
                 assert (g - w).abs().mean() < 2e-3
     assert len(graphs._graphs) >= 2
+
+
+@pytest.mark.parametrize("with_graphs", [False, True])
+def test_p2p_ffn_rank_sends_the_same_answers_through_the_graphed_pass(monkeypatch, with_graphs: bool) -> None:
+    """One p2p FFN rank (2A1F): the hub's answers with the replayed pass (run padded, `capture=False`) equal
+    the eager MoE's."""
+    from test_p2p_wiring import RecordingPG, fake_world
+
+    from afd.connectors.p2p import TAG_OUT, TAG_ROWS, RowPayload
+    from afd.connectors.p2p_ffn import P2pFFNLoop
+    from afd.topology import SyncTopology
+
+    ffn = load_ffn_model("tiny")
+    config, topo = ffn.config, SyncTopology(2, 1)
+    layer = next(i for i in range(config.num_hidden_layers) if config.is_moe_layer(i))
+    items = _items(config, [(4, 4), (3, 3)], expert_range=None)
+    layout = RowPayload(config.hidden_size, config.num_experts_per_tok, torch.float32)
+    inbox = {
+        (topo.world_rank("attention", a), TAG_ROWS): [layout.pack(it.x, it.topk_ids.long(), it.topk_weights)]
+        for a, it in enumerate(items)
+    }
+    pg = RecordingPG(inbox)
+    graphs = ExpertPassGraphs(ffn, buckets=(2, 8), capture=False) if with_graphs else None
+    loop = P2pFFNLoop(
+        fake_world(monkeypatch, "ffn", 0, pg),
+        topo,
+        ffn,
+        num_experts=config.n_routed_experts,
+        topk=config.num_experts_per_tok,
+        hidden_size=config.hidden_size,
+        dtype=torch.float32,
+        boundary_layers=[layer],
+        gate_on_attention=True,
+        expert_graphs=graphs,
+    )
+    with torch.inference_mode():
+        loop._layer(layer, {0: 4, 1: 3})
+        want = [o.float() for o in expert_pass(ffn, layer, items)]
+    sent = [out for _, tag, out in pg.sent if tag == TAG_OUT]
+    assert len(sent) == 2
+    assert graphs is None or torch.equal(graphs._x[:7], torch.cat([it.x for it in items]))  # the pass ran padded
+    for got, expected in zip(sent, want, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

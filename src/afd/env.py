@@ -7,6 +7,7 @@
 - `CUDA_VISIBLE_DEVICES`: which GPUs this process may see.
 - `AFD_API_KEY`: the key `afd serve` requires from clients when `--api-key` is not given (keeps it off `ps`).
 - `AFD_DISABLE_TRITON`: set to 1 to run the CUDA step on eager PyTorch ops instead of afd's Triton kernels.
+- `AFD_FFN_GRAPHS`: set to 0 to run FFN ranks' expert passes eagerly instead of replaying CUDA graphs.
 - `AFD_ASYNC_HOST_WAIT`: set to 1 to make the async connector's attention ranks poll for replies from the host
   on CUDA, as on CPU, instead of waiting on their stream (a comparison, or a suspected device-wait problem).
 """
@@ -47,6 +48,11 @@ def visible_devices() -> list[str] | None:
 def triton_disabled() -> bool:
     """`AFD_DISABLE_TRITON=1` makes the CUDA step use the eager PyTorch ops (a kernel suspected wrong, or timing)."""
     return os.environ.get("AFD_DISABLE_TRITON", "") not in ("", "0")
+
+
+def ffn_graphs_disabled() -> bool:
+    """`AFD_FFN_GRAPHS=0`: FFN ranks run their expert passes eagerly (a suspected graph problem, or timing)."""
+    return os.environ.get("AFD_FFN_GRAPHS", "") == "0"
 
 
 def async_host_wait() -> bool:

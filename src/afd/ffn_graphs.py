@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
+from afd import env
 from afd.cuda_graph import DEFAULT_BATCH_BUCKETS, capture_safe_moe, pick_bucket
 from afd.moe import Routing
 
@@ -53,9 +54,9 @@ class ExpertPassGraphs:
 
     @staticmethod
     def usable(ffn_model: torch.nn.Module) -> bool:
-        """CUDA and routed experts on the fixed-shape, host-sync-free path."""
+        """CUDA, routed experts on the fixed-shape, host-sync-free path, and `AFD_FFN_GRAPHS` not 0."""
         param = next(ffn_model.parameters(), None)
-        return param is not None and param.is_cuda and capture_safe_moe(ffn_model)
+        return param is not None and param.is_cuda and capture_safe_moe(ffn_model) and not env.ffn_graphs_disabled()
 
     def _compute(self, layer_idx: int, n: int) -> torch.Tensor:
         """The expert pass over the first `n` static rows: [n, H] fp32."""

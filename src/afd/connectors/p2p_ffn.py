@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from afd.connectors.expert_pass import GraphedPass
 from afd.connectors.p2p import CTRL_LEN, TAG_CTRL, TAG_OUT, TAG_ROWS, build_p2p_groups, ctrl_len
 from afd.connectors.p2p_wire import EpDispatch, RowPayload, RowSend, ffn_recvs, plan_ep_dispatch
 from afd.distributed import World, device_for
@@ -52,6 +53,7 @@ class P2pFFNLoop:
         gate_on_attention: bool,
         dense_layers: Collection[int] = (),
         num_ubatches: int = 1,
+        expert_graphs: GraphedPass | None = None,
         name: str = "p2p",
     ) -> None:
         if world.me.role != "ffn":
@@ -68,6 +70,8 @@ class P2pFFNLoop:
         self.boundary_layers, self.dense_layers = list(boundary_layers), set(dense_layers)
         self.gate_on_attention = gate_on_attention
         self.num_ubatches = num_ubatches  # slots served per step and boundary layer (the attention side's m)
+        # one FFN rank: the MoE of a decode-sized layer replayed from a CUDA graph (afd.ffn_graphs), or None
+        self.expert_graphs = expert_graphs if topology.num_ffn == 1 else None
         self.groups = build_p2p_groups(world, topology, name, num_ubatches > 1)
         self.sync = topology.group("ffn", self.ffn_rank)
         self.local_experts = expert_ranges(num_experts, topology.num_ffn)[self.ffn_rank]
@@ -191,6 +195,10 @@ class P2pFFNLoop:
     def _moe(self, layer_idx: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x: [N, H], ids/weights: [N, K] -> [N, H]; joins the EP all-to-all even when N == 0."""
         if self.topology.num_ffn == 1:
+            if self.expert_graphs is not None and x.shape[0]:  # routed + shared experts in one replay
+                replayed = self.expert_graphs.run(layer_idx, x, ids, weights, [(0, x.shape[0])])  # [N, H] fp32
+                if replayed is not None:
+                    return replayed.to(x.dtype, copy=True)  # a copy: the graph's output is reused by the next replay
             # every expert is local: no all-to-all, and the reference's own routed path (no host sync on CUDA bf16)
             acc = self.model.experts_topk(layer_idx, x, Routing(ids, weights))  # [N, H] fp32
         else:

@@ -39,6 +39,7 @@ def run_p2p_rank(job: RankJob) -> None:
     from afd.connectors.p2p import P2pAttentionExchange
     from afd.connectors.p2p_ffn import P2pFFNLoop
     from afd.distributed import init_world
+    from afd.ffn_graphs import ExpertPassGraphs
     from afd.weights import load_attention_model, load_ffn_model, load_model_config, resolve_dtype
 
     cfg = job.config
@@ -88,6 +89,10 @@ def run_p2p_rank(job: RankJob) -> None:
             experts = expert_ranges(model_config.n_routed_experts, cfg.num_ffn_ranks)[job.role_rank]
             ffn_model = load_ffn_model(job.spec.model, expert_range=experts, **common)
             warm_up_ffn(ffn_model, device)  # compile the kernels before the first work item
+            graphs = None  # one FFN rank: its MoE replays from CUDA graphs at decode sizes (with several: all-to-all)
+            if cfg.num_ffn_ranks == 1 and ExpertPassGraphs.usable(ffn_model):
+                graphs = ExpertPassGraphs(ffn_model)
+                graphs.capture_all()
             boundary = list(range(model_config.num_hidden_layers)) if not gate_on_attention else model_config.moe_layers
             dense = [i for i in boundary if not model_config.is_moe_layer(i)]
             loop = P2pFFNLoop(
@@ -102,6 +107,7 @@ def run_p2p_rank(job: RankJob) -> None:
                 gate_on_attention=gate_on_attention,
                 dense_layers=dense,
                 num_ubatches=num_ubatches,
+                expert_graphs=graphs,
             )
             if job.serve_address is not None:
                 stop_on_signals()  # a server's FFN rank ends with the wave, also after a stop signal
