@@ -121,6 +121,15 @@ def boundary(gate_on_attention: bool) -> list[int]:
 
 
 # --- one rank ----------------------------------------------------------------------------------
+def start_kill_timer(spec: dict) -> None:
+    """`kill_after_s`: SIGKILL this rank that long after its connector is built (its groups need every rank, so the
+    whole world is up by then; counted from process start, a slow start under load killed the store host before
+    a peer had joined, and that peer could not name it)."""
+    if "kill_after_s" in spec and not spec.get("kill_timer_started"):
+        spec["kill_timer_started"] = True
+        threading.Timer(spec["kill_after_s"], os.kill, (os.getpid(), signal.SIGKILL)).start()
+
+
 def rank_main(spec: dict) -> None:
     """Entry point of a rank process (forked by the forkserver)."""
     err = os.open(spec["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
@@ -129,8 +138,6 @@ def rank_main(spec: dict) -> None:
     log = logging.getLogger("afd.test")
     time.sleep(spec.get("delay", 0.0))
     num_attn, num_ffn = spec.get("sizes", (spec["A"], spec["F"]))
-    if "kill_after_s" in spec:
-        threading.Timer(spec["kill_after_s"], os.kill, (os.getpid(), signal.SIGKILL)).start()
     backend = spec.get("backend", "gloo")
     device = torch.device("cpu")
     if backend == "nccl":
@@ -167,6 +174,7 @@ def rank_main(spec: dict) -> None:
                     dense_layers=() if gate_on_attention else DENSE,
                     name=name,
                 )
+                start_kill_timer(spec)
                 steps = loop.run()
                 Path(spec["out"], f"ffn{world.me.role_rank}_{phase}.json").write_text(json.dumps(steps))
                 continue
@@ -179,6 +187,7 @@ def rank_main(spec: dict) -> None:
                 boundary_layers=boundary(gate_on_attention),
                 name=name,
             )
+            start_kill_timer(spec)
             busy, outs, step = schedule(a, spec.get("steps")), [], 0
             while ex.step_wave(step < len(busy)):
                 if step == spec.get("kill_at_step"):
