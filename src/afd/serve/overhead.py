@@ -2,15 +2,16 @@
 
 The same requests (prompts, token counts, arrival times) go once through `afd serve --connector none
 --replicas 1` — HTTP, router, the link to the replica process, server-sent events, timed by the client —
-and once straight into one whole-model replica engine built the same way in this process
-(`afd.runtime.harness.replica_engine` / `drive_arrivals`), timed from each request's arrival to the step
-that made its first token. The server runs first and is stopped before the engine loads, so on CUDA the
-two never share the GPU. Per rate: p50 TTFT of each, their difference, and the median of the per-request
+and once straight into one whole-model replica engine built the same way, in a process of its own as the
+server's replica is (`afd.runtime.harness.replica_engine` / `drive_arrivals`), timed from each request's
+arrival to the step that made its first token. The server runs first and is stopped before the engine loads,
+so on CUDA the two never share the GPU. Per rate: p50 TTFT of each, their difference, and the median of the per-request
 differences (the requests are the same, so they pair up).
 """
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import time
 
 from afd.engine import Request
@@ -29,37 +30,84 @@ from afd.serve.progress import Progress
 from afd.serve.workload import Workload
 
 ENGINE_ALONE = "engine alone"
+ENGINE_LOAD_S = 600.0  # the engine-alone process's model load, warm-up and graph capture, at most
 SERVER = ("none R=1", ["--connector", "none", "--replicas", "1"])
+
+
+def _engine_alone(spec: RunSpec, workload: Workload, rates: list[float], vocab_size: int, timeout_s: float, conn):
+    """The child process: one replica engine, one untimed warm-up request, then every rate; progress and the
+    token times go back through `conn` as ("start", label, n) / ("advance",) / ("finish",) / ("rate", rate, times,
+    wall) / ("done",), or ("error", message)."""
+    try:
+        from afd.runtime.harness import drive_arrivals, replica_engine
+
+        prompts, max_tokens = workload.prompts(vocab_size), workload.max_tokens_of()
+        engine = replica_engine(spec)
+        drive_arrivals(engine, [Request(list(WARM_UP_PROMPT), WARM_UP_TOKENS)], [0.0], timeout_s)
+        for rate in run_rates(workload, rates):
+            arrivals = workload.arrivals(rate)
+            requests = [Request(list(p), n) for p, n in zip(prompts, max_tokens, strict=True)]
+            conn.send(("start", f"{ENGINE_ALONE}: rate {format_rate(rate)}", len(requests)))
+            start = time.perf_counter()
+            times = drive_arrivals(
+                engine, requests, arrivals, timeout_s + max(arrivals), lambda: conn.send(("advance",))
+            )
+            conn.send(("rate", rate, times, time.perf_counter() - start))
+        conn.send(("done",))
+    except BaseException as exc:  # noqa: BLE001 - the parent reports it in one sentence
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+    finally:
+        conn.close()
 
 
 def bench_engine(
     spec: RunSpec, workload: Workload, rates: list[float], progress: Progress, *, vocab_size: int, timeout_s: float
 ) -> dict:
-    """The workload at each rate straight into one in-process replica engine (after one untimed warm-up request,
-    as the server gets); the same result shape as one server config of `bench_servers`."""
-    from afd.runtime.harness import drive_arrivals, release_device_memory, replica_engine
-
-    progress.note(f"{ENGINE_ALONE}: loading one replica engine in this process ...")
-    prompts, max_tokens = workload.prompts(vocab_size), workload.max_tokens_of()
-    engine = replica_engine(spec)
+    """The workload at each rate straight into one replica engine in a process of its own, as each of the
+    server's replicas runs (after one untimed warm-up request, as the server gets); the same result shape as
+    one server config of `bench_servers`. Its own process, not this one: the bench's own Python state (threads,
+    garbage, the HTTP client's leftovers) would otherwise slow a host-bound engine and flatter the front end."""
+    progress.note(f"{ENGINE_ALONE}: loading one replica engine in a process of its own ...")
+    prompts = workload.prompts(vocab_size)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(
+        target=_engine_alone, args=(spec, workload, rates, vocab_size, timeout_s, child), name="afd-engine-alone"
+    )
+    proc.start()
+    child.close()
+    budget = ENGINE_LOAD_S + sum(timeout_s + max(workload.arrivals(r)) for r in run_rates(workload, rates))
+    deadline = time.monotonic() + budget
+    runs = []
     try:
-        drive_arrivals(engine, [Request(list(WARM_UP_PROMPT), WARM_UP_TOKENS)], [0.0], timeout_s)
-        runs = []
-        for rate in run_rates(workload, rates):
-            arrivals = workload.arrivals(rate)
-            requests = [Request(list(p), n) for p, n in zip(prompts, max_tokens, strict=True)]
-            progress.start(f"{ENGINE_ALONE}: rate {format_rate(rate)}", len(requests))
+        while True:
+            if not parent.poll(max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(f"the engine alone did not finish the workload within {budget:.0f} s")
             try:
-                start = time.perf_counter()
-                times = drive_arrivals(engine, requests, arrivals, timeout_s + max(arrivals), progress.advance)
-                wall = time.perf_counter() - start
-            finally:
+                msg = parent.recv()
+            except EOFError:
+                raise RuntimeError(f"the engine-alone process ended early (exit code {proc.exitcode})") from None
+            kind = msg[0]
+            if kind == "start":
+                progress.start(msg[1], msg[2])
+            elif kind == "advance":
+                progress.advance()
+            elif kind == "rate":
                 progress.finish()
-            results = [RequestResult.from_token_times(len(p), t) for p, t in zip(prompts, times, strict=True)]
-            runs.append(run_record(rate, results, wall))
+                _, rate, times, wall = msg
+                results = [RequestResult.from_token_times(len(p), t) for p, t in zip(prompts, times, strict=True)]
+                runs.append(run_record(rate, results, wall))
+            elif kind == "error":
+                progress.finish()
+                raise RuntimeError(f"the engine alone failed: {msg[1]}")
+            else:
+                break
     finally:
-        del engine
-        release_device_memory(spec.device)
+        parent.close()
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
     return {"name": ENGINE_ALONE, "runs": runs}
 
 
