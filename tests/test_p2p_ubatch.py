@@ -162,9 +162,9 @@ def test_ffn_serves_every_slot_of_a_layer_in_send_order(monkeypatch: pytest.Monk
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_ffn_refuses_slots_that_do_not_add_up(monkeypatch: pytest.MonkeyPatch) -> None:
-    pg = RecordingPG({(1, TAG_CTRL): [torch.tensor([5, 0, 0, 3, 1])]})
-    loop = P2pFFNLoop(
+def one_ffn_loop(monkeypatch: pytest.MonkeyPatch, pg: RecordingPG, num_ubatches: int) -> P2pFFNLoop:
+    """1A1F's FFN rank over a recording group, with no model (for the control plane alone)."""
+    return P2pFFNLoop(
         fake_world(monkeypatch, "ffn", 0, pg),
         SyncTopology(1, 1),
         SimpleNamespace(),
@@ -174,8 +174,13 @@ def test_ffn_refuses_slots_that_do_not_add_up(monkeypatch: pytest.MonkeyPatch) -
         dtype=torch.float32,
         boundary_layers=[1],
         gate_on_attention=True,
-        num_ubatches=2,
+        num_ubatches=num_ubatches,
     )
+
+
+def test_ffn_refuses_slots_that_do_not_add_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    pg = RecordingPG({(1, TAG_CTRL): [torch.tensor([5, 0, 0, 3, 1])]})
+    loop = one_ffn_loop(monkeypatch, pg, num_ubatches=2)
     with pytest.raises(RuntimeError, match=re.escape("announced 5 tokens in micro-batches of [3, 1]")):
         loop.step()
 
@@ -223,18 +228,7 @@ def test_ffn_ranks_agree_on_the_slots_in_use(monkeypatch: pytest.MonkeyPatch) ->
             assert opts.reduceOp == torch.distributed.ReduceOp.MAX
             tensors[0].clamp_(min=2)
 
-    loop = P2pFFNLoop(
-        fake_world(monkeypatch, "ffn", 0, RecordingPG()),
-        SyncTopology(1, 1),
-        SimpleNamespace(),
-        num_experts=7,
-        topk=K,
-        hidden_size=H,
-        dtype=torch.float32,
-        boundary_layers=[1],
-        gate_on_attention=True,
-        num_ubatches=3,
-    )
+    loop = one_ffn_loop(monkeypatch, RecordingPG(), num_ubatches=3)
     whole, split = [{0: 5}, {0: 0}, {0: 0}], [{0: 2}, {0: 2}, {0: 1}]
     assert loop._slots_in_use(whole) == 1 and loop._slots_in_use(split) == 3
     assert loop._slots_in_use([{0: 0}] * 3) == 1
