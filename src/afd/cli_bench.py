@@ -59,10 +59,7 @@ def cmd_bench_step(args: argparse.Namespace) -> int:
         steps=args.steps,
         progress=lambda msg: print(f"[afd bench step] {msg}", file=sys.stderr, flush=True),
     )
-    print(format_bench_step(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
-    return 0
+    return _report(format_bench_step(result), result, args.json)
 
 
 def cmd_bench_exchange(args: argparse.Namespace) -> int:
@@ -75,13 +72,11 @@ def cmd_bench_exchange(args: argparse.Namespace) -> int:
         result = run_exchange_stress(
             model=args.model, dtype=args.dtype, device=args.device, round_trips=args.stress, max_tokens=max(args.tokens)
         )
-        print(
+        summary = (
             f"async ordering stress: {result['round_trips']} round trips ({result['messages']} messages, T up to "
             f"{result['max_tokens']}) in {result['seconds']:.1f}s, {result['mismatches']} mismatches"
         )
-        if args.json:
-            Path(args.json).write_text(json.dumps(result, indent=2))
-        return 0
+        return _report(summary, result, args.json)
     result = run_bench_exchange(
         model=args.model,
         dtype=args.dtype,
@@ -91,7 +86,12 @@ def cmd_bench_exchange(args: argparse.Namespace) -> int:
         iters=args.iters,
         progress=lambda msg: print(f"[afd bench exchange] {msg}", file=sys.stderr, flush=True),
     )
-    print(format_bench_exchange(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    return _report(format_bench_exchange(result), result, args.json)
+
+
+def _report(text: str, result: dict, json_path: str | None) -> int:
+    """Print a bench's table; write its raw result where `--json` asks."""
+    print(text)
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=2))
     return 0
