@@ -14,5 +14,22 @@ timeout 120 python3 -m afd bench exchange --model deepseek-v2-lite --dtype bfloa
 AFD_BENCH_PROFILE=$B/prof timeout 120 python3 -m afd bench exchange --model deepseek-v2-lite --dtype bfloat16 \
   --device cuda --tokens 8 --iters 100 2>"$B/exchange_prof.err" | tail -n 4
 tar -czf "$OUT/probe.tar.gz" -C "$B" .
+elif [[ $PHASE == chain ]]; then
+# device-driven FFN passes (afd.connectors.ffn_chain): the exchange per layer inside a 26-layer pass, with the chain
+# and without (AFD_FFN_CHAIN=0), single round trips beside; the ordering stress through the chain; afd bench 1A1F
+ex() {  # name, then afd bench exchange arguments
+  local name=$1; shift
+  timeout 150 python3 -m afd bench exchange --model deepseek-v2-lite --dtype bfloat16 --device cuda "$@" \
+    --json "$B/$name.json" 2>"$B/$name.err" | tail -n +2
+  echo "$name rc=$?"
+}
+ex exchange_pass26 --tokens 1,8,64,256 --iters 50 --layers 26
+AFD_FFN_CHAIN=0 ex exchange_pass26_host --tokens 1,8,64,256 --iters 50 --layers 26 --connectors async
+ex exchange_single --tokens 1,8,64,512,4096 --iters 100
+timeout 150 python3 -m afd bench exchange --model deepseek-v2-lite --dtype bfloat16 --device cuda --stress 20000 \
+  --tokens 256 --json "$B/stress.json" 2>"$B/stress.err" | tail -n 2
+timeout 200 python3 -m afd bench --model deepseek-v2-lite --dtype bfloat16 --device cuda --attention 1 --ffn 1 \
+  --requests 8 --long-len 512 --short-len 32 --max-new-tokens 64 --json "$B/1a1f.json" 2>"$B/1a1f.err" | tail -n 7
+tar -czf "$OUT/chain.tar.gz" -C "$B" .
 fi
 echo "== leftover processes:"; pgrep -af "afd" | grep -v pgrep || echo none

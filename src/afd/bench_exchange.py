@@ -45,8 +45,6 @@ from afd.weights import load_model_config
 
 logger = logging.getLogger(__name__)
 
-LAYER = 0  # every timed exchange uses one layer index: the no-op FFN has no weights to tell layers apart
-
 
 class NoOpFFN:
     """An FFN side that answers zeros without computing: only the exchange is left to time."""
@@ -125,31 +123,40 @@ Exchange = Callable[[int, torch.Tensor, Routing], torch.Tensor]
 def _time_exchanges(
     exchange: Exchange, spec: dict, device: torch.device, begin: Callable[[int], None] | None = None
 ) -> list[dict]:
-    """For every T: `warmup` untimed round trips, `iters` timed one by one, `iters` back to back."""
+    """For every T: `warmup` untimed passes, `iters` timed one by one, `iters` back to back. A pass is
+    `spec["layers"]` exchanges, layer 0, 1, ... in order, each input the previous one plus its answer (a forward
+    pass's residual stream); a row's times are per exchange (the pass's time over its layers)."""
     dtype = getattr(torch, spec["dtype"])
+    layers = spec.get("layers", 1)
     gen = torch.Generator().manual_seed(0)
     rows = []
     for num_tokens in spec["tokens"]:
-        x = torch.randn(num_tokens, spec["hidden_size"], generator=gen).to(device=device, dtype=dtype)  # [T, H]
+        x0 = torch.randn(num_tokens, spec["hidden_size"], generator=gen).to(device=device, dtype=dtype)  # [T, H]
         scores = torch.rand(num_tokens, spec["num_experts"], generator=gen)  # [T, E]
         ids = scores.topk(spec["topk"], dim=1).indices.to(device)  # [T, K]
         routing = Routing(ids, torch.rand(num_tokens, spec["topk"], generator=gen).to(device))
+
+        def one_pass(x0: torch.Tensor = x0, routing: Routing = routing) -> None:
+            x = x0
+            for layer_idx in range(layers):
+                x = x + exchange(layer_idx, x, routing)
+
         if begin is not None:
             begin(num_tokens)
         for _ in range(spec["warmup"]):
-            exchange(LAYER, x, routing)
+            one_pass()
         _synchronize(device)
         single = []
         for _ in range(spec["iters"]):
             start = time.perf_counter()
-            exchange(LAYER, x, routing)
+            one_pass()
             _synchronize(device)
-            single.append((time.perf_counter() - start) * 1e6)
+            single.append((time.perf_counter() - start) * 1e6 / layers)
         start = time.perf_counter()
         for _ in range(spec["iters"]):
-            exchange(LAYER, x, routing)
+            one_pass()
         _synchronize(device)
-        mean = (time.perf_counter() - start) * 1e6 / spec["iters"]
+        mean = (time.perf_counter() - start) * 1e6 / spec["iters"] / layers
         deciles = statistics.quantiles(single, n=10) if len(single) > 1 else single * 9
         rows.append({"tokens": num_tokens, "p50_us": statistics.median(single), "p90_us": deciles[8], "mean_us": mean})
     return rows
@@ -159,7 +166,8 @@ def _run_p2p(world: World, spec: dict, device: torch.device) -> list[dict] | Non
     """Attention: the timed rows. FFN: serves one DP-wave step per token count, returns None."""
     topo = SyncTopology(1, 1)
     if world.me.role == "ffn":
-        layers = [LAYER] * (spec["warmup"] + 2 * spec["iters"])  # one step per T, that many exchanges in it
+        passes = spec["warmup"] + 2 * spec["iters"]  # one step per T, that many passes in it
+        layers = list(range(spec.get("layers", 1))) * passes
         P2pFFNLoop(
             world,
             topo,
@@ -212,7 +220,7 @@ def _run_async(world: World, spec: dict, device: torch.device) -> list[dict] | N
     args = dict(
         hidden_size=spec["hidden_size"],
         topk=spec["topk"],
-        num_layers=spec["num_layers"] if stress else LAYER + 1,
+        num_layers=spec["num_layers"] if stress else spec.get("layers", 1),
         dtype=getattr(torch, spec["dtype"]),
         device=device,
         max_num_batched_tokens=max(spec["tokens"]),
@@ -330,6 +338,7 @@ def run_bench_exchange(
     connectors: tuple[str, ...],
     iters: int = 50,
     warmup: int = 5,
+    layers: int = 1,
     timeout_s: float = 120.0,
     progress: Callable[[str], None] | None = None,
 ) -> dict:
@@ -354,6 +363,7 @@ def run_bench_exchange(
         "tokens": list(tokens),
         "iters": iters,
         "warmup": warmup,
+        "layers": layers,
         "timeout_s": timeout_s,
         "devices": {"attention": attn_dev, "ffn": ffn_dev},
     }
@@ -383,6 +393,7 @@ def run_bench_exchange(
         "topk": topk,
         "iters": iters,
         "warmup": warmup,
+        "layers": layers,
         "copy_iters": copy_iters,
         "rows": rows,
     }
@@ -419,11 +430,16 @@ def run_exchange_stress(
     }
 
 
+def _unit(layers: int) -> str:
+    return "round trips" if layers == 1 else f"passes of {layers} layers (times per layer)"
+
+
 def format_bench_exchange(result: dict) -> str:
     """One line per (connector, T): round trip p50 / p90 / mean beside the copy of the same bytes."""
     lines = [
         f"{result['model']} {result['dtype']} on {result['device']} (torch {result['torch']}), "
-        f"{result['topology']}, no-op FFN, {result['iters']} round trips per point; copy: the same bytes "
+        f"{result['topology']}, no-op FFN, {result['iters']} {_unit(result.get('layers', 1))} per point; "
+        "copy: the same bytes "
         f"{result['ranks_on']['attention']} -> {result['ranks_on']['ffn']} and back",
         f"{'connector':<9} {'tokens':>6} {'bytes':>10} {'p50 us':>9} {'p90 us':>9} {'mean us':>9} "
         f"{'copy us':>9} {'p50/copy':>9}",

@@ -34,6 +34,13 @@ def add_bench_parsers(steps) -> None:
     s.add_argument("--connectors", type=connector_list, default="p2p,async", help="connectors to run, in order")
     s.add_argument("--iters", type=positive_int, default=50, help="timed round trips per point")
     s.add_argument(
+        "--layers",
+        type=positive_int,
+        default=1,
+        help="exchanges per timed pass, layers 0..N-1 in order as in a forward pass (times are per layer); the "
+        "model's MoE layer count shows what a decode step pays",
+    )
+    s.add_argument(
         "--stress",
         type=positive_int,
         metavar="N",
@@ -84,6 +91,7 @@ def cmd_bench_exchange(args: argparse.Namespace) -> int:
         tokens=args.tokens,
         connectors=args.connectors,
         iters=args.iters,
+        layers=args.layers,
         progress=lambda msg: print(f"[afd bench exchange] {msg}", file=sys.stderr, flush=True),
     )
     return _report(format_bench_exchange(result), result, args.json)

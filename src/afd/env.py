@@ -8,6 +8,8 @@
 - `AFD_API_KEY`: the key `afd serve` requires from clients when `--api-key` is not given (keeps it off `ps`).
 - `AFD_DISABLE_TRITON`: set to 1 to run the CUDA step on eager PyTorch ops instead of afd's Triton kernels.
 - `AFD_FFN_GRAPHS`: set to 0 to run FFN ranks' expert passes eagerly instead of replaying CUDA graphs.
+- `AFD_FFN_CHAIN`: set to 0 to make a 1A1F async FFN rank on CUDA discover every request from the host instead of
+  enqueueing whole passes on the device (`afd.connectors.ffn_chain`); 1 runs those passes on CPU too (tests).
 - `AFD_ASYNC_HOST_WAIT`: set to 1 to make the async connector's attention ranks poll for replies from the host
   on CUDA, as on CPU, instead of waiting on their stream (a comparison, or a suspected device-wait problem).
 """
@@ -53,6 +55,12 @@ def triton_disabled() -> bool:
 def ffn_graphs_disabled() -> bool:
     """`AFD_FFN_GRAPHS=0`: FFN ranks run their expert passes eagerly (a suspected graph problem, or timing)."""
     return os.environ.get("AFD_FFN_GRAPHS", "") == "0"
+
+
+def ffn_chain() -> bool | None:
+    """`AFD_FFN_CHAIN`: False for 0, True for 1, None (the default: on where it applies on CUDA) otherwise."""
+    value = os.environ.get("AFD_FFN_CHAIN", "")
+    return False if value == "0" else True if value == "1" else None
 
 
 def async_host_wait() -> bool:

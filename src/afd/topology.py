@@ -176,7 +176,6 @@ class AsyncTopology:
         return -(-self.num_experts // self.num_ffn)
 
 
-
 def gpu_placement(connector: str, num_attention: int, num_ffn: int, num_gpus: int) -> list[int]:
     """GPU of each world rank for `afd launch` on one host. One GPU per rank when there are enough;
     otherwise pack ranks so that every GPU is used before any is shared and no NCCL communicator holds
@@ -260,9 +259,7 @@ def _spread_attention(
     return [{g for g in range(num_gpus) if flow.get((i, g))} for i in range(len(groups))]
 
 
-def local_gpu_index(
-    device_index: int | None, local_rank: int | None, visible: list[str] | None, num_gpus: int
-) -> int:
+def local_gpu_index(device_index: int | None, local_rank: int | None, visible: list[str] | None, num_gpus: int) -> int:
     """Which local GPU a hand-started rank (`afd worker`) uses, by torchrun's conventions: an explicit
     `--device-index`, else LOCAL_RANK, else the only visible GPU. Raises ValueError saying what to pass."""
     if num_gpus < 1:

@@ -14,13 +14,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from afd import env
 from afd.connectors.async_window import AsyncEndpoint, ConnectorShutdown
 from afd.connectors.expert_pass import FFNModelLike, GraphedPass, WorkRows, expert_pass
+from afd.connectors.ffn_chain import PassChain
 from afd.connectors.window import Message
 from afd.connectors.wire import FLAG_RESPONSE, SlotHeader, WindowProtocolError
 from afd.topology import AsyncTopology, Role
 
 logger = logging.getLogger("afd.connectors.async_window")
+
+CHAIN_POLL_S = 1e-3  # while passes are queued on the device, the host looks at them this often
 
 
 class AsyncFFNServer(AsyncEndpoint):
@@ -41,6 +45,45 @@ class AsyncFFNServer(AsyncEndpoint):
         self.expert_graphs = expert_graphs  # replayed expert passes at decode sizes (afd.ffn_graphs), or None
         self.items_served = 0
         self.expert_passes = 0  # fewer than items_served when items of one layer were served together
+        self.chain: PassChain | None = None  # device-driven passes (afd.connectors.ffn_chain), 1A1F only
+        self._chain_decided = False
+
+    def chain_to(self, ffn_model: FFNModelLike) -> bool:
+        """Serve whole passes on the device where that applies (one attention rank, one FFN rank, one ring stage,
+        CUDA with device-side waits and graphs; `AFD_FFN_CHAIN=1` also on CPU, `=0` never): build and capture
+        them now, before the first request is served. Returns whether it did; decided once."""
+        if self._chain_decided:
+            return self.chain is not None
+        self._chain_decided = True
+        wanted = env.ffn_chain()
+        one_to_one = self.topology.num_attention == 1 and self.topology.num_ffn == 1
+        if self.device.type == "cuda":
+            usable = wanted is not False and self.window.device_waits and not env.ffn_graphs_disabled()
+            if isinstance(ffn_model, torch.nn.Module):
+                from afd.ffn_graphs import ExpertPassGraphs
+
+                usable = usable and ExpertPassGraphs.usable(ffn_model)
+        else:
+            usable = wanted is True
+        if not (usable and one_to_one and not self.config.async_moe_ubatching):
+            return False
+        config = getattr(ffn_model, "config", None)
+        layers = getattr(ffn_model, "layers", None)
+        if config is not None and layers is not None:
+            moe_layers = [int(i) for i in layers if config.is_moe_layer(int(i))]
+        else:
+            moe_layers = list(range(self.num_layers))
+        self.chain = PassChain(
+            self.window,
+            self.peer_world(0),
+            self.role_rank,
+            ffn_model,
+            moe_layers,
+            timeout_s=self.timeout_s,
+            give_up=self._chain_give_up,
+        )
+        self.chain.capture_all()
+        return True
 
     def step(self, ffn_model: FFNModelLike, max_items: int | None = None) -> int:
         """Serve up to `max_items` (default num_layers) work items; returns early on a poll timeout.
@@ -51,12 +94,21 @@ class AsyncFFNServer(AsyncEndpoint):
         """
         limit = max_items if max_items is not None else self.num_layers
         served = 0
+        chain = self.chain
         while served < limit:
-            msgs = self.window.poll_many(self.poll_timeout_s, limit - served)
+            if chain is not None and chain.owns_slot:
+                chain.retire()
+            skip = {chain.slot_index} if chain is not None and chain.owns_slot else None
+            msgs = self.window.poll_many(CHAIN_POLL_S if skip else self.poll_timeout_s, limit - served, skip=skip)
             if not msgs:
-                self.check_peers_alive()
-                break
+                if skip is None:
+                    self.check_peers_alive()
+                break  # passes queued: the liveness check below runs at its own period
             work = [m for m in msgs if not m.header.is_shutdown]
+            if chain is not None:  # the chain's slot: this pass and the next ones go to the device
+                chained = [m for m in work if m.stage == 0 and chain.start(m.header.layer_idx, m.header.num_rows)]
+                work = [m for m in work if all(m is not c for c in chained)]
+                served += len(chained)
             if work:
                 self._serve(ffn_model, work)
                 served += len(work)
@@ -100,9 +152,28 @@ class AsyncFFNServer(AsyncEndpoint):
                 )
             self.items_served += len(group)
 
+    def _chain_give_up(self) -> bool:
+        """Whether a CPU-emulated device wait should stop: the attention rank announced shutdown, or (raises) died."""
+        if time.monotonic() - self._last_liveness > self.poll_timeout_s:
+            self.check_peers_alive()
+        return self.window.shutdown_pending(0)
+
+    def close(self) -> None:
+        """Fail the passes still queued on the device (their waits would never end), then close as every rank."""
+        if self.chain is not None and not self._closed:
+            self.chain.release()
+            logger.info(
+                "FFN rank %d: %d work items served on the device in whole passes, %d passes handed back to the host",
+                self.role_rank,
+                self.chain.items_served,
+                self.chain.aborts,
+            )
+        super().close()
+
     @torch.inference_mode()
     def serve(self, ffn_model: FFNModelLike, stop_event: threading.Event | None = None) -> None:
         """Run until every attention rank shut down (normal return) or `stop_event` is set."""
+        self.chain_to(ffn_model)
         try:
             while stop_event is None or not stop_event.is_set():
                 self.step(ffn_model)

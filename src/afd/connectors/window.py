@@ -257,6 +257,27 @@ class Window:
     def local_slot(self, region: int, stage: int) -> SlotViews:
         return self._local_slots[self.geometry.slot_index(region, stage)]
 
+    def local_flag(self, region: int, stage: int) -> torch.Tensor:
+        """Slot (region, stage)'s flag in this rank's window: [1] int64."""
+        idx = self.geometry.slot_index(region, stage)
+        return self._flags[idx : idx + 1]
+
+    def peer_slot(self, peer: int, region: int, stage: int) -> tuple[SlotViews, torch.Tensor]:
+        """World rank `peer`'s slot (region, stage) and its flag ([1] int64): what a device-side sender writes."""
+        window = self.heap.peer_view(peer)
+        idx = self.geometry.slot_index(region, stage)
+        return self._slot_views(window, idx), self._peer_flag_view(peer, window)[idx : idx + 1]
+
+    def shutdown_pending(self, region: int) -> bool:
+        """Whether `region`'s shutdown flag changed since the host last read it (one flag read)."""
+        idx = self.geometry.shutdown_index(region)
+        return int(self._flags[idx]) != self._seen[idx]
+
+    def forget(self, region: int, stage: int) -> None:
+        """Forget the flag value last seen in slot (region, stage): its next nonzero flag is a message again (the
+        slot was served on the device, which resets its flag to 0; afd.connectors.ffn_chain)."""
+        self._seen[self.geometry.slot_index(region, stage)] = 0
+
     def _read_flags(self) -> list[int]:
         if self._poll_stream is None:
             return self._flags.tolist()
@@ -294,6 +315,7 @@ class Window:
         *,
         regions: set[int] | None = None,
         expect_echo: Mapping[int, int] | None = None,
+        skip: set[int] | None = None,
     ) -> list[Message]:
         """Wait up to `timeout_s` until some slot's flag changed or a region shut down, then return every
         such message of that one flag read (at most `max_messages`); [] on timeout.
@@ -301,7 +323,8 @@ class Window:
         regions: only these sender regions (default all). expect_echo: region → seq that a
         response from that region must echo (attention side). A region's shutdown (stage -1) comes
         first, and the messages of that region still unread are dropped: its sender is gone and
-        reads nothing more. The scan of slots starts after the last hit so no region starves.
+        reads nothing more. The scan of slots starts after the last hit so no region starves. skip: slot
+        indices served on the device (afd.connectors.ffn_chain), whose flags are not messages for the host.
         """
         geom = self.geometry
         n, depth = geom.num_slots, geom.ring_depth
@@ -324,7 +347,7 @@ class Window:
                 idx = (start + i) % n
                 if len(out) >= limit:
                     break
-                if flags[idx] == self._seen[idx]:
+                if flags[idx] == self._seen[idx] or (skip is not None and idx in skip):
                     continue
                 region, stage = divmod(idx, depth)
                 if regions is not None and region not in regions:

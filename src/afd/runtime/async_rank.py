@@ -98,10 +98,11 @@ def run_async_rank(job: RankJob) -> None:
             experts = topo.expert_ranges[job.role_rank]
             ffn_model = load_ffn_model(job.spec.model, expert_range=experts, **load_args)
             warm_up_ffn(ffn_model, device)  # compile the kernels before the first work item
-            graphs = ExpertPassGraphs(ffn_model) if ExpertPassGraphs.usable(ffn_model) else None
-            if graphs is not None:
-                graphs.capture_all()  # one replay per layer at decode sizes: the host launches once per message
-            server = AsyncFFNServer(world.store, topo, job.role_rank, expert_graphs=graphs, **endpoint_args)
+            server = AsyncFFNServer(world.store, topo, job.role_rank, **endpoint_args)
+            # 1A1F on CUDA: whole passes enqueued on the device; elsewhere one replay per message at decode sizes
+            if not server.chain_to(ffn_model) and ExpertPassGraphs.usable(ffn_model):
+                server.expert_graphs = ExpertPassGraphs(ffn_model)
+                server.expert_graphs.capture_all()
             if job.serve_address is not None:
                 stop_on_signals()  # a server's FFN rank ends when every replica shut down, also after a signal
             run_ffn_loop(server, ffn_model)

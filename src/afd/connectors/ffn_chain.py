@@ -1,0 +1,331 @@
+"""Device-driven FFN passes: the async FFN rank's host enqueues a whole forward pass ahead and leaves the
+per-layer path.
+
+Why: a host that discovers each layer's request (a flag read, a header read, a dozen launches, the reply's
+copies) costs a few hundred µs per MoE layer, on the critical path of every decode step. Here, for each MoE
+layer of a pass, the host enqueues once, ahead of time: a stream wait until the request's flag is set (no SM
+spins), then one graph replay that checks the request's header on the device, computes the experts over a
+bucket of rows (rows past the header's count are masked out), writes the reply rows and header into the
+attention rank's window, resets the local flag to 0 and publishes the reply's flag. The host only retires
+finished passes and enqueues the next.
+
+Where: one attention rank and one FFN rank (1A1F), no micro-batching (one ring stage), on CUDA with a
+device-side flag wait (`Window.device_waits`). There the order of requests is known: the MoE layers of a
+forward pass, in order, every layer with the same rows. Elsewhere (several replicas: their order is not known)
+the host loop serves as before.
+
+Speculation and its check: the host learns a pass's rows from the first message it reads itself, then keeps
+two passes queued (the next with the rows bucket of the last). An item serves its message only if the header
+says request, this layer, at most the bucket's rows, the right seq, and no earlier item failed; otherwise
+("abort") it publishes nothing and leaves the flag set, every later queued item fails too, and once they
+drained the host serves that message itself and starts over. A misprediction costs time, never a wrong answer.
+
+Flags: a slot served here has its flag reset to 0 by the item that consumed it (before the reply is published,
+so before the next request can land), so every item waits for "flag >= 1"; the host poll skips the slot while
+passes are queued and forgets the last value it saw when they are done (`Window.forget`).
+
+Shutdown: the host cannot cancel a stream wait; `release()` sets the abort word and a nonzero flag from another
+stream, so every queued item fails at once, and the device can be synchronized.
+
+On CPU (`AFD_FFN_CHAIN=1`, tests) the same items run eagerly and the wait is a bounded host poll: the logic is
+tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from afd.connectors.expert_pass import FFNModelLike
+from afd.connectors.window import Window
+from afd.connectors.wire import (
+    FLAG_RESPONSE,
+    MAGIC,
+    VERSION,
+    W_ECHO_SEQ,
+    W_FLAGS,
+    W_LAYER,
+    W_MAGIC,
+    W_ROWS,
+    W_SEQ,
+    W_SHARED,
+    W_VERSION,
+    SlotViews,
+)
+from afd.cuda_graph import DEFAULT_BATCH_BUCKETS, pick_bucket
+from afd.moe import Routing
+
+logger = logging.getLogger(__name__)
+
+QUEUED_PASSES = 2  # passes enqueued ahead: the next pass is waiting on the device while the host retires one
+
+
+@dataclass
+class Ends:
+    """Where an item reads its request and writes its reply: the real window slots, or scratch for warm-up."""
+
+    header: torch.Tensor  # [HEADER_WORDS] int32: the request's header
+    x: torch.Tensor  # [row_cap, H] model dtype
+    topk_ids: torch.Tensor  # [row_cap, K] int32
+    topk_weights: torch.Tensor  # [row_cap, K] fp32
+    flag: torch.Tensor  # [1] int64: the request's flag (reset to 0 when served)
+    reply: SlotViews  # the attention rank's slot (its header and out rows)
+    reply_flag: torch.Tensor  # [1] int64
+
+
+@dataclass
+class QueuedPass:
+    layers: list[int]
+    bucket: int
+    done: torch.cuda.Event | None  # recorded after its last item (None on CPU: done when enqueued)
+
+
+class PassChain:
+    """Serves slot (region 0, stage 0) of an FFN rank's window on the device, a pass at a time."""
+
+    def __init__(
+        self,
+        window: Window,
+        attention_world_rank: int,
+        ffn_rank: int,
+        ffn_model: FFNModelLike,
+        moe_layers: Sequence[int],
+        *,
+        buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
+        timeout_s: float,
+        give_up: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self.window = window
+        self.ffn_model = ffn_model
+        self.moe_layers = sorted(moe_layers)
+        self.buckets = sorted(b for b in buckets if b <= window.layout.row_cap) or [window.layout.row_cap]
+        self.timeout_s = timeout_s
+        self.give_up = give_up  # CPU waits ask it now and then: True to stop waiting (shutdown); may raise (peer died)
+        self.device = window.device
+        self.is_cuda = self.device.type == "cuda"
+        self.slot_index = window.geometry.slot_index(0, 0)
+        slot = window.local_slot(0, 0)
+        reply, reply_flag = window.peer_slot(attention_world_rank, ffn_rank, 0)
+        self.ends = Ends(
+            slot.header, slot.x, slot.topk_ids, slot.topk_weights, window.local_flag(0, 0), reply, reply_flag
+        )
+        dev = self.device
+        # device words: [abort, served, max rows] of the passes since the host last read them
+        self.stats = torch.zeros(3, dtype=torch.int64, device=dev)
+        self._rows = torch.arange(self.buckets[-1], device=dev)  # [n]
+        self.stream = torch.cuda.Stream(dev) if self.is_cuda else None
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.is_cuda else None
+        self.queued: deque[QueuedPass] = deque()
+        self.next_bucket = self.buckets[0]
+        self.items_served = 0
+        self._served_read = 0  # the device's served count at the last read (the device only adds to it)
+        self.aborts = 0  # passes that broke the prediction (the host served the message instead)
+
+    # -- one item: check, compute, publish ------------------------------------------------------------
+
+    def _item(self, ends: Ends, layer_idx: int, n: int) -> None:
+        """Serve the request in `ends` if it is what this item expects; no host sync (graph-capturable)."""
+        h, flag = ends.header, ends.flag
+        rows, shared_rows = h[W_ROWS].long(), h[W_SHARED].long()
+        seq = flag[0]
+        ok = (
+            (self.stats[0] == 0)
+            & (seq >= 1)
+            & (h[W_MAGIC] == _int32(MAGIC))
+            & (h[W_VERSION] == VERSION)
+            & (h[W_FLAGS] == 0)
+            & (h[W_LAYER] == layer_idx)
+            & (rows <= n)
+            & (shared_rows <= rows)
+            & ((h[W_SEQ].long() & 0xFFFFFFFF) == (seq & 0xFFFFFFFF))
+        )
+        index = self._rows[:n]
+        valid = (index < rows)[:, None]  # [n, 1]
+        ids = torch.where(valid, ends.topk_ids[:n].long(), -1)  # rows past the count route nowhere
+        x = ends.x[:n]
+        out = self.ffn_model.experts_topk(layer_idx, x, Routing(ids, ends.topk_weights[:n])).float()  # [n, H]
+        shared = self.ffn_model.shared(layer_idx, x).float()  # [n, H]
+        out = out + torch.where((index < shared_rows)[:, None], shared, 0.0)
+        ends.reply.out[:n].copy_(out)
+        answer = h.clone()
+        answer[W_FLAGS] = FLAG_RESPONSE
+        answer[W_ECHO_SEQ : W_ECHO_SEQ + 1].copy_(h[W_SEQ : W_SEQ + 1])
+        ends.reply.header.copy_(answer)
+        published = torch.where(ok, seq, ends.reply_flag[0])  # before the reset below
+        flag.copy_(torch.where(ok, 0, seq))
+        self.stats.copy_(
+            torch.stack([torch.where(ok, self.stats[0], 1), self.stats[1] + ok, torch.maximum(self.stats[2], rows)])
+        )
+        ends.reply_flag.copy_(published)  # last: the reply is visible once this lands
+
+    def _scratch_ends(self) -> Ends:
+        """Ends of the same shapes that touch neither window: warming the kernels up writes no peer."""
+        e = self.ends
+
+        def like(t: torch.Tensor) -> torch.Tensor:
+            return torch.zeros_like(t)
+
+        reply = SlotViews(like(e.reply.header), like(e.reply.x), like(e.reply.out), like(e.reply.topk_ids),
+                          like(e.reply.topk_weights))  # fmt: skip
+        return Ends(like(e.header), like(e.x), like(e.topk_ids), like(e.topk_weights), like(e.flag), reply,
+                    like(e.reply_flag))  # fmt: skip
+
+    def capture_all(self) -> None:
+        """Capture one graph per (MoE layer, bucket) before any work (CUDA); logs how long it took."""
+        if not self.is_cuda:
+            return
+        start = time.perf_counter()
+        scratch = self._scratch_ends()
+        saved = self.stats.clone()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.inference_mode():
+            for layer_idx in self.moe_layers:
+                for n in self.buckets:
+                    with torch.cuda.stream(side):  # compile and allocate outside the capture, on scratch
+                        self._item(scratch, layer_idx, n)
+                    side.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self._pool, stream=side):
+                        self._item(self.ends, layer_idx, n)
+                    self._graphs[(layer_idx, n)] = graph
+            self.stats.copy_(saved)
+        torch.cuda.synchronize(self.device)
+        logger.info(
+            "FFN device-driven passes: %d layers x buckets %s captured in %.1f s",
+            len(self.moe_layers),
+            self.buckets,
+            time.perf_counter() - start,
+        )
+
+    # -- host side: queue, retire, fall back ------------------------------------------------------------
+
+    @property
+    def owns_slot(self) -> bool:
+        return bool(self.queued)
+
+    def bucket_for(self, rows: int) -> int | None:
+        return pick_bucket(rows, self.buckets)
+
+    @torch.inference_mode()
+    def start(self, layer_idx: int, rows: int) -> bool:
+        """The host read a request for `layer_idx` with `rows` rows in the slot: serve it and the rest of its pass
+        on the device, then queue the next pass. False (nothing queued) when no bucket holds the rows."""
+        bucket = self.bucket_for(rows)
+        if bucket is None or layer_idx not in self.moe_layers:
+            return False
+        self.next_bucket = bucket
+        self._enqueue(self.moe_layers[self.moe_layers.index(layer_idx) :], bucket)
+        self.top_up()
+        return True
+
+    @torch.inference_mode()
+    def top_up(self) -> None:
+        """Keep QUEUED_PASSES whole passes enqueued, at the bucket of the rows seen last."""
+        while len(self.queued) < QUEUED_PASSES:
+            self._enqueue(self.moe_layers, self.next_bucket)
+
+    def _enqueue(self, layers: list[int], bucket: int) -> None:
+        if not self.is_cuda:
+            for layer_idx in layers:
+                self._wait_on_host()
+                with torch.inference_mode():
+                    self._item(self.ends, layer_idx, bucket)
+            self.queued.append(QueuedPass(layers, bucket, None))
+            return
+        with torch.cuda.stream(self.stream):
+            for layer_idx in layers:
+                self.window.wait_flag(0, 0, 1, self.stream)
+                self._graphs[(layer_idx, bucket)].replay()
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        self.queued.append(QueuedPass(layers, bucket, done))
+
+    def _wait_on_host(self) -> None:
+        """CPU: wait for the slot's flag, bounded; on shutdown or timeout, abort (the item then fails)."""
+        deadline = time.monotonic() + self.timeout_s
+        spins = 0
+        while int(self.ends.flag[0]) < 1 and int(self.stats[0]) == 0:
+            spins += 1
+            if spins % 64 == 0 and (self.give_up() or time.monotonic() > deadline):
+                self.stats[0] = 1
+                return
+            time.sleep(min(2e-4, 2e-6 * spins))
+
+    @torch.inference_mode()
+    def retire(self) -> bool:
+        """Retire the passes that finished; True when the slot goes back to the host (a pass aborted: the message
+        that broke the prediction is still in the slot, its flag set). Reads the stats back once per pass."""
+        retired = False
+        while self.queued and (self.queued[0].done is None or self.queued[0].done.query()):
+            self.queued.popleft()
+            retired = True
+        if not retired:
+            return False
+        abort, _, max_rows = self.stats.tolist()
+        self._count_served()
+        if not abort:
+            self.next_bucket = self.bucket_for(max(max_rows, 1)) or self.next_bucket
+            self.stats[2:].zero_()  # the next passes' largest rows (a queued item may race this: a hint only)
+            self.top_up()
+            return False
+        self._drain()  # every queued item fails at once now: its wait passes on the message left in the slot
+        self._count_served()
+        self.aborts += 1
+        self.stats.zero_()  # nothing runs on the device now
+        self._served_read = 0
+        if self.is_cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        self.window.forget(0, 0)
+        logger.debug("device-driven pass handed back (%d so far): the host serves the next message", self.aborts)
+        return True
+
+    def _count_served(self) -> None:
+        served = int(self.stats[1])
+        self.items_served += served - self._served_read
+        self._served_read = served
+
+    def _drain(self) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while self.queued:
+            done = self.queued[0].done
+            if done is not None and not done.query():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"queued device-driven FFN passes did not drain within {self.timeout_s:.0f}s")
+                time.sleep(2e-5)
+                continue
+            self.queued.popleft()
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    @torch.inference_mode()
+    def release(self) -> None:
+        """Shutdown: fail every queued item now (abort word, then a nonzero flag, from another stream) and wait for
+        them; after this the device can be synchronized."""
+        if not self.queued:
+            return
+        if self.is_cuda:
+            poke = torch.cuda.Stream(self.device)
+            with torch.cuda.stream(poke):
+                self.stats[0:1].fill_(1)
+                self.ends.flag.fill_(1)
+        else:
+            self.stats[0] = 1
+        try:
+            self._drain()
+        except TimeoutError:
+            logger.warning("device-driven FFN passes still queued at shutdown")
+            self.queued.clear()
+            return
+        self._count_served()
+
+
+def _int32(value: int) -> int:
+    """`value` as the int32 bit pattern a header word holds."""
+    return value - (1 << 32) if value >= 1 << 31 else value
