@@ -154,7 +154,7 @@ class PassChain:
         out = out + torch.where((index < shared_rows)[:, None], shared, 0.0)
         ends.reply.out[:n].copy_(out)
         answer = h.clone()
-        answer[W_FLAGS] = FLAG_RESPONSE
+        answer[W_FLAGS : W_FLAGS + 1].fill_(FLAG_RESPONSE)  # (item assignment copies a CPU scalar: not capturable)
         answer[W_ECHO_SEQ : W_ECHO_SEQ + 1].copy_(h[W_SEQ : W_SEQ + 1])
         ends.reply.header.copy_(answer)
         published = torch.where(ok, seq, ends.reply_flag[0])  # before the reset below
