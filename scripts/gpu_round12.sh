@@ -31,5 +31,20 @@ timeout 150 python3 -m afd bench exchange --model deepseek-v2-lite --dtype bfloa
 timeout 200 python3 -m afd bench --model deepseek-v2-lite --dtype bfloat16 --device cuda --attention 1 --ffn 1 \
   --requests 8 --long-len 512 --short-len 32 --max-new-tokens 64 --json "$B/1a1f.json" 2>"$B/1a1f.err" | tail -n 7
 tar -czf "$OUT/chain.tar.gz" -C "$B" .
+elif [[ $PHASE == chain2 ]]; then
+# the chain's three Triton kernels against their PyTorch steps; the exchange per layer in a 26-layer pass (reply
+# headers read back through a ring: the attention host no longer waits for the previous layer); where a pass's
+# time goes (AFD_BENCH_PROFILE); the stress and afd bench 1A1F again
+timeout 120 python3 -m pytest -q -m gpu tests/test_ffn_chain.py -p no:cacheprovider 2>&1 | tail -n 3
+timeout 150 python3 -m afd bench exchange --model deepseek-v2-lite --dtype bfloat16 --device cuda --tokens 1,8,64,256 \
+  --iters 50 --layers 26 --json "$B/exchange_pass26.json" 2>"$B/exchange_pass26.err" | tail -n +2
+AFD_BENCH_PROFILE=$B/prof timeout 120 python3 -m afd bench exchange --model deepseek-v2-lite --dtype bfloat16 \
+  --device cuda --tokens 8 --iters 20 --layers 26 --connectors async 2>"$B/exchange_prof.err" | tail -n 2
+timeout 150 python3 -m afd bench exchange --model deepseek-v2-lite --dtype bfloat16 --device cuda --stress 20000 \
+  --tokens 256 --json "$B/stress.json" 2>"$B/stress.err" | tail -n 2
+timeout 200 python3 -m afd bench --model deepseek-v2-lite --dtype bfloat16 --device cuda --attention 1 --ffn 1 \
+  --requests 8 --long-len 512 --short-len 32 --max-new-tokens 64 --connectors async --json "$B/1a1f.json" \
+  2>"$B/1a1f.err" | tail -n 4
+tar -czf "$OUT/chain2.tar.gz" -C "$B" .
 fi
 echo "== leftover processes:"; pgrep -af "afd" | grep -v pgrep || echo none

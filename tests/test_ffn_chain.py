@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from e2e_util import MODEL, Leftovers, afd_worker, assert_matches_reference, hand_config, kill_all, wait_until_mapped
 from test_async_e2e import tokens
 
@@ -88,3 +89,99 @@ def test_attention_killed_while_passes_are_queued(monkeypatch: pytest.MonkeyPatc
     finally:
         kill_all([ffn, attn])
         leftovers.cleanup()
+
+
+# ---------------------------------------------------------------- the kernels against their PyTorch steps
+def _request(rows: int, shared: int, layer: int, seq: int, *, flags: int = 0, magic: int | None = None):
+    from afd.connectors.wire import (
+        HEADER_WORDS,
+        MAGIC_WORD,
+        VERSION,
+        W_FLAGS,
+        W_LAYER,
+        W_MAGIC,
+        W_ROWS,
+        W_SEQ,
+        W_SHARED,
+        W_VERSION,
+    )
+
+    h = torch.zeros(HEADER_WORDS, dtype=torch.int32)
+    h[W_MAGIC], h[W_VERSION], h[W_FLAGS], h[W_LAYER] = MAGIC_WORD if magic is None else magic, VERSION, flags, layer
+    h[W_ROWS], h[W_SHARED], h[W_SEQ] = rows, shared, seq
+    return h
+
+
+CASES = {  # name: (header arguments, flag, abort): whether the item serves it follows
+    "serves": (dict(rows=5, shared=5, layer=3, seq=7), 7, 0),
+    "fewer shared rows": (dict(rows=6, shared=2, layer=3, seq=9), 9, 0),
+    "other layer": (dict(rows=5, shared=5, layer=4, seq=7), 7, 0),
+    "too many rows": (dict(rows=9, shared=9, layer=3, seq=7), 7, 0),
+    "seq differs from flag": (dict(rows=5, shared=5, layer=3, seq=6), 7, 0),
+    "a reply": (dict(rows=5, shared=5, layer=3, seq=7, flags=1), 7, 0),
+    "bad magic": (dict(rows=5, shared=5, layer=3, seq=7, magic=12345), 7, 0),
+    "aborted before": (dict(rows=5, shared=5, layer=3, seq=7), 7, 1),
+    "flag not set": (dict(rows=5, shared=5, layer=3, seq=0), 0, 0),
+}
+
+
+SERVED = ("serves", "fewer shared rows")
+OUTPUTS = ["ids", "mask", "ok", "out", "reply header", "flag", "stats", "reply flag"]
+
+
+def run_steps(steps, case: str, dev: str) -> list[torch.Tensor]:  # noqa: ANN001
+    """One item's three steps (PyTorch's or the kernels') on a request made for `case`; every output."""
+    header_args, flag_value, abort = CASES[case]
+    n, k, hidden = 8, 6, 48
+    gen = torch.Generator().manual_seed(len(case))
+    header = _request(**header_args).to(dev)
+    topk_ids = torch.randint(0, 64, (12, k), generator=gen, dtype=torch.int32).to(dev)
+    routed = torch.randn(n, hidden, generator=gen).to(dev)
+    shared = torch.randn(n, hidden, generator=gen).to(dev, torch.bfloat16)
+    flag = torch.tensor([flag_value], dtype=torch.int64, device=dev)
+    stats = torch.tensor([abort, 4, 2], dtype=torch.int64, device=dev)
+    ids = torch.full((n, k), 99, dtype=torch.int64, device=dev)
+    mask = torch.full((n,), 7.0, device=dev)
+    ok = torch.zeros(1, dtype=torch.int32, device=dev)
+    out = torch.zeros(10, hidden, dtype=torch.bfloat16, device=dev)
+    reply_header = torch.zeros_like(header)
+    reply_flag = torch.tensor([3], dtype=torch.int64, device=dev)
+    steps.check_request(header, flag, stats, topk_ids, 3, n, ids, mask, ok)
+    steps.combine_reply(routed, shared, mask, out, header, reply_header)
+    steps.finish_item(header, flag, stats, ok, reply_flag)
+    return [ids, mask, ok, out, reply_header, flag, stats, reply_flag]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_pytorch_steps_serve_only_the_expected_request(case: str) -> None:
+    """An item serves (flag reset to 0, reply flag = the request's seq, served + 1) only a request for its layer
+    within its bucket whose header seq is the flag's, with nothing aborted before; otherwise it leaves the flag
+    and the reply flag alone and sets the abort word. Rows past the count route nowhere."""
+    from afd.connectors.ffn_chain import _TorchSteps
+
+    ids, mask, ok, out, reply_header, flag, stats, reply_flag = run_steps(_TorchSteps(), case, "cpu")
+    header_args, flag_value, abort = CASES[case]
+    rows, shared = header_args["rows"], header_args["shared"]
+    if case in SERVED:
+        assert ok.item() == 1 and flag.item() == 0 and reply_flag.item() == flag_value
+        assert stats.tolist() == [0, 5, max(2, rows)]
+        assert reply_header[2].item() == 1 and reply_header[8].item() == header_args["seq"]  # response, echo
+        assert (ids[rows:] == -1).all() and (ids[:rows] >= 0).all()
+        assert mask.tolist() == [1.0] * shared + [0.0] * (8 - shared)
+    else:
+        assert ok.item() == 0 and flag.item() == flag_value and reply_flag.item() == 3
+        assert stats[0].item() == 1 and stats[1].item() == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernels_equal_the_pytorch_steps(case: str) -> None:
+    """check_request / combine_reply / finish_item (Triton) leave every output and state word exactly as the
+    PyTorch steps (the CPU path) do, for a request served and for each reason not to serve one."""
+    from afd.connectors.ffn_chain import _TorchSteps
+    from afd.kernels import chain
+
+    want, got = run_steps(_TorchSteps(), case, "cuda"), run_steps(chain, case, "cuda")
+    for name, a, b in zip(OUTPUTS, want, got, strict=True):
+        assert torch.equal(a, b), f"{case}: {name} differs: {a} vs {b}"

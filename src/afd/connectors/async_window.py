@@ -58,6 +58,9 @@ from afd.transport.symm_heap import DEFAULT_TIMEOUT_S, HeapFactory, default_heap
 logger = logging.getLogger("afd.connectors.async_window")
 
 
+HEADER_RING = 64  # reply headers read back but not yet checked: how far the host may run ahead of its stream
+
+
 class ConnectorShutdown(Exception):
     """The opposite role announced shutdown: a normal exit, not an error."""
 
@@ -249,8 +252,9 @@ class AsyncAttentionExchange(AsyncEndpoint):
         self._in_flight: set[tuple[int, int]] = set()  # (ffn_rank, stage)
         self._early: dict[tuple[int, int], Message] = {}  # (ffn_rank, stage) -> a reply to a later pending send
         # device-side waits (NVSHMEM): reply headers read back behind the combine, checked later
-        self._unchecked: deque[tuple[tuple[int, int], torch.cuda.Event, PendingExchange]] = deque()
-        self._header_host: dict[tuple[int, int], torch.Tensor] = {}
+        self._unchecked: deque[tuple[tuple[int, int], torch.cuda.Event, PendingExchange, int]] = deque()
+        self._header_ring: torch.Tensor | None = None  # [HEADER_RING, HEADER_WORDS] pinned: reply headers read back
+        self._header_turn = 0
         self._empty = torch.empty(0, device=self.device)
         self._device_waits = self.window.device_waits and not env.async_host_wait()
         try:  # the plan's counts: shared and other rows per FFN rank
@@ -398,36 +402,36 @@ class AsyncAttentionExchange(AsyncEndpoint):
         return acc.to(pending.dtype)
 
     def _read_back_header(self, pending: PendingExchange, f: int, header: torch.Tensor) -> None:
-        """Copy FFN rank f's reply header to the host behind the work on the stream; `_check_replies` checks it."""
-        sent = pending.sent[f]
-        key = (f, sent.stage)
-        if any(c[0] == key for c in self._unchecked):
-            self._check_replies(block=True, key=key)  # its host buffer is about to be reused
-        host = self._header_host.get(key)
-        if host is None:
-            host = self._header_host[key] = torch.zeros(header.shape, dtype=header.dtype, pin_memory=True)
-        host.copy_(header, non_blocking=True)
+        """Copy FFN rank f's reply header to the host behind the work on the stream; `_check_replies` checks it.
+        Each copy has its own row of a ring of HEADER_RING host buffers, so the host runs that many replies ahead
+        of its stream before it waits for one (a buffer per slot made it wait for the previous layer's reply)."""
+        if self._header_ring is None:
+            self._header_ring = torch.zeros(HEADER_RING, header.numel(), dtype=header.dtype, pin_memory=True)
+        if len(self._unchecked) >= HEADER_RING:
+            self._check_replies(block=True, count=1)  # the oldest holds the row about to be reused
+        row = self._header_turn
+        self._header_turn = (row + 1) % HEADER_RING
+        self._header_ring[row].copy_(header, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        self._unchecked.append((key, done, pending))
+        self._unchecked.append(((f, pending.sent[f].stage), done, pending, row))
 
-    def _check_replies(self, *, block: bool, key: tuple[int, int] | None = None) -> None:
-        """Check the reply headers read back so far (all of them with `block`, or up to `key`'s): magic,
+    def _check_replies(self, *, block: bool, count: int | None = None) -> None:
+        """Check the reply headers read back so far (with `block`: all of them, or the oldest `count`): magic,
         version, echo of the request's seq, layer and row counts, as the host-polled path checks them."""
-        while self._unchecked:
-            k, done, pending = self._unchecked[0]
+        checked = 0
+        while self._unchecked and (count is None or checked < count):
+            (f, stage), done, pending, row = self._unchecked[0]
             if not done.query():
                 if not block:
                     return
-                self._wait_done(done, f"the reply header of FFN rank {k[0]} (layer {pending.layer_idx})")
+                self._wait_done(done, f"the reply header of FFN rank {f} (layer {pending.layer_idx})")
             self._unchecked.popleft()
-            f, stage = k
+            checked += 1
             sent = pending.sent[f]
-            header = decode_header(self._header_host[k].tolist(), expect_seq=sent.seq)
+            header = decode_header(self._header_ring[row].tolist(), expect_seq=sent.seq)
             msg = Message(f, stage, header, self._empty, self._empty, self._empty)
             self._take_reply(pending, f, msg)
-            if k == key:
-                return
 
     def _wait_done(self, event: torch.cuda.Event, what: str) -> None:
         """Wait for `event` from the host, bounded by the connector's timeout, checking the FFN ranks are alive."""

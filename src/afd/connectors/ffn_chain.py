@@ -41,11 +41,12 @@ from dataclasses import dataclass
 
 import torch
 
+from afd import env
 from afd.connectors.expert_pass import FFNModelLike
 from afd.connectors.window import Window
 from afd.connectors.wire import (
     FLAG_RESPONSE,
-    MAGIC,
+    MAGIC_WORD,
     VERSION,
     W_ECHO_SEQ,
     W_FLAGS,
@@ -117,7 +118,11 @@ class PassChain:
         dev = self.device
         # device words: [abort, served, max rows] of the passes since the host last read them
         self.stats = torch.zeros(3, dtype=torch.int64, device=dev)
-        self._rows = torch.arange(self.buckets[-1], device=dev)  # [n]
+        top, k = self.buckets[-1], window.layout.topk
+        self._ids = torch.zeros(top, k, dtype=torch.int64, device=dev)  # [n, K]: the rows' ids, -1 past the count
+        self._mask = torch.zeros(top, dtype=torch.float32, device=dev)  # [n]: 1.0 on the rows with shared experts
+        self._ok = torch.zeros(1, dtype=torch.int32, device=dev)  # whether this item serves its message
+        self.use_kernels = self.is_cuda and not env.triton_disabled()
         self.stream = torch.cuda.Stream(dev) if self.is_cuda else None
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.is_cuda else None
@@ -131,38 +136,14 @@ class PassChain:
 
     def _item(self, ends: Ends, layer_idx: int, n: int) -> None:
         """Serve the request in `ends` if it is what this item expects; no host sync (graph-capturable)."""
-        h, flag = ends.header, ends.flag
-        rows, shared_rows = h[W_ROWS].long(), h[W_SHARED].long()
-        seq = flag[0]
-        ok = (
-            (self.stats[0] == 0)
-            & (seq >= 1)
-            & (h[W_MAGIC] == _int32(MAGIC))
-            & (h[W_VERSION] == VERSION)
-            & (h[W_FLAGS] == 0)
-            & (h[W_LAYER] == layer_idx)
-            & (rows <= n)
-            & (shared_rows <= rows)
-            & ((h[W_SEQ].long() & 0xFFFFFFFF) == (seq & 0xFFFFFFFF))
-        )
-        index = self._rows[:n]
-        valid = (index < rows)[:, None]  # [n, 1]
-        ids = torch.where(valid, ends.topk_ids[:n].long(), -1)  # rows past the count route nowhere
+        steps = _KERNEL_STEPS if self.use_kernels else _TORCH_STEPS
+        ids, mask, ok = self._ids[:n], self._mask[:n], self._ok
+        steps.check_request(ends.header, ends.flag, self.stats, ends.topk_ids, layer_idx, n, ids, mask, ok)
         x = ends.x[:n]
-        out = self.ffn_model.experts_topk(layer_idx, x, Routing(ids, ends.topk_weights[:n])).float()  # [n, H]
-        shared = self.ffn_model.shared(layer_idx, x).float()  # [n, H]
-        out = out + torch.where((index < shared_rows)[:, None], shared, 0.0)
-        ends.reply.out[:n].copy_(out)
-        answer = h.clone()
-        answer[W_FLAGS : W_FLAGS + 1].fill_(FLAG_RESPONSE)  # (item assignment copies a CPU scalar: not capturable)
-        answer[W_ECHO_SEQ : W_ECHO_SEQ + 1].copy_(h[W_SEQ : W_SEQ + 1])
-        ends.reply.header.copy_(answer)
-        published = torch.where(ok, seq, ends.reply_flag[0])  # before the reset below
-        flag.copy_(torch.where(ok, 0, seq))
-        self.stats.copy_(
-            torch.stack([torch.where(ok, self.stats[0], 1), self.stats[1] + ok, torch.maximum(self.stats[2], rows)])
-        )
-        ends.reply_flag.copy_(published)  # last: the reply is visible once this lands
+        routed = self.ffn_model.experts_topk(layer_idx, x, Routing(ids, ends.topk_weights[:n])).float()  # [n, H]
+        shared = self.ffn_model.shared(layer_idx, x)  # [n, H]
+        steps.combine_reply(routed, shared, mask, ends.reply.out, ends.header, ends.reply.header)
+        steps.finish_item(ends.header, ends.flag, self.stats, ok, ends.reply_flag)
 
     def _scratch_ends(self) -> Ends:
         """Ends of the same shapes that touch neither window: warming the kernels up writes no peer."""
@@ -326,6 +307,55 @@ class PassChain:
         self._count_served()
 
 
-def _int32(value: int) -> int:
-    """`value` as the int32 bit pattern a header word holds."""
-    return value - (1 << 32) if value >= 1 << 31 else value
+class _TorchSteps:
+    """An item's three steps in PyTorch: the CPU path and the oracle of `afd.kernels.chain` (same arguments)."""
+
+    @staticmethod
+    def check_request(header, flag, stats, topk_ids, layer_idx, n, ids_out, mask_out, ok_out) -> None:  # noqa: ANN001
+        h = header
+        rows, shared = h[W_ROWS].long(), h[W_SHARED].long()
+        seq = flag[0]
+        ok = (
+            (stats[0] == 0)
+            & (seq >= 1)
+            & (h[W_MAGIC] == MAGIC_WORD)
+            & (h[W_VERSION] == VERSION)
+            & (h[W_FLAGS] == 0)
+            & (h[W_LAYER] == layer_idx)
+            & (rows <= n)
+            & (shared <= rows)
+            & ((h[W_SEQ].long() & 0xFFFFFFFF) == (seq & 0xFFFFFFFF))
+        )
+        ok_out.copy_(ok.int().reshape(1))
+        index = torch.arange(n, device=h.device)
+        ids_out.copy_(torch.where((index < rows)[:, None], topk_ids[:n].long(), -1))  # rows past the count: nowhere
+        mask_out.copy_((index < shared).float())
+
+    @staticmethod
+    def combine_reply(routed, shared, mask, out, header, reply_header) -> None:  # noqa: ANN001
+        out[: routed.shape[0]].copy_(routed + mask[:, None] * shared.float())
+        answer = header.clone()
+        answer[W_FLAGS : W_FLAGS + 1].fill_(FLAG_RESPONSE)  # (item assignment copies a CPU scalar: not capturable)
+        answer[W_ECHO_SEQ : W_ECHO_SEQ + 1].copy_(header[W_SEQ : W_SEQ + 1])
+        reply_header.copy_(answer)
+
+    @staticmethod
+    def finish_item(header, flag, stats, ok, reply_flag) -> None:  # noqa: ANN001
+        served, seq, rows = ok[0] != 0, flag[0], header[W_ROWS].long()
+        published = torch.where(served, seq, reply_flag[0])
+        flag.copy_(torch.where(served, 0, seq))
+        stats.copy_(torch.stack([torch.where(served, stats[0], 1), stats[1] + served, torch.maximum(stats[2], rows)]))
+        reply_flag.copy_(published)  # last: the reply is visible once this lands
+
+
+class _LazyKernels:
+    """`afd.kernels.chain`, imported on first use (Triton is a CUDA path)."""
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        from afd.kernels import chain
+
+        return getattr(chain, name)
+
+
+_TORCH_STEPS = _TorchSteps()
+_KERNEL_STEPS = _LazyKernels()

@@ -83,6 +83,7 @@ class Window:
         # 2**63 messages); headers carry its low 32 bits and compare them mod 2**32
         self._seq = 0
         self._peer_flags: dict[int, torch.Tensor] = {}
+        self._peer_slots: dict[tuple[int, int], SlotViews] = {}
         self._staging: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]]] = {}
         self._staging_turn: dict[int, int] = {}
         self.timeout_s = timeout_s
@@ -131,6 +132,13 @@ class Window:
             self._peer_flags[peer] = self._flag_view(window)
         return self._peer_flags[peer]
 
+    def _peer_slot_views(self, peer: int, window: torch.Tensor, index: int) -> SlotViews:
+        """A peer slot's views, made once (slicing and viewing a slot costs tens of µs of host time per send)."""
+        views = self._peer_slots.get((peer, index))
+        if views is None:
+            views = self._peer_slots[(peer, index)] = self._slot_views(window, index)
+        return views
+
     def _slot_views(self, window: torch.Tensor, index: int) -> SlotViews:
         start = self.geometry.flags_bytes + index * self.layout.slot_bytes
         return self.layout.views(window[start : start + self.layout.slot_bytes])
@@ -177,7 +185,7 @@ class Window:
         if seq is None:
             self._seq += 1
         window = self.heap.peer_view(peer)
-        dst = self._slot_views(window, index)
+        dst = self._peer_slot_views(peer, window, index)
         n = header.num_rows
         if rows is not None:
             (dst.out if header.is_response else dst.x)[:n].copy_(rows, non_blocking=True)
@@ -266,7 +274,7 @@ class Window:
         """World rank `peer`'s slot (region, stage) and its flag ([1] int64): what a device-side sender writes."""
         window = self.heap.peer_view(peer)
         idx = self.geometry.slot_index(region, stage)
-        return self._slot_views(window, idx), self._peer_flag_view(peer, window)[idx : idx + 1]
+        return self._peer_slot_views(peer, window, idx), self._peer_flag_view(peer, window)[idx : idx + 1]
 
     def shutdown_pending(self, region: int) -> bool:
         """Whether `region`'s shutdown flag changed since the host last read it (one flag read)."""
@@ -395,4 +403,5 @@ class Window:
         """Drop views and close the heap; never blocks."""
         self._local_slots = []
         self._peer_flags.clear()
+        self._peer_slots.clear()
         self.heap.close()

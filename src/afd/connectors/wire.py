@@ -37,6 +37,7 @@ from afd.transport.symm_heap import DEFAULT_TIMEOUT_S, wait_keys
 logger = logging.getLogger("afd.connectors.window")
 
 MAGIC = int.from_bytes(b"AFDG", "little")
+MAGIC_WORD = MAGIC - (1 << 32) if MAGIC >= 1 << 31 else MAGIC  # as the int32 a header word holds
 # 1: the seed's slot with route_table/shared_idx, shutdown written into ring stage 0.
 # 2: no route_table/shared_idx, a shutdown flag per region, seq words mod 2**32.
 # 3: one row per (token, destination FFN rank) with its top-k ids and fp32 weights; one partial sum back.

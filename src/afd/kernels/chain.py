@@ -1,0 +1,142 @@
+"""The bookkeeping of a device-driven FFN item (`afd.connectors.ffn_chain`) in three launches.
+
+Eagerly, checking a request's header on the device, masking its rows, adding the shared experts, writing the
+reply and updating the flags and counters is ~25 small PyTorch kernels (~2 µs each inside a graph), more than
+the experts cost at decode sizes. Here it is three launches around the experts, none reading anything back to
+the host (capturable):
+
+1. `check_request`: one program reads the header, the flag and the abort word and decides `ok` (request, this
+   layer, at most `n` rows, header seq = flag, nothing aborted before); it writes the top-k ids of the `n` rows
+   as int64 with the rows past the header's count set to -1 (they route nowhere) and the shared-experts mask.
+2. `combine_reply`: one program per row writes `routed + mask * shared` into the attention rank's reply rows (its
+   dtype), and program 0 the reply header (the request's, with the response flag and the seq echoed).
+3. `finish_item`: one program resets the local flag to 0 if `ok`, updates [abort, served, max rows], and stores
+   the reply's flag (the request's seq) into the attention rank's window if `ok`, last: a kernel boundary after
+   the rows and the header, which is what makes them visible first.
+
+`afd.connectors.ffn_chain` keeps the same steps in PyTorch as the CPU path and the oracle of
+`tests/test_ffn_chain.py`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from afd.connectors.wire import (
+    FLAG_RESPONSE,
+    HEADER_WORDS,
+    MAGIC_WORD,
+    VERSION,
+    W_ECHO_SEQ,
+    W_FLAGS,
+    W_LAYER,
+    W_MAGIC,
+    W_ROWS,
+    W_SEQ,
+    W_SHARED,
+    W_VERSION,
+)
+
+
+@triton.jit
+def _check_kernel(
+    hdr_ptr, flag_ptr, stats_ptr, ids_ptr, ids_out_ptr, mask_out_ptr, ok_ptr,
+    layer, n, magic, version,
+    K: tl.constexpr, BLOCK_IDS: tl.constexpr, BLOCK_N: tl.constexpr,
+    W_MAGIC_: tl.constexpr, W_VERSION_: tl.constexpr, W_FLAGS_: tl.constexpr, W_LAYER_: tl.constexpr,
+    W_ROWS_: tl.constexpr, W_SHARED_: tl.constexpr, W_SEQ_: tl.constexpr,
+):  # fmt: skip
+    rows = tl.load(hdr_ptr + W_ROWS_)
+    shared = tl.load(hdr_ptr + W_SHARED_)
+    seq = tl.load(flag_ptr)
+    seq_word = tl.load(hdr_ptr + W_SEQ_).to(tl.int64) & 0xFFFFFFFF
+    ok = (tl.load(stats_ptr) == 0) & (seq >= 1)
+    ok = ok & (tl.load(hdr_ptr + W_MAGIC_) == magic) & (tl.load(hdr_ptr + W_VERSION_) == version)
+    ok = ok & (tl.load(hdr_ptr + W_FLAGS_) == 0) & (tl.load(hdr_ptr + W_LAYER_) == layer)
+    ok = ok & (rows <= n) & (shared <= rows) & (seq_word == (seq & 0xFFFFFFFF))
+    tl.store(ok_ptr, ok.to(tl.int32))
+    offs = tl.arange(0, BLOCK_IDS)
+    in_range = offs < n * K
+    ids = tl.load(ids_ptr + offs, mask=in_range, other=0).to(tl.int64)
+    tl.store(ids_out_ptr + offs, tl.where(offs // K < rows, ids, -1), mask=in_range)
+    row = tl.arange(0, BLOCK_N)
+    tl.store(mask_out_ptr + row, (row < shared).to(tl.float32), mask=row < n)
+
+
+@triton.jit
+def _combine_kernel(
+    routed_ptr, shared_ptr, mask_ptr, out_ptr, hdr_ptr, reply_hdr_ptr, H,
+    BLOCK_H: tl.constexpr, HW: tl.constexpr, BLOCK_W: tl.constexpr,
+    W_FLAGS_: tl.constexpr, W_ECHO_: tl.constexpr, W_SEQ_: tl.constexpr, RESPONSE: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_H)
+    in_row = cols < H
+    routed = tl.load(routed_ptr + r * H + cols, mask=in_row, other=0.0)
+    shared = tl.load(shared_ptr + r * H + cols, mask=in_row, other=0.0).to(tl.float32)
+    total = routed + tl.load(mask_ptr + r) * shared
+    tl.store(out_ptr + r * H + cols, total.to(out_ptr.dtype.element_ty), mask=in_row)
+    if r == 0:
+        idx = tl.arange(0, BLOCK_W)
+        words = tl.load(hdr_ptr + idx, mask=idx < HW, other=0)
+        seq_word = tl.load(hdr_ptr + W_SEQ_)
+        answer = tl.where(idx == W_FLAGS_, RESPONSE, tl.where(idx == W_ECHO_, seq_word, words))
+        tl.store(reply_hdr_ptr + idx, answer, mask=idx < HW)
+
+
+@triton.jit
+def _finish_kernel(hdr_ptr, flag_ptr, stats_ptr, ok_ptr, reply_flag_ptr, W_ROWS_: tl.constexpr):
+    ok = tl.load(ok_ptr) != 0
+    seq = tl.load(flag_ptr)
+    rows = tl.load(hdr_ptr + W_ROWS_).to(tl.int64)
+    tl.store(flag_ptr, tl.where(ok, 0, seq))
+    abort = tl.load(stats_ptr)
+    tl.store(stats_ptr, tl.where(ok, abort, 1))
+    tl.store(stats_ptr + 1, tl.load(stats_ptr + 1) + ok.to(tl.int64))
+    tl.store(stats_ptr + 2, tl.maximum(tl.load(stats_ptr + 2), rows))
+    tl.store(reply_flag_ptr, seq, mask=ok)
+
+
+def check_request(
+    header: torch.Tensor,  # [HEADER_WORDS] int32
+    flag: torch.Tensor,  # [1] int64
+    stats: torch.Tensor,  # [3] int64
+    topk_ids: torch.Tensor,  # [>= n, K] int32, contiguous rows
+    layer_idx: int,
+    n: int,
+    ids_out: torch.Tensor,  # [n, K] int64
+    mask_out: torch.Tensor,  # [n] fp32
+    ok_out: torch.Tensor,  # [1] int32
+) -> None:
+    k = topk_ids.shape[1]
+    _check_kernel[(1,)](
+        header, flag, stats, topk_ids, ids_out, mask_out, ok_out,
+        layer_idx, n, MAGIC_WORD, VERSION,
+        K=k, BLOCK_IDS=triton.next_power_of_2(n * k), BLOCK_N=triton.next_power_of_2(n),
+        W_MAGIC_=W_MAGIC, W_VERSION_=W_VERSION, W_FLAGS_=W_FLAGS, W_LAYER_=W_LAYER, W_ROWS_=W_ROWS,
+        W_SHARED_=W_SHARED, W_SEQ_=W_SEQ,
+    )  # fmt: skip
+
+
+def combine_reply(
+    routed: torch.Tensor,  # [n, H] fp32
+    shared: torch.Tensor,  # [n, H]
+    mask: torch.Tensor,  # [n] fp32
+    out: torch.Tensor,  # [>= n, H] the reply rows (any dtype), contiguous
+    header: torch.Tensor,  # [HEADER_WORDS] int32: the request's
+    reply_header: torch.Tensor,  # [HEADER_WORDS] int32
+) -> None:
+    n, hidden = routed.shape
+    _combine_kernel[(n,)](
+        routed, shared, mask, out, header, reply_header, hidden,
+        BLOCK_H=triton.next_power_of_2(hidden), HW=HEADER_WORDS, BLOCK_W=triton.next_power_of_2(HEADER_WORDS),
+        W_FLAGS_=W_FLAGS, W_ECHO_=W_ECHO_SEQ, W_SEQ_=W_SEQ, RESPONSE=FLAG_RESPONSE,
+    )  # fmt: skip
+
+
+def finish_item(
+    header: torch.Tensor, flag: torch.Tensor, stats: torch.Tensor, ok: torch.Tensor, reply_flag: torch.Tensor
+) -> None:
+    _finish_kernel[(1,)](header, flag, stats, ok, reply_flag, W_ROWS_=W_ROWS)
