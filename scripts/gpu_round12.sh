@@ -46,5 +46,20 @@ timeout 200 python3 -m afd bench --model deepseek-v2-lite --dtype bfloat16 --dev
   --requests 8 --long-len 512 --short-len 32 --max-new-tokens 64 --connectors async --json "$B/1a1f.json" \
   2>"$B/1a1f.err" | tail -n 4
 tar -czf "$OUT/chain2.tar.gz" -C "$B" .
+elif [[ $PHASE == waits ]]; then
+# the two device-side waits side by side (NVSHMEM's spinning kernel vs the driver's stream memory operation), a
+# timeline of a few 26-layer passes (chrome traces of both ranks), afd bench 1A1F with the wider warm-up
+for w in nvshmem memop; do
+  AFD_STREAM_WAIT=$w timeout 120 python3 -m afd bench exchange --model deepseek-v2-lite --dtype bfloat16 --device cuda \
+    --tokens 1,8,64,256 --iters 50 --layers 26 --connectors async --json "$B/exchange_pass26_$w.json" \
+    2>"$B/exchange_pass26_$w.err" | tail -n 5
+  echo "wait=$w rc=$?"
+done
+AFD_BENCH_PROFILE=$B/trace timeout 120 python3 -m afd bench exchange --model deepseek-v2-lite --dtype bfloat16 \
+  --device cuda --tokens 8 --iters 3 --layers 26 --connectors async 2>"$B/exchange_trace.err" | tail -n 1
+gzip -f "$B"/trace/*.json
+timeout 220 python3 -m afd bench --model deepseek-v2-lite --dtype bfloat16 --device cuda --attention 1 --ffn 1 \
+  --requests 8 --long-len 512 --short-len 32 --max-new-tokens 64 --json "$B/1a1f.json" 2>"$B/1a1f.err" | tail -n 6
+tar -czf "$OUT/waits.tar.gz" -C "$B" .
 fi
 echo "== leftover processes:"; pgrep -af "afd" | grep -v pgrep || echo none

@@ -262,6 +262,7 @@ def _profiled(name: str) -> Iterator[None]:
     table2 = ops.key_averages().table(sort_by=sort, row_limit=20) if sort != "self_cpu_time_total" else ""
     Path(folder).mkdir(parents=True, exist_ok=True)
     Path(folder, f"{name}.txt").write_text(text.getvalue() + "\n" + table + "\n" + table2)
+    ops.export_chrome_trace(str(Path(folder, f"{name}.trace.json")))  # the timeline: run it with few --iters
 
 
 def _rank_main(spec: dict, world_rank: int, out: str) -> None:

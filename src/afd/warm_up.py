@@ -22,8 +22,13 @@ from afd.moe import select_experts
 
 logger = logging.getLogger(__name__)
 
-PROMPT_LENS = (17, 5)  # two fresh prompts (varlen prefill), then one batched decode step over both
-FFN_TOKEN_COUNTS = (1, 8, 64, 256, 1024)  # every tile configuration of the MoE kernels, and the grouped-GEMM path
+# Two fresh prompts (varlen prefill), then one batched decode step over both; twice, because Triton compiles an
+# integer argument's kernel again when it is a multiple of 16 (its "divisibility" specialization): lengths, token
+# counts and batch sizes (2 and 16) of both kinds. (Without the second round the first run of `afd bench` paid ~1.5 s of
+# compiles in its time to first token, and whichever connector ran first looked slower.)
+PROMPT_LENS = ((17, 5), (32, 16), (1,) * 16)
+# every tile configuration of the MoE kernels, the grouped-GEMM path, token counts of both kinds
+FFN_TOKEN_COUNTS = (1, 8, 17, 64, 256, 1000, 1024)
 
 
 def warm_up_engine(engine: Engine, *, force: bool = False) -> None:
@@ -34,20 +39,21 @@ def warm_up_engine(engine: Engine, *, force: bool = False) -> None:
     start = time.perf_counter()
     model, cache = engine.model, engine.kv_cache
     exchange = engine.exchange if isinstance(engine.exchange, LocalExchange) else zero_exchange
-    slots = [cache.allocate(n + 1) for n in PROMPT_LENS]
-    try:
-        with torch.inference_mode():
-            positions = torch.cat([torch.arange(n) for n in PROMPT_LENS]).to(engine.device)
-            prefill = Batch(slots=slots, query_lens=list(PROMPT_LENS), context_lens=[0] * len(slots))
-            model(torch.zeros_like(positions), positions, prefill, cache, exchange)
-            decode = Batch(slots=slots, query_lens=[1] * len(slots), context_lens=list(PROMPT_LENS), batch_decodes=True)
-            lens = torch.tensor(PROMPT_LENS, device=engine.device)
-            model(torch.zeros_like(lens), lens, decode, cache, exchange)
-        if engine.device.type == "cuda":
-            torch.cuda.synchronize(engine.device)
-    finally:
-        for slot in slots:
-            cache.free(slot)
+    for lens in PROMPT_LENS:
+        slots = [cache.allocate(n + 1) for n in lens]
+        try:
+            with torch.inference_mode():
+                positions = torch.cat([torch.arange(n) for n in lens]).to(engine.device)
+                prefill = Batch(slots=slots, query_lens=list(lens), context_lens=[0] * len(slots))
+                model(torch.zeros_like(positions), positions, prefill, cache, exchange)
+                decode = Batch(slots=slots, query_lens=[1] * len(slots), context_lens=list(lens), batch_decodes=True)
+                last = torch.tensor(lens, device=engine.device)
+                model(torch.zeros_like(last), last, decode, cache, exchange)
+            if engine.device.type == "cuda":
+                torch.cuda.synchronize(engine.device)
+        finally:
+            for slot in slots:
+                cache.free(slot)
     logger.info("warmed up the attention step (kernels compiled) in %.1f s", time.perf_counter() - start)
 
 

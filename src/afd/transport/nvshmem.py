@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from afd import env
 from afd.transport.symm_heap import DEFAULT_TIMEOUT_S, SymmetricHeap, store_get, wait_keys
 
 logger = logging.getLogger("afd.transport.nvshmem")
@@ -168,11 +169,13 @@ WaitValue = Callable[[int, int, int], None]  # (device address of an int64, valu
 
 
 def _device_wait(ranks_on_my_gpu: int) -> WaitValue | None:
-    """How a stream waits for `flag >= value` here: NVSHMEM's `signal_wait_until_on_stream` with one rank per GPU;
-    with several ranks per GPU NVSHMEM refuses that call ("not supported with limited MPG") and ends the process,
-    so the CUDA driver's `cuStreamWaitValue64` on the same local address does it; None (host polling) when
-    neither is available."""
-    if ranks_on_my_gpu == 1:
+    """How a stream waits for `flag >= value` here. The CUDA driver's `cuStreamWaitValue64` on the local address
+    (`AFD_STREAM_WAIT=memop`): a stream memory operation, no SM spins. NVSHMEM's `signal_wait_until_on_stream`
+    (`=nvshmem`, the default with one rank per GPU): a one-thread kernel that spins; with several ranks per GPU
+    NVSHMEM refuses it ("not supported with limited MPG") and ends the process, so there the driver's call is
+    used whatever the setting. None (host polling) when neither is available."""
+    choice = env.stream_wait()
+    if ranks_on_my_gpu == 1 and choice != "memop":
         import nvshmem.bindings as bindings
 
         ge = int(bindings.Cmp_type.CMP_GE)
