@@ -16,7 +16,10 @@ cache's scratch row (`PagedLatentCache.scratch_row`, never read), their context 
 null block with length 1 (a finite, all-zero attention), and every op of the step is row-wise in the
 batch, so real rows come out as an unpadded batched step computes them.
 
-With the in-process `LocalExchange` the whole step is one graph. A disaggregated exchange (p2p, async)
+With the in-process `LocalExchange` the whole step is one graph, and so it is with an exchange that can be
+captured (`capturable`: async 1A1F on CUDA; its sends and waits are device work with a device seq counter, the
+host sets the counter before a replay and advances its own after: `before_replay` / `after_replay`). Another
+disaggregated exchange (p2p, async)
 crosses processes at every boundary layer, so there the step is captured piecewise (`segmented=True`):
 one graph from the input to the first boundary, one between each two boundaries, one to the output
 (`AttentionModel.forward_segments`), and the exchange runs eagerly between replays on the real rows only
@@ -133,6 +136,7 @@ class _Graph:
     graphs: list[torch.cuda.CUDAGraph]  # empty: run the padded batch eagerly (`capture=False`)
     output: torch.Tensor | None  # [n, H] the last graph's output buffer
     boundaries: list[Boundary] = field(default_factory=list)  # segmented: what graph i leaves for the exchange
+    sends: int = 0  # exchanges captured inside the graph (a whole step with a capturable remote exchange)
     answers: list[torch.Tensor] = field(default_factory=list)  # segmented: [n, H] what graph i + 1 reads
 
 
@@ -178,6 +182,10 @@ class DecodeGraphRunner:
     ) -> None:
         self.model, self.exchange, self.kv_cache = model, exchange, kv_cache
         self.segmented = segmented
+        # a remote exchange captured whole (afd.connectors.async_window: `capturable`): the host keeps its seq
+        self.remote = hasattr(exchange, "before_replay")
+        if self.remote and not segmented and capture:
+            exchange.warm_up_graph_kernels()
         self.buckets = batch_buckets(max_num_seqs)
         self.capture = capture
         self.disabled = False
@@ -250,7 +258,7 @@ class DecodeGraphRunner:
             self._graphs[key] = _Graph(static, batch, [], None)
             return self._graphs[key]
         start = time.perf_counter()
-        exchange = zero_exchange if self.segmented else self.exchange
+        exchange = zero_exchange if self.segmented or self.remote else self.exchange  # nothing crosses processes
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -279,9 +287,12 @@ class DecodeGraphRunner:
 
     def _capture_whole(self, static: StaticInputs, batch: Batch) -> _Graph:
         graph = torch.cuda.CUDAGraph()
+        sends = getattr(self.exchange, "captured_sends", 0)
         with torch.cuda.graph(graph, pool=self._pool):
             output = self._forward(static, batch, self.exchange)
-        return _Graph(static, batch, [graph], output)
+        captured = _Graph(static, batch, [graph], output)
+        captured.sends = getattr(self.exchange, "captured_sends", 0) - sends
+        return captured
 
     def _capture_segments(self, static: StaticInputs, batch: Batch) -> _Graph:
         """One graph per piece between exchanges; each answer buffer is allocated before the piece reading it."""
@@ -337,6 +348,11 @@ class DecodeGraphRunner:
         )
         if not graph.graphs:  # `capture=False`: the same padded step, eagerly
             return self._forward(graph.static, graph.batch, self._real_rows_exchange(B))[:B]
+        if self.remote and not self.segmented:  # the exchanges are inside: the device stamps their seqs
+            self.exchange.before_replay()
+            graph.graphs[0].replay()
+            self.exchange.after_replay(graph.sends)
+            return graph.output[:B]
         graph.graphs[0].replay()
         for boundary, answer, piece in zip(graph.boundaries, graph.answers, graph.graphs[1:], strict=True):
             answer[:B].copy_(self.exchange(boundary.layer_idx, boundary.hidden[:B], _head(boundary.routing, B)))

@@ -133,10 +133,11 @@ class Engine:
             if local and not capture_safe_moe(exchange.ffn_model):
                 logger.info("decode CUDA graphs off: the routed experts of %s have no fixed-shape path", dtype)
             else:
-                self.cuda_graphs = DecodeGraphRunner(model, exchange, self.kv_cache, max_num_seqs, segmented=not local)
+                whole = local or getattr(exchange, "capturable", False)  # the async 1A1F exchange captures whole
+                self.cuda_graphs = DecodeGraphRunner(model, exchange, self.kv_cache, max_num_seqs, segmented=not whole)
                 logger.info(
                     "decode CUDA graphs on (%s), batch buckets %s",
-                    "whole step" if local else "pieces between exchanges",
+                    "whole step" + ("" if local else ", exchanges included") if whole else "pieces between exchanges",
                     self.cuda_graphs.buckets,
                 )
         self.waiting: deque[SequenceState] = deque()

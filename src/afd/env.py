@@ -10,6 +10,8 @@
 - `AFD_FFN_GRAPHS`: set to 0 to run FFN ranks' expert passes eagerly instead of replaying CUDA graphs.
 - `AFD_FFN_CHAIN`: set to 0 to make a 1A1F async FFN rank on CUDA discover every request from the host instead of
   enqueueing whole passes on the device (`afd.connectors.ffn_chain`); 1 runs those passes on CPU too (tests).
+- `AFD_EXCHANGE_GRAPHS`: set to 0 to keep a 1A1F async attention rank's decode graphs in pieces between exchanges
+  (the exchange then runs eagerly) instead of capturing the whole step, exchanges included.
 - `AFD_STREAM_WAIT`: `memop` makes CUDA streams wait for async flags with the driver's stream memory operation
   (no SM spins), `nvshmem` with NVSHMEM's waiting kernel (one rank per GPU only; afd.transport.nvshmem).
 - `AFD_ASYNC_HOST_WAIT`: set to 1 to make the async connector's attention ranks poll for replies from the host
@@ -63,6 +65,11 @@ def ffn_chain() -> bool | None:
     """`AFD_FFN_CHAIN`: False for 0, True for 1, None (the default: on where it applies on CUDA) otherwise."""
     value = os.environ.get("AFD_FFN_CHAIN", "")
     return False if value == "0" else True if value == "1" else None
+
+
+def exchange_graphs_disabled() -> bool:
+    """`AFD_EXCHANGE_GRAPHS=0`: decode graphs never capture a disaggregated exchange."""
+    return os.environ.get("AFD_EXCHANGE_GRAPHS", "") == "0"
 
 
 def stream_wait() -> str:

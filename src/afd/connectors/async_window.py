@@ -44,6 +44,7 @@ from afd.connectors.dispatch import DispatchPlan, ExpertMap, combine_scatter, pl
 from afd.connectors.liveness import is_alive, proc_info
 from afd.connectors.window import Message, Window
 from afd.connectors.wire import (
+    HEADER_WORDS,
     SlotHeader,
     SlotLayout,
     WindowGeometry,
@@ -257,6 +258,11 @@ class AsyncAttentionExchange(AsyncEndpoint):
         self._header_turn = 0
         self._empty = torch.empty(0, device=self.device)
         self._device_waits = self.window.device_waits and not env.async_host_wait()
+        # captured decode steps (afd.cuda_graph): a device seq counter, a device count of failed reply checks
+        self._device_seq = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._errors = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._graph_checks: deque[tuple[torch.cuda.Event, torch.Tensor]] = deque()
+        self.captured_sends = 0
         try:  # the plan's counts: shared and other rows per FFN rank
             self._counts_host = torch.zeros(
                 2 * self.topology.num_ffn, dtype=torch.int64, pin_memory=self.device.type == "cuda"
@@ -266,8 +272,93 @@ class AsyncAttentionExchange(AsyncEndpoint):
             raise
 
     def __call__(self, layer_idx: int, x: torch.Tensor, routing: Any) -> torch.Tensor:
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return self._exchange_in_graph(layer_idx, x, routing)
         self.send(layer_idx, x, routing)
         return self.recv()
+
+    # -- inside a captured decode step (afd.cuda_graph) ------------------------------------------------------
+
+    @property
+    def capturable(self) -> bool:
+        """Whether a decode graph may capture this exchange whole (CUDA, device-side waits, one FFN rank, no
+        micro-batches; `AFD_EXCHANGE_GRAPHS=0` never): the host then launches one graph per decode step."""
+        return (
+            self._device_waits
+            and self.topology.num_ffn == 1
+            and self.num_ubatches == 1
+            and not env.exchange_graphs_disabled()
+        )
+
+    def _exchange_in_graph(self, layer_idx: int, x: torch.Tensor, routing: Any) -> torch.Tensor:
+        """The exchange as device work only (being captured): copy the rows into the FFN rank's slot, stamp the
+        header and flag with the next seq of a device counter, wait for the reply's flag, copy the reply out,
+        check its header into a device error count and reset the flag. `before_replay` sets the counter from the
+        host's; `after_replay` advances the host's and reads the error count back."""
+        from afd.kernels import chain
+
+        if not self.capturable:
+            raise RuntimeError("this async exchange cannot be captured in a CUDA graph")
+        if routing is None or x.shape[0] > self.window.layout.token_cap:
+            raise ValueError("a captured exchange needs the routing and at most max_num_batched_tokens rows")
+        num_tokens = x.shape[0]
+        dst, flag = self.window.peer_slot(self.peer_world(0), self.role_rank, 0)
+        dst.x[:num_tokens].copy_(x)
+        dst.topk_ids[:num_tokens].copy_(routing.topk_ids)
+        dst.topk_weights[:num_tokens].copy_(routing.topk_weights)
+        chain.stamp_request(self._device_seq, dst.header, flag, layer_idx, num_tokens)
+        reply = self.window.wait_flag(0, 0, 1, torch.cuda.current_stream(self.device))
+        out = torch.empty_like(x)
+        chain.take_reply(reply.header, self.window.local_flag(0, 0), reply.out, out, self._device_seq, self._errors,
+                         layer_idx)  # fmt: skip
+        self.captured_sends += 1
+        return out
+
+    def warm_up_graph_kernels(self) -> None:
+        """Compile the captured exchange's kernels on scratch (a compile must not happen during a capture)."""
+        from afd.kernels import chain
+
+        lay = self.window.layout
+        header = torch.zeros(HEADER_WORDS, dtype=torch.int32, device=self.device)
+        flag = torch.zeros(1, dtype=torch.int64, device=self.device)
+        counter, errors = torch.zeros_like(flag), torch.zeros_like(flag)
+        rows = torch.zeros(2, self.hidden_size, dtype=lay.reply_dtype, device=self.device)
+        chain.stamp_request(counter, header, flag, 0, 2)
+        chain.take_reply(header, flag, rows, torch.empty(2, self.hidden_size, dtype=self.dtype, device=self.device),
+                         counter, errors, 0)  # fmt: skip
+        torch.cuda.synchronize(self.device)
+
+    def before_replay(self) -> None:
+        """Before a captured step is replayed: its first request takes the seq after the host's last one; a reply
+        check that failed in an earlier replay raises here."""
+        self._check_graph_errors(block=False)
+        self._device_seq.fill_(self.window.seq)  # a fill kernel carries the value: no host buffer to keep alive
+
+    def after_replay(self, sends: int) -> None:
+        """After a captured step of `sends` exchanges was replayed: advance the host's seq past them; read the
+        device error count back behind the step (checked at the next `before_replay`)."""
+        self.window.advance_seq(sends)
+        if len(self._graph_checks) >= HEADER_RING:
+            self._check_graph_errors(block=True)
+        host = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+        host.copy_(self._errors, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self._graph_checks.append((done, host))
+
+    def _check_graph_errors(self, *, block: bool) -> None:
+        while self._graph_checks:
+            done, host = self._graph_checks[0]
+            if not done.query():
+                if not block:
+                    return
+                self._wait_done(done, "the reply check of a replayed decode step")
+            self._graph_checks.popleft()
+            if int(host[0]):
+                raise WindowProtocolError(
+                    f"{int(host[0])} replies to captured decode steps failed the device-side header check (magic, "
+                    "version, response flag, echoed seq, layer, rows)"
+                )
 
     def _free_stage(self, ffn_rank: int) -> int:
         for stage in range(self.window.geometry.ring_depth):
@@ -388,6 +479,7 @@ class AsyncAttentionExchange(AsyncEndpoint):
             # a copy, never a view of the window: the next reply into this slot must not change the result
             result = views.out[: pending.num_tokens].to(pending.dtype, copy=True)
             self._read_back_header(pending, 0, views.header)
+            self.window.local_flag(0, sent.stage).zero_()  # consumed (a graphed exchange waits for "nonzero")
             self._in_flight.discard((0, sent.stage))
             return result
         acc = torch.zeros(pending.num_tokens, self.hidden_size, dtype=torch.float32, device=self.device)  # [T, H]
@@ -396,6 +488,7 @@ class AsyncAttentionExchange(AsyncEndpoint):
             views = self.window.wait_flag(f, sent.stage, sent.seq, stream)
             combine_scatter(acc, views.out[: plan.rows[f]], plan.token_index[plan.segment(f)])
             self._read_back_header(pending, f, views.header)
+            self.window.local_flag(f, sent.stage).zero_()  # consumed
             # the stage may take the next send now: that send's writes are enqueued after this combine, and the
             # FFN rank can only overwrite this reply after it has seen that send
             self._in_flight.discard((f, sent.stage))

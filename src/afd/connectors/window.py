@@ -265,6 +265,15 @@ class Window:
     def local_slot(self, region: int, stage: int) -> SlotViews:
         return self._local_slots[self.geometry.slot_index(region, stage)]
 
+    @property
+    def seq(self) -> int:
+        """The seq this rank stamped last (its next message gets a larger one)."""
+        return self._seq
+
+    def advance_seq(self, count: int) -> None:
+        """`count` messages were stamped on the device (a replayed graph, afd.kernels.chain.stamp_request)."""
+        self._seq += count
+
     def local_flag(self, region: int, stage: int) -> torch.Tensor:
         """Slot (region, stage)'s flag in this rank's window: [1] int64."""
         idx = self.geometry.slot_index(region, stage)

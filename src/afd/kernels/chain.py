@@ -1,4 +1,5 @@
-"""The bookkeeping of a device-driven FFN item (`afd.connectors.ffn_chain`) in three launches.
+"""Device-driven async exchange kernels: an FFN item's bookkeeping (`afd.connectors.ffn_chain`) in three launches,
+and an attention rank's send and receive inside a captured decode step (`afd.connectors.async_window`).
 
 Eagerly, checking a request's header on the device, masking its rows, adding the shared experts, writing the
 reply and updating the flags and counters is ~25 small PyTorch kernels (~2 µs each inside a graph), more than
@@ -33,6 +34,7 @@ from afd.connectors.wire import (
     W_FLAGS,
     W_LAYER,
     W_MAGIC,
+    W_NUM_TOKENS,
     W_ROWS,
     W_SEQ,
     W_SHARED,
@@ -40,7 +42,8 @@ from afd.connectors.wire import (
 )
 
 
-@triton.jit
+# integer arguments are not specialized (==1, %16): one compile each, done before any capture
+@triton.jit(do_not_specialize=["layer", "n"])
 def _check_kernel(
     hdr_ptr, flag_ptr, stats_ptr, ids_ptr, ids_out_ptr, mask_out_ptr, ok_ptr,
     layer, n, magic, version,
@@ -65,7 +68,7 @@ def _check_kernel(
     tl.store(mask_out_ptr + row, (row < shared).to(tl.float32), mask=row < n)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H"])
 def _combine_kernel(
     routed_ptr, shared_ptr, mask_ptr, out_ptr, hdr_ptr, reply_hdr_ptr, H,
     BLOCK_H: tl.constexpr, HW: tl.constexpr, BLOCK_W: tl.constexpr,
@@ -96,7 +99,8 @@ def _finish_kernel(hdr_ptr, flag_ptr, stats_ptr, ok_ptr, reply_flag_ptr, W_ROWS_
     tl.store(stats_ptr, tl.where(ok, abort, 1))
     tl.store(stats_ptr + 1, tl.load(stats_ptr + 1) + ok.to(tl.int64))
     tl.store(stats_ptr + 2, tl.maximum(tl.load(stats_ptr + 2), rows))
-    tl.store(reply_flag_ptr, seq, mask=ok)
+    # release at system scope: the reply's rows and header (the previous launch) are visible to the peer first
+    tl.atomic_xchg(reply_flag_ptr, seq, mask=ok, sem="release", scope="sys")
 
 
 def check_request(
@@ -140,3 +144,75 @@ def finish_item(
     header: torch.Tensor, flag: torch.Tensor, stats: torch.Tensor, ok: torch.Tensor, reply_flag: torch.Tensor
 ) -> None:
     _finish_kernel[(1,)](header, flag, stats, ok, reply_flag, W_ROWS_=W_ROWS)
+
+
+# ---------------------------------------------------------------- the attention side, inside a decode graph
+@triton.jit(do_not_specialize=["layer", "T"])
+def _stamp_kernel(
+    counter_ptr, hdr_ptr, flag_ptr, layer, T, magic, version,
+    HW: tl.constexpr, BLOCK_W: tl.constexpr, W_MAGIC_: tl.constexpr, W_VERSION_: tl.constexpr,
+    W_LAYER_: tl.constexpr, W_TOKENS_: tl.constexpr, W_ROWS_: tl.constexpr, W_SHARED_: tl.constexpr,
+    W_SEQ_: tl.constexpr,
+):  # fmt: skip
+    seq = tl.load(counter_ptr) + 1
+    tl.store(counter_ptr, seq)
+    idx = tl.arange(0, BLOCK_W)
+    seq_word = (seq & 0xFFFFFFFF).to(tl.int32)
+    words = tl.where(idx == W_MAGIC_, magic, 0)
+    words = tl.where(idx == W_VERSION_, version, words)
+    words = tl.where(idx == W_LAYER_, layer, words)
+    words = tl.where((idx == W_TOKENS_) | (idx == W_ROWS_) | (idx == W_SHARED_), T, words)
+    words = tl.where(idx == W_SEQ_, seq_word, words)
+    tl.store(hdr_ptr + idx, words, mask=idx < HW)
+    tl.debug_barrier()
+    # release at system scope: the rows (copied before this launch) and the header land before the flag
+    tl.atomic_xchg(flag_ptr, seq, sem="release", scope="sys")
+
+
+@triton.jit(do_not_specialize=["layer", "T", "H"])
+def _take_kernel(
+    hdr_ptr, flag_ptr, rows_ptr, out_ptr, counter_ptr, errors_ptr, layer, T, H, magic, version,
+    BLOCK_H: tl.constexpr, W_MAGIC_: tl.constexpr, W_VERSION_: tl.constexpr, W_FLAGS_: tl.constexpr,
+    W_LAYER_: tl.constexpr, W_ROWS_: tl.constexpr, W_ECHO_: tl.constexpr, RESPONSE: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_H)
+    row = tl.load(rows_ptr + r * H + cols, mask=cols < H, other=0.0)
+    tl.store(out_ptr + r * H + cols, row.to(out_ptr.dtype.element_ty), mask=cols < H)
+    if r == 0:
+        seq_word = (tl.load(counter_ptr) & 0xFFFFFFFF).to(tl.int32)
+        ok = (tl.load(hdr_ptr + W_MAGIC_) == magic) & (tl.load(hdr_ptr + W_VERSION_) == version)
+        ok = ok & ((tl.load(hdr_ptr + W_FLAGS_) & RESPONSE) != 0) & (tl.load(hdr_ptr + W_ECHO_) == seq_word)
+        ok = ok & (tl.load(hdr_ptr + W_LAYER_) == layer) & (tl.load(hdr_ptr + W_ROWS_) == T)
+        tl.store(errors_ptr, tl.load(errors_ptr) + (1 - ok.to(tl.int64)))
+        tl.store(flag_ptr, 0)  # consumed: the next reply sets it again (it comes after the next request)
+
+
+def stamp_request(counter: torch.Tensor, header: torch.Tensor, flag: torch.Tensor, layer_idx: int, rows: int) -> None:
+    """Take the next seq from `counter` (device int64 [1]) and publish a request of `rows` rows (already copied
+    into the peer's slot) for `layer_idx`: its header, then its flag, in the peer's window."""
+    _stamp_kernel[(1,)](
+        counter, header, flag, layer_idx, rows, MAGIC_WORD, VERSION,
+        HW=HEADER_WORDS, BLOCK_W=triton.next_power_of_2(HEADER_WORDS), W_MAGIC_=W_MAGIC, W_VERSION_=W_VERSION,
+        W_LAYER_=W_LAYER, W_TOKENS_=W_NUM_TOKENS, W_ROWS_=W_ROWS, W_SHARED_=W_SHARED, W_SEQ_=W_SEQ,
+    )  # fmt: skip
+
+
+def take_reply(
+    header: torch.Tensor,  # [HEADER_WORDS] int32: the reply's, in this rank's window
+    flag: torch.Tensor,  # [1] int64: the reply's flag (reset to 0)
+    rows: torch.Tensor,  # [>= T, H] the reply rows
+    out: torch.Tensor,  # [T, H] model dtype
+    counter: torch.Tensor,  # [1] int64: the seq of the request this answers
+    errors: torch.Tensor,  # [1] int64: replies that failed the check, so far
+    layer_idx: int,
+) -> None:
+    """Copy a reply out after its flag was waited for, check its header on the device (magic, version, response,
+    echo of the request's seq, layer, rows: a failure counts into `errors`, read by the host later) and reset the
+    flag."""
+    num_tokens, hidden = out.shape
+    _take_kernel[(num_tokens,)](
+        header, flag, rows, out, counter, errors, layer_idx, num_tokens, hidden, MAGIC_WORD, VERSION,
+        BLOCK_H=triton.next_power_of_2(hidden), W_MAGIC_=W_MAGIC, W_VERSION_=W_VERSION, W_FLAGS_=W_FLAGS,
+        W_LAYER_=W_LAYER, W_ROWS_=W_ROWS, W_ECHO_=W_ECHO_SEQ, RESPONSE=FLAG_RESPONSE,
+    )  # fmt: skip
