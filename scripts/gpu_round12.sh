@@ -61,5 +61,11 @@ gzip -f "$B"/trace/*.json
 timeout 220 python3 -m afd bench --model deepseek-v2-lite --dtype bfloat16 --device cuda --attention 1 --ffn 1 \
   --requests 8 --long-len 512 --short-len 32 --max-new-tokens 64 --json "$B/1a1f.json" 2>"$B/1a1f.err" | tail -n 6
 tar -czf "$OUT/waits.tar.gz" -C "$B" .
+elif [[ $PHASE == graphs ]]; then
+# async 1A1F decode steps captured whole (exchanges included): the GPU tests, then the exchange in a 26-layer pass
+timeout 240 python3 -m pytest -q -s -m gpu tests/test_ffn_chain.py -p no:cacheprovider -x 2>&1 | tail -n 30
+timeout 90 python3 -m afd bench exchange --model deepseek-v2-lite --dtype bfloat16 --device cuda --tokens 8,64 \
+  --iters 50 --layers 26 --json "$B/exchange_pass26.json" 2>"$B/exchange_pass26.err" | tail -n 5
+tar -czf "$OUT/graphs.tar.gz" -C "$B" .
 fi
 echo "== leftover processes:"; pgrep -af "afd" | grep -v pgrep || echo none
