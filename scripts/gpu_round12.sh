@@ -67,5 +67,28 @@ timeout 240 python3 -m pytest -q -s -m gpu tests/test_ffn_chain.py -p no:cachepr
 timeout 90 python3 -m afd bench exchange --model deepseek-v2-lite --dtype bfloat16 --device cuda --tokens 8,64 \
   --iters 50 --layers 26 --json "$B/exchange_pass26.json" 2>"$B/exchange_pass26.err" | tail -n 5
 tar -czf "$OUT/graphs.tar.gz" -C "$B" .
+elif [[ $PHASE == final ]]; then
+# the last call: the captured-step oracle, then by priority afd bench 1A1F (decode), the serving table, the
+# micro-batching prefill target, 2A2F, the front end's overhead; each result lands in $OUT as it is made
+timeout 100 python3 -m pytest -q -s -m gpu tests/test_ffn_chain.py -k captured -p no:cacheprovider 2>&1 | tail -n 3
+bench() {  # name, timeout, then afd bench arguments
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" python3 -m afd bench --model deepseek-v2-lite --dtype bfloat16 --device cuda "$@" \
+    --json "$OUT/$name.json" 2>"$B/$name.err" | tail -n 9
+  echo "$name rc=$? in $((SECONDS - t0)) s"; grep -v "^\[afd" "$B/$name.err" | tail -n 3
+}
+bench 1a1f 150 --attention 1 --ffn 1 --requests 8 --long-len 512 --short-len 32 --max-new-tokens 64
+t0=$SECONDS
+timeout 170 python3 -m afd bench serve --model deepseek-v2-lite --dtype bfloat16 --device cuda \
+  --compare none:R=2,p2p:A=1,F=1,async:A=1,F=1 --workload mixed --requests 32 --rates 4,32 \
+  --short-len 64 --long-len 1024 --max-tokens 64 --json "$OUT/serve_mixed.json" 2>"$B/serve.err" | tail -n 12
+echo "serve rc=$? in $((SECONDS - t0)) s"; grep -v "^\[afd" "$B/serve.err" | tail -n 3
+bench 1a1f_prefill_ubatches 120 --attention 1 --ffn 1 --requests 8 --long-len 1024 --short-len 1024 \
+  --max-new-tokens 1 --ubatches 1,2,3
+bench 2a2f 90 --attention 2 --ffn 2 --requests 8 --long-len 1024 --short-len 32 --max-new-tokens 64
+timeout 70 python3 -m afd bench serve --overhead --model deepseek-v2-lite --dtype bfloat16 --device cuda \
+  --workload uniform --short-len 128 --long-len 128 --max-tokens 32 --requests 24 --json "$OUT/overhead.json" \
+  2>"$B/overhead.err" | tail -n 3
 fi
 echo "== leftover processes:"; pgrep -af "afd" | grep -v pgrep || echo none
