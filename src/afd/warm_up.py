@@ -22,10 +22,9 @@ from afd.moe import select_experts
 
 logger = logging.getLogger(__name__)
 
-# Two fresh prompts (varlen prefill), then one batched decode step over both; twice, because Triton compiles an
-# integer argument's kernel again when it is a multiple of 16 (its "divisibility" specialization): lengths, token
-# counts and batch sizes (2 and 16) of both kinds. (Without the second round the first run of `afd bench` paid ~1.5 s of
-# compiles in its time to first token, and whichever connector ran first looked slower.)
+# Two fresh prompts (varlen prefill), then one batched decode step over both; three times, because Triton compiles
+# a kernel again when an integer argument is a multiple of 16 (its "divisibility" specialization): lengths, token
+# counts and batch sizes (2 and 16) of both kinds are compiled before timed or served work.
 PROMPT_LENS = ((17, 5), (32, 16), (1,) * 16)
 # every tile configuration of the MoE kernels, the grouped-GEMM path, token counts of both kinds
 FFN_TOKEN_COUNTS = (1, 8, 17, 64, 256, 1000, 1024)

@@ -524,7 +524,8 @@ class AsyncAttentionExchange(AsyncEndpoint):
             sent = pending.sent[f]
             header = decode_header(self._header_ring[row].tolist(), expect_seq=sent.seq)
             msg = Message(f, stage, header, self._empty, self._empty, self._empty)
-            self._take_reply(pending, f, msg)
+            # the stage was freed when its wait was enqueued and may hold a later send by now: leave it in flight
+            self._take_reply(pending, f, msg, free_stage=False)
 
     def _wait_done(self, event: torch.cuda.Event, what: str) -> None:
         """Wait for `event` from the host, bounded by the connector's timeout, checking the FFN ranks are alive."""
@@ -545,8 +546,9 @@ class AsyncAttentionExchange(AsyncEndpoint):
         never reused)."""
         return next((p for p in candidates if (s := p.sent.get(ffn_rank)) is not None and s.stage == stage), None)
 
-    def _take_reply(self, pending: PendingExchange, f: int, msg: Message) -> Message:
-        """Check FFN rank f's reply against what `pending` sent it, and free its ring stage."""
+    def _take_reply(self, pending: PendingExchange, f: int, msg: Message, *, free_stage: bool = True) -> Message:
+        """Check FFN rank f's reply against what `pending` sent it, and free its ring stage (unless `free_stage` is
+        False: a header checked late, whose stage may already carry a later send)."""
         h, sent, plan = msg.header, pending.sent[f], pending.plan
         if not seq_matches(h.echo_seq, sent.seq):
             raise WindowProtocolError(
@@ -558,5 +560,6 @@ class AsyncAttentionExchange(AsyncEndpoint):
                 f"FFN rank {f} answered layer {h.layer_idx} with {h.num_rows} rows ({h.shared_rows} shared); "
                 f"sent layer {pending.layer_idx} with {plan.rows[f]} ({plan.shared_rows[f]} shared)"
             )
-        self._in_flight.discard((f, sent.stage))
+        if free_stage:
+            self._in_flight.discard((f, sent.stage))
         return msg

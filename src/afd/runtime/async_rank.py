@@ -23,7 +23,7 @@ from afd.runtime.online import run_online, stop_on_signals
 from afd.runtime.rank import RankJob, drive_replica, engine_for, select_device, world_options, write_outputs
 from afd.topology import AsyncTopology
 from afd.transport.shm import ShmHeap
-from afd.transport.symm_heap import SymmetricHeap, default_heap_factory
+from afd.transport.symm_heap import SymmetricHeap, default_heap_factory, wait_keys
 from afd.warm_up import warm_up_ffn
 from afd.weights import load_attention_model, load_ffn_model, load_model_config, resolve_dtype
 
@@ -36,6 +36,9 @@ def heap_factory(job: RankJob, world: World, device: torch.device) -> Callable[[
     if device.type == "cpu" and job.run_token != "afd":
         return lambda nbytes: ShmHeap(world.store, rank, size, nbytes, run_token=job.run_token, timeout_s=job.timeout_s)
     return default_heap_factory(world.store, rank, size, device, job.timeout_s)
+
+
+READY_KEY = "afd_async/ffn_ready"  # + "/<ffn rank>": set once the rank's kernels are compiled and graphs captured
 
 
 def run_async_rank(job: RankJob) -> None:
@@ -80,6 +83,11 @@ def run_async_rank(job: RankJob) -> None:
                         job.role_rank,
                         exchange.num_ubatches,
                     )
+                # the FFN ranks compile and capture after the window exists: the first request waits for that here,
+                # not inside its time to first token
+                ready = [f"{READY_KEY}/{f}" for f in range(topo.num_ffn)]
+                what = "the FFN ranks' start-up (kernels compiled, graphs captured)"
+                wait_keys(world.store, ready, job.timeout_s, what)
                 if job.serve_address is not None:
                     run_online(engine, job)  # no wave: an idle replica waits on its link, not on the others
                 else:
@@ -103,6 +111,7 @@ def run_async_rank(job: RankJob) -> None:
             if not server.chain_to(ffn_model) and ExpertPassGraphs.usable(ffn_model):
                 server.expert_graphs = ExpertPassGraphs(ffn_model)
                 server.expert_graphs.capture_all()
+            world.store.set(f"{READY_KEY}/{job.role_rank}", "1")
             if job.serve_address is not None:
                 stop_on_signals()  # a server's FFN rank ends when every replica shut down, also after a signal
             run_ffn_loop(server, ffn_model)
