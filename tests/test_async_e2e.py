@@ -165,9 +165,12 @@ def test_killed_attention_rank_ends_the_run_and_cleans_up() -> None:
 
 
 @pytest.mark.timeout(100)
-def test_ffn_rank_gives_up_on_its_own_when_attention_dies() -> None:
+@pytest.mark.parametrize("chain", ["", "1"], ids=["host_loop", "device_passes"])
+def test_ffn_rank_gives_up_on_its_own_when_attention_dies(chain: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """No launcher to stop it: an FFN rank whose only attention peer is SIGKILLed mid-run exits non-zero
-    by itself in bounded time, naming that rank, and unlinks its own window."""
+    by itself in bounded time, naming that rank, and unlinks its own window; also while it waits in a pass queued
+    for the device (AFD_FFN_CHAIN=1, afd.connectors.ffn_chain)."""
+    monkeypatch.setenv("AFD_FFN_CHAIN", chain)
     config = hand_config("async", 1, 1, port=free_port(), recv_poll_timeout_ms=100)
     leftovers = Leftovers()
     ffn = afd_worker(config, "ffn", 0)
