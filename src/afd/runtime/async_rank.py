@@ -20,10 +20,19 @@ from afd.connectors.async_window import AsyncAttentionExchange
 from afd.distributed import World, init_world
 from afd.ffn_graphs import ExpertPassGraphs
 from afd.runtime.online import run_online, stop_on_signals
-from afd.runtime.rank import RankJob, drive_replica, engine_for, select_device, world_options, write_outputs
+from afd.runtime.rank import (
+    RankJob,
+    announce_ffn_ready,
+    drive_replica,
+    engine_for,
+    select_device,
+    wait_ffn_ready,
+    world_options,
+    write_outputs,
+)
 from afd.topology import AsyncTopology
 from afd.transport.shm import ShmHeap
-from afd.transport.symm_heap import SymmetricHeap, default_heap_factory, wait_keys
+from afd.transport.symm_heap import SymmetricHeap, default_heap_factory
 from afd.warm_up import warm_up_ffn
 from afd.weights import load_attention_model, load_ffn_model, load_model_config, resolve_dtype
 
@@ -36,9 +45,6 @@ def heap_factory(job: RankJob, world: World, device: torch.device) -> Callable[[
     if device.type == "cpu" and job.run_token != "afd":
         return lambda nbytes: ShmHeap(world.store, rank, size, nbytes, run_token=job.run_token, timeout_s=job.timeout_s)
     return default_heap_factory(world.store, rank, size, device, job.timeout_s)
-
-
-READY_KEY = "afd_async/ffn_ready"  # + "/<ffn rank>": set once the rank's kernels are compiled and graphs captured
 
 
 def run_async_rank(job: RankJob) -> None:
@@ -83,11 +89,7 @@ def run_async_rank(job: RankJob) -> None:
                         job.role_rank,
                         exchange.num_ubatches,
                     )
-                # the FFN ranks compile and capture after the window exists: the first request waits for that here,
-                # not inside its time to first token
-                ready = [f"{READY_KEY}/{f}" for f in range(topo.num_ffn)]
-                what = "the FFN ranks' start-up (kernels compiled, graphs captured)"
-                wait_keys(world.store, ready, job.timeout_s, what)
+                wait_ffn_ready(world.store, topo.num_ffn, job.timeout_s)  # their start-up is not the first TTFT
                 if job.serve_address is not None:
                     run_online(engine, job)  # no wave: an idle replica waits on its link, not on the others
                 else:
@@ -111,7 +113,7 @@ def run_async_rank(job: RankJob) -> None:
             if not server.chain_to(ffn_model) and ExpertPassGraphs.usable(ffn_model):
                 server.expert_graphs = ExpertPassGraphs(ffn_model)
                 server.expert_graphs.capture_all()
-            world.store.set(f"{READY_KEY}/{job.role_rank}", "1")
+            announce_ffn_ready(world.store, job.role_rank)
             if job.serve_address is not None:
                 stop_on_signals()  # a server's FFN rank ends when every replica shut down, also after a signal
             run_ffn_loop(server, ffn_model)

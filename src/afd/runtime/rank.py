@@ -24,12 +24,14 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 
 from afd import env
 from afd.config import AFDConfig
 from afd.engine import Engine, Output, Request
 from afd.runtime.launch import RunSpec
 from afd.topology import local_gpu_index
+from afd.transport.symm_heap import wait_keys
 
 log = logging.getLogger(__name__)
 
@@ -182,3 +184,18 @@ def local_replica_engine(job: RankJob) -> Engine:
     load = dict(dtype=job.spec.dtype, device=select_device(job, job.role_rank), seed=job.spec.seed)
     attn, ffn = load_attention_model(job.spec.model, **load), load_ffn_model(job.spec.model, **load)
     return engine_for(job, attn, LocalExchange(ffn))
+
+
+FFN_READY_KEY = "afd/ffn_ready"  # + "/<ffn rank>": set once the rank's kernels are compiled and its graphs captured
+
+
+def announce_ffn_ready(store: dist.Store, ffn_rank: int) -> None:
+    """An FFN rank finished its start-up (warm-up compiles, CUDA graph capture): attention ranks may start."""
+    store.set(f"{FFN_READY_KEY}/{ffn_rank}", "1")
+
+
+def wait_ffn_ready(store: dist.Store, num_ffn: int, timeout_s: float) -> None:
+    """Wait, bounded, for every FFN rank's start-up before the first request: it happens after the world (and a
+    window) exist, and would otherwise sit inside the first request's time to first token."""
+    keys = [f"{FFN_READY_KEY}/{f}" for f in range(num_ffn)]
+    wait_keys(store, keys, timeout_s, "the FFN ranks' start-up (kernels compiled, graphs captured)")

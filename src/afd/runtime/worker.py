@@ -20,11 +20,13 @@ from afd import env
 from afd.runtime.online import run_online, stop_on_signals
 from afd.runtime.rank import (  # noqa: F401 - RankJob and drive_replica are also imported from here
     RankJob,
+    announce_ffn_ready,
     die_with_launcher,
     drive_replica,
     engine_for,
     local_replica_engine,
     select_device,
+    wait_ffn_ready,
     world_options,
     write_outputs,
 )
@@ -73,6 +75,7 @@ def run_p2p_rank(job: RankJob) -> None:
                 num_ubatches=num_ubatches,
             )
             engine = engine_for(job, model, exchange)
+            wait_ffn_ready(world.store, cfg.num_ffn_ranks, job.timeout_s)  # their start-up is not the first TTFT
             if job.serve_address is not None:
                 run_online(engine, job, wave=exchange)
             else:
@@ -109,6 +112,7 @@ def run_p2p_rank(job: RankJob) -> None:
                 num_ubatches=num_ubatches,
                 expert_graphs=graphs,
             )
+            announce_ffn_ready(world.store, job.role_rank)
             if job.serve_address is not None:
                 stop_on_signals()  # a server's FFN rank ends with the wave, also after a stop signal
             steps = loop.run()
