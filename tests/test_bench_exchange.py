@@ -4,6 +4,7 @@ processes, the table is printed and the JSON holds every point (no timing assert
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,12 +32,33 @@ def test_bench_exchange_prints_and_writes_every_point(tmp_path: Path) -> None:
     assert "p50/copy" in proc.stdout and "async" in proc.stdout and "p2p" in proc.stdout
 
 
+@pytest.mark.timeout(120)
+def test_bench_exchange_times_passes_of_layers(tmp_path: Path) -> None:
+    """--layers 4: passes of 4 exchanges in layer order, per-layer times; the async FFN serves them as whole passes
+    (AFD_FFN_CHAIN=1 runs the device-driven passes' logic on CPU)."""
+    out = tmp_path / "exchange.json"
+    args = ["bench", "exchange", "--tokens", "1,8", "--iters", "3", "--layers", "4", "--json", str(out)]
+    env = {**os.environ, "AFD_FFN_CHAIN": "1"}
+    proc = subprocess.run([sys.executable, "-m", "afd", *args], capture_output=True, text=True, timeout=110, env=env)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert result["layers"] == 4 and not result["graph"]
+    assert {(r["connector"], r["tokens"]) for r in result["rows"]} == {(c, t) for c in ("p2p", "async") for t in (1, 8)}
+    assert all(0 < r["p50_us"] <= r["p90_us"] for r in result["rows"])
+    assert "passes of 4 layers (times per layer)" in proc.stdout
+
+
 @pytest.mark.timeout(60)
-def test_bench_exchange_rejects_bad_tokens_in_one_sentence() -> None:
-    args = ["bench", "exchange", "--tokens", "1,0"]
-    proc = subprocess.run([sys.executable, "-m", "afd", *args], capture_output=True, text=True, timeout=50)
-    assert proc.returncode == 2 and "--tokens takes positive integers" in proc.stderr
-    assert "Traceback" not in proc.stderr
+@pytest.mark.parametrize(
+    "flags, sentence",
+    [(["--tokens", "1,0"], "--tokens takes positive integers"), (["--graph"], "--graph captures CUDA graphs")],
+)
+def test_bench_exchange_rejects_bad_input_in_one_sentence(flags: list[str], sentence: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "afd", "bench", "exchange", *flags], capture_output=True, text=True, timeout=50
+    )
+    assert proc.returncode == 2 and sentence in proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
 @pytest.mark.timeout(120)

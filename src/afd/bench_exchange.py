@@ -141,6 +141,8 @@ def _time_exchanges(
             for layer_idx in range(layers):
                 x = x + exchange(layer_idx, x, routing)
 
+        if spec.get("graph"):
+            one_pass = _captured(exchange, one_pass, device)
         if begin is not None:
             begin(num_tokens)
         for _ in range(spec["warmup"]):
@@ -160,6 +162,30 @@ def _time_exchanges(
         deciles = statistics.quantiles(single, n=10) if len(single) > 1 else single * 9
         rows.append({"tokens": num_tokens, "p50_us": statistics.median(single), "p90_us": deciles[8], "mean_us": mean})
     return rows
+
+
+def _captured(
+    exchange: AsyncAttentionExchange, one_pass: Callable[[], None], device: torch.device
+) -> Callable[[], None]:
+    """`one_pass` captured in one CUDA graph, exchanges included (as a decode step of async 1A1F is captured): the
+    returned call replays it between the exchange's `before_replay` / `after_replay`."""
+    if not getattr(exchange, "capturable", False):
+        raise RuntimeError("--graph needs an async exchange that can be captured (CUDA, NVSHMEM waits, 1A1F)")
+    exchange.warm_up_graph_kernels()
+    one_pass()  # eager once: the kernels of the pass compile outside the capture
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    sends = exchange.captured_sends
+    with torch.cuda.graph(graph):
+        one_pass()
+    sends = exchange.captured_sends - sends
+
+    def replay() -> None:
+        exchange.before_replay()
+        graph.replay()
+        exchange.after_replay(sends)
+
+    return replay
 
 
 def _run_p2p(world: World, spec: dict, device: torch.device) -> list[dict] | None:
@@ -186,7 +212,7 @@ def _run_p2p(world: World, spec: dict, device: torch.device) -> list[dict] | Non
         ex.step_wave(True)
         ex.begin_step(num_tokens)
 
-    rows = _time_exchanges(ex, spec, device, begin)
+    rows = _time_exchanges(ex, {**spec, "graph": False}, device, begin)  # p2p is never captured
     ex.step_wave(False)  # the wave is over: the FFN loop returns
     return rows
 
@@ -340,6 +366,7 @@ def run_bench_exchange(
     iters: int = 50,
     warmup: int = 5,
     layers: int = 1,
+    graph: bool = False,
     timeout_s: float = 120.0,
     progress: Callable[[str], None] | None = None,
 ) -> dict:
@@ -365,6 +392,7 @@ def run_bench_exchange(
         "iters": iters,
         "warmup": warmup,
         "layers": layers,
+        "graph": graph,
         "timeout_s": timeout_s,
         "devices": {"attention": attn_dev, "ffn": ffn_dev},
     }
@@ -395,6 +423,7 @@ def run_bench_exchange(
         "iters": iters,
         "warmup": warmup,
         "layers": layers,
+        "graph": graph,
         "copy_iters": copy_iters,
         "rows": rows,
     }
@@ -431,15 +460,17 @@ def run_exchange_stress(
     }
 
 
-def _unit(layers: int) -> str:
-    return "round trips" if layers == 1 else f"passes of {layers} layers (times per layer)"
+def _unit(layers: int, graph: bool = False) -> str:
+    unit = "round trips" if layers == 1 else f"passes of {layers} layers (times per layer)"
+    return unit + (", async passes replayed from one CUDA graph (exchanges captured), p2p eager" if graph else "")
 
 
 def format_bench_exchange(result: dict) -> str:
     """One line per (connector, T): round trip p50 / p90 / mean beside the copy of the same bytes."""
     lines = [
         f"{result['model']} {result['dtype']} on {result['device']} (torch {result['torch']}), "
-        f"{result['topology']}, no-op FFN, {result['iters']} {_unit(result.get('layers', 1))} per point; "
+        f"{result['topology']}, no-op FFN, {result['iters']} "
+        f"{_unit(result.get('layers', 1), result.get('graph', False))} per point; "
         "copy: the same bytes "
         f"{result['ranks_on']['attention']} -> {result['ranks_on']['ffn']} and back",
         f"{'connector':<9} {'tokens':>6} {'bytes':>10} {'p50 us':>9} {'p90 us':>9} {'mean us':>9} "

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from afd.cli_input import check_prompts, connector_list, positive_int, prefill_list, size_list
+from afd.cli_input import UsageError, check_prompts, connector_list, positive_int, prefill_list, size_list
 
 
 def add_bench_parsers(steps) -> None:
@@ -39,6 +39,12 @@ def add_bench_parsers(steps) -> None:
         default=1,
         help="exchanges per timed pass, layers 0..N-1 in order as in a forward pass (times are per layer); the "
         "model's MoE layer count shows what a decode step pays",
+    )
+    s.add_argument(
+        "--graph",
+        action="store_true",
+        help="CUDA: capture each async pass in one CUDA graph, exchanges included, as async 1A1F decode steps are "
+        "captured, and time its replays (p2p rows stay eager)",
     )
     s.add_argument(
         "--stress",
@@ -73,6 +79,8 @@ def cmd_bench_exchange(args: argparse.Namespace) -> int:
     from afd.bench_exchange import format_bench_exchange, run_bench_exchange
 
     check_prompts(args.model, [[0]], args.device)  # a known model; CUDA where asked
+    if args.graph and args.device != "cuda":
+        raise UsageError("--graph captures CUDA graphs: it needs --device cuda")
     if args.stress:
         from afd.bench_exchange import run_exchange_stress
 
@@ -92,6 +100,7 @@ def cmd_bench_exchange(args: argparse.Namespace) -> int:
         connectors=args.connectors,
         iters=args.iters,
         layers=args.layers,
+        graph=args.graph,
         progress=lambda msg: print(f"[afd bench exchange] {msg}", file=sys.stderr, flush=True),
     )
     return _report(format_bench_exchange(result), result, args.json)
