@@ -60,6 +60,9 @@ def test_bench_writes_raw_json_with_side_by_side_runs(tmp_path: Path) -> None:
     for run in runs.values():
         assert run["generated_tokens"] == 2 * 2 * 3 and run["tokens_per_s"] > 0
         assert len(run["replicas"]) == 2
+        # 3 new tokens: the prefill step gives the first, then 2 all-decode steps per replica are timed
+        assert [r["decode_steps"] for r in run["replicas"]] == [2, 2] and run["decode_step_p50_ms"] > 0
+    assert "decode step p50" in proc.stdout
     # every replica scores prompt + the reference's continuation: (24 + 3 - 1) or (3 + 3 - 1) positions each
     for numerics in result["numerics"].values():
         assert numerics["positions"] == 2 * (24 + 3 - 1) + 2 * (3 + 3 - 1)

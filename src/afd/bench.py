@@ -49,6 +49,8 @@ def run_summary(run: RunResult) -> dict:
             "elapsed_s": r.get("elapsed_s"),
             "num_steps": r.get("num_steps"),
             "ttft_p50_s": percentile(r.get("ttft_s", []), 50),
+            "decode_step_p50_ms": percentile(r.get("decode_steps_ms", []), 50),
+            "decode_steps": len(r.get("decode_steps_ms", [])),
         }
         for r in run.replicas
     ]
@@ -60,6 +62,8 @@ def run_summary(run: RunResult) -> dict:
         "tokens_per_s": run.tokens_per_s,
         "ttft_p50_s": percentile(run.ttft_s, 50),
         "ttft_p99_s": percentile(run.ttft_s, 99),
+        # the median wall time of an all-decode step (launch to tokens), over every replica's such steps
+        "decode_step_p50_ms": percentile([t for r in run.replicas for t in r.get("decode_steps_ms", [])], 50),
         "replicas": replicas,
     }
 
@@ -167,14 +171,16 @@ def format_bench(result: dict) -> str:
     lines = [
         f"{result['model']} {result['dtype']} on {result['device']}, {result['topology']}",
         f"workload {result['workload']}",
-        f"{'connector':<10} {'tok/s':>9} {'TTFT p50':>10} {'TTFT p99':>10}  per-replica elapsed (s)",
+        f"{'connector':<10} {'tok/s':>9} {'TTFT p50':>10} {'TTFT p99':>10} {'decode step p50':>16}  "
+        "per-replica elapsed (s)",
     ]
     for run in result["runs"]:
         per = " / ".join(f"{r['elapsed_s']:.2f}" for r in run["replicas"])
         label = run_label(run["connector"], run.get("ubatches", 1))
+        step = run.get("decode_step_p50_ms", float("nan"))
         lines.append(
             f"{label:<10} {run['tokens_per_s']:>9.1f} {run['ttft_p50_s'] * 1e3:>8.1f}ms "
-            f"{run['ttft_p99_s'] * 1e3:>8.1f}ms  {per}"
+            f"{run['ttft_p99_s'] * 1e3:>8.1f}ms {step:>14.2f}ms  {per}"
         )
     for connector, n in result.get("numerics", {}).items():
         lines.append(

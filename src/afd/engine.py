@@ -147,6 +147,7 @@ class Engine:
         self._next_id = 0
         self.last_step_tokens: list[StepToken] = []  # every token the last step appended, in batch order
         self.ubatched_steps = 0  # steps run as micro-batches in ping-pong
+        self.last_launch_decode = False  # whether the step launched last was all single-token decodes
         if overlap_steps is None:
             overlap_steps = self.device.type == "cuda" and isinstance(exchange, LocalExchange) and not enforce_eager
         if overlap_steps and self.num_ubatches > 1:
@@ -336,6 +337,7 @@ class Engine:
         context_lens = [s.start for s in scheduled]
         # Only pure decode steps replay a graph; a step with a prompt chunk (even a one-token one) runs eager.
         pure_decode = all(s.is_decode for s in scheduled)
+        self.last_launch_decode = pure_decode
         graphs = (
             self.cuda_graphs
             if self.cuda_graphs and pure_decode and self.cuda_graphs.handles(query_lens, context_lens)

@@ -121,9 +121,12 @@ class ReplicaStats:
         self.num_steps = 0
         self.first_token: dict[int, float] = {}
         self.end = self.start
+        self.decode_steps_ms: list[float] = []  # wall time of each all-decode step (overlap off: launch to tokens)
 
     def observe(self, engine: Engine, finished: list[Output]) -> None:
         now = time.perf_counter()
+        if engine.last_launch_decode and not engine.overlap_steps:
+            self.decode_steps_ms.append((now - self.end) * 1e3)
         self.num_steps += 1
         for seq in engine.running:
             if seq.token_ids and seq.request_id not in self.first_token:
@@ -139,6 +142,7 @@ class ReplicaStats:
             "elapsed_s": self.end - self.start,
             "start_unix": self.start_unix,
             "num_steps": self.num_steps,
+            "decode_steps_ms": self.decode_steps_ms,
         }
 
 
