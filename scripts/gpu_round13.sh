@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Round 13 device calls (nvidia-h200-x2), written after round 12 for what it could not measure. Two calls of under
+# 10 minutes: `bash scripts/gpu_round13.sh exchange` (the captured exchange alone, the decode-step target, the
+# micro-batching target, afd bench with the FFN-ready barrier), then `bash scripts/gpu_round13.sh serve`.
+set -u
+PHASE=${1:-exchange}
+source "$(dirname "$0")/device_env.sh"
+exec > >(tee -a "$OUT/log.txt") 2>&1
+B=/tmp/afd_r13; mkdir -p "$B"
+bench() {  # name, timeout, then afd bench arguments
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" python3 -m afd bench --model deepseek-v2-lite --dtype bfloat16 --device cuda "$@" \
+    --json "$OUT/$name.json" 2>"$B/$name.err" | tail -n 9
+  echo "$name rc=$? in $((SECONDS - t0)) s"; grep -v "^\[afd" "$B/$name.err" | tail -n 3
+}
+if [[ $PHASE == exchange ]]; then
+# the exchange inside a captured 26-layer pass (target: <= 25 us per layer at T <= 64), beside eager passes
+timeout 120 python3 -m afd bench exchange --model deepseek-v2-lite --dtype bfloat16 --device cuda --tokens 1,8,64,256 \
+  --iters 50 --layers 26 --graph --json "$OUT/exchange_graph.json" 2>"$B/exchange_graph.err" | tail -n 10
+grep -v "^\[afd" "$B/exchange_graph.err" | tail -n 3
+# the decode-step target: 1A1F at 64 sequences x 512 context vs one GPU's whole step (attention + FFN compute)
+CUDA_VISIBLE_DEVICES=0 timeout 120 python3 -m afd bench step --model deepseek-v2-lite --dtype bfloat16 --device cuda \
+  --batch 64 --context 512 --json "$OUT/step_b64.json" 2>"$B/step.err" | tail -n 4
+bench 1a1f_b64 150 --attention 1 --ffn 1 --requests 64 --long-len 512 --short-len 512 --max-new-tokens 32 \
+  --connectors async,p2p
+bench 1a1f_prefill_ubatches 130 --attention 1 --ffn 1 --requests 8 --long-len 1024 --short-len 1024 \
+  --max-new-tokens 1 --ubatches 1,2,3
+bench 1a1f 120 --attention 1 --ffn 1 --requests 8 --long-len 512 --short-len 32 --max-new-tokens 64
+else
+t0=$SECONDS
+timeout 300 python3 -m afd bench serve --model deepseek-v2-lite --dtype bfloat16 --device cuda \
+  --compare none:R=2,p2p:A=1,F=1,async:A=1,F=1 --workload mixed --requests 48 --rates 32,96,inf \
+  --short-len 64 --long-len 1024 --max-tokens 64 --json "$OUT/serve_mixed.json" 2>"$B/serve.err" | tail -n 14
+echo "serve rc=$? in $((SECONDS - t0)) s"; grep -v "^\[afd" "$B/serve.err" | tail -n 3
+timeout 120 python3 -m afd bench serve --overhead --model deepseek-v2-lite --dtype bfloat16 --device cuda \
+  --workload uniform --short-len 128 --long-len 128 --max-tokens 32 --requests 24 --json "$OUT/overhead.json" \
+  2>"$B/overhead.err" | tail -n 3
+echo "overhead rc=$?"; grep -v "^\[afd" "$B/overhead.err" | tail -n 5
+bench 2a2f 100 --attention 2 --ffn 2 --requests 8 --long-len 1024 --short-len 32 --max-new-tokens 64
+fi
+echo "== leftover processes:"; pgrep -af "afd" | grep -v pgrep || echo none
