@@ -194,9 +194,9 @@ class Window:
         if topk_weights is not None:
             dst.topk_weights[:n].copy_(topk_weights, non_blocking=True)
         header_stage, flag_stage, sent = self._staging_for(peer)
-        header_stage.copy_(torch.tensor(words, dtype=torch.int32))
+        header_stage.numpy()[:] = words  # host memory: written in place, no tensor made per send
         dst.header.copy_(header_stage, non_blocking=True)
-        flag_stage.fill_(header.seq)
+        flag_stage.numpy()[0] = header.seq
         self._peer_flag_view(peer, window)[index : index + 1].copy_(flag_stage, non_blocking=True)
         if sent is not None:
             sent.record()
