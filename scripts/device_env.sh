@@ -4,3 +4,12 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# bench NAME LIMIT ARGS...: one `afd bench` (V2-Lite bf16 on CUDA) under a time limit, its JSON into $OUT, its
+# stderr into $B (set by the caller), the table, the status and the last error lines printed
+bench() {
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" python3 -m afd bench --model deepseek-v2-lite --dtype bfloat16 --device cuda "$@" \
+    --json "$OUT/$name.json" 2>"$B/$name.err" | tail -n 9
+  echo "$name rc=$? in $((SECONDS - t0)) s"; grep -v "^\[afd" "$B/$name.err" | tail -n 3
+}

@@ -71,13 +71,6 @@ elif [[ $PHASE == final ]]; then
 # the last call: the captured-step oracle, then by priority afd bench 1A1F (decode), the serving table, the
 # micro-batching prefill target, 2A2F, the front end's overhead; each result lands in $OUT as it is made
 timeout 100 python3 -m pytest -q -s -m gpu tests/test_ffn_chain.py -k captured -p no:cacheprovider 2>&1 | tail -n 3
-bench() {  # name, timeout, then afd bench arguments
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  timeout "$limit" python3 -m afd bench --model deepseek-v2-lite --dtype bfloat16 --device cuda "$@" \
-    --json "$OUT/$name.json" 2>"$B/$name.err" | tail -n 9
-  echo "$name rc=$? in $((SECONDS - t0)) s"; grep -v "^\[afd" "$B/$name.err" | tail -n 3
-}
 bench 1a1f 150 --attention 1 --ffn 1 --requests 8 --long-len 512 --short-len 32 --max-new-tokens 64
 t0=$SECONDS
 timeout 170 python3 -m afd bench serve --model deepseek-v2-lite --dtype bfloat16 --device cuda \

@@ -7,13 +7,6 @@ PHASE=${1:-exchange}
 source "$(dirname "$0")/device_env.sh"
 exec > >(tee -a "$OUT/log.txt") 2>&1
 B=/tmp/afd_r13; mkdir -p "$B"
-bench() {  # name, timeout, then afd bench arguments
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  timeout "$limit" python3 -m afd bench --model deepseek-v2-lite --dtype bfloat16 --device cuda "$@" \
-    --json "$OUT/$name.json" 2>"$B/$name.err" | tail -n 9
-  echo "$name rc=$? in $((SECONDS - t0)) s"; grep -v "^\[afd" "$B/$name.err" | tail -n 3
-}
 if [[ $PHASE == exchange ]]; then
 # the exchange inside a captured 26-layer pass (target: <= 25 us per layer at T <= 64), beside eager passes
 timeout 120 python3 -m afd bench exchange --model deepseek-v2-lite --dtype bfloat16 --device cuda --tokens 1,8,64,256 \
