@@ -220,6 +220,8 @@ class PassChain:
                     self._item(self.ends, layer_idx, bucket)
             self.queued.append(QueuedPass(layers, bucket, None))
             return
+        # after what the host enqueued on its own stream (a reply it served, the stats it reset after an abort)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             for layer_idx in layers:
                 self.window.wait_flag(0, 0, 1, self.stream)
