@@ -35,7 +35,8 @@ def main(ref_path: str, *others: str) -> int:
         worst = max(diffs, default=0.0)
         match = all(same) and worst <= 1e-4
         ok &= match
-        print(f"{path}: tokens equal {sum(same)}/{len(same)}, max |Δ logprob| {worst:.2e} -> {'OK' if match else 'FAIL'}")
+        verdict = "OK" if match else "FAIL"
+        print(f"{path}: tokens equal {sum(same)}/{len(same)}, max |Δ logprob| {worst:.2e} -> {verdict}")
     return 0 if ok else 1
 
 

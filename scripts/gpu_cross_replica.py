@@ -53,9 +53,9 @@ def main() -> None:
             worst = max(worst, together / one)
             row = {"rows_per_replica": num_tokens, "one_ms": one, "two_together_ms": together, "two_apart_ms": apart,
                    "together_over_one": together / one, "apart_over_one": apart / one}  # fmt: skip
-            print(json.dumps(row), flush=True)  # noqa: T201 - the script's output
+            print(json.dumps(row), flush=True)
     summary = {"model": args.model, "layer": layer, "worst_together_over_one": worst, "target": 1.3}
-    print(json.dumps(summary))  # noqa: T201 - the script's output
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":

@@ -62,9 +62,9 @@ def summarize(path: str) -> None:
         if key not in best or r["us"] < best[key]["us"]:
             best[key] = r
         if r["splits"] == r["default_splits"] and r["block_n"] == 32 and r["warps"] == 4 and r["stages"] == 2:
-            print("default", r)  # noqa: T201 - the script's output
+            print("default", r)
     for r in best.values():
-        print("best", r)  # noqa: T201 - the script's output
+        print("best", r)
 
 
 def main() -> None:
@@ -103,7 +103,7 @@ def main() -> None:
                 "bytes": nbytes,
                 **point,
             }
-            print(json.dumps(row), flush=True)  # noqa: T201 - the script's output
+            print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":
