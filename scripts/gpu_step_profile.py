@@ -1,6 +1,6 @@
 """Where a graphed decode step's GPU time goes: kernels by device time over a few replays (torch.profiler).
 
-    PYTHONPATH=src python3 scripts/gpu_step_profile.py [--model deepseek-v2-lite] [--batch 8,256] [--context 512]
+PYTHONPATH=src python3 scripts/gpu_step_profile.py [--model deepseek-v2-lite] [--batch 8,256] [--context 512]
 """
 # ruff: noqa: T201  (a script that prints its results)
 

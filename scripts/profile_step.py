@@ -1,6 +1,6 @@
 """Where an engine step's time goes: the single-process reference on one GPU, with torch.profiler.
 
-    python scripts/profile_step.py [--model deepseek-v2-lite] [--dtype bfloat16] [--prompts 8] [--len 512]
+python scripts/profile_step.py [--model deepseek-v2-lite] [--dtype bfloat16] [--prompts 8] [--len 512]
 """
 
 import argparse

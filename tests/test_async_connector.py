@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from afd.connectors.async_ffn import AsyncFFNServer, run_ffn_loop
 
+from afd.connectors.async_ffn import AsyncFFNServer, run_ffn_loop
 from afd.connectors.async_window import AsyncAttentionExchange, RingExhausted
 from afd.connectors.expert_pass import WorkRows, expert_pass
 from afd.topology import AsyncTopology

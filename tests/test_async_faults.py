@@ -19,11 +19,11 @@ import e2e_util
 import pytest
 import torch
 import torch.distributed as dist
-from afd.connectors.async_ffn import AsyncFFNServer
 from e2e_util import Leftovers, afd_worker, hand_config, kill_all, wait_until_mapped
 from test_async_connector import HIDDEN, NUM_EXPERTS, TOPK, StandInFFN, dims, reference, routing
 
 import afd.connectors.async_window as async_window
+from afd.connectors.async_ffn import AsyncFFNServer
 from afd.connectors.async_window import AsyncAttentionExchange, ConnectorShutdown
 from afd.connectors.wire import WindowOverflow
 from afd.runtime.launch import free_port
