@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from e2e_util import MODEL, Leftovers, assert_matches_reference, hand_config
-from test_async_e2e import tokens
+from test_async_e2e import reference, run_async, tokens, uneven_prompts
 
 from afd.config import parse_config
 from afd.generate import generate
@@ -50,6 +50,20 @@ def test_one_sequence_at_a_time_grows_and_shrinks_the_rows(tmp_path: Path, monke
     on_device, handed_back = chain_counts(tmp_path)
     assert handed_back >= 2, "the prefills after 1-row decode steps must break the predicted bucket"
     assert on_device >= 30, f"only {on_device} items were served on the device"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("num_attn", [2, 3])
+def test_several_replicas_each_get_their_passes(num_attn: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """nA1F, uneven replicas (one gets long prompts, one short ones, the third none): every replica's requests are
+    served in passes of its own (on CUDA each on its own stream), and the outputs equal the reference."""
+    monkeypatch.setenv("AFD_FFN_CHAIN", "1")
+    prompts = uneven_prompts(num_attn)
+    outputs, stats = run_async(num_attn, 1, prompts, run_dir=tmp_path)
+    assert_matches_reference(outputs, reference(prompts))
+    on_device, _ = chain_counts(tmp_path)
+    busy = sum(1 for r in stats["replicas"] if r["num_steps"])
+    assert on_device >= busy, f"only {on_device} items were served on the device for {busy} busy replicas"
 
 
 @pytest.mark.timeout(120)

@@ -45,27 +45,30 @@ class AsyncFFNServer(AsyncEndpoint):
         self.expert_graphs = expert_graphs  # replayed expert passes at decode sizes (afd.ffn_graphs), or None
         self.items_served = 0
         self.expert_passes = 0  # fewer than items_served when items of one layer were served together
-        self.chain: PassChain | None = None  # device-driven passes (afd.connectors.ffn_chain), 1A1F only
+        self.chains: dict[int, PassChain] = {}  # attention rank -> its device-driven passes (afd.connectors.ffn_chain)
         self._chain_decided = False
 
     def chain_to(self, ffn_model: FFNModelLike) -> bool:
-        """Serve whole passes on the device where that applies (one attention rank, one FFN rank, one ring stage,
-        CUDA with device-side waits and graphs; `AFD_FFN_CHAIN=1` also on CPU, `=0` never): build and capture
-        them now, before the first request is served. Returns whether it did; decided once."""
+        """Serve whole passes on the device where that applies: one FFN rank, one ring stage, CUDA with device-side
+        waits and graphs, one attention rank (several with `AFD_FFN_CHAIN=1`: each gets its own stream, so their
+        passes never wait for each other, but their items are no longer batched together); `AFD_FFN_CHAIN=1` also
+        on CPU, `=0` never. Builds and captures them now, before the first request is served. Returns whether it
+        did; decided once."""
         if self._chain_decided:
-            return self.chain is not None
+            return bool(self.chains)
         self._chain_decided = True
         wanted = env.ffn_chain()
-        one_to_one = self.topology.num_attention == 1 and self.topology.num_ffn == 1
+        replicas = self.topology.num_attention
         if self.device.type == "cuda":
             usable = wanted is not False and self.window.device_waits and not env.ffn_graphs_disabled()
+            usable = usable and (replicas == 1 or wanted is True)
             if isinstance(ffn_model, torch.nn.Module):
                 from afd.ffn_graphs import ExpertPassGraphs
 
                 usable = usable and ExpertPassGraphs.usable(ffn_model)
         else:
             usable = wanted is True
-        if not (usable and one_to_one and not self.config.async_moe_ubatching):
+        if not (usable and self.topology.num_ffn == 1 and not self.config.async_moe_ubatching):
             return False
         config = getattr(ffn_model, "config", None)
         layers = getattr(ffn_model, "layers", None)
@@ -73,16 +76,13 @@ class AsyncFFNServer(AsyncEndpoint):
             moe_layers = [int(i) for i in layers if config.is_moe_layer(int(i))]
         else:
             moe_layers = list(range(self.num_layers))
-        self.chain = PassChain(
-            self.window,
-            self.peer_world(0),
-            self.role_rank,
-            ffn_model,
-            moe_layers,
-            timeout_s=self.timeout_s,
-            give_up=self._chain_give_up,
-        )
-        self.chain.capture_all()
+        for region in range(replicas):
+            chain = PassChain(
+                self.window, region, self.peer_world(region), self.role_rank, ffn_model, moe_layers,
+                timeout_s=self.timeout_s,
+            )  # fmt: skip
+            chain.capture_all()
+            self.chains[region] = chain
         return True
 
     def step(self, ffn_model: FFNModelLike, max_items: int | None = None) -> int:
@@ -94,19 +94,19 @@ class AsyncFFNServer(AsyncEndpoint):
         """
         limit = max_items if max_items is not None else self.num_layers
         served = 0
-        chain = self.chain
         while served < limit:
-            if chain is not None and chain.owns_slot:
-                chain.retire()
-            skip = {chain.slot_index} if chain is not None and chain.owns_slot else None
+            for chain in self.chains.values():
+                if chain.owns_slot:
+                    chain.retire()
+            skip = {c.slot_index for c in self.chains.values() if c.owns_slot} or None
             msgs = self.window.poll_many(CHAIN_POLL_S if skip else self.poll_timeout_s, limit - served, skip=skip)
-            if not msgs:
-                if skip is None:
+            if not msgs:  # (passes queued: polls are short, the liveness check keeps its own period)
+                if skip is None or time.monotonic() - self._last_liveness > self.poll_timeout_s:
                     self.check_peers_alive()
-                break  # passes queued: the liveness check below runs at its own period
+                break
             work = [m for m in msgs if not m.header.is_shutdown]
-            if chain is not None:  # the chain's slot: this pass and the next ones go to the device
-                chained = [m for m in work if m.stage == 0 and chain.start(m.header.layer_idx, m.header.num_rows)]
+            if self.chains:  # a chain's slot: this pass and the next ones go to the device
+                chained = [m for m in work if m.stage == 0 and self._chained(m)]
                 work = [m for m in work if all(m is not c for c in chained)]
                 served += len(chained)
             if work:
@@ -152,21 +152,21 @@ class AsyncFFNServer(AsyncEndpoint):
                 )
             self.items_served += len(group)
 
-    def _chain_give_up(self) -> bool:
-        """Whether a CPU-emulated device wait should stop: the attention rank announced shutdown, or (raises) died."""
-        if time.monotonic() - self._last_liveness > self.poll_timeout_s:
-            self.check_peers_alive()
-        return self.window.shutdown_pending(0)
+    def _chained(self, msg: Message) -> bool:
+        """Whether the sender's chain took this request (and the rest of its pass) to the device."""
+        chain = self.chains.get(msg.region)
+        return chain is not None and chain.start(msg.header.layer_idx, msg.header.num_rows)
 
     def close(self) -> None:
         """Fail the passes still queued on the device (their waits would never end), then close as every rank."""
-        if self.chain is not None and not self._closed:
-            self.chain.release()
+        if self.chains and not self._closed:
+            for chain in self.chains.values():
+                chain.release()
             logger.info(
                 "FFN rank %d: %d work items served on the device in whole passes, %d passes handed back to the host",
                 self.role_rank,
-                self.chain.items_served,
-                self.chain.aborts,
+                sum(c.items_served for c in self.chains.values()),
+                sum(c.aborts for c in self.chains.values()),
             )
         super().close()
 

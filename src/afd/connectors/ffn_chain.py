@@ -9,10 +9,11 @@ bucket of rows (rows past the header's count are masked out), writes the reply r
 attention rank's window, resets the local flag to 0 and publishes the reply's flag. The host only retires
 finished passes and enqueues the next.
 
-Where: one attention rank and one FFN rank (1A1F), no micro-batching (one ring stage), on CUDA with a
-device-side flag wait (`Window.device_waits`). There the order of requests is known: the MoE layers of a
-forward pass, in order, every layer with the same rows. Elsewhere (several replicas: their order is not known)
-the host loop serves as before.
+Where: one FFN rank, no micro-batching (one ring stage), on CUDA with a device-side flag wait
+(`Window.device_waits`). There the order of one attention rank's requests is known: the MoE layers of a forward
+pass, in order, every layer with the same rows. Each attention rank gets a chain of its own (slot, stream,
+graphs): by default only with one attention rank; with several (`AFD_FFN_CHAIN=1`) their passes run side by side
+and never wait for each other, but their items are no longer batched into one expert pass.
 
 Speculation and its check: the host learns a pass's rows from the first message it reads itself, then keeps
 two passes queued (the next with the rows bucket of the last). An item serves its message only if the header
@@ -27,8 +28,8 @@ passes are queued and forgets the last value it saw when they are done (`Window.
 Shutdown: the host cannot cancel a stream wait; `release()` sets the abort word and a nonzero flag from another
 stream, so every queued item fails at once, and the device can be synchronized.
 
-On CPU (`AFD_FFN_CHAIN=1`, tests) the same items run eagerly and the wait is a bounded host poll: the logic is
-tested without a GPU.
+On CPU (`AFD_FFN_CHAIN=1`, tests) the same items run eagerly, each as soon as the host loop finds its flag set
+(`pump`): the logic is tested without a GPU.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -83,15 +84,18 @@ class Ends:
 class QueuedPass:
     layers: list[int]
     bucket: int
-    done: torch.cuda.Event | None  # recorded after its last item (None on CPU: done when enqueued)
+    done: torch.cuda.Event | None  # recorded after its last item (CUDA)
+    pending: deque[int] = field(default_factory=deque)  # CPU: the layers whose items have not run yet
 
 
 class PassChain:
-    """Serves slot (region 0, stage 0) of an FFN rank's window on the device, a pass at a time."""
+    """Serves one attention rank's requests (slot (region, stage 0) of an FFN rank's window) on the device, a pass
+    at a time, on a stream of its own: the passes of several attention ranks never wait for each other."""
 
     def __init__(
         self,
         window: Window,
+        region: int,
         attention_world_rank: int,
         ffn_rank: int,
         ffn_model: FFNModelLike,
@@ -99,21 +103,20 @@ class PassChain:
         *,
         buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
         timeout_s: float,
-        give_up: Callable[[], bool] = lambda: False,
     ) -> None:
         self.window = window
         self.ffn_model = ffn_model
         self.moe_layers = sorted(moe_layers)
         self.buckets = sorted(b for b in buckets if b <= window.layout.row_cap) or [window.layout.row_cap]
         self.timeout_s = timeout_s
-        self.give_up = give_up  # CPU waits ask it now and then: True to stop waiting (shutdown); may raise (peer died)
+        self.region = region
         self.device = window.device
         self.is_cuda = self.device.type == "cuda"
-        self.slot_index = window.geometry.slot_index(0, 0)
-        slot = window.local_slot(0, 0)
+        self.slot_index = window.geometry.slot_index(region, 0)
+        slot = window.local_slot(region, 0)
         reply, reply_flag = window.peer_slot(attention_world_rank, ffn_rank, 0)
         self.ends = Ends(
-            slot.header, slot.x, slot.topk_ids, slot.topk_weights, window.local_flag(0, 0), reply, reply_flag
+            slot.header, slot.x, slot.topk_ids, slot.topk_weights, window.local_flag(region, 0), reply, reply_flag
         )
         dev = self.device
         # device words: [abort, served, max rows] of the passes since the host last read them
@@ -213,40 +216,44 @@ class PassChain:
             self._enqueue(self.moe_layers, self.next_bucket)
 
     def _enqueue(self, layers: list[int], bucket: int) -> None:
-        if not self.is_cuda:
-            for layer_idx in layers:
-                self._wait_on_host()
-                with torch.inference_mode():
-                    self._item(self.ends, layer_idx, bucket)
-            self.queued.append(QueuedPass(layers, bucket, None))
+        if not self.is_cuda:  # the items run when `pump` finds their flag set
+            self.queued.append(QueuedPass(layers, bucket, None, deque(layers)))
+            self.pump()
             return
         # after what the host enqueued on its own stream (a reply it served, the stats it reset after an abort)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             for layer_idx in layers:
-                self.window.wait_flag(0, 0, 1, self.stream)
+                self.window.wait_flag(self.region, 0, 1, self.stream)
                 self._graphs[(layer_idx, bucket)].replay()
             done = torch.cuda.Event()
             done.record(self.stream)
         self.queued.append(QueuedPass(layers, bucket, done))
 
-    def _wait_on_host(self) -> None:
-        """CPU: wait for the slot's flag, bounded; on shutdown or timeout, abort (the item then fails)."""
-        deadline = time.monotonic() + self.timeout_s
-        spins = 0
-        while int(self.ends.flag[0]) < 1 and int(self.stats[0]) == 0:
-            spins += 1
-            if spins % 64 == 0 and (self.give_up() or time.monotonic() > deadline):
-                self.stats[0] = 1
+    @torch.inference_mode()
+    def pump(self) -> None:
+        """CPU: run the queued items whose request is there (or that must fail: an earlier one did), in order; the
+        host never blocks here, so an idle attention rank holds up nothing."""
+        while self.queued and self.queued[0].pending:
+            if int(self.ends.flag[0]) < 1 and int(self.stats[0]) == 0:
                 return
-            time.sleep(min(2e-4, 2e-6 * spins))
+            queued = self.queued[0]
+            self._item(self.ends, queued.pending.popleft(), queued.bucket)
+            if not queued.pending and len(self.queued) > 1:
+                return  # a whole pass is done: the host retires it before the next one runs
+
+    @staticmethod
+    def _is_done(queued: QueuedPass) -> bool:
+        return not queued.pending if queued.done is None else queued.done.query()
 
     @torch.inference_mode()
     def retire(self) -> bool:
         """Retire the passes that finished; True when the slot goes back to the host (a pass aborted: the message
         that broke the prediction is still in the slot, its flag set). Reads the stats back once per pass."""
+        if not self.is_cuda:
+            self.pump()
         retired = False
-        while self.queued and (self.queued[0].done is None or self.queued[0].done.query()):
+        while self.queued and self._is_done(self.queued[0]):
             self.queued.popleft()
             retired = True
         if not retired:
@@ -265,7 +272,7 @@ class PassChain:
         self._served_read = 0
         if self.is_cuda:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
-        self.window.forget(0, 0)
+        self.window.forget(self.region, 0)
         logger.debug("device-driven pass handed back (%d so far): the host serves the next message", self.aborts)
         return True
 
@@ -275,10 +282,12 @@ class PassChain:
         self._served_read = served
 
     def _drain(self) -> None:
+        """Wait, bounded, for every queued item (after an abort: each fails at once)."""
         deadline = time.monotonic() + self.timeout_s
         while self.queued:
-            done = self.queued[0].done
-            if done is not None and not done.query():
+            if not self.is_cuda:
+                self.pump()
+            if not self._is_done(self.queued[0]):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"queued device-driven FFN passes did not drain within {self.timeout_s:.0f}s")
                 time.sleep(2e-5)
