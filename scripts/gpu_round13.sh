@@ -31,5 +31,10 @@ timeout 120 python3 -m afd bench serve --overhead --model deepseek-v2-lite --dty
   2>"$B/overhead.err" | tail -n 3
 echo "overhead rc=$?"; grep -v "^\[afd" "$B/overhead.err" | tail -n 5
 bench 2a2f 100 --attention 2 --ffn 2 --requests 8 --long-len 1024 --short-len 32 --max-new-tokens 64
+# several replicas on one FFN rank (4 PEs on 2 GPUs): the host loop (items batched across replicas) vs a chain of
+# passes per replica (AFD_FFN_CHAIN=1), async only
+bench 3a1f 100 --attention 3 --ffn 1 --requests 4 --long-len 512 --short-len 32 --max-new-tokens 48 --connectors async
+AFD_FFN_CHAIN=1 bench 3a1f_chains 100 --attention 3 --ffn 1 --requests 4 --long-len 512 --short-len 32 \
+  --max-new-tokens 48 --connectors async
 fi
 echo "== leftover processes:"; pgrep -af "afd" | grep -v pgrep || echo none
