@@ -72,10 +72,12 @@ def launch_checked(
     max_new_tokens: int,
     max_num_batched_tokens: int,
     run_dir: Path | None = None,
+    max_num_seqs: int | None = None,
     **extra_config: object,
 ) -> tuple[list[Output], dict]:
     """`afd launch` of tiny fp32 with prompt logprobs, asserting it left no worker and no segment behind."""
     from afd.config import parse_config
+    from afd.kv_cache import CacheOptions
     from afd.runtime.launch import RunSpec, free_port, launch
 
     config = parse_config(hand_config(connector, num_attention, num_ffn, port=free_port(), **extra_config))
@@ -86,6 +88,7 @@ def launch_checked(
         prompt_logprobs=True,
         max_num_batched_tokens=max_num_batched_tokens,
         timeout_s=90,
+        cache=CacheOptions() if max_num_seqs is None else CacheOptions(max_num_seqs=max_num_seqs),
     )
     leftovers = Leftovers()
     try:

@@ -10,12 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from e2e_util import MODEL, Leftovers, assert_matches_reference, hand_config
+from e2e_util import MODEL, assert_matches_reference, hand_config, launch_checked
 from test_async_e2e import reference, run_async, tokens, uneven_prompts
 
 from afd.config import parse_config
 from afd.generate import generate
-from afd.kv_cache import CacheOptions
 from afd.runtime.launch import RunSpec, free_port, launch
 
 DEVICE_LINE = re.compile(r"(\d+) work items served on the device in whole passes, (\d+) passes handed back")
@@ -35,17 +34,10 @@ def test_one_sequence_at_a_time_grows_and_shrinks_the_rows(tmp_path: Path, monke
     Every token and logprob still equals the single-process reference."""
     monkeypatch.setenv("AFD_FFN_CHAIN", "1")
     prompts = [tokens(30, 1), tokens(20, 2), [5, 9]]
-    config = parse_config(hand_config("async", 1, 1, port=free_port(), recv_poll_timeout_ms=100))
-    spec = RunSpec(
-        model=MODEL, dtype="float32", max_new_tokens=6, prompt_logprobs=True, timeout_s=90,
-        cache=CacheOptions(max_num_seqs=1),
+    outputs, _ = launch_checked(
+        "async", 1, 1, prompts, max_new_tokens=6, max_num_batched_tokens=2048, run_dir=tmp_path, max_num_seqs=1,
+        recv_poll_timeout_ms=100,
     )  # fmt: skip
-    leftovers = Leftovers()
-    try:
-        outputs, _ = launch(config, spec, prompts, run_dir=tmp_path)
-        leftovers.check()
-    finally:
-        leftovers.cleanup()
     assert_matches_reference(outputs, generate(MODEL, prompts, max_new_tokens=6, prompt_logprobs=True))
     on_device, handed_back = chain_counts(tmp_path)
     assert handed_back >= 2, "the prefills after 1-row decode steps must break the predicted bucket"
