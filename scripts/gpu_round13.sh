@@ -12,6 +12,10 @@ if [[ $PHASE == exchange ]]; then
 timeout 120 python3 -m afd bench exchange --model deepseek-v2-lite --dtype bfloat16 --device cuda --tokens 1,8,64,256 \
   --iters 50 --layers 26 --graph --json "$OUT/exchange_graph.json" 2>"$B/exchange_graph.err" | tail -n 10
 grep -v "^\[afd" "$B/exchange_graph.err" | tail -n 3
+# the same with the driver's stream memory operation as the wait (no SM spins; does it capture?)
+AFD_STREAM_WAIT=memop timeout 100 python3 -m afd bench exchange --model deepseek-v2-lite --dtype bfloat16 \
+  --device cuda --tokens 8,64 --iters 50 --layers 26 --graph --connectors async 2>"$B/exchange_memop.err" | tail -n 3
+grep -v "^\[afd" "$B/exchange_memop.err" | tail -n 3
 # the decode-step target: 1A1F at 64 sequences x 512 context vs one GPU's whole step (attention + FFN compute)
 CUDA_VISIBLE_DEVICES=0 timeout 120 python3 -m afd bench step --model deepseek-v2-lite --dtype bfloat16 --device cuda \
   --batch 64 --context 512 --json "$OUT/step_b64.json" 2>"$B/step.err" | tail -n 4
