@@ -285,11 +285,6 @@ class Window:
         idx = self.geometry.slot_index(region, stage)
         return self._peer_slot_views(peer, window, idx), self._peer_flag_view(peer, window)[idx : idx + 1]
 
-    def shutdown_pending(self, region: int) -> bool:
-        """Whether `region`'s shutdown flag changed since the host last read it (one flag read)."""
-        idx = self.geometry.shutdown_index(region)
-        return int(self._flags[idx]) != self._seen[idx]
-
     def forget(self, region: int, stage: int) -> None:
         """Forget the flag value last seen in slot (region, stage): its next nonzero flag is a message again (the
         slot was served on the device, which resets its flag to 0; afd.connectors.ffn_chain)."""
