@@ -1,13 +1,25 @@
 #!/usr/bin/env bash
 # Round 13 device calls (nvidia-h200-x2), written after round 12 for what it could not measure. Two calls of under
 # 10 minutes: `bash scripts/gpu_round13.sh exchange` (the captured exchange alone, the decode-step target, the
-# micro-batching target, afd bench with the FFN-ready barrier), then `bash scripts/gpu_round13.sh serve`.
+# micro-batching target, afd bench with the FFN-ready barrier), then `bash scripts/gpu_round13.sh serve`; on one GPU
+# (nvidia-h200) `bash scripts/gpu_round13.sh single`.
 set -u
 PHASE=${1:-exchange}
 source "$(dirname "$0")/device_env.sh"
 exec > >(tee -a "$OUT/log.txt") 2>&1
 B=/tmp/afd_r13; mkdir -p "$B"
-if [[ $PHASE == exchange ]]; then
+if [[ $PHASE == single ]]; then
+# what one GPU can measure (nvidia-h200): cross-replica FFN batching (<= 1.3x), the front end's share of TTFT
+# (<= 1 ms p50 at 1 request/s, paired inside the server's run), micro-batched async prefill on co-located ranks
+timeout 150 python3 scripts/gpu_cross_replica.py --tokens 1,8,32,64 > "$OUT/cross_replica.jsonl" 2>"$B/cross.err"
+echo "cross_replica rc=$?"; cat "$OUT/cross_replica.jsonl"; grep -v "^\[afd" "$B/cross.err" | tail -n 3
+timeout 260 python3 -m afd bench serve --overhead --model deepseek-v2-lite --dtype bfloat16 --device cuda \
+  --workload uniform --short-len 128 --long-len 128 --max-tokens 32 --requests 40 --rates 1 \
+  --json "$OUT/overhead.json" 2>"$B/overhead.err" | tail -n 4
+echo "overhead rc=$?"; grep -v "^\[afd" "$B/overhead.err" | tail -n 3
+bench 1a1f_colocated_ubatches 150 --attention 1 --ffn 1 --requests 8 --long-len 1024 --short-len 1024 \
+  --max-new-tokens 2 --ubatches 1,2 --connectors async
+elif [[ $PHASE == exchange ]]; then
 # the exchange inside a captured 26-layer pass (target: <= 25 us per layer at T <= 64), beside eager passes
 timeout 120 python3 -m afd bench exchange --model deepseek-v2-lite --dtype bfloat16 --device cuda --tokens 1,8,64,256 \
   --iters 50 --layers 26 --graph --json "$OUT/exchange_graph.json" 2>"$B/exchange_graph.err" | tail -n 10

@@ -321,6 +321,11 @@ def test_streaming_equals_non_streaming(server):
     assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert events[-2]["usage"] == whole["usage"] and events[-2]["choices"] == []
+    assert not any("afd_timing" in e for e in events[:-1])  # afd's own field only when asked for
+    timed = server.stream("/v1/completions", {**body, "afd_timing": True})
+    closing = [e for e in timed[:-1] if "afd_timing" in e]
+    assert len(closing) == 1 and closing[0]["choices"][0]["finish_reason"] == "length"
+    assert closing[0]["afd_timing"]["index"] == 0 and closing[0]["afd_timing"]["engine_ttft_s"] > 0
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0}
     status, whole, _ = server.post("/v1/chat/completions", chat)
     assert status == 200 and whole["choices"][0]["message"]["role"] == "assistant"
@@ -516,6 +521,10 @@ def test_bench_url_measures_a_running_server(server):
     s = runs[0]["summary"]
     assert (s["completed"], s["errors"], s["output_tokens"]) == (4, 0, 16) and s["ttft_p50_s"] > 0
     assert all(len(r["itl_s"]) == 3 for r in runs[0]["requests"])
+    assert all(0 < r["engine_ttft_s"] < r["ttft_s"] for r in runs[0]["requests"])
+    assert 0 < s["front_end_p50_s"] < s["ttft_p50_s"]
+    status, page, _ = server.request("GET", "/metrics")
+    assert status == 200 and 'afd_engine_time_to_first_token_seconds_count{replica="0"}' in page
     assert "SLO-compliant throughput" in format_table([{"name": "x", "runs": runs}], 5.0)
 
 

@@ -285,6 +285,10 @@ def test_bench_serve_overhead_smoke_on_tiny(tmp_path: Path) -> None:
             assert res["slo"]["slo_ttft_s"] == 5.0
         (row,) = raw["front_end_overhead"]
         assert row["rate"] == 4.0 and row["requests"] == 3 and None not in row.values()
+        # the server reported each request's engine share, and it is a part of what the client measured
+        served = raw["results"][0]["runs"][0]["requests"]
+        assert all(0 < r["engine_ttft_s"] < r["ttft_s"] for r in served), served
+        assert 0 < row["front_end_p50_s"] <= row["front_end_p90_s"] < row["server_ttft_p50_s"]
         assert not plot or png.read_bytes()[:4] == b"\x89PNG"
         leftovers.check()
     finally:

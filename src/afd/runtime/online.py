@@ -82,6 +82,7 @@ class OnlineReplica:
         self.stopping = False
         self.link_up = True
         self._sent_load: EngineLoad | None = None
+        self._received_at: dict[str, float] = {}  # rid -> when its `add` was taken, until its first token
 
     # --- front end -> replica ---
     def receive(self, timeout_s: float) -> None:
@@ -115,6 +116,7 @@ class OnlineReplica:
             self.send({"type": "finished", "rid": rid, "reason": "error", "message": str(exc)})
             return
         self.engine_ids[rid], self.rids[engine_id] = engine_id, rid
+        self._received_at[rid] = time.perf_counter()
 
     def _abort(self, rid: object) -> None:
         engine_id = self.engine_ids.get(rid) if isinstance(rid, str) else None
@@ -131,9 +133,11 @@ class OnlineReplica:
     # --- replica -> front end ---
     def report(self, finished: list[Output]) -> None:
         """After a step: its tokens (in step order), then the requests it ended, then the load if it changed."""
+        now = time.perf_counter()
         items = [[self.rids[t.request_id], t.token_id, t.logprob] for t in self.engine.last_step_tokens]
         if items:
-            self.send({"type": "tokens", "items": items})
+            firsts = {rid: now - t for rid, _, _ in items if (t := self._received_at.pop(rid, None)) is not None}
+            self.send({"type": "tokens", "items": items, "engine_ttft": firsts})
         for out in finished:
             self._finished(out)
         self.send_load()
@@ -141,6 +145,7 @@ class OnlineReplica:
     def _finished(self, out: Output) -> None:
         rid = self.rids.pop(out.request_id)
         del self.engine_ids[rid]
+        self._received_at.pop(rid, None)
         msg = {"type": "finished", "rid": rid, "reason": out.finish_reason}
         if out.prompt_logprobs is not None:
             msg["prompt_logprobs"] = out.prompt_logprobs

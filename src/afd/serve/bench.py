@@ -36,6 +36,14 @@ class RequestResult:
     itl_s: list[float] = field(default_factory=list)
     e2e_s: float | None = None
     error: str | None = None
+    engine_ttft_s: float | None = None  # the replica's own share of ttft_s, as the server reports it
+
+    @property
+    def front_end_s(self) -> float | None:
+        """What everything outside the engine (HTTP, routing, the link, streaming) added to this request's TTFT."""
+        if self.error is not None or self.ttft_s is None or self.engine_ttft_s is None:
+            return None
+        return self.ttft_s - self.engine_ttft_s
 
     @property
     def tpot_s(self) -> float | None:
@@ -82,6 +90,7 @@ def summarize(results: list[RequestResult], wall_s: float) -> dict:
         "tpot": [r.tpot_s for r in ok if r.tpot_s is not None],
         "itl": [g for r in ok for g in r.itl_s],
         "e2e": [r.e2e_s for r in ok],
+        "front_end": [r.front_end_s for r in ok if r.front_end_s is not None],
     }
     for name, values in series.items():
         for q in QUANTILES:
@@ -114,6 +123,7 @@ async def _one(
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
+        "afd_timing": True,  # afd's servers report the engine's share of TTFT; others ignore the field
     }
     if model:
         body["model"] = model
@@ -135,6 +145,8 @@ async def _one(
                     return result
                 if event.get("usage"):
                     result.output_tokens = event["usage"]["completion_tokens"]
+                if isinstance(event.get("afd_timing"), dict):
+                    result.engine_ttft_s = event["afd_timing"].get("engine_ttft_s")
                 if not event.get("choices") or event["choices"][0].get("finish_reason") is not None:
                     continue  # the usage chunk, or the closing chunk (the server streams one chunk per token before it)
                 now = time.perf_counter()

@@ -53,6 +53,7 @@ class Submitted:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     generated: int = 0
     last_token_at: float = 0.0
+    engine_ttft_s: float | None = None  # the replica's own time to this request's first token
 
     @property
     def outstanding(self) -> int:
@@ -123,7 +124,7 @@ class ReplicaPool:
     def _on_message(self, replica: int, message: Message) -> None:
         kind = message.get("type")
         if kind == "tokens":
-            self._on_tokens(replica, message["items"])
+            self._on_tokens(replica, message["items"], message.get("engine_ttft") or {})
         elif kind == "finished":
             self._on_finished(message)
         elif kind == "load":
@@ -136,7 +137,7 @@ class ReplicaPool:
         else:
             logger.warning("replica %d sent an unknown message %r", replica, kind)
 
-    def _on_tokens(self, replica: int, items: list) -> None:
+    def _on_tokens(self, replica: int, items: list, engine_ttft: dict[str, float]) -> None:
         now = time.perf_counter()
         m = self.metrics[replica]
         grouped: dict[str, list[tuple[int, float]]] = {}
@@ -148,6 +149,9 @@ class ReplicaPool:
                 continue  # aborted here already; the replica had not seen the abort yet
             if sub.generated == 0:
                 m.ttft.observe(now - sub.arrival)
+                sub.engine_ttft_s = engine_ttft.get(rid)
+                if sub.engine_ttft_s is not None:
+                    m.engine_ttft.observe(sub.engine_ttft_s)
             else:
                 m.itl.observe(now - sub.last_token_at)
             sub.generated += len(tokens)

@@ -124,6 +124,7 @@ class ReplicaMetrics:
     generation_tokens: int = 0
     finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
+    engine_ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
     e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
 
@@ -148,6 +149,11 @@ _GAUGES = (
 )
 _HISTOGRAMS = (
     ("afd_time_to_first_token_seconds", "Time from a request's arrival to its first token.", lambda m: m.ttft),
+    (
+        "afd_engine_time_to_first_token_seconds",
+        "Time from a request reaching its replica to the end of the step that made its first token.",
+        lambda m: m.engine_ttft,
+    ),
     ("afd_inter_token_latency_seconds", "Time between two tokens of one request.", lambda m: m.itl),
     ("afd_e2e_request_latency_seconds", "Time from a request's arrival to its end.", lambda m: m.e2e),
 )

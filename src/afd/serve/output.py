@@ -76,6 +76,7 @@ class Piece:
     logprob: float | None = None
     finish_reason: str | None = None
     prompt_logprobs: list[float | None] | None = None  # on the last piece, when the replica scored the prompt
+    engine_ttft_s: float | None = None  # on the last piece: the replica's own time to the first token
 
 
 @dataclass
@@ -162,13 +163,18 @@ async def run_request(
                     yield Piece(text.add(token_id) if shown else "", token_id, logprob)
                     if text.stopped:
                         pool.abort(rid, "stop")
-                        yield Piece(text.finish(), finish_reason="stop")
+                        yield Piece(text.finish(), finish_reason="stop", engine_ttft_s=sub.engine_ttft_s)
                         return
                 continue
             if event.reason == "error":
                 raise APIError(event.status or 500, event.message or "the request failed on its replica")
             reason = "stop" if text.stopped else event.reason
-            yield Piece(text.finish(), finish_reason=reason, prompt_logprobs=event.prompt_logprobs)
+            yield Piece(
+                text.finish(),
+                finish_reason=reason,
+                prompt_logprobs=event.prompt_logprobs,
+                engine_ttft_s=sub.engine_ttft_s,
+            )
             return
     finally:
         pool.abort(rid)  # a no-op when the request already ended

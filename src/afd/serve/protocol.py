@@ -112,6 +112,7 @@ class GenerationParams:
     stream: bool = False
     include_usage: bool = False
     return_tokens_as_token_ids: bool = False
+    afd_timing: bool = False  # afd's own: the closing chunk carries `afd_timing` (what `afd bench serve` reads)
 
 
 @dataclass
@@ -189,6 +190,7 @@ def _params(body: dict, *, default_max_tokens: int | None, logprobs: int | None)
         stream=stream,
         include_usage=_bool(options or {}, "include_usage"),
         return_tokens_as_token_ids=_bool(body, "return_tokens_as_token_ids"),
+        afd_timing=_bool(body, "afd_timing"),
     )
 
 

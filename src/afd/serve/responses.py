@@ -192,7 +192,8 @@ async def _stream(
     request: web.Request, call: Call, kind: str, chunk_of, first_chunks: list[dict]
 ) -> web.StreamResponse:
     """Send `first_chunks`, then `chunk_of(i, piece)` for every piece (one per token, its text possibly held
-    back, and the last with `finish_reason`), then usage when asked, then [DONE]."""
+    back, and the last with `finish_reason`), then usage when asked, then [DONE]. With `afd_timing` asked for,
+    each choice's closing chunk also says how long its replica took to the first token."""
     response = await _open_stream(request)
     envelope = {"id": call.id, "object": kind, "created": call.created, "model": call.model}
     generated = 0
@@ -202,7 +203,10 @@ async def _stream(
         async with aclosing(call.pieces()) as pieces:
             async for i, piece in pieces:
                 generated += piece.token_id is not None
-                await response.write(sse({**envelope, "choices": [chunk_of(i, piece)]}))
+                chunk = {**envelope, "choices": [chunk_of(i, piece)]}
+                if call.params.afd_timing and piece.finish_reason is not None:
+                    chunk["afd_timing"] = {"index": i, "engine_ttft_s": piece.engine_ttft_s}
+                await response.write(sse(chunk))
         if call.params.include_usage:
             await response.write(sse({**envelope, "choices": [], "usage": call.usage(generated)}))
     except APIError as err:
