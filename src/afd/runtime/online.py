@@ -52,7 +52,7 @@ def request_from_message(msg: Message) -> Request:
     """The engine request of an `add` message; ValueError in one sentence for a malformed one (the engine's
     own checks — vocabulary, cache, model length — come after, in `Engine.add`)."""
     prompt = msg.get("prompt_ids")
-    if not isinstance(prompt, list) or not all(_is_int(t) for t in prompt):
+    if not isinstance(prompt, list) or not all(type(t) is int or _is_int(t) for t in prompt):
         raise ValueError("prompt_ids must be a list of integer token ids")
     max_tokens = msg.get("max_tokens")
     if not _is_int(max_tokens):
@@ -105,6 +105,7 @@ class OnlineReplica:
                 log.warning("ignoring a link message of unknown type %r", kind)
 
     def _add(self, msg: Message) -> None:
+        received = time.perf_counter()  # the engine's share of TTFT starts here, as `Engine.add` is the engine's
         rid = msg.get("rid")
         try:
             if not isinstance(rid, str) or not rid:
@@ -116,7 +117,7 @@ class OnlineReplica:
             self.send({"type": "finished", "rid": rid, "reason": "error", "message": str(exc)})
             return
         self.engine_ids[rid], self.rids[engine_id] = engine_id, rid
-        self._received_at[rid] = time.perf_counter()
+        self._received_at[rid] = received
 
     def _abort(self, rid: object) -> None:
         engine_id = self.engine_ids.get(rid) if isinstance(rid, str) else None
@@ -191,7 +192,8 @@ def serve_replica(
                 replica.stopping = True
         if replica.stopping:
             replica.abort_all()
-        replica.send_load()  # an add or an abort changed it, even when no step follows
+        if not engine.has_work():  # else the step's report says it, after the step (not before the first token)
+            replica.send_load()  # an add or an abort changed it, even when no step follows
         if replica.stopping and wave is not None and wave.wave_idle:
             time.sleep(IDLE_WAVE_S)  # the others may still serve: idle waves keep their pace
         if wave is not None:

@@ -1,9 +1,8 @@
 """The front end's side of the replicas: send requests over their links, route answers to the waiting requests.
 
-`ReplicaPool` lives on the server's event loop. Per replica, a reader thread blocks on its link and hands
-every message to the loop (`call_soon_threadsafe`), and a sender thread sends what the loop queued (so a
-busy replica never blocks the loop); everything else — the request table, the
-load counts the router reads, the metrics — is touched on the loop's thread only. A request's answers
+`ReplicaPool` lives on the server's event loop: it reads every replica's link there and sends from there
+(`ReplicaPool.start` says how a busy replica still never blocks the loop); the request table, the load counts
+the router reads and the metrics are touched on the loop's thread only. A request's answers
 arrive on its own `asyncio.Queue` as `Event`s. A link that closes (the replica died) ends every request
 on it with an error event, so no client waits forever.
 """
@@ -12,15 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
-import queue
+import os
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 from afd.sampling import SamplingParams
-from afd.serve.link import Message
+from afd.serve.link import FrameSender, Message, decode_frames, encode_frame
 from afd.serve.metrics import ReplicaMetrics
 from afd.serve.router import outstanding_tokens, pick_replica
 
@@ -76,50 +77,71 @@ class ReplicaPool:
         self.requests: dict[str, Submitted] = {}
         self.stopping = False
         self._byes = [threading.Event() for _ in range(self.num_replicas)]
-        self._outbox: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(self.num_replicas)]
+        self._socks: list[socket.socket] = []
+        self._senders: list[FrameSender] = []
+        self._inbuf = [bytearray() for _ in range(self.num_replicas)]
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    # --- the link threads
+    # --- the links, on the event loop
     def start(self) -> None:
-        """Start one reader and one sender thread per replica; call from the event loop that serves the requests.
+        """Read and write every replica's link on the running event loop; call from the loop that serves.
 
-        Sends go through a thread too: a large prompt must never block the event loop while its replica is busy
-        with a step and not reading its link."""
+        A reader callback takes whatever bytes arrived and hands each whole message on at once; sends go out
+        straight from the loop when the socket takes them, and only what a busy replica's socket cannot take yet
+        waits in a thread (`FrameSender`), so a large prompt never blocks the loop. No thread sits between a
+        request and its replica: each hand-off between threads cost ~0.1-0.3 ms of time to first token."""
         self._loop = asyncio.get_running_loop()
         for r, conn in enumerate(self.conns):
-            threading.Thread(target=self._read, args=(r, conn), name=f"afd-link-read-{r}", daemon=True).start()
-            threading.Thread(target=self._write, args=(r, conn), name=f"afd-link-send-{r}", daemon=True).start()
+            sock = socket.socket(fileno=os.dup(conn.fileno()))  # ours to close; the Connection stays the link's
+            sock.setblocking(False)
+            self._socks.append(sock)
+            self._senders.append(FrameSender(sock, functools.partial(self._broken, r), f"afd-link-send-{r}"))
+            self._loop.add_reader(sock.fileno(), self._readable, r)
 
-    def _read(self, replica: int, conn: Connection) -> None:
-        assert self._loop is not None
+    def _readable(self, replica: int) -> None:
         try:
-            while True:
-                message = conn.recv()
-                if isinstance(message, dict) and message.get("type") == "bye":
-                    self._byes[replica].set()
-                    return
-                self._loop.call_soon_threadsafe(self._on_message, replica, message)
-        except (OSError, EOFError):  # the replica's process ended, or we closed the link at shutdown
-            self._byes[replica].set()  # nothing more will come: a shutdown need not wait for it
+            data = self._socks[replica].recv(1 << 20)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:  # the replica's process ended, or its link was shut
+            self._stop_reading(replica)
             self._gone(replica)
-        except RuntimeError:  # the loop closed while a message was in flight: the server is gone
-            pass
-
-    def _write(self, replica: int, conn: Connection) -> None:
-        while (message := self._outbox[replica].get()) is not None:
-            try:
-                conn.send(message)
-            except (OSError, EOFError, ValueError):  # ValueError: the connection is closed
-                self._gone(replica)
+            return
+        buffer = self._inbuf[replica]
+        buffer += data
+        for message in decode_frames(buffer):
+            if isinstance(message, dict) and message.get("type") == "bye":
+                self._stop_reading(replica)
                 return
+            self._on_message(replica, message)
 
-    def _gone(self, replica: int) -> None:
-        """From a link thread: the replica's link broke (unless the server is stopping, that is a failure)."""
-        if not self.stopping and self._loop is not None and not self._loop.is_closed():
+    def _stop_reading(self, replica: int) -> None:
+        self._byes[replica].set()  # nothing more will come: a shutdown need not wait for it
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self._socks[replica].fileno())
+
+    def _broken(self, replica: int) -> None:
+        """From any thread: sending to the replica failed."""
+        if self._loop is not None and not self._loop.is_closed():
             try:
-                self._loop.call_soon_threadsafe(self.lose, replica, f"replica {replica} closed its link")
+                self._loop.call_soon_threadsafe(self._gone, replica)
             except RuntimeError:  # the loop closed meanwhile
                 pass
+
+    def _gone(self, replica: int) -> None:
+        """On the loop: the replica's link broke (unless the server is stopping, that is a failure)."""
+        if not self.stopping:
+            self.lose(replica, f"replica {replica} closed its link")
+
+    def close(self) -> None:
+        """Stop reading and sending (on the loop, at the end of serving); the links themselves stay the caller's."""
+        for r, sock in enumerate(self._socks):
+            self._stop_reading(r)
+            self._senders[r].close()
+            sock.close()
+        self._socks, self._senders = [], []
 
     def _on_message(self, replica: int, message: Message) -> None:
         kind = message.get("type")
@@ -233,10 +255,9 @@ class ReplicaPool:
 
     def _send(self, replica: int, message: Message) -> bool:
         """Queue a message for the replica's sender thread; False when the replica is gone."""
-        if not self.alive[replica]:
+        if not self.alive[replica] or not self._senders:
             return False
-        self._outbox[replica].put(message)
-        return True
+        return self._senders[replica].send(encode_frame(message))
 
     # --- failures and shutdown
     def lose(self, replica: int, why: str) -> None:
@@ -260,8 +281,7 @@ class ReplicaPool:
         did not answer. Blocking: call it off the event loop (`asyncio.to_thread`)."""
         self.stopping = True
         for r in range(self.num_replicas):
-            self._outbox[r].put({"type": "shutdown"})
-            self._outbox[r].put(None)  # the sender thread ends after it
+            self._send(r, {"type": "shutdown"})
         deadline = time.monotonic() + timeout_s
         silent = []
         for r in range(self.num_replicas):

@@ -27,7 +27,13 @@ replica -> front end
 from __future__ import annotations
 
 import logging
+import pickle
+import select
+import socket
+import struct
 import threading
+import time
+from collections import deque
 from multiprocessing.connection import Client, Connection, Listener
 
 logger = logging.getLogger(__name__)
@@ -37,6 +43,113 @@ Message = dict
 
 class LinkError(RuntimeError):
     """The other end of a link went away or never came."""
+
+
+# ---------------------------------------------------------------- the frames, as `multiprocessing.connection` has them
+# The front end reads and writes its links on its event loop (no thread hand-offs on a request's path), so it
+# frames messages itself, byte for byte as `Connection.send` / `recv` do: a signed 4-byte big-endian length (or -1
+# and an 8-byte length beyond 2 GiB), then the pickle. The replicas keep their `Connection`.
+_SHORT, _LONG = struct.Struct("!i"), struct.Struct("!Q")
+
+
+def encode_frame(message: Message) -> bytes:
+    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    if len(payload) > 0x7FFFFFFF:
+        return _SHORT.pack(-1) + _LONG.pack(len(payload)) + payload
+    return _SHORT.pack(len(payload)) + payload
+
+
+def decode_frames(buffer: bytearray) -> list[Message]:
+    """Every whole message at the front of `buffer`, removed from it; a partial one stays for the next bytes."""
+    messages, pos = [], 0
+    while len(buffer) - pos >= 4:
+        (size,) = _SHORT.unpack_from(buffer, pos)
+        head = 4
+        if size == -1:
+            if len(buffer) - pos < 12:
+                break
+            (size,), head = _LONG.unpack_from(buffer, pos + 4), 12
+        if len(buffer) - pos - head < size:
+            break
+        messages.append(pickle.loads(memoryview(buffer)[pos + head : pos + head + size]))
+        pos += head + size
+    del buffer[:pos]
+    return messages
+
+
+class FrameSender:
+    """Writes frames to a non-blocking socket in order: at once when the socket takes them whole (the common
+    case: a request's `add`, a few hundred bytes), else the rest goes to a thread that waits for the socket, so a
+    replica busy with a long step never blocks the caller (the event loop). Thread-safe; `on_broken()` is called
+    (from whichever thread saw it) when the socket fails."""
+
+    def __init__(self, sock: socket.socket, on_broken, name: str) -> None:
+        self._sock, self._on_broken = sock, on_broken
+        self._backlog: deque[memoryview] = deque()
+        self._cond = threading.Condition()
+        self._closed = self.broken = False
+        self._thread = threading.Thread(target=self._drain, name=name, daemon=True)
+        self._thread.start()
+
+    def send(self, frame: bytes) -> bool:
+        """Queue one frame; False when the socket is broken or closed."""
+        with self._cond:
+            if self.broken or self._closed:
+                return False
+            data = memoryview(frame)
+            if not self._backlog:
+                try:
+                    data = data[self._sock.send(data) :]
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    self._break()
+                    return False
+                if not data:
+                    return True
+            self._backlog.append(data)
+            self._cond.notify()
+        return True
+
+    def _drain(self) -> None:
+        while True:
+            with self._cond:
+                while not self._backlog and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                data = self._backlog[0]
+            try:  # outside the lock: the loop may queue more meanwhile, behind this
+                while data and not self._closed:
+                    select.select([], [self._sock], [], 0.5)
+                    try:
+                        data = data[self._sock.send(data) :]
+                    except BlockingIOError:
+                        continue
+            except (OSError, ValueError):  # ValueError: the socket was closed under us
+                with self._cond:
+                    self._break()
+                return
+            with self._cond:
+                if self._backlog:
+                    self._backlog.popleft()
+                self._cond.notify_all()
+
+    def _break(self) -> None:
+        if not self.broken and not self._closed:
+            self.broken = True
+            self._backlog.clear()
+            self._on_broken()
+
+    def close(self, timeout_s: float = 1.0) -> None:
+        """Stop; what is still queued after `timeout_s` is dropped (the replica is being stopped anyway)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._backlog and not self.broken and time.monotonic() < deadline:
+                self._cond.wait(0.05)
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(1.0)
 
 
 class FrontLink:

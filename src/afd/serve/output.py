@@ -93,9 +93,9 @@ def prepare(pool: ReplicaPool, tokenizer: Tokenizer, prompt_ids: list[int], para
     if not prompt_ids:
         raise APIError(400, "the prompt is empty; it needs at least one token", param="prompt")
     vocab = pool.vocab_size
-    bad_ids = [t for t in prompt_ids if not 0 <= t < vocab]
-    if bad_ids:
-        raise APIError(400, f"token id {bad_ids[0]} is outside the vocabulary [0, {vocab})", param="prompt")
+    if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+        bad_id = next(t for t in prompt_ids if not 0 <= t < vocab)
+        raise APIError(400, f"token id {bad_id} is outside the vocabulary [0, {vocab})", param="prompt")
     limit = pool.max_model_len
     room = limit - len(prompt_ids)
     if room < 1:

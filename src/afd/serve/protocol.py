@@ -54,7 +54,8 @@ def sse(obj: dict) -> bytes:
 
 # ---------------------------------------------------------------- field readers
 def _is_int(x: object) -> bool:
-    return isinstance(x, Integral) and not isinstance(x, bool)
+    # `type(x) is int` first: JSON's integers are exactly int, and the ABC check costs ~1 µs a token
+    return type(x) is int or (isinstance(x, Integral) and not isinstance(x, bool))
 
 
 def _is_number(x: object) -> bool:
@@ -92,9 +93,9 @@ def _token_ids(value: object, name: str) -> list[int] | None:
     """A list of non-negative integers, or None when `value` is not a list of integers at all."""
     if not isinstance(value, list) or not value or not all(_is_int(t) for t in value):
         return None
-    if any(t < 0 for t in value):
+    if min(value) < 0:
         raise bad(name, f"{name} holds the negative token id {min(value)}")
-    return [int(t) for t in value]
+    return value if all(type(t) is int for t in value) else [int(t) for t in value]
 
 
 # ---------------------------------------------------------------- requests
@@ -206,8 +207,9 @@ def parse_completion(body: dict) -> CompletionRequest:
     if body.get("suffix") is not None:
         raise bad("suffix", "suffix is not supported")
     prompt = body.get("prompt")
-    if isinstance(prompt, str) or _token_ids(prompt, "prompt") is not None:
-        prompts = [prompt if isinstance(prompt, str) else _token_ids(prompt, "prompt")]
+    ids = None if isinstance(prompt, str) else _token_ids(prompt, "prompt")
+    if isinstance(prompt, str) or ids is not None:
+        prompts = [prompt if ids is None else ids]
     elif isinstance(prompt, list) and prompt:
         prompts = []
         for item in prompt:

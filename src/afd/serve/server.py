@@ -235,6 +235,7 @@ async def serve(
         # a replica whose world lost a rank cannot finish a step: do not wait long for its bye
         wait_s = min(replica_bye_s, 0.5) if state.failed_before_stop else replica_bye_s
         silent = await asyncio.to_thread(state.pool.shutdown, wait_s)
+        state.pool.close()
         if silent:
             logger.warning("replicas %s did not answer the shutdown; their ranks are stopped", silent)
 
