@@ -11,5 +11,7 @@ bench() {
   local t0=$SECONDS
   timeout "$limit" python3 -m afd bench --model deepseek-v2-lite --dtype bfloat16 --device cuda "$@" \
     --json "$OUT/$name.json" 2>"$B/$name.err" | tail -n 9
-  echo "$name rc=$? in $((SECONDS - t0)) s"; grep -v "^\[afd" "$B/$name.err" | tail -n 3
+  local rc=${PIPESTATUS[0]}
+  echo "$name rc=$rc in $((SECONDS - t0)) s"; grep -v "^\[afd" "$B/$name.err" | tail -n 3
+  [[ $rc == 0 ]] || tail -n 60 "$B/$name.err" > "$OUT/$name.err"  # what went wrong comes back
 }

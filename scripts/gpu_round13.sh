@@ -19,6 +19,19 @@ timeout 260 python3 -m afd bench serve --overhead --model deepseek-v2-lite --dty
 echo "overhead rc=$?"; grep -v "^\[afd" "$B/overhead.err" | tail -n 3
 bench 1a1f_colocated_ubatches 150 --attention 1 --ffn 1 --requests 8 --long-len 1024 --short-len 1024 \
   --max-new-tokens 2 --ubatches 1,2 --connectors async
+elif [[ $PHASE == graph ]]; then
+# call 2 on nvidia-h200-x2: what call 1 (`exchange`) could not finish: the captured exchange (fixed: inference mode),
+# micro-batched prefill with room to finish, the front end's share of TTFT after the link rewrite, 2A2F
+timeout 120 python3 -m afd bench exchange --model deepseek-v2-lite --dtype bfloat16 --device cuda --tokens 1,8,64 \
+  --iters 50 --layers 26 --graph --json "$OUT/exchange_graph.json" 2>"$B/exchange_graph.err" | tail -n 8
+rc=${PIPESTATUS[0]}; echo "exchange_graph rc=$rc"; [[ $rc == 0 ]] || tail -n 60 "$B/exchange_graph.err" > "$OUT/exchange_graph.err"
+bench 1a1f_prefill_ubatches 230 --attention 1 --ffn 1 --requests 8 --long-len 1024 --short-len 1024 \
+  --max-new-tokens 1 --ubatches 1,2 --connectors async,p2p
+CUDA_VISIBLE_DEVICES=0 timeout 150 python3 -m afd bench serve --overhead --model deepseek-v2-lite --dtype bfloat16 \
+  --device cuda --workload uniform --short-len 128 --long-len 128 --max-tokens 32 --requests 30 --rates 1 \
+  --json "$OUT/overhead.json" 2>"$B/overhead.err" | tail -n 2
+echo "overhead rc=$?"; grep -v "^\[afd" "$B/overhead.err" | tail -n 3
+bench 2a2f 110 --attention 2 --ffn 2 --requests 8 --long-len 1024 --short-len 32 --max-new-tokens 64
 elif [[ $PHASE == exchange ]]; then
 # the exchange inside a captured 26-layer pass (target: <= 25 us per layer at T <= 64), beside eager passes
 timeout 120 python3 -m afd bench exchange --model deepseek-v2-lite --dtype bfloat16 --device cuda --tokens 1,8,64,256 \

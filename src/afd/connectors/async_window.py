@@ -332,7 +332,8 @@ class AsyncAttentionExchange(AsyncEndpoint):
         """Before a captured step is replayed: its first request takes the seq after the host's last one; a reply
         check that failed in an earlier replay raises here."""
         self._check_graph_errors(block=False)
-        self._device_seq.fill_(self.window.seq)  # a fill kernel carries the value: no host buffer to keep alive
+        with torch.inference_mode():  # the counter may be an inference tensor (made in the engine's inference mode)
+            self._device_seq.fill_(self.window.seq)  # a fill kernel carries the value: no host buffer to keep alive
 
     def after_replay(self, sends: int) -> None:
         """After a captured step of `sends` exchanges was replayed: advance the host's seq past them; read the
