@@ -32,6 +32,20 @@ CUDA_VISIBLE_DEVICES=0 timeout 150 python3 -m afd bench serve --overhead --model
   --json "$OUT/overhead.json" 2>"$B/overhead.err" | tail -n 2
 echo "overhead rc=$?"; grep -v "^\[afd" "$B/overhead.err" | tail -n 3
 bench 2a2f 110 --attention 2 --ffn 2 --requests 8 --long-len 1024 --short-len 32 --max-new-tokens 64
+elif [[ $PHASE == last ]]; then
+# call 3 on nvidia-h200-x2: the captured exchange (bench now in inference mode), serving (the 1.9x target), the
+# front end's share of TTFT beside the HTTP floor
+timeout 110 python3 -m afd bench exchange --model deepseek-v2-lite --dtype bfloat16 --device cuda --tokens 1,8,64 \
+  --iters 50 --layers 26 --graph --json "$OUT/exchange_graph.json" 2>"$B/exchange_graph.err" | tail -n 8
+rc=${PIPESTATUS[0]}; echo "exchange_graph rc=$rc"; [[ $rc == 0 ]] || tail -n 60 "$B/exchange_graph.err" > "$OUT/exchange_graph.err"
+timeout 280 python3 -m afd bench serve --model deepseek-v2-lite --dtype bfloat16 --device cuda \
+  --compare none:R=2,p2p:A=1,F=1,async:A=1,F=1 --workload mixed --requests 48 --rates 24,inf \
+  --short-len 64 --long-len 1024 --max-tokens 64 --json "$OUT/serve_mixed.json" 2>"$B/serve.err" | tail -n 14
+rc=${PIPESTATUS[0]}; echo "serve rc=$rc"; [[ $rc == 0 ]] || tail -n 60 "$B/serve.err" > "$OUT/serve.err"
+CUDA_VISIBLE_DEVICES=0 timeout 130 python3 -m afd bench serve --overhead --model deepseek-v2-lite --dtype bfloat16 \
+  --device cuda --workload uniform --short-len 128 --long-len 128 --max-tokens 32 --requests 24 --rates 1 \
+  --json "$OUT/overhead.json" 2>"$B/overhead.err" | tail -n 2
+echo "overhead rc=$?"
 elif [[ $PHASE == exchange ]]; then
 # the exchange inside a captured 26-layer pass (target: <= 25 us per layer at T <= 64), beside eager passes
 timeout 120 python3 -m afd bench exchange --model deepseek-v2-lite --dtype bfloat16 --device cuda --tokens 1,8,64,256 \

@@ -212,7 +212,8 @@ def _run_p2p(world: World, spec: dict, device: torch.device) -> list[dict] | Non
         ex.step_wave(True)
         ex.begin_step(num_tokens)
 
-    rows = _time_exchanges(ex, {**spec, "graph": False}, device, begin)  # p2p is never captured
+    with torch.inference_mode():  # as the engine runs its steps
+        rows = _time_exchanges(ex, {**spec, "graph": False}, device, begin)  # p2p is never captured
     ex.step_wave(False)  # the wave is over: the FFN loop returns
     return rows
 
@@ -258,7 +259,8 @@ def _run_async(world: World, spec: dict, device: torch.device) -> list[dict] | N
         return None
     ex = AsyncAttentionExchange(world.store, topo, 0, **args)
     try:
-        return _stress(ex, spec, device) if stress else _time_exchanges(ex, spec, device)
+        with torch.inference_mode():  # as the engine runs its steps (the window's buffers are inference tensors)
+            return _stress(ex, spec, device) if stress else _time_exchanges(ex, spec, device)
     finally:
         ex.close()  # the shutdown flag: the FFN loop returns
 

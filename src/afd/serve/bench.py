@@ -209,7 +209,7 @@ def bench_url(
 ) -> list[dict]:
     """One run per rate against the server at `url` (one run for a timed trace); the raw results."""
     progress = progress or Progress()
-    asyncio.run(_warm_up(url, model, api_key, timeout_s))
+    http_floor = asyncio.run(_warm_up(url, model, api_key, timeout_s))
     runs = []
     for rate in run_rates(workload, rates):
         progress.start(f"{label}rate {format_rate(rate)}", workload.num_requests)
@@ -217,16 +217,31 @@ def bench_url(
             runs.append(asyncio.run(_run(url, workload, rate, vocab_size, model, api_key, progress, timeout_s)))
         finally:
             progress.finish()
+        runs[-1]["http_floor_p50_s"] = http_floor
     return runs
 
 
-async def _warm_up(url: str, model: str | None, api_key: str | None, timeout_s: float) -> None:
-    """One short request before the timed runs: a replica's first step pays one-time costs (allocator, kernels)."""
+async def _warm_up(url: str, model: str | None, api_key: str | None, timeout_s: float) -> float | None:
+    """One short request before the timed runs: a replica's first step pays one-time costs (allocator, kernels).
+    Returns the p50 of `HTTP_FLOOR_PROBES` round trips to `/health` by this client: the HTTP floor the front end's
+    share of TTFT compares with (no JSON body, no replica), None when the server has no `/health`."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     async with aiohttp.ClientSession() as session:
         result = await _one(session, url, WARM_UP_PROMPT, WARM_UP_TOKENS, model, headers, timeout_s)
-    if result.error:
-        raise BenchError(f"the server at {url} failed a warm-up request: {result.error}")
+        if result.error:
+            raise BenchError(f"the server at {url} failed a warm-up request: {result.error}")
+        times = []
+        for _ in range(HTTP_FLOOR_PROBES):
+            start = time.perf_counter()
+            async with session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                await resp.read()
+                if resp.status != 200:
+                    return None
+            times.append(time.perf_counter() - start)
+    return percentile(times[HTTP_FLOOR_PROBES // 5 :], 50)  # the first few open the connection
+
+
+HTTP_FLOOR_PROBES = 50
 
 
 WARM_UP_PROMPT, WARM_UP_TOKENS = [1] * 8, 2

@@ -152,6 +152,7 @@ def front_end_overhead(server: dict, engine: dict) -> list[dict]:
                 # in the server's own run: client TTFT minus the replica's time to the first token, per request
                 "front_end_p50_s": s_run["summary"].get("front_end_p50_s"),
                 "front_end_p90_s": s_run["summary"].get("front_end_p90_s"),
+                "http_floor_p50_s": s_run.get("http_floor_p50_s"),  # GET /health round trips, same client
             }
         )
     return rows
@@ -168,6 +169,7 @@ def format_overhead(rows: list[dict]) -> str:
             f"{ms(r['engine_ttft_p50_s'])} engine alone: the front end adds {ms(r['added_p50_s'])} to the p50 "
             f"(median per-request difference {ms(r['paired_median_s'])}, {r['requests']} requests); "
             f"within the server's run, client TTFT minus its replica's own: p50 {ms(r['front_end_p50_s'])}, "
-            f"p90 {ms(r['front_end_p90_s'])}"
+            f"p90 {ms(r['front_end_p90_s'])} (an HTTP round trip to /health, the floor: p50 "
+            f"{ms(r['http_floor_p50_s'])})"
         )
     return "\n".join(lines)
