@@ -46,6 +46,18 @@ CUDA_VISIBLE_DEVICES=0 timeout 130 python3 -m afd bench serve --overhead --model
   --device cuda --workload uniform --short-len 128 --long-len 128 --max-tokens 32 --requests 24 --rates 1 \
   --json "$OUT/overhead.json" 2>"$B/overhead.err" | tail -n 2
 echo "overhead rc=$?"
+elif [[ $PHASE == profile ]]; then
+# call 4 on nvidia-h200-x2: why a 1A1F prefill of 8 x 1024 takes ~4x one GPU's whole prefill: every rank profiled
+# (AFD_PROFILE), beside one GPU's prefill step profiled the same way
+export AFD_PROFILE=$B/prof
+bench 1a1f_prefill_profile 150 --attention 1 --ffn 1 --requests 8 --long-len 1024 --short-len 1024 \
+  --max-new-tokens 1 --connectors async,p2p
+unset AFD_PROFILE
+CUDA_VISIBLE_DEVICES=0 timeout 100 python3 scripts/gpu_prefill_profile.py --batch 8 --prompt-len 1024 \
+  > "$OUT/one_gpu_prefill_profile.txt" 2>&1; echo "one-gpu prefill profile rc=$?"; tail -n 5 "$OUT/one_gpu_prefill_profile.txt"
+mkdir -p "$OUT/prof" && cp "$B"/prof/*.txt "$OUT/prof/" && gzip -c "$B/prof/async_attention0.trace.json" > "$OUT/prof/async_attention0.trace.json.gz"
+gzip -c "$B/prof/async_ffn0.trace.json" > "$OUT/prof/async_ffn0.trace.json.gz"; ls -la "$OUT/prof"
+for f in "$B"/prof/*.txt; do echo "== $f"; grep -A 14 "Self CUDA" "$f" | tail -n 16 | cut -c 1-160; done
 elif [[ $PHASE == exchange ]]; then
 # the exchange inside a captured 26-layer pass (target: <= 25 us per layer at T <= 64), beside eager passes
 timeout 120 python3 -m afd bench exchange --model deepseek-v2-lite --dtype bfloat16 --device cuda --tokens 1,8,64,256 \

@@ -15,19 +15,15 @@ ids and `K` fp32 weights there, T rows of `H` values back.
 
 from __future__ import annotations
 
-import contextlib
-import cProfile
 import datetime
-import io
 import json
 import logging
 import multiprocessing as mp
 import os
-import pstats
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -39,6 +35,7 @@ from afd.connectors.p2p import P2pAttentionExchange
 from afd.connectors.p2p_ffn import P2pFFNLoop
 from afd.distributed import World, init_world
 from afd.moe import Routing
+from afd.profiling import profiled
 from afd.runtime.launch import free_port
 from afd.topology import AsyncTopology, SyncTopology
 from afd.weights import load_model_config
@@ -265,34 +262,6 @@ def _run_async(world: World, spec: dict, device: torch.device) -> list[dict] | N
         ex.close()  # the shutdown flag: the FFN loop returns
 
 
-@contextlib.contextmanager
-def _profiled(name: str) -> Iterator[None]:
-    """With AFD_BENCH_PROFILE=DIR, where one rank's time goes: DIR/NAME.txt holds the Python functions by own
-    time (cProfile) and the torch operators and kernels by self time (torch.profiler)."""
-    folder = os.environ.get("AFD_BENCH_PROFILE")
-    if not folder:
-        yield
-        return
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    python = cProfile.Profile()
-    with torch.profiler.profile(activities=activities) as ops:
-        python.enable()
-        try:
-            yield
-        finally:
-            python.disable()
-    text = io.StringIO()
-    pstats.Stats(python, stream=text).sort_stats("tottime").print_stats(35)
-    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-    table = ops.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
-    table2 = ops.key_averages().table(sort_by=sort, row_limit=20) if sort != "self_cpu_time_total" else ""
-    Path(folder).mkdir(parents=True, exist_ok=True)
-    Path(folder, f"{name}.txt").write_text(text.getvalue() + "\n" + table + "\n" + table2)
-    ops.export_chrome_trace(str(Path(folder, f"{name}.trace.json")))  # the timeline: run it with few --iters
-
-
 def _rank_main(spec: dict, world_rank: int, out: str) -> None:
     """One rank's process: join a 2-rank world, run its side, write its rows (or its error) to `out`."""
     code = 1
@@ -318,7 +287,7 @@ def _rank_main(spec: dict, world_rank: int, out: str) -> None:
             world_order=order,
         )
         try:
-            with _profiled(f"{spec['connector']}_{role}"):
+            with profiled(f"{spec['connector']}_{role}", os.environ.get("AFD_BENCH_PROFILE")):
                 rows = (_run_async if is_async else _run_p2p)(world, spec, device)
         except BaseException as exc:
             world.close(error=exc)

@@ -5,6 +5,7 @@
 - `AFD_LAUNCHER_PID`: set by `afd launch` for its ranks; a rank whose launcher is gone stops.
 - `LOCAL_RANK`: torchrun's convention for which local GPU a hand-started rank uses.
 - `CUDA_VISIBLE_DEVICES`: which GPUs this process may see.
+- `AFD_PROFILE`: a folder; every rank profiles its serving part into it (`afd.profiling`). Keep such runs short.
 - `AFD_API_KEY`: the key `afd serve` requires from clients when `--api-key` is not given (keeps it off `ps`).
 - `AFD_DISABLE_TRITON`: set to 1 to run the CUDA step on eager PyTorch ops instead of afd's Triton kernels.
 - `AFD_FFN_GRAPHS`: set to 0 to run FFN ranks' expert passes eagerly instead of replaying CUDA graphs.
@@ -81,6 +82,11 @@ def stream_wait() -> str:
 def async_host_wait() -> bool:
     """`AFD_ASYNC_HOST_WAIT=1`: async attention ranks poll replies from the host on CUDA too."""
     return os.environ.get("AFD_ASYNC_HOST_WAIT", "") not in ("", "0")
+
+
+def profile_dir() -> str | None:
+    """`AFD_PROFILE=DIR`: each rank writes a profile of its serving part to DIR (`afd.profiling.profiled`)."""
+    return os.environ.get("AFD_PROFILE") or None
 
 
 def api_key() -> str | None:

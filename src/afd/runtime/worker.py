@@ -17,6 +17,7 @@ import logging
 import os
 
 from afd import env
+from afd.profiling import profiled
 from afd.runtime.online import run_online, stop_on_signals
 from afd.runtime.rank import (  # noqa: F401 - RankJob and drive_replica are also imported from here
     RankJob,
@@ -79,7 +80,8 @@ def run_p2p_rank(job: RankJob) -> None:
             if job.serve_address is not None:
                 run_online(engine, job, wave=exchange)
             else:
-                outputs, stats = drive_replica(engine, job, exchange.step_wave)
+                with profiled(f"{job.config.connector}_attention{job.role_rank}", env.profile_dir()):
+                    outputs, stats = drive_replica(engine, job, exchange.step_wave)
                 write_outputs(job, outputs, stats)
                 if num_ubatches > 1:
                     log.info(
@@ -115,7 +117,8 @@ def run_p2p_rank(job: RankJob) -> None:
             announce_ffn_ready(world.store, job.role_rank)
             if job.serve_address is not None:
                 stop_on_signals()  # a server's FFN rank ends with the wave, also after a stop signal
-            steps = loop.run()
+            with profiled(f"{job.config.connector}_ffn{job.role_rank}", env.profile_dir()):
+                steps = loop.run()
             log.info("ffn rank %d served %d steps", job.role_rank, steps)
         world.close()
     except BaseException as exc:

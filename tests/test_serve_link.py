@@ -1,0 +1,92 @@
+"""The front end's framing of link messages (byte for byte what `multiprocessing.connection` reads and writes)
+and `FrameSender`, which never blocks its caller on a replica that is not reading."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from multiprocessing.connection import Connection
+
+import pytest
+
+from afd.serve.link import FrameSender, decode_frames, encode_frame
+
+MESSAGES = [
+    {"type": "add", "rid": "cmpl-1", "prompt_ids": list(range(300)), "max_tokens": 8},
+    {"type": "tokens", "items": [["cmpl-1", 7, -0.25]], "engine_ttft": {"cmpl-1": 0.012}},
+    {"type": "abort", "rid": "cmpl-1"},
+]
+
+
+def test_frames_decode_whole_messages_and_keep_partial_ones():
+    stream = b"".join(encode_frame(m) for m in MESSAGES)
+    buffer, got = bytearray(), []
+    for i in range(0, len(stream), 7):  # bytes arrive in small pieces
+        buffer += stream[i : i + 7]
+        got += decode_frames(buffer)
+    assert got == MESSAGES and buffer == bytearray()
+    partial = bytearray(encode_frame(MESSAGES[0])[:-1])
+    assert decode_frames(partial) == [] and len(partial) == len(encode_frame(MESSAGES[0])) - 1
+
+
+def test_frames_are_what_multiprocessing_connection_speaks():
+    ours, theirs = socket.socketpair()
+    conn = Connection(theirs.detach())
+    try:
+        for m in MESSAGES:
+            ours.sendall(encode_frame(m))
+            assert conn.recv() == m  # a replica reads what the front end frames
+            conn.send(m)
+        buffer, got = bytearray(), []
+        while len(got) < len(MESSAGES):
+            buffer += ours.recv(1 << 16)
+            got += decode_frames(buffer)
+        assert got == MESSAGES  # and the front end reads what a replica sends
+    finally:
+        conn.close()
+        ours.close()
+
+
+@pytest.mark.timeout(30)
+def test_sender_never_blocks_on_a_busy_reader_and_keeps_the_order():
+    front, replica = socket.socketpair()
+    front.setblocking(False)
+    broken = threading.Event()
+    sender = FrameSender(front, broken.set, "test-link-send")
+    big = [{"type": "add", "rid": f"r{i}", "prompt_ids": list(range(200_000))} for i in range(4)]
+    small = {"type": "abort", "rid": "r0"}
+    try:
+        start = time.monotonic()
+        for m in big:  # ~4 MB: far beyond what the socket holds while nobody reads
+            assert sender.send(encode_frame(m))
+        assert sender.send(encode_frame(small))
+        assert time.monotonic() - start < 2.0  # the caller (the event loop) was never held up
+        buffer, got = bytearray(), []
+        replica.settimeout(10)
+        while len(got) < len(big) + 1:
+            buffer += replica.recv(1 << 20)
+            got += decode_frames(buffer)
+        assert got == [*big, small] and not broken.is_set()
+    finally:
+        sender.close()
+        front.close()
+        replica.close()
+
+
+@pytest.mark.timeout(30)
+def test_sender_reports_a_closed_peer_once():
+    front, replica = socket.socketpair()
+    front.setblocking(False)
+    calls = []
+    sender = FrameSender(front, lambda: calls.append(1), "test-link-send")
+    replica.close()
+    try:
+        deadline = time.monotonic() + 10
+        while sender.send(encode_frame(MESSAGES[0])) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sender.broken and calls == [1]
+        assert not sender.send(encode_frame(MESSAGES[1]))  # nothing more is taken
+    finally:
+        sender.close()
+        front.close()
