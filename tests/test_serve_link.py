@@ -3,9 +3,11 @@ and `FrameSender`, which never blocks its caller on a replica that is not readin
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 
 import pytest
@@ -30,6 +32,28 @@ def test_frames_decode_whole_messages_and_keep_partial_ones():
     assert decode_frames(partial) == [] and len(partial) == len(encode_frame(MESSAGES[0])) - 1
 
 
+def read_messages(sock: socket.socket, count: int) -> list:
+    buffer, got = bytearray(), []
+    while len(got) < count:
+        buffer += sock.recv(1 << 20)
+        got += decode_frames(buffer)
+    return got
+
+
+@contextlib.contextmanager
+def sender_and_reader(on_broken) -> Iterator[tuple[FrameSender, socket.socket]]:
+    """A `FrameSender` on a non-blocking socket, as the front end has it, and the replica's end."""
+    front, replica = socket.socketpair()
+    front.setblocking(False)
+    sender = FrameSender(front, on_broken, "test-link-send")
+    try:
+        yield sender, replica
+    finally:
+        sender.close()
+        front.close()
+        replica.close()
+
+
 def test_frames_are_what_multiprocessing_connection_speaks():
     ours, theirs = socket.socketpair()
     conn = Connection(theirs.detach())
@@ -38,11 +62,7 @@ def test_frames_are_what_multiprocessing_connection_speaks():
             ours.sendall(encode_frame(m))
             assert conn.recv() == m  # a replica reads what the front end frames
             conn.send(m)
-        buffer, got = bytearray(), []
-        while len(got) < len(MESSAGES):
-            buffer += ours.recv(1 << 16)
-            got += decode_frames(buffer)
-        assert got == MESSAGES  # and the front end reads what a replica sends
+        assert read_messages(ours, len(MESSAGES)) == MESSAGES  # and the front end reads what a replica sends
     finally:
         conn.close()
         ours.close()
@@ -50,43 +70,26 @@ def test_frames_are_what_multiprocessing_connection_speaks():
 
 @pytest.mark.timeout(30)
 def test_sender_never_blocks_on_a_busy_reader_and_keeps_the_order():
-    front, replica = socket.socketpair()
-    front.setblocking(False)
     broken = threading.Event()
-    sender = FrameSender(front, broken.set, "test-link-send")
     big = [{"type": "add", "rid": f"r{i}", "prompt_ids": list(range(200_000))} for i in range(4)]
     small = {"type": "abort", "rid": "r0"}
-    try:
+    with sender_and_reader(broken.set) as (sender, replica):
         start = time.monotonic()
         for m in big:  # ~4 MB: far beyond what the socket holds while nobody reads
             assert sender.send(encode_frame(m))
         assert sender.send(encode_frame(small))
         assert time.monotonic() - start < 2.0  # the caller (the event loop) was never held up
-        buffer, got = bytearray(), []
         replica.settimeout(10)
-        while len(got) < len(big) + 1:
-            buffer += replica.recv(1 << 20)
-            got += decode_frames(buffer)
-        assert got == [*big, small] and not broken.is_set()
-    finally:
-        sender.close()
-        front.close()
-        replica.close()
+        assert read_messages(replica, len(big) + 1) == [*big, small] and not broken.is_set()
 
 
 @pytest.mark.timeout(30)
 def test_sender_reports_a_closed_peer_once():
-    front, replica = socket.socketpair()
-    front.setblocking(False)
     calls = []
-    sender = FrameSender(front, lambda: calls.append(1), "test-link-send")
-    replica.close()
-    try:
+    with sender_and_reader(lambda: calls.append(1)) as (sender, replica):
+        replica.close()
         deadline = time.monotonic() + 10
         while sender.send(encode_frame(MESSAGES[0])) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert sender.broken and calls == [1]
         assert not sender.send(encode_frame(MESSAGES[1]))  # nothing more is taken
-    finally:
-        sender.close()
-        front.close()
