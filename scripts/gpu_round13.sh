@@ -58,6 +58,16 @@ CUDA_VISIBLE_DEVICES=0 timeout 100 python3 scripts/gpu_prefill_profile.py --batc
 mkdir -p "$OUT/prof" && cp "$B"/prof/*.txt "$OUT/prof/" && gzip -c "$B/prof/async_attention0.trace.json" > "$OUT/prof/async_attention0.trace.json.gz"
 gzip -c "$B/prof/async_ffn0.trace.json" > "$OUT/prof/async_ffn0.trace.json.gz"; ls -la "$OUT/prof"
 for f in "$B"/prof/*.txt; do echo "== $f"; grep -A 14 "Self CUDA" "$f" | tail -n 16 | cut -c 1-160; done
+elif [[ $PHASE == uvloop ]]; then
+# call 5 on nvidia-h200: the front end's share of TTFT on asyncio's loop and on uvloop (carried as a wheel)
+for loop in 0 1; do
+  AFD_UVLOOP=$loop timeout 110 python3 -m afd bench serve --model deepseek-v2-lite --dtype bfloat16 --device cuda \
+    --workload uniform --short-len 128 --long-len 128 --max-tokens 32 --requests 24 --rates 1 \
+    --json "$OUT/front_end_uvloop$loop.json" 2>"$B/uv$loop.err" | tail -n 1
+  python3 -c "import json,sys; s=json.load(open(sys.argv[1]))['results'][0]['runs'][0]; print('AFD_UVLOOP=$loop front end p50', \
+    s['summary']['front_end_p50_s'], 'p90', s['summary']['front_end_p90_s'], 'http floor', s['http_floor_p50_s'])" \
+    "$OUT/front_end_uvloop$loop.json"
+done
 elif [[ $PHASE == exchange ]]; then
 # the exchange inside a captured 26-layer pass (target: <= 25 us per layer at T <= 64), beside eager passes
 timeout 120 python3 -m afd bench exchange --model deepseek-v2-lite --dtype bfloat16 --device cuda --tokens 1,8,64,256 \
