@@ -59,7 +59,8 @@ mkdir -p "$OUT/prof" && cp "$B"/prof/*.txt "$OUT/prof/" && gzip -c "$B/prof/asyn
 gzip -c "$B/prof/async_ffn0.trace.json" > "$OUT/prof/async_ffn0.trace.json.gz"; ls -la "$OUT/prof"
 for f in "$B"/prof/*.txt; do echo "== $f"; grep -A 14 "Self CUDA" "$f" | tail -n 16 | cut -c 1-160; done
 elif [[ $PHASE == uvloop ]]; then
-# call 5 on nvidia-h200: the front end's share of TTFT on asyncio's loop and on uvloop (carried as a wheel)
+# call 5 on nvidia-h200 (ran at 118a338 with a uvloop wheel in .whl): the front end's share of TTFT on asyncio's loop and
+# on uvloop. uvloop measured no gain there (1.89 vs 1.99 ms p50), so the switch was taken out again after it.
 for loop in 0 1; do
   AFD_UVLOOP=$loop timeout 110 python3 -m afd bench serve --model deepseek-v2-lite --dtype bfloat16 --device cuda \
     --workload uniform --short-len 128 --long-len 128 --max-tokens 32 --requests 24 --rates 1 \

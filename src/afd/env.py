@@ -6,7 +6,6 @@
 - `LOCAL_RANK`: torchrun's convention for which local GPU a hand-started rank uses.
 - `CUDA_VISIBLE_DEVICES`: which GPUs this process may see.
 - `AFD_PROFILE`: a folder; every rank profiles its serving part into it (`afd.profiling`). Keep such runs short.
-- `AFD_UVLOOP`: set to 0 to run `afd serve`'s front end on asyncio's own event loop even where uvloop is installed.
 - `AFD_API_KEY`: the key `afd serve` requires from clients when `--api-key` is not given (keeps it off `ps`).
 - `AFD_DISABLE_TRITON`: set to 1 to run the CUDA step on eager PyTorch ops instead of afd's Triton kernels.
 - `AFD_FFN_GRAPHS`: set to 0 to run FFN ranks' expert passes eagerly instead of replaying CUDA graphs.
@@ -88,11 +87,6 @@ def async_host_wait() -> bool:
 def profile_dir() -> str | None:
     """`AFD_PROFILE=DIR`: each rank writes a profile of its serving part to DIR (`afd.profiling.profiled`)."""
     return os.environ.get("AFD_PROFILE") or None
-
-
-def uvloop_disabled() -> bool:
-    """`AFD_UVLOOP=0`: the front end keeps asyncio's event loop (a suspected uvloop problem, or a comparison)."""
-    return os.environ.get("AFD_UVLOOP", "") == "0"
 
 
 def api_key() -> str | None:

@@ -18,11 +18,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-from afd import env, signals
+from afd import signals
 from afd.config import AFDConfig
 from afd.runtime.launch import LaunchError, RunSpec
 from afd.serve.frontend import ReplicaPool
@@ -162,23 +161,9 @@ def _serve_until_signal(state: ServerState, sock: socket.socket, on_ready: Calla
         return state.failed_before_stop
 
     started = time.monotonic()
-    died = run_event_loop(main())
+    died = asyncio.run(main())
     logger.info("served for %.0f s", time.monotonic() - started)
     return died
-
-
-def run_event_loop(main: Coroutine[Any, Any, bool]) -> bool:
-    """Run the front end's loop on uvloop where it is installed (`pip install afd[fast-serve]`; vLLM's servers
-    run on it too), else on asyncio's. Measured on the time to first token: 0.15-0.25 ms less per request."""
-    if not env.uvloop_disabled():
-        try:
-            import uvloop
-        except ImportError:
-            pass
-        else:
-            logger.info("the front end runs on uvloop %s", uvloop.__version__)
-            return uvloop.run(main)
-    return asyncio.run(main)
 
 
 class ServerProcess:
