@@ -91,7 +91,15 @@ def test_a_timed_trace_is_one_run_at_its_own_pace() -> None:
     assert w.timed and w.arrivals(100.0) == [0.0, 1.5, 3.0] and w.mean_rate() == pytest.approx(2 / 3)
     assert run_rates(w, [1.0, 2.0]) == [pytest.approx(2 / 3)]
     assert not Workload("trace", trace=(TraceEntry(4, 2),)).timed and run_rates(Workload(), [1.0, 2.0]) == [1.0, 2.0]
-    assert w.describe() == {"kind": "trace", "requests": 3, "timed": True, "seed": 0}
+    assert w.describe() == {"kind": "trace", "requests": 3, "timed": True, "seed": 0, "warmups": 0}
+
+
+def test_the_warm_up_is_the_workloads_first_requests() -> None:
+    w = Workload("mixed", requests=6, long_len=300, short_len=20, max_tokens=5, seed=3, warmups=4)
+    warm = w.warm_up_requests(vocab_size=500)
+    assert [p for p, _ in warm] == w.prompts(500)[:4] and [n for _, n in warm] == [5] * 4
+    assert len(Workload(requests=3, warmups=8).warm_up_requests(100)) == 3  # never more than the workload has
+    assert Workload(requests=3).warm_up_requests(100) == [] and w.describe()["warmups"] == 4
 
 
 # ---------------------------------------------------------------- summary and SLO
@@ -243,6 +251,10 @@ def test_bench_serve_refuses_bad_workload_flags_before_starting_anything(
         err = capsys.readouterr().err
         assert err.startswith("afd: error: ") and words in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "x.png").exists()
+    with pytest.raises(SystemExit) as exit_info:  # argparse's own refusal: one line, status 2
+        cli.main(["bench", "serve", "--warmups", "-1"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "--warmups: expected a non-negative integer" in err, err
     for flag in ("--rates", "--rate"):  # --rate: the flag's first name, kept as an alias
         assert cli.build_parser().parse_args(["bench", "serve", flag, "1,inf"]).rates == [1.0, math.inf]
 
@@ -279,6 +291,7 @@ def test_bench_serve_overhead_smoke_on_tiny(tmp_path: Path) -> None:
         raw = json.loads(out.read_text())
         assert [r["name"] for r in raw["results"]] == ["none R=1", "engine alone"]
         assert raw["workload"]["kind"] == "trace" and raw["workload"]["trace_file"] == str(trace)
+        assert raw["workload"]["warmups"] == 8  # the default: here all three requests, once untimed
         for res in raw["results"]:
             s = res["runs"][0]["summary"]
             assert (s["completed"], s["errors"], s["output_tokens"]) == (3, 0, 9) and s["tpot_p50_s"] is not None

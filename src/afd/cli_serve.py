@@ -291,6 +291,13 @@ def add_bench_serve_parser(steps) -> None:
     s.add_argument("--max-tokens", type=positive_int, default=64, help="tokens generated per request")
     s.add_argument("--slo-ttft", type=positive_seconds, default=5.0, help="p90 TTFT bound of the SLO-compliant rate")
     s.add_argument("--bench-seed", type=non_negative_int, default=0, help="seed of the prompts and arrivals")
+    s.add_argument(
+        "--warmups",
+        type=non_negative_int,
+        default=8,
+        help="untimed requests before each server's timed runs: the workload's first N, sent at once (a server's "
+        "first requests of a new shape pay one-time costs: kernels compiled, graphs captured)",
+    )
     s.add_argument("--json", help="also write the raw results (JSON) to this file")
     s.add_argument("--plot", metavar="FILE.png", help="latency vs rate per server config (needs afd[plot])")
     s.set_defaults(func=cmd_bench_serve)
@@ -335,7 +342,7 @@ def bench_workload(args: argparse.Namespace, limit: int):
                 f"than the {limit} positions a request may take; lower them"
             )
         workload = Workload(args.workload or "uneven", args.requests, args.long_len, args.short_len, args.long_fraction)
-        return replace(workload, max_tokens=args.max_tokens, seed=args.bench_seed), rates
+        return replace(workload, max_tokens=args.max_tokens, seed=args.bench_seed, warmups=args.warmups), rates
     try:
         trace = load_trace(args.trace)
     except TraceError as exc:
@@ -346,7 +353,7 @@ def bench_workload(args: argparse.Namespace, limit: int):
             f"trace {args.trace} request {longest + 1} takes {trace[longest].prompt_len} + "
             f"{trace[longest].max_tokens} positions, more than the {limit} a request may take"
         )
-    workload = Workload("trace", len(trace), seed=args.bench_seed, trace=trace)
+    workload = Workload("trace", len(trace), seed=args.bench_seed, trace=trace, warmups=args.warmups)
     if workload.timed and args.rates is not None:
         raise UsageError(f"trace {args.trace} has its own arrival times (arrival_s); leave --rates out")
     return workload, run_rates(workload, rates)

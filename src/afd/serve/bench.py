@@ -209,7 +209,7 @@ def bench_url(
 ) -> list[dict]:
     """One run per rate against the server at `url` (one run for a timed trace); the raw results."""
     progress = progress or Progress()
-    http_floor = asyncio.run(_warm_up(url, model, api_key, timeout_s))
+    http_floor = asyncio.run(_warm_up(url, model, api_key, timeout_s, workload.warm_up_requests(vocab_size)))
     runs = []
     for rate in run_rates(workload, rates):
         progress.start(f"{label}rate {format_rate(rate)}", workload.num_requests)
@@ -221,15 +221,21 @@ def bench_url(
     return runs
 
 
-async def _warm_up(url: str, model: str | None, api_key: str | None, timeout_s: float) -> float | None:
-    """One short request before the timed runs: a replica's first step pays one-time costs (allocator, kernels).
+async def _warm_up(
+    url: str, model: str | None, api_key: str | None, timeout_s: float, requests: list[tuple[list[int], int]]
+) -> float | None:
+    """One short request before the timed runs: a replica's first step pays one-time costs (allocator, kernels);
+    then `requests` (the workload's first, `--warmups`) all at once, untimed, for the shapes it has not seen.
     Returns the p50 of `HTTP_FLOOR_PROBES` round trips to `/health` by this client: the HTTP floor the front end's
     share of TTFT compares with (no JSON body, no replica), None when the server has no `/health`."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     async with aiohttp.ClientSession() as session:
         result = await _one(session, url, WARM_UP_PROMPT, WARM_UP_TOKENS, model, headers, timeout_s)
-        if result.error:
-            raise BenchError(f"the server at {url} failed a warm-up request: {result.error}")
+        warm = [_one(session, url, p, n, model, headers, timeout_s) for p, n in requests]
+        results = [result, *await asyncio.gather(*warm)]
+        failed = next((r.error for r in results if r.error), None)
+        if failed:
+            raise BenchError(f"the server at {url} failed a warm-up request: {failed}")
         times = []
         for _ in range(HTTP_FLOOR_PROBES):
             start = time.perf_counter()

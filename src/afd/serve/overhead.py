@@ -45,7 +45,8 @@ def _engine_alone(spec: RunSpec, workload: Workload, rates: list[float], vocab_s
 
         prompts, max_tokens = workload.prompts(vocab_size), workload.max_tokens_of()
         engine = replica_engine(spec)
-        drive_arrivals(engine, [Request(list(WARM_UP_PROMPT), WARM_UP_TOKENS)], [0.0], timeout_s)
+        warm = [(list(WARM_UP_PROMPT), WARM_UP_TOKENS), *workload.warm_up_requests(vocab_size)]  # as the server gets
+        drive_arrivals(engine, [Request(p, n) for p, n in warm], [0.0] * len(warm), timeout_s)
         for rate in run_rates(workload, rates):
             arrivals = workload.arrivals(rate)
             requests = [Request(list(p), n) for p, n in zip(prompts, max_tokens, strict=True)]

@@ -84,6 +84,13 @@ class Workload:
     max_tokens: int = 64
     seed: int = 0
     trace: tuple[TraceEntry, ...] = ()
+    warmups: int = 0  # untimed: the first `warmups` requests, sent at once before the timed runs
+
+    def warm_up_requests(self, vocab_size: int) -> list[tuple[list[int], int]]:
+        """(prompt, max_tokens) of the untimed warm-up: the workload's first requests, so that the shapes a server
+        compiles kernels and captures graphs for on first sight are seen before the clock runs."""
+        count = min(self.warmups, self.num_requests)
+        return list(zip(self.prompts(vocab_size)[:count], self.max_tokens_of()[:count], strict=True))
 
     @property
     def num_requests(self) -> int:
@@ -138,5 +145,6 @@ class Workload:
     def describe(self) -> dict:
         """The workload for the raw JSON (a trace by its size, not its lines)."""
         if self.kind == "trace":
-            return {"kind": "trace", "requests": len(self.trace), "timed": self.timed, "seed": self.seed}
+            return {"kind": "trace", "requests": len(self.trace), "timed": self.timed, "seed": self.seed,
+                    "warmups": self.warmups}  # fmt: skip
         return {k: v for k, v in vars(self).items() if k != "trace"}
