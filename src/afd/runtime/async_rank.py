@@ -15,18 +15,17 @@ from collections.abc import Callable
 
 import torch
 
-from afd import env
 from afd.connectors.async_ffn import AsyncFFNServer, run_ffn_loop
 from afd.connectors.async_window import AsyncAttentionExchange
 from afd.distributed import World, init_world
 from afd.ffn_graphs import ExpertPassGraphs
-from afd.profiling import profiled
 from afd.runtime.online import run_online, stop_on_signals
 from afd.runtime.rank import (
     RankJob,
     announce_ffn_ready,
     drive_replica,
     engine_for,
+    profile_rank,
     select_device,
     wait_ffn_ready,
     world_options,
@@ -95,8 +94,7 @@ def run_async_rank(job: RankJob) -> None:
                 if job.serve_address is not None:
                     run_online(engine, job)  # no wave: an idle replica waits on its link, not on the others
                 else:
-                    with profiled(f"{job.config.connector}_attention{job.role_rank}", env.profile_dir()):
-                        outputs, stats = drive_replica(engine, job, lambda has_work: has_work)  # no wave: alone
+                    outputs, stats = drive_replica(engine, job, lambda has_work: has_work)  # no wave: alone
                     write_outputs(job, outputs, stats)
                     if exchange.num_ubatches > 1:
                         log.info(
@@ -119,7 +117,7 @@ def run_async_rank(job: RankJob) -> None:
             announce_ffn_ready(world.store, job.role_rank)
             if job.serve_address is not None:
                 stop_on_signals()  # a server's FFN rank ends when every replica shut down, also after a signal
-            with profiled(f"{job.config.connector}_ffn{job.role_rank}", env.profile_dir()):
+            with profile_rank(job):
                 run_ffn_loop(server, ffn_model)
             log.info("ffn rank %d: every attention rank shut down", job.role_rank)
         world.close()

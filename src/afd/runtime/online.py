@@ -25,7 +25,7 @@ from typing import Protocol
 
 from afd import env, signals
 from afd.engine import Engine, EngineLoad, Output, Request
-from afd.runtime.rank import RankJob
+from afd.runtime.rank import RankJob, profile_rank
 from afd.sampling import SamplingParams
 from afd.serve.link import LinkError, Message, ReplicaLink
 
@@ -253,6 +253,7 @@ def run_online(engine: Engine, job: RankJob, wave: Wave | None = None) -> None:
     link = ReplicaLink(job.serve_address, env.secret().encode(), hello)
     log.info("%s rank %d serves the front end at %s:%d", job.role, job.role_rank, *job.serve_address)
     try:
-        serve_replica(engine, link, wave, stop.is_set)
+        with profile_rank(job):
+            serve_replica(engine, link, wave, stop.is_set)
     finally:
         link.close()

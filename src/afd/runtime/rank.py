@@ -11,6 +11,7 @@ killed with -9 orphans nothing. A rank started by hand hosts the store itself wh
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
@@ -29,6 +30,7 @@ import torch.distributed as dist
 from afd import env
 from afd.config import AFDConfig
 from afd.engine import Engine, Output, Request
+from afd.profiling import profiled
 from afd.runtime.launch import RunSpec
 from afd.topology import local_gpu_index
 from afd.transport.symm_heap import wait_keys
@@ -146,16 +148,23 @@ class ReplicaStats:
         }
 
 
+def profile_rank(job: RankJob) -> contextlib.AbstractContextManager:
+    """`AFD_PROFILE=DIR`: this rank's serving part profiled into DIR/<connector>_<role><rank>.* (`afd.profiling`)."""
+    connector = "none" if job.role == "replica" else job.config.connector
+    return profiled(f"{connector}_{job.role}{job.role_rank}", env.profile_dir())
+
+
 def drive_replica(engine: Engine, job: RankJob, step_gate: Callable[[bool], bool]) -> tuple[list[Output], ReplicaStats]:
     """Run the replica's requests to completion; `step_gate(has_work)` says whether to step again."""
     for prompt in job.prompts:
         engine.add(Request(list(prompt), job.spec.max_new_tokens, job.spec.prompt_logprobs, job.spec.sampling))
     stats = ReplicaStats()
     outputs: dict[int, Output] = {}
-    while step_gate(engine.has_work()):
-        finished = engine.step()
-        outputs.update((o.request_id, o) for o in finished)
-        stats.observe(engine, finished)
+    with profile_rank(job):
+        while step_gate(engine.has_work()):
+            finished = engine.step()
+            outputs.update((o.request_id, o) for o in finished)
+            stats.observe(engine, finished)
     return [outputs[k] for k in sorted(outputs)], stats
 
 

@@ -17,7 +17,6 @@ import logging
 import os
 
 from afd import env
-from afd.profiling import profiled
 from afd.runtime.online import run_online, stop_on_signals
 from afd.runtime.rank import (  # noqa: F401 - RankJob and drive_replica are also imported from here
     RankJob,
@@ -26,6 +25,7 @@ from afd.runtime.rank import (  # noqa: F401 - RankJob and drive_replica are als
     drive_replica,
     engine_for,
     local_replica_engine,
+    profile_rank,
     select_device,
     wait_ffn_ready,
     world_options,
@@ -80,8 +80,7 @@ def run_p2p_rank(job: RankJob) -> None:
             if job.serve_address is not None:
                 run_online(engine, job, wave=exchange)
             else:
-                with profiled(f"{job.config.connector}_attention{job.role_rank}", env.profile_dir()):
-                    outputs, stats = drive_replica(engine, job, exchange.step_wave)
+                outputs, stats = drive_replica(engine, job, exchange.step_wave)
                 write_outputs(job, outputs, stats)
                 if num_ubatches > 1:
                     log.info(
@@ -117,7 +116,7 @@ def run_p2p_rank(job: RankJob) -> None:
             announce_ffn_ready(world.store, job.role_rank)
             if job.serve_address is not None:
                 stop_on_signals()  # a server's FFN rank ends with the wave, also after a stop signal
-            with profiled(f"{job.config.connector}_ffn{job.role_rank}", env.profile_dir()):
+            with profile_rank(job):
                 steps = loop.run()
             log.info("ffn rank %d served %d steps", job.role_rank, steps)
         world.close()
