@@ -115,7 +115,10 @@ class ReplicaPool:
             if isinstance(message, dict) and message.get("type") == "bye":
                 self._stop_reading(replica)
                 return
-            self._on_message(replica, message)
+            try:
+                self._on_message(replica, message)
+            except Exception:  # one message that cannot be handled must not drop the rest of what arrived
+                logger.exception("replica %d sent a message that could not be handled", replica)
 
     def _stop_reading(self, replica: int) -> None:
         self._byes[replica].set()  # nothing more will come: a shutdown need not wait for it
