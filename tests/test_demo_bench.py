@@ -69,6 +69,19 @@ def test_bench_writes_raw_json_with_side_by_side_runs(tmp_path: Path) -> None:
         assert numerics["max_abs_dprob"] < 1e-4  # float32
 
 
+@pytest.mark.timeout(120)
+def test_bench_takes_a_token_budget_and_prefills_in_chunks_within_it(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    args = ["--attention", "1", "--ffn", "1", "--connectors", "p2p,async", "--requests", "2", "--long-len", "24"]
+    args += ["--short-len", "24", "--max-new-tokens", "2", "--max-num-batched-tokens", "16", "--json", str(out)]
+    proc = run_afd("bench", *args, timeout=110)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert result["max_num_batched_tokens"] == 16  # 24-token prompts: prefilled over several steps
+    for numerics in result["numerics"].values():  # chunked prefill through both connectors equals the reference
+        assert numerics["positions"] == 2 * (24 + 2 - 1) and numerics["max_abs_dprob"] < 1e-4
+
+
 @pytest.mark.timeout(30)
 def test_bench_rejects_unknown_connector() -> None:
     proc = run_afd("bench", "--connectors", "p2p,nccl", timeout=25)

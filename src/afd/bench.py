@@ -100,15 +100,17 @@ def run_bench(
     workload: Workload,
     score: bool = True,
     ubatches: tuple[int, ...] = (1,),
+    max_num_batched_tokens: int | None = None,
     progress=None,
 ) -> dict:
-    """Each connector once per micro-batch count in `ubatches` (1: off)."""
+    """Each connector once per micro-batch count in `ubatches` (1: off); `max_num_batched_tokens` is the engines'
+    token budget per step (None: max(2048, 2 x the long prompt))."""
     from afd.weights import load_model_config
 
     say = progress or log.info
     vocab = load_model_config(model).vocab_size
     prompts = workload.prompts(vocab, num_attn)
-    budget = max(2048, workload.long_len * 2)
+    budget = max_num_batched_tokens or max(2048, workload.long_len * 2)
     spec = RunSpec(
         model=model,
         dtype=dtype,
@@ -124,6 +126,7 @@ def run_bench(
         "dtype": dtype,
         "topology": f"{num_attn}A{num_ffn}F",
         "workload": asdict(workload),
+        "max_num_batched_tokens": budget,
         "runs": [],
     }
     runs = [(c, m) for c in connectors for m in ubatches]

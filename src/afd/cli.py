@@ -27,6 +27,7 @@ from afd.cli_args import (
 )
 from afd.cli_input import (
     UsageError,
+    batched_tokens,
     check_cache_fits,
     check_prompts,
     connector_list,
@@ -371,6 +372,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         workload=workload,
         score=not args.no_score,
         ubatches=tuple(args.ubatches),
+        max_num_batched_tokens=args.max_num_batched_tokens,
         progress=lambda msg: print(f"[afd bench] {msg}", file=sys.stderr, flush=True),
     )
     print(format_bench(result))
@@ -434,6 +436,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=size_list("--ubatches"),
         default="1",
         help="micro-batch counts to run each connector with, comma-separated (1: off)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=batched_tokens,
+        help="token budget of one engine step (default: max(2048, 2 x --long-len)); a larger one prefills in fewer, "
+        "larger steps",
     )
     p.add_argument("--no-score", action="store_true", help="skip the numerics comparison")
     p.add_argument("--json", help="also write the raw result (JSON) to this file")
