@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Round 14 device calls, written after round 13 for what it left open. Each phase is one call of under 10 minutes on
+# nvidia-h200-x2: `bash scripts/gpu_round14.sh prefill` (micro-batching with one large prefill step: does the 15%
+# target hold once the token budget is not the bottleneck?), then `bash scripts/gpu_round14.sh serve` (the mixed
+# workload with --warmups, so the first rate no longer pays first-shape costs, at rates that find the knee).
+set -u
+PHASE=${1:-prefill}
+source "$(dirname "$0")/device_env.sh"
+exec > >(tee -a "$OUT/log.txt") 2>&1
+B=/tmp/afd_r14; mkdir -p "$B"
+if [[ $PHASE == prefill ]]; then
+bench 1a1f_prefill_8192_ubatches 300 --attention 1 --ffn 1 --requests 8 --long-len 1024 --short-len 1024 \
+  --max-new-tokens 1 --ubatches 1,2,3 --connectors async,p2p --max-num-batched-tokens 8192
+export AFD_PROFILE=$B/prof
+bench 1a1f_prefill_8192_profile 120 --attention 1 --ffn 1 --requests 8 --long-len 1024 --short-len 1024 \
+  --max-new-tokens 1 --connectors async --max-num-batched-tokens 8192 --no-score
+unset AFD_PROFILE
+mkdir -p "$OUT/prof" && cp "$B"/prof/*.txt "$OUT/prof/"
+CUDA_VISIBLE_DEVICES=0 timeout 90 python3 -m afd bench step --model deepseek-v2-lite --dtype bfloat16 --device cuda \
+  --batch 64 --context 512 --prefill 8x1024 --json "$OUT/step.json" 2>"$B/step.err" | tail -n 5
+else
+timeout 420 python3 -m afd bench serve --model deepseek-v2-lite --dtype bfloat16 --device cuda \
+  --compare none:R=2,p2p:A=1,F=1,async:A=1,F=1 --workload mixed --requests 64 --rates 32,64,inf --warmups 8 \
+  --short-len 64 --long-len 1024 --max-tokens 64 --json "$OUT/serve_mixed.json" 2>"$B/serve.err" | tail -n 16
+rc=${PIPESTATUS[0]}; echo "serve rc=$rc"; [[ $rc == 0 ]] || tail -n 60 "$B/serve.err" > "$OUT/serve.err"
+fi
+echo "== leftover processes:"; pgrep -af "afd" | grep -v pgrep || echo none
