@@ -52,7 +52,7 @@ def request_from_message(msg: Message) -> Request:
     """The engine request of an `add` message; ValueError in one sentence for a malformed one (the engine's
     own checks — vocabulary, cache, model length — come after, in `Engine.add`)."""
     prompt = msg.get("prompt_ids")
-    if not isinstance(prompt, list) or not all(type(t) is int or _is_int(t) for t in prompt):
+    if not isinstance(prompt, list) or not all(_is_int(t) for t in prompt):
         raise ValueError("prompt_ids must be a list of integer token ids")
     max_tokens = msg.get("max_tokens")
     if not _is_int(max_tokens):
