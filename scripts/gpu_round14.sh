@@ -18,6 +18,19 @@ unset AFD_PROFILE
 mkdir -p "$OUT/prof" && cp "$B"/prof/*.txt "$OUT/prof/"
 CUDA_VISIBLE_DEVICES=0 timeout 90 python3 -m afd bench step --model deepseek-v2-lite --dtype bfloat16 --device cuda \
   --batch 64 --context 512 --prefill 8x1024 --json "$OUT/step.json" 2>"$B/step.err" | tail -n 5
+elif [[ $PHASE == serve2a2f ]]; then
+# round 14's first serve call (1A1F) left the SLO unbound and async/p2p at 0.91x: with one attention rank there is
+# no waiting between replicas to remove. 2A2F is where p2p's lock-step wave waits and async's replicas do not.
+timeout 330 python3 -m afd bench serve --model deepseek-v2-lite --dtype bfloat16 --device cuda \
+  --compare none:R=2,p2p:A=2,F=2,async:A=2,F=2 --workload mixed --requests 64 --rates 32,64,inf --warmups 8 \
+  --short-len 64 --long-len 1024 --max-tokens 64 --json "$OUT/serve_mixed_2a2f.json" 2>"$B/serve.err" | tail -n 16
+rc=${PIPESTATUS[0]}; echo "serve rc=$rc"; [[ $rc == 0 ]] || tail -n 60 "$B/serve.err" > "$OUT/serve.err"
+# the prefill micro-batching runs again, each count twice (one launch each: the second of a pair shows what the
+# first paid for kernels compiled on first use), and over 4 steps of 8,192 tokens
+bench 1a1f_prefill_8192_ubatches_twice 200 --attention 1 --ffn 1 --requests 8 --long-len 1024 --short-len 1024 \
+  --max-new-tokens 1 --ubatches 1,2,3,1,2,3 --connectors async --max-num-batched-tokens 8192 --no-score
+bench 1a1f_prefill_32x1024_ubatches 150 --attention 1 --ffn 1 --requests 32 --long-len 1024 --short-len 1024 \
+  --max-new-tokens 1 --ubatches 1,2,3 --connectors async --max-num-batched-tokens 8192 --no-score
 else
 timeout 420 python3 -m afd bench serve --model deepseek-v2-lite --dtype bfloat16 --device cuda \
   --compare none:R=2,p2p:A=1,F=1,async:A=1,F=1 --workload mixed --requests 64 --rates 32,64,inf --warmups 8 \
