@@ -124,6 +124,9 @@ class AsyncFFNServer(AsyncEndpoint):
 
     def _serve(self, ffn_model: FFNModelLike, msgs: list[Message]) -> None:
         """Answer work items: one expert pass per layer among them, one reply per item."""
+        if self.timeline is not None:
+            for msg in msgs:  # the host read their flags and headers just now
+                self.timeline.mark("found", msg.header.layer_idx, on_device=False)
         by_layer: dict[int, list[Message]] = {}
         for msg in msgs:
             h = msg.header
@@ -135,6 +138,8 @@ class AsyncFFNServer(AsyncEndpoint):
             by_layer.setdefault(h.layer_idx, []).append(msg)
         for layer_idx, group in by_layer.items():
             items = [WorkRows(m.rows, m.topk_ids, m.topk_weights, m.header.shared_rows) for m in group]
+            if self.timeline is not None:
+                self.timeline.mark("pass", layer_idx)
             outs = expert_pass(ffn_model, layer_idx, items, self.expert_graphs)  # [R_i, H] fp32 each
             self.expert_passes += 1
             for msg, out in zip(group, outs, strict=True):
@@ -151,6 +156,8 @@ class AsyncFFNServer(AsyncEndpoint):
                     self.peer_world(msg.region), self.role_rank, msg.stage, reply, rows=out, seq=h.seq
                 )
             self.items_served += len(group)
+            if self.timeline is not None:
+                self.timeline.mark("answered", layer_idx)  # on the device: the replies and their flags are written
 
     def _chained(self, msg: Message) -> bool:
         """Whether the sender's chain took this request (and the rest of its pass) to the device."""

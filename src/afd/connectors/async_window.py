@@ -53,6 +53,7 @@ from afd.connectors.wire import (
     seq32,
     seq_matches,
 )
+from afd.timeline import Timeline
 from afd.topology import AsyncTopology, Role
 from afd.transport.symm_heap import DEFAULT_TIMEOUT_S, HeapFactory, default_heap_factory, wait_keys
 
@@ -157,6 +158,7 @@ class AsyncEndpoint:
             raise
         self.peers_closed: set[int] = set()  # opposite-role ranks that announced shutdown
         self._last_liveness = time.monotonic()
+        self.timeline = Timeline.from_env(f"async_{self.role}{role_rank}", self.device)  # AFD_TIMELINE=DIR
 
     def _abandon(self) -> None:
         """Release the window of an endpoint whose construction failed (no peer was told anything)."""
@@ -209,6 +211,8 @@ class AsyncEndpoint:
         self._closed = True
         self.announce_shutdown()
         self.window.close()
+        if self.timeline is not None:
+            self.timeline.dump()
 
     def __enter__(self) -> AsyncEndpoint:
         return self
@@ -385,6 +389,8 @@ class AsyncAttentionExchange(AsyncEndpoint):
             raise ValueError(f"topk_ids must be [{num_tokens}, {self.topk}], got {list(topk_ids.shape)}")
         if num_tokens > self.window.layout.token_cap:
             raise ValueError(f"{num_tokens} tokens exceed max_num_batched_tokens={self.window.layout.token_cap}")
+        if self.timeline is not None:
+            self.timeline.mark("send", layer_idx)  # on the device: the layer's attention is done
         plan = plan_dispatch(topk_ids, self.expert_map, counts_host=self._counts_host)
         headers = {
             f: SlotHeader(
@@ -418,6 +424,8 @@ class AsyncAttentionExchange(AsyncEndpoint):
             sent[f] = InFlight(stages[f], seq)
         pending = PendingExchange(layer_idx, num_tokens, x.dtype, plan, sent)
         self._pending.append(pending)
+        if self.timeline is not None:
+            self.timeline.mark("sent", layer_idx)  # on the device: the rows and flags are written
         return pending
 
     def recv(self) -> torch.Tensor:
@@ -431,7 +439,10 @@ class AsyncAttentionExchange(AsyncEndpoint):
         """
         pending = self._pending.popleft()
         if self._device_waits:
-            return self._recv_on_device(pending)
+            result = self._recv_on_device(pending)
+            if self.timeline is not None:
+                self.timeline.mark("reply", pending.layer_idx)  # on the device: the reply is in and copied out
+            return result
         plan = pending.plan
         waiting = dict(pending.sent)
         replies: dict[int, Message] = {}  # views into this rank's window: nobody writes there before the next send
@@ -466,6 +477,8 @@ class AsyncAttentionExchange(AsyncEndpoint):
         acc = torch.zeros(pending.num_tokens, self.hidden_size, dtype=torch.float32, device=self.device)  # [T, H]
         for f in sorted(replies):
             combine_scatter(acc, replies[f].rows, plan.token_index[plan.segment(f)])
+        if self.timeline is not None:
+            self.timeline.mark("reply", pending.layer_idx)
         return acc.to(pending.dtype)
 
     def _recv_on_device(self, pending: PendingExchange) -> torch.Tensor:

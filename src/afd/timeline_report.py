@@ -1,0 +1,112 @@
+"""Read the points `AFD_TIMELINE=DIR` wrote (`afd.timeline`) and say where each exchange's time went.
+
+    python -m afd.timeline_report DIR [--json FILE]
+
+Per attention rank, exchange by exchange: its attention compute (from the previous layer's reply to this send, on
+its stream), the send, and the round trip as the stream saw it. With one attention rank and one FFN rank, the FFN's
+points are matched to the sends in order, and the round trip splits into: the FFN host finding the item, the FFN
+stream starting its pass, the pass with the reply's writes, and the reply reaching the attention stream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+
+def load(folder: str | Path) -> dict[str, list[list]]:
+    """Rank name → its points [key, layer, host_s, device_s]."""
+    return {p.stem: json.loads(p.read_text())["points"] for p in sorted(Path(folder).glob("*.json"))}
+
+
+def _by_key(points: list[list], key: str) -> list[list]:
+    return [p for p in points if p[0] == key]
+
+
+def _time(point: list) -> float:
+    """The device time when there is one, else the host's."""
+    return point[3] if point[3] is not None else point[2]
+
+
+def attention_phases(points: list[list]) -> dict[str, list[float]]:
+    """Seconds per exchange: compute (previous reply → send, within a step), send, round trip, host lead (how far
+    the host enqueued the send ahead of its stream: near 0 means the stream waited for its host)."""
+    sends, sents, replies = (_by_key(points, k) for k in ("send", "sent", "reply"))
+    out: dict[str, list[float]] = {"attention compute": [], "send": [], "round trip": [], "host lead": []}
+    for i, (send, sent, reply) in enumerate(zip(sends, sents, replies, strict=False)):
+        if i and send[1] > replies[i - 1][1]:  # the next layer of the same step
+            out["attention compute"].append(_time(send) - _time(replies[i - 1]))
+        out["send"].append(_time(sent) - _time(send))
+        out["round trip"].append(_time(reply) - _time(sent))
+        out["host lead"].append(_time(send) - send[2])
+    return out
+
+
+def split_round_trip(attention: list[list], ffn: list[list]) -> dict[str, list[float]]:
+    """One attention rank against one FFN rank: the round trip's parts, item by item in order."""
+    sents, replies = _by_key(attention, "sent"), _by_key(attention, "reply")
+    found, passes, answered = (_by_key(ffn, k) for k in ("found", "pass", "answered"))
+    names = ("FFN host finds it", "FFN host enqueues", "FFN stream starts", "FFN pass + reply writes",
+             "reply reaches attention")  # fmt: skip
+    out: dict[str, list[float]] = {name: [] for name in names}
+    for sent, reply, f, p, a in zip(sents, replies, found, passes, answered, strict=False):
+        if not sent[1] == f[1] == p[1] == a[1] == reply[1]:
+            break  # out of step (a decode pass served on the device has no host points): stop matching
+        out["FFN host finds it"].append(f[2] - _time(sent))
+        out["FFN host enqueues"].append(a[2] - f[2])
+        out["FFN stream starts"].append(_time(p) - f[2])
+        out["FFN pass + reply writes"].append(_time(a) - _time(p))
+        out["reply reaches attention"].append(_time(reply) - _time(a))
+    return out
+
+
+def summarize(phases: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    return {
+        name: {"n": len(v), "p50_ms": statistics.median(v) * 1e3, "total_ms": sum(v) * 1e3}
+        for name, v in phases.items()
+        if v
+    }
+
+
+def report(folder: str | Path) -> dict[str, dict]:
+    ranks = load(folder)
+    result: dict[str, dict] = {}
+    attention = {n: p for n, p in ranks.items() if "_attention" in n}
+    ffn = {n: p for n, p in ranks.items() if "_ffn" in n}
+    for name, points in attention.items():
+        result[name] = summarize(attention_phases(points))
+    if len(attention) == 1 and len(ffn) == 1:
+        (a_name, a_points), (f_name, f_points) = next(iter(attention.items())), next(iter(ffn.items()))
+        result[f"{a_name} <-> {f_name}"] = summarize(split_round_trip(a_points, f_points))
+    return result
+
+
+def format_report(result: dict[str, dict]) -> str:
+    lines = []
+    for section, phases in result.items():
+        lines.append(section)
+        for name, s in phases.items():
+            lines.append(f"  {name:<26} n={s['n']:<5} p50 {s['p50_ms']:9.3f} ms   total {s['total_ms']:10.1f} ms")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m afd.timeline_report", description=__doc__.split("\n")[0])
+    parser.add_argument("folder")
+    parser.add_argument("--json", help="also write the summary here")
+    args = parser.parse_args(argv)
+    if not Path(args.folder).is_dir() or not list(Path(args.folder).glob("*.json")):
+        sys.stderr.write(f"{args.folder}: no timeline files (run with AFD_TIMELINE={args.folder})\n")
+        return 2
+    result = report(args.folder)
+    sys.stdout.write(format_report(result) + "\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""`AFD_TIMELINE=DIR` (`afd.timeline`, `afd.timeline_report`): the points each async rank notes and what the
+report makes of them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from afd.timeline_report import attention_phases, main, report, split_round_trip
+
+
+def _attention(times: list[tuple[int, float, float, float]]) -> list[list]:
+    """(layer, send, sent, reply) device times; the host enqueued each send 1 ms before its stream got there."""
+    points = []
+    for layer, send, sent, reply in times:
+        points += [["send", layer, send - 1e-3, send], ["sent", layer, send, sent], ["reply", layer, sent, reply]]
+    return points
+
+
+def test_attention_phases_split_each_exchange():
+    points = _attention([(1, 0.010, 0.011, 0.020), (2, 0.025, 0.026, 0.040), (1, 0.100, 0.101, 0.110)])
+    phases = attention_phases(points)
+    # compute only between layers of one step (layer 2 after layer 1's reply), not across steps
+    assert phases["attention compute"] == pytest.approx([0.005])
+    assert phases["send"] == pytest.approx([0.001, 0.001, 0.001])
+    assert phases["round trip"] == pytest.approx([0.009, 0.014, 0.009])
+    assert phases["host lead"] == pytest.approx([1e-3] * 3)
+
+
+def test_split_round_trip_matches_items_in_order_and_stops_out_of_step():
+    attention = _attention([(1, 0.0, 0.001, 0.010), (2, 0.012, 0.013, 0.030)])
+    ffn = [["found", 1, 0.002, None], ["pass", 1, 0.0025, 0.003], ["answered", 1, 0.004, 0.008],
+           ["found", 3, 0.015, None], ["pass", 3, 0.016, 0.016], ["answered", 3, 0.017, 0.020]]  # fmt: skip
+    parts = split_round_trip(attention, ffn)
+    assert parts["FFN host finds it"] == pytest.approx([0.001])  # layer 3 vs layer 2: matching stops
+    assert parts["FFN host enqueues"] == pytest.approx([0.002])
+    assert parts["FFN stream starts"] == pytest.approx([0.001])
+    assert parts["FFN pass + reply writes"] == pytest.approx([0.005])
+    assert parts["reply reaches attention"] == pytest.approx([0.002])
+    # the parts add up to the round trip the attention stream saw
+    assert sum(v[0] for k, v in parts.items() if k != "FFN host enqueues") == pytest.approx(0.009)
+
+
+def test_report_cli_refuses_an_empty_folder(tmp_path: Path, capsys: pytest.CaptureFixture):
+    assert main([str(tmp_path)]) == 2
+    assert "no timeline files" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_a_real_async_launch_writes_both_ranks_points(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    import e2e_util
+
+    monkeypatch.setenv("AFD_TIMELINE", str(tmp_path))  # the launched ranks inherit it
+    outputs, _ = e2e_util.launch_checked("async", 1, 1, [[3, 5, 7]], max_new_tokens=2, max_num_batched_tokens=64)
+    assert len(outputs[0].token_ids) == 2
+    attention = json.loads((tmp_path / "async_attention0.json").read_text())["points"]
+    ffn = json.loads((tmp_path / "async_ffn0.json").read_text())["points"]
+    num_moe = sum(1 for p in attention if p[0] == "send")
+    assert num_moe > 0 and sum(1 for p in ffn if p[0] == "answered") == num_moe  # every exchange, both sides
+    result = report(tmp_path)
+    split = result["async_attention0 <-> async_ffn0"]
+    assert split["FFN pass + reply writes"]["n"] == num_moe
+    assert main([str(tmp_path), "--json", str(tmp_path / "summary.json.out")]) == 0
