@@ -32,16 +32,17 @@ bench 1a1f_prefill_8192_ubatches_twice 200 --attention 1 --ffn 1 --requests 8 --
 bench 1a1f_prefill_32x1024_ubatches 150 --attention 1 --ffn 1 --requests 32 --long-len 1024 --short-len 1024 \
   --max-new-tokens 1 --ubatches 1,2,3 --connectors async --max-num-batched-tokens 8192 --no-score
 elif [[ $PHASE == timeline ]]; then
-# where the async 1A1F prefill's time goes, without a profiler (AFD_TIMELINE: a few CUDA events per exchange)
+# where the async 1A1F prefill's time goes, without a profiler (AFD_TIMELINE: a few CUDA events per exchange and
+# the engine's step ends), the raw points kept; then micro-batching on and off in turns, three launches each
 export AFD_TIMELINE=$B/tl
 bench 1a1f_prefill_32x1024_timeline 150 --attention 1 --ffn 1 --requests 32 --long-len 1024 --short-len 1024 \
   --max-new-tokens 1 --connectors async --max-num-batched-tokens 8192 --no-score
 python3 -m afd.timeline_report "$B/tl" --json "$OUT/timeline_prefill.json"
-rm -rf "$B/tl"
-bench 1a1f_prefill_32x1024_timeline_m2 150 --attention 1 --ffn 1 --requests 32 --long-len 1024 --short-len 1024 \
-  --max-new-tokens 1 --connectors async --max-num-batched-tokens 8192 --no-score --ubatches 2
-python3 -m afd.timeline_report "$B/tl" --json "$OUT/timeline_prefill_m2.json"
+mkdir -p "$OUT/tl" && cp "$B"/tl/*.json "$OUT/tl/"
 unset AFD_TIMELINE
+bench 1a1f_prefill_32x1024_ubatches_alternating 240 --attention 1 --ffn 1 --requests 32 --long-len 1024 \
+  --short-len 1024 --max-new-tokens 1 --connectors async --max-num-batched-tokens 8192 --no-score \
+  --ubatches 1,2,1,2,1,2
 else
 timeout 420 python3 -m afd bench serve --model deepseek-v2-lite --dtype bfloat16 --device cuda \
   --compare none:R=2,p2p:A=1,F=1,async:A=1,F=1 --workload mixed --requests 64 --rates 32,64,inf --warmups 8 \

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from afd.timeline_report import attention_phases, main, report, split_round_trip
+from afd.timeline_report import attention_phases, main, report, split_round_trip, step_phases
 
 
 def _attention(times: list[tuple[int, float, float, float]]) -> list[list]:
@@ -27,6 +27,16 @@ def test_attention_phases_split_each_exchange():
     assert phases["send"] == pytest.approx([0.001, 0.001, 0.001])
     assert phases["round trip"] == pytest.approx([0.009, 0.014, 0.009])
     assert phases["host lead"] == pytest.approx([1e-3] * 3)
+
+
+def test_step_phases_put_the_engine_steps_around_their_exchanges():
+    points = [["launch", -1, 0.000, None], *_attention([(1, 0.004, 0.005, 0.010), (2, 0.012, 0.013, 0.020)]),
+              ["tokens", -1, 0.023, None], ["launch", -1, 0.025, None], ["tokens", -1, 0.030, None]]  # fmt: skip
+    phases = step_phases(points)
+    assert phases["step"] == pytest.approx([0.023, 0.005])
+    assert phases["step head"] == pytest.approx([0.004])  # launch -> layer 1's send on the device
+    assert phases["step tail"] == pytest.approx([0.003])  # layer 2's reply -> tokens on the host
+    assert phases["between steps"] == pytest.approx([0.002])
 
 
 def test_split_round_trip_matches_items_in_order_and_stops_out_of_step():
@@ -62,4 +72,5 @@ def test_a_real_async_launch_writes_both_ranks_points(tmp_path: Path, monkeypatc
     result = report(tmp_path)
     split = result["async_attention0 <-> async_ffn0"]
     assert split["FFN pass + reply writes"]["n"] == num_moe
+    assert result["async_attention0"]["step"]["n"] == 2  # a prefill step, then a decode step
     assert main([str(tmp_path), "--json", str(tmp_path / "summary.json.out")]) == 0

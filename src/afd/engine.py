@@ -333,6 +333,9 @@ class Engine:
     ) -> LaunchedStep:
         """Queue the forward and the sampling of `scheduled` on the device. `after`: the step in flight whose
         sampled tokens (rows `after_rows`) are this all-decode step's input ids."""
+        timeline = getattr(self.exchange, "timeline", None)  # AFD_TIMELINE (afd.timeline): the step's ends
+        if timeline is not None:
+            timeline.mark("launch", on_device=False)
         query_lens = [len(s.input_ids) for s in scheduled]
         context_lens = [s.start for s in scheduled]
         # Only pure decode steps replay a graph; a step with a prompt chunk (even a one-token one) runs eager.
@@ -468,6 +471,9 @@ class Engine:
         the step before, or an abort) is skipped: its row was computed in vain."""
         if step.ready is not None:
             step.ready.synchronize()
+        timeline = getattr(self.exchange, "timeline", None)
+        if timeline is not None:
+            timeline.mark("tokens", on_device=False)
         tokens, token_logprobs = step.host.tolist() if step.host is not None else ([], [])
         for s in step.scheduled:
             s.seq.num_cached = s.start + len(s.input_ids)

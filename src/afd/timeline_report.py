@@ -45,6 +45,25 @@ def attention_phases(points: list[list]) -> dict[str, list[float]]:
     return out
 
 
+def step_phases(points: list[list]) -> dict[str, list[float]]:
+    """Seconds per engine step (the attention rank's "launch" and "tokens" points, host times): the whole step,
+    its head (launch → the first send on the device), its tail (the last reply on the device → tokens on the
+    host) and the host's time between a step's tokens and the next launch."""
+    out: dict[str, list[float]] = {"step": [], "step head": [], "step tail": [], "between steps": []}
+    launches, tokens = _by_key(points, "launch"), _by_key(points, "tokens")
+    sends, replies = _by_key(points, "send"), _by_key(points, "reply")
+    for k, (launch, done) in enumerate(zip(launches, tokens, strict=False)):
+        out["step"].append(done[2] - launch[2])
+        inside = [s for s in sends if launch[2] <= s[2] <= done[2]]
+        answered = [r for r in replies if launch[2] <= r[2] <= done[2]]
+        if inside and answered:
+            out["step head"].append(_time(inside[0]) - launch[2])
+            out["step tail"].append(done[2] - _time(answered[-1]))
+        if k + 1 < len(launches):
+            out["between steps"].append(launches[k + 1][2] - done[2])
+    return out
+
+
 def split_round_trip(attention: list[list], ffn: list[list]) -> dict[str, list[float]]:
     """One attention rank against one FFN rank: the round trip's parts, item by item in order."""
     sents, replies = _by_key(attention, "sent"), _by_key(attention, "reply")
@@ -77,7 +96,7 @@ def report(folder: str | Path) -> dict[str, dict]:
     attention = {n: p for n, p in ranks.items() if "_attention" in n}
     ffn = {n: p for n, p in ranks.items() if "_ffn" in n}
     for name, points in attention.items():
-        result[name] = summarize(attention_phases(points))
+        result[name] = summarize(attention_phases(points) | step_phases(points))
     if len(attention) == 1 and len(ffn) == 1:
         (a_name, a_points), (f_name, f_points) = next(iter(attention.items())), next(iter(ffn.items()))
         result[f"{a_name} <-> {f_name}"] = summarize(split_round_trip(a_points, f_points))
