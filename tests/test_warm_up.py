@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from afd.engine import Engine, LocalExchange, Request
-from afd.warm_up import warm_up_engine, warm_up_ffn
+from afd.warm_up import FULL_STEP_PROMPT_LEN, budget_prompt_lens, warm_up_engine, warm_up_ffn
 from afd.weights import load_attention_model, load_ffn_model
 
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9]]
@@ -51,4 +51,20 @@ def test_ffn_warm_up_runs_every_form_and_changes_no_weight() -> None:
     ffn = load_ffn_model("tiny")
     before = {k: v.clone() for k, v in ffn.state_dict().items()}
     warm_up_ffn(ffn, torch.device("cpu"), force=True)
+    assert all(torch.equal(before[k], v) for k, v in ffn.state_dict().items())
+
+
+def test_the_full_step_warm_up_fills_the_budget_within_the_model_length_and_the_free_cache() -> None:
+    assert budget_prompt_lens(8192, 4096, 10**6, 16) == (FULL_STEP_PROMPT_LEN,) * 8  # 8 x 1024 = the budget
+    assert budget_prompt_lens(8192, 257, 10**6, 16) == (256,) * 32  # prompts fit the model length
+    # each 1024-token prompt needs 65 blocks of 16 (one more token): 3 fit in 3,200 free tokens
+    assert budget_prompt_lens(8192, 4096, 3200, 16) == (1024,) * 3
+    assert budget_prompt_lens(64, 4096, 10**6, 4) == (64,)  # a small budget: one prompt of the whole budget
+    assert budget_prompt_lens(8192, 4096, 0, 16) == ()  # nothing fits: no full step
+
+
+def test_ffn_warm_up_of_a_full_step_changes_no_weight() -> None:
+    ffn = load_ffn_model("tiny")
+    before = {k: v.clone() for k, v in ffn.state_dict().items()}
+    warm_up_ffn(ffn, torch.device("cpu"), max_num_batched_tokens=2048, force=True)
     assert all(torch.equal(before[k], v) for k, v in ffn.state_dict().items())

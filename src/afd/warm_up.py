@@ -28,6 +28,21 @@ logger = logging.getLogger(__name__)
 PROMPT_LENS = ((17, 5), (32, 16), (1,) * 16)
 # every tile configuration of the MoE kernels, the grouped-GEMM path, token counts of both kinds
 FFN_TOKEN_COUNTS = (1, 8, 17, 64, 256, 1000, 1024)
+# Then one step of the engine's whole token budget. Why: cuBLAS and the grouped GEMM pick other kernels for a
+# full prefill step than for the sizes above, and CUDA loads each kernel's module on its first use. Measured on
+# an H200 (round 14, `AFD_TIMELINE`): the first 8,192-token prefill step of a fresh process took 170 ms more on
+# its host before its first exchange than the steps after it.
+FULL_STEP_PROMPT_LEN = 1024  # the budget step's prompts: long enough for the prefill kernels' long-query tiles
+
+
+def budget_prompt_lens(budget: int, max_model_len: int, free_tokens: int, block_size: int) -> tuple[int, ...]:
+    """Prompt lengths of one warm-up step that fills `budget` tokens as far as the model length and the cache's
+    `free_tokens` allow (each prompt takes the blocks of its length plus one token); () when none fits."""
+    length = min(FULL_STEP_PROMPT_LEN, max_model_len - 1, budget)
+    if length < 1:
+        return ()
+    blocks_each = -(-(length + 1) // block_size)
+    return (length,) * min(budget // length, free_tokens // (blocks_each * block_size))
 
 
 def warm_up_engine(engine: Engine, *, force: bool = False) -> None:
@@ -38,7 +53,9 @@ def warm_up_engine(engine: Engine, *, force: bool = False) -> None:
     start = time.perf_counter()
     model, cache = engine.model, engine.kv_cache
     exchange = engine.exchange if isinstance(engine.exchange, LocalExchange) else zero_exchange
-    for lens in PROMPT_LENS:
+    free_tokens = cache.pool.num_free * cache.block_size
+    full_step = budget_prompt_lens(engine.max_num_batched_tokens, engine.max_model_len, free_tokens, cache.block_size)
+    for lens in (*PROMPT_LENS, *((full_step,) if full_step else ())):
         slots = [cache.allocate(n + 1) for n in lens]
         try:
             with torch.inference_mode():
@@ -56,9 +73,12 @@ def warm_up_engine(engine: Engine, *, force: bool = False) -> None:
     logger.info("warmed up the attention step (kernels compiled) in %.1f s", time.perf_counter() - start)
 
 
-def warm_up_ffn(ffn_model: FFNModel, device: torch.device, *, force: bool = False) -> None:
+def warm_up_ffn(
+    ffn_model: FFNModel, device: torch.device, *, max_num_batched_tokens: int = 0, force: bool = False
+) -> None:
     """Routed experts (both forms: by (token, k) pairs and grouped by expert), shared experts and a dense layer
-    on random rows of every size class the kernels pick a tile configuration for. CUDA only (`force`: tests)."""
+    on random rows of every size class the kernels pick a tile configuration for, and of one full step
+    (`max_num_batched_tokens`, when larger). CUDA only (`force`: tests)."""
     if device.type != "cuda" and not force:
         return
     start = time.perf_counter()
@@ -69,7 +89,8 @@ def warm_up_ffn(ffn_model: FFNModel, device: torch.device, *, force: bool = Fals
     dense = [i for i in held if not config.is_moe_layer(i)][:1]
     gen = torch.Generator(device=device).manual_seed(0)
     with torch.inference_mode():
-        for num_tokens in FFN_TOKEN_COUNTS:
+        full_step = (max_num_batched_tokens,) if max_num_batched_tokens > FFN_TOKEN_COUNTS[-1] else ()
+        for num_tokens in (*FFN_TOKEN_COUNTS, *full_step):
             x = torch.randn(num_tokens, config.hidden_size, device=device, dtype=dtype, generator=gen) * 0.1
             for layer in dense:
                 ffn_model(layer, x, None)

@@ -108,7 +108,7 @@ def run_async_rank(job: RankJob) -> None:
         else:
             experts = topo.expert_ranges[job.role_rank]
             ffn_model = load_ffn_model(job.spec.model, expert_range=experts, **load_args)
-            warm_up_ffn(ffn_model, device)  # compile the kernels before the first work item
+            warm_up_ffn(ffn_model, device, max_num_batched_tokens=job.spec.max_num_batched_tokens)  # before any item
             server = AsyncFFNServer(world.store, topo, job.role_rank, **endpoint_args)
             # 1A1F on CUDA: whole passes enqueued on the device; elsewhere one replay per message at decode sizes
             if not server.chain_to(ffn_model) and ExpertPassGraphs.usable(ffn_model):

@@ -92,7 +92,7 @@ def run_p2p_rank(job: RankJob) -> None:
         else:
             experts = expert_ranges(model_config.n_routed_experts, cfg.num_ffn_ranks)[job.role_rank]
             ffn_model = load_ffn_model(job.spec.model, expert_range=experts, **common)
-            warm_up_ffn(ffn_model, device)  # compile the kernels before the first work item
+            warm_up_ffn(ffn_model, device, max_num_batched_tokens=job.spec.max_num_batched_tokens)  # before any item
             graphs = None  # one FFN rank: its MoE replays from CUDA graphs at decode sizes (with several: all-to-all)
             if cfg.num_ffn_ranks == 1 and ExpertPassGraphs.usable(ffn_model):
                 graphs = ExpertPassGraphs(ffn_model)
