@@ -43,6 +43,17 @@ unset AFD_TIMELINE
 bench 1a1f_prefill_32x1024_ubatches_alternating 240 --attention 1 --ffn 1 --requests 32 --long-len 1024 \
   --short-len 1024 --max-new-tokens 1 --connectors async --max-num-batched-tokens 8192 --no-score \
   --ubatches 1,2,1,2,1,2
+elif [[ $PHASE == final ]]; then
+# after the full-step warm-up (the first big prefill step no longer pays for kernel loading) and the stream's
+# headers sent after the submit: micro-batching again, then the front end's share of TTFT at 1 request/s
+bench 1a1f_prefill_8x1024_ubatches_warm 230 --attention 1 --ffn 1 --requests 8 --long-len 1024 --short-len 1024 \
+  --max-new-tokens 1 --ubatches 1,2,3,1,2,3 --connectors async --max-num-batched-tokens 8192 --no-score
+bench 1a1f_prefill_8x1024_p2p_warm 90 --attention 1 --ffn 1 --requests 8 --long-len 1024 --short-len 1024 \
+  --max-new-tokens 1 --ubatches 1,2 --connectors p2p --max-num-batched-tokens 8192 --no-score
+CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m afd bench serve --overhead --model deepseek-v2-lite --dtype bfloat16 \
+  --device cuda --workload uniform --short-len 128 --long-len 128 --max-tokens 32 --requests 32 \
+  --json "$OUT/overhead.json" 2>"$B/overhead.err" | tail -n 3
+rc=${PIPESTATUS[0]}; echo "overhead rc=$rc"; [[ $rc == 0 ]] || tail -n 60 "$B/overhead.err" > "$OUT/overhead.err"
 else
 timeout 420 python3 -m afd bench serve --model deepseek-v2-lite --dtype bfloat16 --device cuda \
   --compare none:R=2,p2p:A=1,F=1,async:A=1,F=1 --workload mixed --requests 64 --rates 32,64,inf --warmups 8 \

@@ -631,3 +631,42 @@ def test_a_request_whose_replica_answers_nothing_ends_with_504(monkeypatch):
         asyncio.run(consume())
     assert err.value.status == 504 and "replica 1 sent nothing for this request in 0.2 s" in err.value.message
     assert aborted == ["r1"]
+
+
+def test_a_call_submits_all_its_prompts_or_none():
+    """`Call.start` (run before a stream's headers go out) submits every prompt at once; when one cannot be
+    submitted (no replica alive), the prompts already submitted are aborted and the error is the 503."""
+    from types import SimpleNamespace
+
+    from afd.sampling import SamplingParams
+    from afd.serve.output import Prepared
+    from afd.serve.protocol import APIError, GenerationParams
+    from afd.serve.responses import Call
+    from afd.serve.tokenizer import ByteTokenizer
+
+    submitted, aborted = [], []
+
+    def submit(rid, *args, **kwargs):
+        if len(submitted) == 2:
+            raise LookupError("no replica is alive")
+        submitted.append(rid)
+        return SimpleNamespace(queue=None, replica=0)
+
+    pool = SimpleNamespace(submit=submit, abort=lambda rid, *reason: aborted.append(rid))
+    state = SimpleNamespace(pool=pool, tokenizer=ByteTokenizer(256))
+    params = GenerationParams(max_tokens=4, sampling=SamplingParams())
+    two = Call(state, "cmpl-a", [Prepared([1], 4), Prepared([2], 4)], params, None)
+    two.start()
+    two.start()  # at most once
+    assert submitted == ["cmpl-a-0", "cmpl-a-1"] and aborted == []
+    three = Call(state, "cmpl-b", [Prepared([1], 4)] * 3, params, None)
+    submitted.clear()
+    submitted += ["x", "y"]  # the pool takes no more after two
+    with pytest.raises(APIError) as err:
+        three.start()
+    assert err.value.status == 503 and aborted == [] and three.runs is None
+    submitted.clear()
+    submitted.append("x")
+    with pytest.raises(APIError):
+        three.start()
+    assert aborted == ["cmpl-b-0"]  # the one it submitted, aborted

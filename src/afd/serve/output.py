@@ -15,7 +15,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from afd.serve.frontend import ReplicaPool
+from afd.serve.frontend import ReplicaPool, Submitted
 from afd.serve.protocol import APIError, GenerationParams
 from afd.serve.tokenizer import Tokenizer
 
@@ -129,15 +129,16 @@ def prepare(pool: ReplicaPool, tokenizer: Tokenizer, prompt_ids: list[int], para
     return Prepared(list(prompt_ids), max_tokens, sorted(set(stops)))
 
 
-async def run_request(
+def run_request(
     pool: ReplicaPool, tokenizer: Tokenizer, rid: str, prepared: Prepared, params: GenerationParams
 ) -> AsyncIterator[Piece]:
-    """Submit one prompt and yield its pieces until it ends; raises APIError when it fails on the way.
+    """Submit one prompt now (APIError 503 when no replica is alive) and return its pieces until it ends; the
+    pieces raise APIError when it fails on the way.
 
-    However it ends — a stop string, the client gone (the generator is closed), an error — a request that
-    is still running on its replica is aborted there, which frees its cache."""
-    text = OutputText(tokenizer, params.stop)
-    stop_ids = set(prepared.stop_token_ids)
+    Submitted at the call, not at the first piece: a stream sends its headers while the replica already works.
+    However it ends — a stop string, the client gone (the pieces are closed), an error — a request that is still
+    running on its replica is aborted there, which frees its cache; pieces that are never iterated do not abort
+    it (`ReplicaPool.abort(rid)` does)."""
     try:
         sub = pool.submit(
             rid,
@@ -149,6 +150,14 @@ async def run_request(
         )
     except LookupError as exc:
         raise APIError(503, f"the server cannot take requests: {exc}") from None
+    return _pieces(pool, tokenizer, rid, sub, prepared, params)
+
+
+async def _pieces(
+    pool: ReplicaPool, tokenizer: Tokenizer, rid: str, sub: Submitted, prepared: Prepared, params: GenerationParams
+) -> AsyncIterator[Piece]:
+    text = OutputText(tokenizer, params.stop)
+    stop_ids = set(prepared.stop_token_ids)
     try:
         while True:
             try:  # bounded: a replica that is alive but answers nothing (frozen) must not hold the client forever

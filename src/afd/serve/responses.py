@@ -33,6 +33,7 @@ class Call:
     params: GenerationParams
     originals: list[str | list[int]] | None  # the prompts as sent (echo returns a string prompt as it came)
     created: int = 0  # unix seconds of the request, as the API reports it
+    runs: list[AsyncIterator[Piece]] | None = None  # each prompt's pieces, once submitted (`start`)
 
     @classmethod
     def build(cls, state, prefix: str, prompts: list[list[int]], params: GenerationParams, originals=None) -> Call:
@@ -51,13 +52,33 @@ class Call:
     def usage(self, completion_tokens: int) -> dict:
         return usage(sum(len(p.prompt_ids) for p in self.prepared), completion_tokens)
 
+    def rid(self, i: int) -> str:
+        return f"{self.id}-{i}"
+
+    def start(self) -> None:
+        """Submit every prompt (at most once); all or none: a prompt that cannot be submitted aborts the others."""
+        if self.runs is not None:
+            return
+        runs: list[AsyncIterator[Piece]] = []
+        try:
+            for i, p in enumerate(self.prepared):
+                runs.append(run_request(self.state.pool, self.state.tokenizer, self.rid(i), p, self.params))
+        except BaseException:
+            self.abort(len(runs))
+            raise
+        self.runs = runs
+
+    def abort(self, count: int | None = None) -> None:
+        """Abort the first `count` prompts (default all) on their replicas: no-ops for those already ended."""
+        for i in range(len(self.prepared) if count is None else count):
+            self.state.pool.abort(self.rid(i))
+
     async def pieces(self) -> AsyncIterator[tuple[int, Piece]]:
-        """(choice index, piece) of every prompt as they come; raises the first APIError of any prompt."""
-        state, n = self.state, len(self.prepared)
-        runs = [
-            run_request(state.pool, state.tokenizer, f"{self.id}-{i}", p, self.params)
-            for i, p in enumerate(self.prepared)
-        ]
+        """(choice index, piece) of every prompt as they come (submitting them first, unless `start` did);
+        raises the first APIError of any prompt."""
+        self.start()
+        runs, n = self.runs, len(self.prepared)
+        assert runs is not None
         if n == 1:
             async with aclosing(runs[0]) as run:
                 async for piece in run:
@@ -193,8 +214,15 @@ async def _stream(
 ) -> web.StreamResponse:
     """Send `first_chunks`, then `chunk_of(i, piece)` for every piece (one per token, its text possibly held
     back, and the last with `finish_reason`), then usage when asked, then [DONE]. With `afd_timing` asked for,
-    each choice's closing chunk also says how long its replica took to the first token."""
-    response = await _open_stream(request)
+    each choice's closing chunk also says how long its replica took to the first token.
+
+    The prompts are submitted before the headers go out: the replica starts while they are written."""
+    call.start()
+    try:
+        response = await _open_stream(request)
+    except BaseException:  # the client left before its headers: nothing will read the pieces
+        call.abort()
+        raise
     envelope = {"id": call.id, "object": kind, "created": call.created, "model": call.model}
     generated = 0
     try:
