@@ -89,6 +89,11 @@ def profile_dir() -> str | None:
     return os.environ.get("AFD_PROFILE") or None
 
 
+def timeline_dir() -> str | None:
+    """`AFD_TIMELINE=DIR`: each async rank notes a few points per exchange and step into DIR (`afd.timeline`)."""
+    return os.environ.get("AFD_TIMELINE") or None
+
+
 def api_key() -> str | None:
     """`AFD_API_KEY`: the API key `afd serve` requires when no `--api-key` is given; None when unset or empty."""
     return os.environ.get("AFD_API_KEY") or None

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from pathlib import Path
 
 import torch
+
+from afd import env
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ class Timeline:
 
     @classmethod
     def from_env(cls, name: str, device: torch.device | str) -> Timeline | None:
-        folder = os.environ.get("AFD_TIMELINE")
+        folder = env.timeline_dir()
         return cls(name, folder, torch.device(device)) if folder else None
 
     def mark(self, key: str, layer: int = -1, *, on_device: bool = True) -> None:
