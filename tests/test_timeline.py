@@ -59,18 +59,19 @@ def test_report_cli_refuses_an_empty_folder(tmp_path: Path, capsys: pytest.Captu
 
 
 @pytest.mark.timeout(120)
-def test_a_real_async_launch_writes_both_ranks_points(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+@pytest.mark.parametrize("connector", ["async", "p2p"])
+def test_a_real_launch_writes_both_ranks_points(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, connector: str):
     import e2e_util
 
     monkeypatch.setenv("AFD_TIMELINE", str(tmp_path))  # the launched ranks inherit it
-    outputs, _ = e2e_util.launch_checked("async", 1, 1, [[3, 5, 7]], max_new_tokens=2, max_num_batched_tokens=64)
+    outputs, _ = e2e_util.launch_checked(connector, 1, 1, [[3, 5, 7]], max_new_tokens=2, max_num_batched_tokens=64)
     assert len(outputs[0].token_ids) == 2
-    attention = json.loads((tmp_path / "async_attention0.json").read_text())["points"]
-    ffn = json.loads((tmp_path / "async_ffn0.json").read_text())["points"]
+    attention = json.loads((tmp_path / f"{connector}_attention0.json").read_text())["points"]
+    ffn = json.loads((tmp_path / f"{connector}_ffn0.json").read_text())["points"]
     num_moe = sum(1 for p in attention if p[0] == "send")
     assert num_moe > 0 and sum(1 for p in ffn if p[0] == "answered") == num_moe  # every exchange, both sides
     result = report(tmp_path)
-    split = result["async_attention0 <-> async_ffn0"]
+    split = result[f"{connector}_attention0 <-> {connector}_ffn0"]
     assert split["FFN pass + reply writes"]["n"] == num_moe
-    assert result["async_attention0"]["step"]["n"] == 2  # a prefill step, then a decode step
+    assert result[f"{connector}_attention0"]["step"]["n"] == 2  # a prefill step, then a decode step
     assert main([str(tmp_path), "--json", str(tmp_path / "summary.json.out")]) == 0

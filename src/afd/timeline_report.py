@@ -5,7 +5,9 @@
 Per attention rank, exchange by exchange: its attention compute (from the previous layer's reply to this send, on
 its stream), the send, and the round trip as the stream saw it. With one attention rank and one FFN rank, the FFN's
 points are matched to the sends in order, and the round trip splits into: the FFN host finding the item, the FFN
-stream starting its pass, the pass with the reply's writes, and the reply reaching the attention stream.
+stream starting its pass, the pass with the reply's writes, and the reply reaching the attention stream. (p2p: the
+FFN host "finds" a layer when it posts its receives, usually before the rows come; "pass" is when they came,
+"answered" when the answer is computed, before NCCL sends it.)
 """
 
 from __future__ import annotations

@@ -44,6 +44,7 @@ from afd.connectors.p2p_wire import (  # noqa: F401 - the wiring is part of this
     plan_layer,
 )
 from afd.distributed import Group, World, device_for
+from afd.timeline import Timeline
 from afd.topology import SyncTopology
 
 logger = logging.getLogger(__name__)
@@ -156,6 +157,7 @@ class P2pAttentionExchange:
         self.is_finished = False
         self.num_steps = 0
         self.wave_idle = False  # whether no replica had work in the last wave
+        self.timeline = Timeline.from_env(f"p2p_attention{self.attn_rank}", self.device)  # AFD_TIMELINE=DIR
 
     def _dst(self, ffn_rank: int) -> int:
         return self.groups.data.group_rank(self.topology.world_rank("ffn", ffn_rank))
@@ -173,6 +175,8 @@ class P2pAttentionExchange:
             return True
         self._send_ctrl(0, finished=True, slots=[0] * self.num_ubatches)
         self.is_finished = True
+        if self.timeline is not None:
+            self.timeline.dump()
         logger.info("%s: DP wave finished after %d steps", self.world.me.name, self.num_steps)
         return False
 
@@ -231,6 +235,8 @@ class P2pAttentionExchange:
         peer, and the receives of the answers; returns at once (`afd.model.SendRecv`).
         x: [n, H] model dtype; routing: Routing (gate on attention) or None."""
         self._check_layer(layer_idx, x, routing)
+        if self.timeline is not None:
+            self.timeline.mark("send", layer_idx)  # on the device: the layer's attention is done
         num_rows = x.shape[0]
         if len(self.sync.ffn_ranks) == 1:
             sends = [RowSend(self.attn_rank, self.sync.ffn_ranks[0], num_rows, 0, 0)]
@@ -258,6 +264,8 @@ class P2pAttentionExchange:
             pending.outs.append(out)
         self.pending.append(pending)
         self.num_sends += 1
+        if self.timeline is not None:
+            self.timeline.mark("sent", layer_idx)  # on the device: the payloads are packed (NCCL sends them)
         return pending
 
     def recv(self) -> torch.Tensor:
@@ -266,6 +274,8 @@ class P2pAttentionExchange:
             raise RuntimeError(f"{self.world.me.name}: recv without a send in flight")
         pending = self.pending.popleft()
         self.world.wait_all(pending.works)
+        if self.timeline is not None:
+            self.timeline.mark("reply", pending.layer_idx)  # on the device: the answers are in
         outs = pending.outs
         return torch.cat(outs) if len(outs) > 1 else outs[0]  # [n, H]
 

@@ -17,6 +17,7 @@ from afd.connectors.p2p import CTRL_LEN, TAG_CTRL, TAG_OUT, TAG_ROWS, build_p2p_
 from afd.connectors.p2p_wire import EpDispatch, RowPayload, RowSend, ffn_recvs, plan_ep_dispatch
 from afd.distributed import World, device_for
 from afd.moe import Routing
+from afd.timeline import Timeline
 from afd.topology import SyncTopology, expert_ranges
 
 logger = logging.getLogger("afd.connectors.p2p")
@@ -79,6 +80,7 @@ class P2pFFNLoop:
         self.num_steps = 0
         self.num_slots_served = 0  # slots served over all busy steps, each through every boundary layer
         self.wave_idle = False  # no replica had work in this step's wave: no layer crosses
+        self.timeline = Timeline.from_env(f"p2p_ffn{self.ffn_rank}", self.device)  # AFD_TIMELINE=DIR
 
     def _src(self, attn_rank: int) -> int:
         return self.groups.data.group_rank(self.topology.world_rank("attention", attn_rank))
@@ -87,6 +89,8 @@ class P2pFFNLoop:
         """Serve steps until the wave finishes; returns the number of steps served."""
         while self.step():
             pass
+        if self.timeline is not None:
+            self.timeline.dump()
         logger.info("%s: DP wave finished after %d steps", self.world.me.name, self.num_steps)
         return self.num_steps
 
@@ -171,7 +175,12 @@ class P2pFFNLoop:
         num_rows = sum(s.num_rows for s in recvs)
         if num_rows == 0 and self.topology.num_ffn == 1:
             return  # nothing arrives, nothing goes back, and no expert all-to-all waits for this rank (empty slot)
+        timeline = self.timeline
+        if timeline is not None:
+            timeline.mark("found", layer_idx, on_device=False)  # the host posts the layer's receives
         x, ids, weights = self._recv_rows(layer_idx, recvs)  # [N, H], [N, K], [N, K]
+        if timeline is not None:
+            timeline.mark("pass", layer_idx)  # on the device: the rows are in
         pg = self.groups.answers.pg
 
         if not self.gate_on_attention and layer_idx in self.dense_layers:
@@ -181,6 +190,8 @@ class P2pFFNLoop:
                 routing = self.model.route(layer_idx, x)
                 ids, weights = routing.topk_ids.to(torch.long), routing.topk_weights.float()
             out = self._moe(layer_idx, x, ids, weights)
+        if timeline is not None:
+            timeline.mark("answered", layer_idx)  # on the device: computed (NCCL sends it next)
 
         works = [
             (
