@@ -58,14 +58,14 @@ elif [[ $PHASE == last ]]; then
 # where p2p's 1A1F prefill goes (AFD_TIMELINE now covers p2p), micro-batching in 4 alternating pairs of launches,
 # and the 1A1F decode step once more (issue 11: <= 1.15x its compute, round 13: 1.17x)
 export AFD_TIMELINE=$B/tlp
-bench 1a1f_prefill_8x1024_p2p_timeline 90 --attention 1 --ffn 1 --requests 8 --long-len 1024 --short-len 1024 \
+bench 1a1f_prefill_8x1024_p2p_timeline 60 --attention 1 --ffn 1 --requests 8 --long-len 1024 --short-len 1024 \
   --max-new-tokens 1 --connectors p2p --max-num-batched-tokens 8192 --no-score
 python3 -m afd.timeline_report "$B/tlp" --json "$OUT/timeline_p2p_prefill.json"
 mkdir -p "$OUT/tlp" && cp "$B"/tlp/*.json "$OUT/tlp/"
 unset AFD_TIMELINE
-bench 1a1f_prefill_8x1024_ubatches_pairs 200 --attention 1 --ffn 1 --requests 8 --long-len 1024 --short-len 1024 \
+bench 1a1f_prefill_8x1024_ubatches_pairs 170 --attention 1 --ffn 1 --requests 8 --long-len 1024 --short-len 1024 \
   --max-new-tokens 1 --ubatches 1,2,1,2,1,2,1,2 --connectors async --max-num-batched-tokens 8192 --no-score
-bench 1a1f_decode_b64 110 --attention 1 --ffn 1 --requests 64 --long-len 512 --short-len 512 --max-new-tokens 32 \
+bench 1a1f_decode_b64 90 --attention 1 --ffn 1 --requests 64 --long-len 512 --short-len 512 --max-new-tokens 32 \
   --connectors async --no-score
 else
 timeout 420 python3 -m afd bench serve --model deepseek-v2-lite --dtype bfloat16 --device cuda \
