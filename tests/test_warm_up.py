@@ -68,3 +68,41 @@ def test_ffn_warm_up_of_a_full_step_changes_no_weight() -> None:
     before = {k: v.clone() for k, v in ffn.state_dict().items()}
     warm_up_ffn(ffn, torch.device("cpu"), max_num_batched_tokens=2048, force=True)
     assert all(torch.equal(before[k], v) for k, v in ffn.state_dict().items())
+
+
+class _Wave:
+    """Records what a warm-up step asks of a p2p attention exchange."""
+
+    def __init__(self, gate_on_attention: bool) -> None:
+        self.gate_on_attention, self.calls = gate_on_attention, []
+
+    def step_wave(self, has_work: bool, keep_alive: bool = False) -> bool:
+        self.calls.append(("wave", has_work))
+        return True
+
+    def begin_step(self, num_tokens, ubatch_tokens=None) -> None:
+        self.calls.append(("begin", num_tokens))
+
+    def __call__(self, layer_idx, x, routing):
+        self.calls.append(("exchange", layer_idx, tuple(x.shape), x.any().item(), routing))
+        return torch.zeros_like(x)
+
+
+def test_the_p2p_warm_up_step_crosses_every_boundary_layer_with_one_zero_row() -> None:
+    from afd.warm_up import warm_up_wave_exchange
+
+    for gate_on_attention in (True, False):
+        model = load_attention_model("tiny", gate_on_attention=gate_on_attention)
+        wave = _Wave(gate_on_attention)
+        warm_up_wave_exchange(wave, model)
+        assert wave.calls[:2] == [("wave", True), ("begin", 1)]  # one step of the DP wave, one token
+        crossed = wave.calls[2:]
+        assert [c[1] for c in crossed] == model.boundary_layers  # every boundary layer, in order
+        hidden = model.config.hidden_size
+        assert all(c[2] == (1, hidden) and not c[3] for c in crossed)  # one row of zeros
+        for *_, routing in crossed:
+            if gate_on_attention:  # expert 0 at weight 0: it adds nothing anywhere
+                assert routing.topk_ids.tolist() == [[0] * model.config.num_experts_per_tok]
+                assert not routing.topk_weights.any()
+            else:
+                assert routing is None

@@ -90,7 +90,7 @@ def profile_dir() -> str | None:
 
 
 def timeline_dir() -> str | None:
-    """`AFD_TIMELINE=DIR`: each p2p and async rank notes a few points per exchange and step into DIR (`afd.timeline`)."""
+    """`AFD_TIMELINE=DIR`: each p2p and async rank notes a few points per exchange and step (`afd.timeline`)."""
     return os.environ.get("AFD_TIMELINE") or None
 
 

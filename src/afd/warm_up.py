@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
 from afd.engine import Engine, LocalExchange
 from afd.ffn_model import FFNModel
-from afd.model import Batch, zero_exchange
-from afd.moe import select_experts
+from afd.model import AttentionModel, Batch, zero_exchange
+from afd.moe import Routing, select_experts
 
 logger = logging.getLogger(__name__)
 
@@ -106,3 +108,39 @@ def warm_up_ffn(
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     logger.info("warmed up the FFN step (kernels compiled) in %.1f s", time.perf_counter() - start)
+
+
+class WaveExchange(Protocol):
+    """The part of the p2p attention exchange (`afd.connectors.p2p.P2pAttentionExchange`) a warm-up step uses."""
+
+    gate_on_attention: bool
+
+    def step_wave(self, has_work: bool, keep_alive: bool = False) -> bool: ...
+
+    def begin_step(self, num_tokens: int, ubatch_tokens: Sequence[int] | None = None) -> None: ...
+
+    def __call__(self, layer_idx: int, x: torch.Tensor, routing: Routing | None) -> torch.Tensor: ...
+
+
+def warm_up_wave_exchange(exchange: WaveExchange, model: AttentionModel) -> None:
+    """One step of one zero row through every boundary layer of a p2p exchange, before the first request, on every
+    attention rank at once (the DP wave makes it one step of the FFN ranks too).
+
+    Why: torch creates an NCCL communicator on a group's first operation, and on the GPU that took 569 ms inside the
+    first send of round 14's first request (`AFD_TIMELINE`). The row is zeros with expert 0 at weight 0: the FFN
+    ranks compute it like any row, and nothing of it reaches a request."""
+    start = time.perf_counter()
+    config, device = model.config, model.embed_tokens.weight.device
+    exchange.step_wave(True)
+    exchange.begin_step(1)
+    x = torch.zeros(1, config.hidden_size, dtype=model.embed_tokens.weight.dtype, device=device)
+    routing = None
+    if exchange.gate_on_attention:
+        k = config.num_experts_per_tok
+        routing = Routing(torch.zeros(1, k, dtype=torch.long, device=device), torch.zeros(1, k, device=device))
+    with torch.inference_mode():
+        for layer_idx in model.boundary_layers:
+            exchange(layer_idx, x, routing)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    logger.info("warmed up the p2p exchange (communicators created) in %.2f s", time.perf_counter() - start)

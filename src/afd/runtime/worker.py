@@ -32,7 +32,7 @@ from afd.runtime.rank import (  # noqa: F401 - RankJob and drive_replica are als
     write_outputs,
 )
 from afd.topology import SyncTopology, expert_ranges
-from afd.warm_up import warm_up_ffn
+from afd.warm_up import warm_up_ffn, warm_up_wave_exchange
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,7 @@ def run_p2p_rank(job: RankJob) -> None:
             )
             engine = engine_for(job, model, exchange)
             wait_ffn_ready(world.store, cfg.num_ffn_ranks, job.timeout_s)  # their start-up is not the first TTFT
+            warm_up_wave_exchange(exchange, model)  # NCCL communicators are created now, not in the first request
             if job.serve_address is not None:
                 run_online(engine, job, wave=exchange)
             else:
