@@ -136,3 +136,34 @@ def test_reference_run_hands_the_gpu_back_before_ranks_launch() -> None:
     run_reference(spec, [[1, 2, 3]])
     # its pool alone is 0.63 GiB; ~96 MiB stayed allocated on an H200 (module-level caches), not the pool
     assert torch.cuda.memory_reserved() < 256 << 20, torch.cuda.memory_summary()
+
+
+def test_median_launch_and_the_micro_batching_gain_line() -> None:
+    from afd.bench import median_launch, ubatch_gains
+
+    launches = [{"elapsed_s": t, "id": i} for i, t in enumerate([0.30, 0.10, 0.20, 0.40])]
+    assert median_launch(launches)["id"] == 2  # 0.20: the lower middle of four, a real launch
+    assert median_launch(launches[:3])["id"] == 2
+    runs = [
+        {"connector": "async", "ubatches": 1, "elapsed_s": 0.20},
+        {"connector": "async", "ubatches": 2, "elapsed_s": 0.15},
+        {"connector": "p2p", "ubatches": 2, "elapsed_s": 0.30},  # no p2p run without micro-batches: no line
+    ]
+    assert ubatch_gains(runs) == ["async m=2: elapsed 0.150 s vs 0.200 s without micro-batches (+25.0% faster)"]
+
+
+@pytest.mark.timeout(240)
+def test_bench_repeat_launches_every_configuration_in_rounds_and_keeps_the_median(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    args = ["--attention", "1", "--ffn", "1", "--connectors", "async", "--requests", "2", "--long-len", "12"]
+    args += ["--short-len", "12", "--max-new-tokens", "2", "--ubatches", "1,2", "--repeat", "2", "--no-score"]
+    proc = run_afd("bench", *args, "--json", str(out), timeout=220)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert result["repeat"] == 2 and len(result["runs"]) == 2
+    for run in result["runs"]:
+        launches = run["launches_elapsed_s"]
+        assert len(launches) == 2 and run["elapsed_s"] == min(launches)  # the lower middle of two
+    assert proc.stderr.count("(launch 2 of 2)") == 2  # the second round launches both configurations again
+    assert "each row: the median of 2 launches" in proc.stdout
+    assert "async m=2: elapsed" in proc.stdout and "without micro-batches" in proc.stdout

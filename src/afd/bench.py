@@ -101,10 +101,16 @@ def run_bench(
     score: bool = True,
     ubatches: tuple[int, ...] = (1,),
     max_num_batched_tokens: int | None = None,
+    repeat: int = 1,
     progress=None,
 ) -> dict:
     """Each connector once per micro-batch count in `ubatches` (1: off); `max_num_batched_tokens` is the engines'
-    token budget per step (None: max(2048, 2 x the long prompt))."""
+    token budget per step (None: max(2048, 2 x the long prompt)).
+
+    `repeat` > 1: every configuration is launched that many times, in rounds (each round launches every
+    configuration once, so drift over the run spreads evenly); a run's row is its median launch by elapsed time, and
+    `launches_elapsed_s` keeps them all. Why: one launch of a short workload (a single prefill step) varied by ±20%
+    on the GPU, more than the effects it was run to measure."""
     from afd.weights import load_model_config
 
     say = progress or log.info
@@ -129,11 +135,19 @@ def run_bench(
         "max_num_batched_tokens": budget,
         "runs": [],
     }
-    runs = [(c, m) for c in connectors for m in ubatches]
-    for connector, m in runs:
-        say(f"throughput: {run_label(connector, m)} {num_attn}A{num_ffn}F ...")
-        run = run_connector(connector, num_attn, num_ffn, spec, prompts, extra_config=ubatch_config(connector, m))
-        result["runs"].append({**run_summary(run), "ubatches": m})
+    runs = list(dict.fromkeys((c, m) for c in connectors for m in ubatches))
+    launches: dict[tuple[str, int], list[dict]] = {run: [] for run in runs}
+    for round_ in range(repeat):
+        for connector, m in runs:
+            say(f"throughput: {run_label(connector, m)} {num_attn}A{num_ffn}F{repeat_label(round_, repeat)} ...")
+            run = run_connector(connector, num_attn, num_ffn, spec, prompts, extra_config=ubatch_config(connector, m))
+            launches[(connector, m)].append(run_summary(run))
+    for (_, m), summaries in launches.items():
+        row = median_launch(summaries)
+        if repeat > 1:
+            row["launches_elapsed_s"] = [s["elapsed_s"] for s in summaries]
+        result["runs"].append({**row, "ubatches": m})
+    result["repeat"] = repeat
     if score:
         say("numerics: single-process reference ...")
         reference = run_reference(spec, prompts)
@@ -158,6 +172,31 @@ def run_bench(
     return result
 
 
+def repeat_label(round_: int, repeat: int) -> str:
+    return f" (launch {round_ + 1} of {repeat})" if repeat > 1 else ""
+
+
+def median_launch(summaries: list[dict]) -> dict:
+    """The launch with the median elapsed time (the lower middle one of an even count): a real run, not a blend."""
+    ordered = sorted(summaries, key=lambda s: s["elapsed_s"])
+    return dict(ordered[(len(ordered) - 1) // 2])
+
+
+def ubatch_gains(runs: list[dict]) -> list[str]:
+    """Per connector run with micro-batching and without: how much shorter its elapsed time is with m > 1."""
+    plain = {r["connector"]: r["elapsed_s"] for r in runs if r.get("ubatches", 1) == 1}
+    lines = []
+    for r in runs:
+        m, base = r.get("ubatches", 1), plain.get(r["connector"])
+        if m > 1 and base:
+            change = 1 - r["elapsed_s"] / base
+            lines.append(
+                f"{run_label(r['connector'], m)}: elapsed {r['elapsed_s']:.3f} s vs {base:.3f} s without micro-batches "
+                f"({change:+.1%} {'faster' if change >= 0 else 'slower'})"
+            )
+    return lines
+
+
 def ubatch_config(connector: str, num_ubatches: int) -> dict:
     """`connector_extra_config` for `connector`'s micro-batching in `num_ubatches` (1: off)."""
     if num_ubatches == 1:
@@ -177,6 +216,9 @@ def format_bench(result: dict) -> str:
         f"{'connector':<10} {'tok/s':>9} {'TTFT p50':>10} {'TTFT p99':>10} {'decode step p50':>16}  "
         "per-replica elapsed (s)",
     ]
+    repeat = result.get("repeat", 1)
+    if repeat > 1:
+        lines.insert(2, f"each row: the median of {repeat} launches by elapsed time (all of them: launches_elapsed_s)")
     for run in result["runs"]:
         per = " / ".join(f"{r['elapsed_s']:.2f}" for r in run["replicas"])
         label = run_label(run["connector"], run.get("ubatches", 1))
@@ -185,6 +227,7 @@ def format_bench(result: dict) -> str:
             f"{label:<10} {run['tokens_per_s']:>9.1f} {run['ttft_p50_s'] * 1e3:>8.1f}ms "
             f"{run['ttft_p99_s'] * 1e3:>8.1f}ms {step:>14.2f}ms  {per}"
         )
+    lines += ubatch_gains(result["runs"])
     for connector, n in result.get("numerics", {}).items():
         lines.append(
             f"numerics {connector}: {n['positions']} positions, mean |Δp| {n['mean_abs_dprob']:.2e}, "

@@ -373,6 +373,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         score=not args.no_score,
         ubatches=tuple(args.ubatches),
         max_num_batched_tokens=args.max_num_batched_tokens,
+        repeat=args.repeat,
         progress=lambda msg: print(f"[afd bench] {msg}", file=sys.stderr, flush=True),
     )
     print(format_bench(result))
@@ -436,6 +437,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=size_list("--ubatches"),
         default="1",
         help="micro-batch counts to run each connector with, comma-separated (1: off)",
+    )
+    p.add_argument(
+        "--repeat",
+        type=positive_int,
+        default=1,
+        help="launch every configuration this many times, in rounds; each row is the median launch (a single "
+        "prefill step varies by +-20%% between launches on a GPU)",
     )
     p.add_argument(
         "--max-num-batched-tokens",
