@@ -216,7 +216,8 @@ async def _stream(
     back, and the last with `finish_reason`), then usage when asked, then [DONE]. With `afd_timing` asked for,
     each choice's closing chunk also says how long its replica took to the first token.
 
-    The prompts are submitted before the headers go out: the replica starts while they are written."""
+    The prompts are submitted before the response is prepared: the replica starts meanwhile (aiohttp sends the
+    headers with the first body write)."""
     call.start()
     try:
         response = await _open_stream(request)
