@@ -135,7 +135,7 @@ def run_request(
     """Submit one prompt now (APIError 503 when no replica is alive) and return its pieces until it ends; the
     pieces raise APIError when it fails on the way.
 
-    Submitted at the call, not at the first piece: a stream sends its headers while the replica already works.
+    Submitted at the call, not at the first piece: a stream prepares its response while the replica already works.
     However it ends — a stop string, the client gone (the pieces are closed), an error — a request that is still
     running on its replica is aborted there, which frees its cache; pieces that are never iterated do not abort
     it (`ReplicaPool.abort(rid)` does)."""
