@@ -2,12 +2,26 @@
 # Round 14 device calls, written after round 13 for what it left open. Each phase is one call of under 10 minutes on
 # nvidia-h200-x2: `bash scripts/gpu_round14.sh prefill` (micro-batching with one large prefill step: does the 15%
 # target hold once the token budget is not the bottleneck?), then `bash scripts/gpu_round14.sh serve` (the mixed
-# workload with --warmups, so the first rate no longer pays first-shape costs, at rates that find the knee).
+# workload with --warmups, so the first rate no longer pays first-shape costs, at rates that find the knee). Later
+# phases: serve2a2f, timeline, final, last (docs/performance.md, round 14, calls c-g) and `next`, written for the
+# session after: the p2p warm-up exchange and micro-batching with --repeat.
 set -u
 PHASE=${1:-prefill}
 source "$(dirname "$0")/device_env.sh"
 exec > >(tee -a "$OUT/log.txt") 2>&1
 B=/tmp/afd_r14; mkdir -p "$B"
+# The phases below are kept as they ran in round 14 (the timeline ones' output names since unified). Since then duplicate --ubatches entries run once: repeated
+# launches are `afd bench --repeat N`.
+# timelined NAME LIMIT ARGS...: one bench with AFD_TIMELINE on; its report into $OUT/NAME_timeline.json, its raw
+# points into $OUT/NAME_points/
+timelined() {
+  local name=$1
+  export AFD_TIMELINE=$B/$name.tl
+  bench "$@"
+  python3 -m afd.timeline_report "$AFD_TIMELINE" --json "$OUT/${name}_timeline.json"
+  mkdir -p "$OUT/${name}_points" && cp "$AFD_TIMELINE"/*.json "$OUT/${name}_points/"
+  unset AFD_TIMELINE
+}
 if [[ $PHASE == prefill ]]; then
 bench 1a1f_prefill_8192_ubatches 300 --attention 1 --ffn 1 --requests 8 --long-len 1024 --short-len 1024 \
   --max-new-tokens 1 --ubatches 1,2,3 --connectors async,p2p --max-num-batched-tokens 8192
@@ -34,12 +48,8 @@ bench 1a1f_prefill_32x1024_ubatches 150 --attention 1 --ffn 1 --requests 32 --lo
 elif [[ $PHASE == timeline ]]; then
 # where the async 1A1F prefill's time goes, without a profiler (AFD_TIMELINE: a few CUDA events per exchange and
 # the engine's step ends), the raw points kept; then micro-batching on and off in turns, three launches each
-export AFD_TIMELINE=$B/tl
-bench 1a1f_prefill_32x1024_timeline 150 --attention 1 --ffn 1 --requests 32 --long-len 1024 --short-len 1024 \
+timelined 1a1f_prefill_32x1024 150 --attention 1 --ffn 1 --requests 32 --long-len 1024 --short-len 1024 \
   --max-new-tokens 1 --connectors async --max-num-batched-tokens 8192 --no-score
-python3 -m afd.timeline_report "$B/tl" --json "$OUT/timeline_prefill.json"
-mkdir -p "$OUT/tl" && cp "$B"/tl/*.json "$OUT/tl/"
-unset AFD_TIMELINE
 bench 1a1f_prefill_32x1024_ubatches_alternating 240 --attention 1 --ffn 1 --requests 32 --long-len 1024 \
   --short-len 1024 --max-new-tokens 1 --connectors async --max-num-batched-tokens 8192 --no-score \
   --ubatches 1,2,1,2,1,2
@@ -57,12 +67,15 @@ rc=${PIPESTATUS[0]}; echo "overhead rc=$rc"; [[ $rc == 0 ]] || tail -n 60 "$B/ov
 elif [[ $PHASE == last ]]; then
 # where p2p's 1A1F prefill goes (AFD_TIMELINE now covers p2p), micro-batching in 4 alternating pairs of launches,
 # and the 1A1F decode step once more (issue 11: <= 1.15x its compute, round 13: 1.17x)
-export AFD_TIMELINE=$B/tlp
-bench 1a1f_prefill_8x1024_p2p_timeline 60 --attention 1 --ffn 1 --requests 8 --long-len 1024 --short-len 1024 \
+timelined 1a1f_prefill_8x1024_p2p 60 --attention 1 --ffn 1 --requests 8 --long-len 1024 --short-len 1024 \
   --max-new-tokens 1 --connectors p2p --max-num-batched-tokens 8192 --no-score
-python3 -m afd.timeline_report "$B/tlp" --json "$OUT/timeline_p2p_prefill.json"
-mkdir -p "$OUT/tlp" && cp "$B"/tlp/*.json "$OUT/tlp/"
-unset AFD_TIMELINE
+elif [[ $PHASE == next ]]; then
+# for the next session: does the p2p warm-up exchange remove the 569 ms of its first send (timeline), and the
+# micro-batching target as medians of 4 launches each
+timelined 1a1f_prefill_8x1024_p2p_warm_exchange 60 --attention 1 --ffn 1 --requests 8 --long-len 1024 \
+  --short-len 1024 --max-new-tokens 1 --connectors p2p --max-num-batched-tokens 8192 --no-score
+bench 1a1f_prefill_8x1024_ubatches_repeat4 300 --attention 1 --ffn 1 --requests 8 --long-len 1024 --short-len 1024 \
+  --max-new-tokens 1 --ubatches 1,2,3 --repeat 4 --connectors async,p2p --max-num-batched-tokens 8192 --no-score
 bench 1a1f_prefill_8x1024_ubatches_pairs 170 --attention 1 --ffn 1 --requests 8 --long-len 1024 --short-len 1024 \
   --max-new-tokens 1 --ubatches 1,2,1,2,1,2,1,2 --connectors async --max-num-batched-tokens 8192 --no-score
 bench 1a1f_decode_b64 90 --attention 1 --ffn 1 --requests 64 --long-len 512 --short-len 512 --max-new-tokens 32 \
