@@ -29,6 +29,22 @@ def test_attention_phases_split_each_exchange():
     assert phases["host lead"] == pytest.approx([1e-3] * 3)
 
 
+def test_attention_compute_follows_each_micro_batch_in_ping_pong():
+    """m=2: sends of layer 1 for both micro-batches, then each reply resumes its own micro-batch's next layer."""
+    points = [
+        ["send", 1, 0.000, 0.001], ["sent", 1, 0.000, 0.002],  # micro-batch 0
+        ["send", 1, 0.001, 0.003], ["sent", 1, 0.001, 0.004],  # micro-batch 1
+        ["reply", 1, 0.002, 0.010],  # micro-batch 0's answer, taken by the host at 0.002
+        ["send", 2, 0.003, 0.013], ["sent", 2, 0.003, 0.014],  # micro-batch 0 resumed: 3 ms of attention
+        ["reply", 1, 0.004, 0.015],
+        ["send", 2, 0.005, 0.017], ["sent", 2, 0.005, 0.018],  # micro-batch 1: 2 ms after its own reply
+        ["reply", 2, 0.006, 0.030], ["reply", 2, 0.007, 0.031],
+    ]  # fmt: skip
+    phases = attention_phases(points)
+    assert phases["attention compute"] == pytest.approx([0.003, 0.002])  # never negative, never across batches
+    assert phases["round trip"] == pytest.approx([0.008, 0.011, 0.016, 0.013])
+
+
 def test_step_phases_put_the_engine_steps_around_their_exchanges():
     points = [["launch", -1, 0.000, None], *_attention([(1, 0.004, 0.005, 0.010), (2, 0.012, 0.013, 0.020)]),
               ["tokens", -1, 0.023, None], ["launch", -1, 0.025, None], ["tokens", -1, 0.030, None]]  # fmt: skip

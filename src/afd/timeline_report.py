@@ -34,13 +34,19 @@ def _time(point: list) -> float:
 
 
 def attention_phases(points: list[list]) -> dict[str, list[float]]:
-    """Seconds per exchange: compute (previous reply → send, within a step), send, round trip, host lead (how far
-    the host enqueued the send ahead of its stream: near 0 means the stream waited for its host)."""
+    """Seconds per exchange: compute (the reply that resumed this layer → its send: the host's last reply before the
+    send, of an earlier layer of the same step; with micro-batches that is the same micro-batch's previous layer),
+    send, round trip (replies come in send order), host lead (how far the host enqueued the send ahead of its
+    stream: near 0 means the stream waited for its host)."""
     sends, sents, replies = (_by_key(points, k) for k in ("send", "sent", "reply"))
     out: dict[str, list[float]] = {"attention compute": [], "send": [], "round trip": [], "host lead": []}
-    for i, (send, sent, reply) in enumerate(zip(sends, sents, replies, strict=False)):
-        if i and send[1] > replies[i - 1][1]:  # the next layer of the same step
-            out["attention compute"].append(_time(send) - _time(replies[i - 1]))
+    taken = 0  # replies the host had taken before the current send
+    for send, sent, reply in zip(sends, sents, replies, strict=False):
+        while taken < len(replies) and replies[taken][2] <= send[2]:
+            taken += 1
+        resumed = replies[taken - 1] if taken else None
+        if resumed is not None and resumed[1] < send[1]:  # an earlier layer of the same step
+            out["attention compute"].append(_time(send) - _time(resumed))
         out["send"].append(_time(sent) - _time(send))
         out["round trip"].append(_time(reply) - _time(sent))
         out["host lead"].append(_time(send) - send[2])
