@@ -13,6 +13,7 @@ FFN host "finds" a layer when it posts its receives, usually before the rows com
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import statistics
 import sys
@@ -60,13 +61,14 @@ def step_phases(points: list[list]) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {"step": [], "step head": [], "step tail": [], "between steps": []}
     launches, tokens = _by_key(points, "launch"), _by_key(points, "tokens")
     sends, replies = _by_key(points, "send"), _by_key(points, "reply")
+    send_hosts, reply_hosts = [s[2] for s in sends], [r[2] for r in replies]  # ascending: noted in host order
     for k, (launch, done) in enumerate(zip(launches, tokens, strict=False)):
         out["step"].append(done[2] - launch[2])
-        inside = [s for s in sends if launch[2] <= s[2] <= done[2]]
-        answered = [r for r in replies if launch[2] <= r[2] <= done[2]]
-        if inside and answered:
-            out["step head"].append(_time(inside[0]) - launch[2])
-            out["step tail"].append(done[2] - _time(answered[-1]))
+        first = bisect.bisect_left(send_hosts, launch[2])  # the step's first send, if it is before its tokens
+        last = bisect.bisect_right(reply_hosts, done[2]) - 1  # the step's last reply, if it is after its launch
+        if first < len(sends) and sends[first][2] <= done[2] and last >= 0 and replies[last][2] >= launch[2]:
+            out["step head"].append(_time(sends[first]) - launch[2])
+            out["step tail"].append(done[2] - _time(replies[last]))
         if k + 1 < len(launches):
             out["between steps"].append(launches[k + 1][2] - done[2])
     return out
