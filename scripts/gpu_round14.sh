@@ -76,8 +76,6 @@ timelined 1a1f_prefill_8x1024_p2p_warm_exchange 60 --attention 1 --ffn 1 --reque
   --short-len 1024 --max-new-tokens 1 --connectors p2p --max-num-batched-tokens 8192 --no-score
 bench 1a1f_prefill_8x1024_ubatches_repeat4 300 --attention 1 --ffn 1 --requests 8 --long-len 1024 --short-len 1024 \
   --max-new-tokens 1 --ubatches 1,2,3 --repeat 4 --connectors async,p2p --max-num-batched-tokens 8192 --no-score
-bench 1a1f_prefill_8x1024_ubatches_pairs 170 --attention 1 --ffn 1 --requests 8 --long-len 1024 --short-len 1024 \
-  --max-new-tokens 1 --ubatches 1,2,1,2,1,2,1,2 --connectors async --max-num-batched-tokens 8192 --no-score
 bench 1a1f_decode_b64 90 --attention 1 --ffn 1 --requests 64 --long-len 512 --short-len 512 --max-new-tokens 32 \
   --connectors async --no-score
 else
