@@ -15,3 +15,13 @@ bench() {
   echo "$name rc=$rc in $((SECONDS - t0)) s"; grep -v "^\[afd" "$B/$name.err" | tail -n 3
   [[ $rc == 0 ]] || tail -n 60 "$B/$name.err" > "$OUT/$name.err"  # what went wrong comes back
 }
+# timelined NAME LIMIT ARGS...: one bench with AFD_TIMELINE on; its report into $OUT/NAME_timeline.json, its raw
+# points into $OUT/NAME_points/
+timelined() {
+  local name=$1
+  export AFD_TIMELINE=$B/$name.tl
+  bench "$@"
+  python3 -m afd.timeline_report "$AFD_TIMELINE" --json "$OUT/${name}_timeline.json"
+  mkdir -p "$OUT/${name}_points" && cp "$AFD_TIMELINE"/*.json "$OUT/${name}_points/"
+  unset AFD_TIMELINE
+}

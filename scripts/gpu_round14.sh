@@ -12,16 +12,6 @@ exec > >(tee -a "$OUT/log.txt") 2>&1
 B=/tmp/afd_r14; mkdir -p "$B"
 # The phases below are kept as they ran in round 14 (the timeline ones' output names since unified). Since then duplicate --ubatches entries run once: repeated
 # launches are `afd bench --repeat N`.
-# timelined NAME LIMIT ARGS...: one bench with AFD_TIMELINE on; its report into $OUT/NAME_timeline.json, its raw
-# points into $OUT/NAME_points/
-timelined() {
-  local name=$1
-  export AFD_TIMELINE=$B/$name.tl
-  bench "$@"
-  python3 -m afd.timeline_report "$AFD_TIMELINE" --json "$OUT/${name}_timeline.json"
-  mkdir -p "$OUT/${name}_points" && cp "$AFD_TIMELINE"/*.json "$OUT/${name}_points/"
-  unset AFD_TIMELINE
-}
 if [[ $PHASE == prefill ]]; then
 bench 1a1f_prefill_8192_ubatches 300 --attention 1 --ffn 1 --requests 8 --long-len 1024 --short-len 1024 \
   --max-new-tokens 1 --ubatches 1,2,3 --connectors async,p2p --max-num-batched-tokens 8192

@@ -74,11 +74,19 @@ def test_bench_takes_a_token_budget_and_prefills_in_chunks_within_it(tmp_path: P
     out = tmp_path / "bench.json"
     args = ["--attention", "1", "--ffn", "1", "--connectors", "p2p,async", "--requests", "2", "--long-len", "24"]
     args += ["--short-len", "24", "--max-new-tokens", "2", "--max-num-batched-tokens", "16", "--json", str(out)]
-    proc = run_afd("bench", *args, timeout=110)
+    proc = run_afd("bench", *args, "--shared-experts", "ffn,attention", timeout=110)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
     assert result["max_num_batched_tokens"] == 16  # 24-token prompts: prefilled over several steps
-    for numerics in result["numerics"].values():  # chunked prefill through both connectors equals the reference
+    # the shared experts on the attention rank: async only (p2p has no such run)
+    assert {(r["connector"], r["shared_experts"]) for r in result["runs"]} == {
+        ("p2p", "ffn"),
+        ("async", "ffn"),
+        ("async", "attention"),
+    }
+    assert set(result["numerics"]) == {"p2p", "async", "async+sa"}
+    assert "async+sa: elapsed" in proc.stdout and "with the shared experts on the FFN ranks" in proc.stdout
+    for numerics in result["numerics"].values():  # chunked prefill through every run equals the reference
         assert numerics["positions"] == 2 * (24 + 2 - 1) and numerics["max_abs_dprob"] < 1e-4
 
 
@@ -86,6 +94,12 @@ def test_bench_takes_a_token_budget_and_prefills_in_chunks_within_it(tmp_path: P
 def test_bench_rejects_unknown_connector() -> None:
     proc = run_afd("bench", "--connectors", "p2p,nccl", timeout=25)
     assert proc.returncode == 2 and "--connectors takes p2p and/or async" in proc.stderr
+
+
+@pytest.mark.timeout(30)
+def test_bench_rejects_an_unknown_place_for_the_shared_experts() -> None:
+    proc = run_afd("bench", "--shared-experts", "ffn,gpu", timeout=25)
+    assert proc.returncode == 2 and "--shared-experts takes ffn and/or attention" in proc.stderr
 
 
 @pytest.mark.timeout(30)
@@ -150,6 +164,13 @@ def test_median_launch_and_the_micro_batching_gain_line() -> None:
         {"connector": "p2p", "ubatches": 2, "elapsed_s": 0.30},  # no p2p run without micro-batches: no line
     ]
     assert ubatch_gains(runs) == ["async m=2: elapsed 0.150 s vs 0.200 s without micro-batches (+25.0% faster)"]
+    runs = [
+        {"connector": "async", "ubatches": 1, "elapsed_s": 0.20},
+        {"connector": "async", "ubatches": 1, "shared_experts": "attention", "elapsed_s": 0.16},
+    ]
+    assert ubatch_gains(runs) == [
+        "async+sa: elapsed 0.160 s vs 0.200 s with the shared experts on the FFN ranks (+20.0% faster)"
+    ]
 
 
 @pytest.mark.timeout(240)

@@ -102,10 +102,12 @@ def run_bench(
     ubatches: tuple[int, ...] = (1,),
     max_num_batched_tokens: int | None = None,
     repeat: int = 1,
+    shared_experts: tuple[str, ...] = ("ffn",),
     progress=None,
 ) -> dict:
-    """Each connector once per micro-batch count in `ubatches` (1: off); `max_num_batched_tokens` is the engines'
-    token budget per step (None: max(2048, 2 x the long prompt)).
+    """Each connector once per micro-batch count in `ubatches` (1: off) and per place of the shared experts in
+    `shared_experts` ("ffn", "attention": async only, skipped for the others); `max_num_batched_tokens` is the
+    engines' token budget per step (None: max(2048, 2 x the long prompt)).
 
     `repeat` > 1: every configuration is launched that many times, in rounds (each round launches every
     configuration once, so drift over the run spreads evenly); a run's row is its median launch by elapsed time, and
@@ -135,18 +137,29 @@ def run_bench(
         "max_num_batched_tokens": budget,
         "runs": [],
     }
-    runs = list(dict.fromkeys((c, m) for c in connectors for m in ubatches))
-    launches: dict[tuple[str, int], list[dict]] = {run: [] for run in runs}
+    runs = list(
+        dict.fromkeys(
+            (c, m, where)
+            for c in connectors
+            for where in shared_experts
+            if where == "ffn" or c == "async"
+            for m in ubatches
+        )
+    )
+    launches: dict[tuple[str, int, str], list[dict]] = {run: [] for run in runs}
     for round_ in range(repeat):
-        for connector, m in runs:
-            say(f"throughput: {run_label(connector, m)} {num_attn}A{num_ffn}F{repeat_label(round_, repeat)} ...")
-            run = run_connector(connector, num_attn, num_ffn, spec, prompts, extra_config=ubatch_config(connector, m))
-            launches[(connector, m)].append(run_summary(run))
-    for (_, m), summaries in launches.items():
+        for connector, m, where in runs:
+            label = run_label(connector, m, where)
+            say(f"throughput: {label} {num_attn}A{num_ffn}F{repeat_label(round_, repeat)} ...")
+            run = run_connector(
+                connector, num_attn, num_ffn, spec, prompts, extra_config=run_config(connector, m, where)
+            )
+            launches[(connector, m, where)].append(run_summary(run))
+    for (_, m, where), summaries in launches.items():
         row = median_launch(summaries)
         if repeat > 1:
             row["launches_elapsed_s"] = [s["elapsed_s"] for s in summaries]
-        result["runs"].append({**row, "ubatches": m})
+        result["runs"].append({**row, "ubatches": m, "shared_experts": where})
     result["repeat"] = repeat
     if score:
         say("numerics: single-process reference ...")
@@ -163,12 +176,13 @@ def run_bench(
         )
         ref_scores = run_reference(score_spec, scored)
         result["numerics"] = {}
-        for connector, m in runs:
-            say(f"numerics: {run_label(connector, m)} scoring the reference's sequences ...")
+        for connector, m, where in runs:
+            label = run_label(connector, m, where)
+            say(f"numerics: {label} scoring the reference's sequences ...")
             run = run_connector(
-                connector, num_attn, num_ffn, score_spec, scored, extra_config=ubatch_config(connector, m)
+                connector, num_attn, num_ffn, score_spec, scored, extra_config=run_config(connector, m, where)
             )
-            result["numerics"][run_label(connector, m)] = probability_diff(ref_scores, run)
+            result["numerics"][label] = probability_diff(ref_scores, run)
     return result
 
 
@@ -183,17 +197,23 @@ def median_launch(summaries: list[dict]) -> dict:
 
 
 def ubatch_gains(runs: list[dict]) -> list[str]:
-    """Per connector run with micro-batching and without: how much shorter its elapsed time is with m > 1."""
-    plain = {r["connector"]: r["elapsed_s"] for r in runs if r.get("ubatches", 1) == 1}
+    """How much shorter each run's elapsed time is with m > 1 than without micro-batches, and with the shared
+    experts on the attention rank than on the FFN ranks (the same connector and micro-batch count otherwise)."""
+    elapsed = {(r["connector"], r.get("ubatches", 1), r.get("shared_experts", "ffn")): r["elapsed_s"] for r in runs}
     lines = []
-    for r in runs:
-        m, base = r.get("ubatches", 1), plain.get(r["connector"])
-        if m > 1 and base:
-            change = 1 - r["elapsed_s"] / base
-            lines.append(
-                f"{run_label(r['connector'], m)}: elapsed {r['elapsed_s']:.3f} s vs {base:.3f} s without micro-batches "
-                f"({change:+.1%} {'faster' if change >= 0 else 'slower'})"
-            )
+    for (connector, m, where), t in elapsed.items():
+        label = run_label(connector, m, where)
+        for base_key, versus in (
+            ((connector, 1, where), "without micro-batches"),
+            ((connector, m, "ffn"), "with the shared experts on the FFN ranks"),
+        ):
+            base = elapsed.get(base_key)
+            if base_key != (connector, m, where) and base:
+                change = 1 - t / base
+                lines.append(
+                    f"{label}: elapsed {t:.3f} s vs {base:.3f} s {versus} ({change:+.1%} "
+                    f"{'faster' if change >= 0 else 'slower'})"
+                )
     return lines
 
 
@@ -205,8 +225,15 @@ def ubatch_config(connector: str, num_ubatches: int) -> dict:
     return {f"{prefix}_ubatching": True, f"{prefix}_num_ubatches": num_ubatches}
 
 
-def run_label(connector: str, num_ubatches: int) -> str:
-    return connector if num_ubatches == 1 else f"{connector} m={num_ubatches}"
+def run_config(connector: str, num_ubatches: int, shared_experts: str = "ffn") -> dict:
+    """`connector_extra_config` of one bench run: micro-batches, and where the shared experts run."""
+    extra = ubatch_config(connector, num_ubatches)
+    return extra | {"shared_experts_on_attention": True} if shared_experts == "attention" else extra
+
+
+def run_label(connector: str, num_ubatches: int, shared_experts: str = "ffn") -> str:
+    name = connector + ("+sa" if shared_experts == "attention" else "")  # sa: shared experts on the attention rank
+    return name if num_ubatches == 1 else f"{name} m={num_ubatches}"
 
 
 def format_bench(result: dict) -> str:
@@ -221,7 +248,7 @@ def format_bench(result: dict) -> str:
         lines.insert(2, f"each row: the median of {repeat} launches by elapsed time (all of them: launches_elapsed_s)")
     for run in result["runs"]:
         per = " / ".join(f"{r['elapsed_s']:.2f}" for r in run["replicas"])
-        label = run_label(run["connector"], run.get("ubatches", 1))
+        label = run_label(run["connector"], run.get("ubatches", 1), run.get("shared_experts", "ffn"))
         step = run.get("decode_step_p50_ms", float("nan"))
         lines.append(
             f"{label:<10} {run['tokens_per_s']:>9.1f} {run['ttft_p50_s'] * 1e3:>8.1f}ms "

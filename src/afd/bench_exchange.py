@@ -46,6 +46,8 @@ logger = logging.getLogger(__name__)
 class NoOpFFN:
     """An FFN side that answers zeros without computing: only the exchange is left to time."""
 
+    has_shared_experts = True  # answers zeros for them: the FFN side of the default placement
+
     def experts_topk(self, layer_idx: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:  # [R, H] fp32
         return torch.zeros(x.shape, dtype=torch.float32, device=x.device)
 
@@ -56,6 +58,8 @@ class NoOpFFN:
 class EchoFFN:
     """An FFN side that answers each row with itself: a reply equals its request only if both directions
     delivered the current message (the ordering stress test, `run_exchange_stress`)."""
+
+    has_shared_experts = True  # answers zeros for them: the FFN side of the default placement
 
     def experts_topk(self, layer_idx: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:  # [R, H] fp32
         return x.float()

@@ -22,6 +22,7 @@ from afd.cli_args import (
     add_skip_resource_check,
     cache_options,
     check_resources,
+    launch_config,
     run_spec,
     sampling_params,
 )
@@ -30,6 +31,7 @@ from afd.cli_input import (
     batched_tokens,
     check_cache_fits,
     check_prompts,
+    choice_list,
     connector_list,
     non_negative_int,
     port_number,
@@ -143,16 +145,15 @@ def run_generate(args: argparse.Namespace) -> tuple[list, dict]:
             enforce_eager=args.enforce_eager,
         )
         return outputs, {}
-    from afd.runtime.launch import free_port, launch
+    from afd.runtime.launch import launch
 
-    base = parse_config(args.config) if args.config else parse_config({})
-    config = base.replace(
-        connector=args.connector,
+    config = launch_config(
+        args.config,
+        args.connector,
+        port=args.port,
         num_attention_ranks=args.attention,
         num_ffn_ranks=args.ffn,
         compute_gate_on_attention=not args.gate_on_ffn,
-        port=args.port or (base.port if args.config else free_port(base.host)),
-        connector_extra_config=base.to_dict()["connector_extra_config"] if base.connector == args.connector else {},
     )
     check_resources(
         args,
@@ -190,7 +191,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     from afd.runtime.worker import RankJob, exit_now, run_rank
 
-    config = parse_config(args.config) if args.config else parse_config({})
+    config = parse_config(args.config if args.config else {}, default_connector=args.connector or "p2p")
     overrides = {
         "connector": args.connector,
         "num_attention_ranks": args.attention,
@@ -374,6 +375,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         ubatches=tuple(args.ubatches),
         max_num_batched_tokens=args.max_num_batched_tokens,
         repeat=args.repeat,
+        shared_experts=tuple(args.shared_experts),
         progress=lambda msg: print(f"[afd bench] {msg}", file=sys.stderr, flush=True),
     )
     print(format_bench(result))
@@ -450,6 +452,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=batched_tokens,
         help="token budget of one engine step (default: max(2048, 2 x --long-len)); a larger one prefills in fewer, "
         "larger steps",
+    )
+    p.add_argument(
+        "--shared-experts",
+        type=choice_list("--shared-experts", ("ffn", "attention")),
+        default="ffn",
+        help="where the shared experts run, comma-separated to compare: ffn, attention (async only: on the attention "
+        "rank between send and recv; rows labelled +sa)",
     )
     p.add_argument("--no-score", action="store_true", help="skip the numerics comparison")
     p.add_argument("--json", help="also write the raw result (JSON) to this file")

@@ -23,6 +23,7 @@ from afd.cli_input import (
 )
 
 if TYPE_CHECKING:
+    from afd.config import AFDConfig
     from afd.runtime.launch import RunSpec
 
 
@@ -201,3 +202,16 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         help="no CUDA graphs (as in vLLM); graphs are used only by the single-process engine on CUDA bf16 decode",
     )
     add_skip_resource_check(p)
+
+
+def launch_config(source: str | None, connector: str, *, port: int | None = None, **changes: object) -> AFDConfig:
+    """The AFD config of a launch: `--config` (a file or JSON; one that names no connector is read as `connector`'s)
+    under the command line's choices. A config written for the other connector keeps none of its extra keys; the
+    rendezvous port is `port`, else the config's when one was given, else a free one."""
+    from afd.config import parse_config
+    from afd.runtime.launch import free_port
+
+    base = parse_config(source if source else {}, default_connector=connector)
+    extra = base.to_dict()["connector_extra_config"] if base.connector == connector else {}
+    port = port or (base.port if source else free_port(base.host))
+    return base.replace(connector=connector, connector_extra_config=extra, port=port, **changes)

@@ -260,6 +260,21 @@ def size_list(flag: str) -> Callable[[str], list[int]]:
     return parse
 
 
+def choice_list(flag: str, choices: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
+    """An argparse type: a comma-separated list of `choices`, in the order given, without repeats."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        names = [n.strip() for n in text.split(",")]
+        bad = [n for n in names if n not in choices]
+        if bad:
+            raise argparse.ArgumentTypeError(
+                f"{flag} takes {' and/or '.join(choices)} separated by ',', got {bad[0]!r} in {text!r}"
+            )
+        return tuple(dict.fromkeys(names))
+
+    return parse
+
+
 def prefill_list(text: str) -> list[tuple[int, int]]:
     """An argparse type: comma-separated BxC pairs (e.g. 8x1024), or '' for none."""
     if not text.strip():

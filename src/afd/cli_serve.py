@@ -13,7 +13,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from afd.cli_args import check_resources
+from afd.cli_args import check_resources, launch_config
 from afd.cli_input import (
     UsageError,
     batched_tokens,
@@ -98,8 +98,6 @@ def add_serve_parser(sub) -> None:
 def build_plan(args: argparse.Namespace):
     """The checked `ServePlan` of the flags (UsageError in one sentence otherwise)."""
     from afd import env
-    from afd.config import parse_config
-    from afd.runtime.launch import free_port
     from afd.serve.run import ServePlan
     from afd.serve.server import ServeOptions
     from afd.serve.tokenizer import TokenizerError, load_tokenizer
@@ -120,15 +118,12 @@ def build_plan(args: argparse.Namespace):
                 f"with --connector {args.connector} the replicas are the attention ranks; "
                 "leave --replicas out or make it equal to --attention"
             )
-        base = parse_config(args.config) if args.config else parse_config({})
-        extra = base.to_dict()["connector_extra_config"] if base.connector == args.connector else {}
-        config = base.replace(
-            connector=args.connector,
+        config = launch_config(
+            args.config,
+            args.connector,
             num_attention_ranks=args.attention,
             num_ffn_ranks=args.ffn,
             compute_gate_on_attention=not args.gate_on_ffn,
-            port=free_port(base.host),
-            connector_extra_config=extra,
         )
         replicas = args.attention
     _check_resources(args, model_config)

@@ -178,6 +178,9 @@ class AsyncExtraConfig:
     async_moe_num_ubatches: int = 2
     async_moe_split: str = "token"
     timeout_s: float = 120.0  # bound on every rendezvous and window wait, as p2p's
+    # Beyond the seed: the shared experts run on the attention rank between send and recv (it would idle there),
+    # so the FFN ranks only run routed experts and reply in fp32 (docs/architecture.md, "Shared experts").
+    shared_experts_on_attention: bool = False
 
     @property
     def num_ubatches(self) -> int:
@@ -210,6 +213,10 @@ class AsyncExtraConfig:
             async_moe_num_ubatches=num_ubatches,
             async_moe_split=raw.get("async_moe_split", d.async_moe_split),
             timeout_s=_check_float(key + "timeout_s", raw.get("timeout_s", d.timeout_s), above=0),
+            shared_experts_on_attention=_check_bool(
+                key + "shared_experts_on_attention",
+                raw.get("shared_experts_on_attention", d.shared_experts_on_attention),
+            ),
         )
         if cfg.async_moe_split not in ("token",):
             raise ConfigError(f"{key}async_moe_split must be 'token', got {cfg.async_moe_split!r}")
@@ -294,8 +301,10 @@ def _read_file(path: Path) -> str:
         raise ConfigError(str(exc)) from None
 
 
-def parse_config(source: dict | str | Path) -> AFDConfig:
-    """Resolve a config from a dict, a JSON string or a JSON file; raise ConfigError on anything off."""
+def parse_config(source: dict | str | Path, *, default_connector: str = "p2p") -> AFDConfig:
+    """Resolve a config from a dict, a JSON string or a JSON file; raise ConfigError on anything off.
+    `default_connector`: the connector of a config that names none (a CLI's `--connector`), whose keys its
+    `connector_extra_config` is checked against."""
     raw = _load_raw(source)
     if "afd" in raw:
         if len(raw) != 1 or not isinstance(raw["afd"], dict):
@@ -309,7 +318,7 @@ def parse_config(source: dict | str | Path) -> AFDConfig:
         folded[name] = value
     _reject_unknown("the AFD config", folded, CANONICAL_KEYS + list(KEY_ALIASES))
 
-    connector = folded.get("connector", "p2p")
+    connector = folded.get("connector", default_connector)
     if connector not in CONNECTOR_ALIASES:
         raise ConfigError(f"connector must be one of {', '.join(CONNECTOR_ALIASES)}, got {connector!r}")
     connector = CONNECTOR_ALIASES[connector]

@@ -62,6 +62,8 @@ class ExpertPassGraphs:
         """The expert pass over the first `n` static rows: [n, H] fp32."""
         x = self._x[:n]
         out = self.ffn_model.experts_topk(layer_idx, x, Routing(self._ids[:n], self._weights[:n])).float()
+        if not self.ffn_model.has_shared_experts:  # the attention ranks run them
+            return out
         shared = self.ffn_model.shared(layer_idx, x).float()  # [n, H]
         return out + torch.where(self._shared[:n, None], shared, 0.0)
 

@@ -23,7 +23,13 @@ class Experts(nn.Module):
 
 class FFNLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer_idx: int, num_local_experts: int, gate_on_attention: bool, dtype: torch.dtype
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        num_local_experts: int,
+        gate_on_attention: bool,
+        dtype: torch.dtype,
+        shared_experts: bool = True,
     ) -> None:
         super().__init__()
         is_moe = config.is_moe_layer(layer_idx)
@@ -32,7 +38,8 @@ class FFNLayer(nn.Module):
         self.gate = Gate(config, rsf) if is_moe and not gate_on_attention else None
         self.experts = Experts(config, num_local_experts) if is_moe else None
         shared_size = config.moe_intermediate_size * config.n_shared_experts
-        self.shared_experts = MLP(config.hidden_size, shared_size) if is_moe and shared_size else None
+        has_shared = shared_experts and is_moe and shared_size > 0
+        self.shared_experts = MLP(config.hidden_size, shared_size) if has_shared else None
 
 
 class FFNModel(nn.Module):
@@ -45,7 +52,10 @@ class FFNModel(nn.Module):
         expert_range: range | tuple[int, int] | None = None,
         gate_on_attention: bool = True,
         dtype: torch.dtype = torch.float32,
+        shared_experts: bool = True,
     ) -> None:
+        """shared_experts=False: the attention side runs them (the async connector's `shared_experts_on_attention`);
+        `shared` then answers zeros."""
         super().__init__()
         if expert_range is None:
             expert_range = range(config.n_routed_experts)
@@ -55,13 +65,17 @@ class FFNModel(nn.Module):
         self.config, self.gate_on_attention, self.dtype = config, gate_on_attention, dtype
         self.expert_start, self.expert_stop = start, stop
         self.num_local_experts = stop - start
+        self.has_shared_experts = shared_experts and config.n_shared_experts > 0
         self.scale = config.residual_scale(dtype)
         # Routed-expert path of `experts_topk`: None picks the fixed-shape, host-sync-free one where
         # `torch._grouped_mm` runs natively (CUDA sm90+, bf16) and the exact loop elsewhere (afd.moe).
         self.fixed_shape_moe: bool | None = None
         layer_ids = [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i) or not gate_on_attention]
         self.layers = nn.ModuleDict(
-            {str(i): FFNLayer(config, i, self.num_local_experts, gate_on_attention, dtype) for i in layer_ids}
+            {
+                str(i): FFNLayer(config, i, self.num_local_experts, gate_on_attention, dtype, shared_experts)
+                for i in layer_ids
+            }
         )
 
     def _layer(self, layer_idx: int) -> FFNLayer:

@@ -145,9 +145,17 @@ def run_ubatches(segments: Sequence[Segments], exchange: SendRecv) -> list[torch
 
 
 class AttentionLayer(nn.Module):
-    """Attention side of one decoder layer: norms, attention, and the gate or dense MLP it owns."""
+    """Attention side of one decoder layer: norms, attention, and the gate or dense MLP it owns (and, when asked,
+    the shared experts of a MoE layer, which the connector runs while the FFN side computes the routed ones)."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int, gate_on_attention: bool, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        gate_on_attention: bool,
+        dtype: torch.dtype,
+        shared_experts: bool = False,
+    ) -> None:
         super().__init__()
         _, _, softmax_scale = rope_parameters(config)
         self.layer_idx = layer_idx
@@ -158,6 +166,9 @@ class AttentionLayer(nn.Module):
         self.mlp = MLP(config.hidden_size, config.intermediate_size) if gate_on_attention and not is_moe else None
         rsf = 1.0 if dtype == torch.float16 else config.routed_scaling_factor
         self.gate = Gate(config, rsf) if gate_on_attention and is_moe else None
+        shared_size = config.moe_intermediate_size * config.n_shared_experts
+        has_shared = shared_experts and gate_on_attention and is_moe and shared_size > 0
+        self.shared_experts = MLP(config.hidden_size, shared_size) if has_shared else None
         self.scale = config.residual_scale(dtype)
 
     def attend(
@@ -176,13 +187,20 @@ class AttentionModel(nn.Module):
     """Embedding, attention blocks, norms, gate/dense MLPs (gate on attention), final norm, lm_head."""
 
     def __init__(
-        self, config: ModelConfig, *, gate_on_attention: bool = True, dtype: torch.dtype = torch.float32
+        self,
+        config: ModelConfig,
+        *,
+        gate_on_attention: bool = True,
+        dtype: torch.dtype = torch.float32,
+        shared_experts: bool = False,
     ) -> None:
         super().__init__()
         self.config, self.gate_on_attention, self.dtype = config, gate_on_attention, dtype
+        # whether this side holds the shared experts of its MoE layers (the connector runs them between send and recv)
+        self.has_shared_experts = shared_experts and gate_on_attention and config.n_shared_experts > 0
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            AttentionLayer(config, i, gate_on_attention, dtype) for i in range(config.num_hidden_layers)
+            AttentionLayer(config, i, gate_on_attention, dtype, shared_experts) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -195,6 +213,14 @@ class AttentionModel(nn.Module):
         if self.gate_on_attention:
             return self.config.moe_layers
         return list(range(self.config.num_hidden_layers))
+
+    def shared(self, layer_idx: int, x: torch.Tensor) -> torch.Tensor:
+        """Shared experts of a boundary layer on its normed hidden `x [T, H]` -> `[T, H]` model dtype, scaled as the
+        FFN side scales them. Raises when this side does not hold them."""
+        mlp = self.layers[layer_idx].shared_experts
+        if mlp is None:
+            raise ValueError(f"layer {layer_idx}'s shared experts are not on the attention side")
+        return mlp(x) * self.scale
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, R/2] fp32 (already multiplied by the YaRN attention factor)."""

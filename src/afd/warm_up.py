@@ -54,7 +54,12 @@ def warm_up_engine(engine: Engine, *, force: bool = False) -> None:
         return
     start = time.perf_counter()
     model, cache = engine.model, engine.kv_cache
-    exchange = engine.exchange if isinstance(engine.exchange, LocalExchange) else zero_exchange
+    if isinstance(engine.exchange, LocalExchange):
+        exchange = engine.exchange
+    elif model.has_shared_experts:  # the connector runs them here: their GEMMs at every warm-up shape too
+        exchange = lambda layer_idx, x, routing: model.shared(layer_idx, x)  # noqa: E731
+    else:
+        exchange = zero_exchange
     free_tokens = cache.pool.num_free * cache.block_size
     full_step = budget_prompt_lens(engine.max_num_batched_tokens, engine.max_model_len, free_tokens, cache.block_size)
     for lens in (*PROMPT_LENS, *((full_step,) if full_step else ())):

@@ -148,10 +148,10 @@ def _plain_params(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
     return ((n, p) for n, p in model.named_parameters() if not n.endswith((".w13", ".w2")))
 
 
-def attention_keys(config: ModelConfig, *, gate_on_attention: bool = True) -> list[str]:
+def attention_keys(config: ModelConfig, *, gate_on_attention: bool = True, shared_experts: bool = False) -> list[str]:
     """Hugging Face tensor names an attention-side load reads."""
     with torch.device("meta"):
-        model = AttentionModel(config, gate_on_attention=gate_on_attention)
+        model = AttentionModel(config, gate_on_attention=gate_on_attention, shared_experts=shared_experts)
     keys = [_hf_key(n) for n, _ in model.named_parameters()]
     if config.tie_word_embeddings:
         keys.remove("lm_head.weight")
@@ -159,11 +159,17 @@ def attention_keys(config: ModelConfig, *, gate_on_attention: bool = True) -> li
 
 
 def ffn_keys(
-    config: ModelConfig, *, expert_range: range | tuple[int, int] | None = None, gate_on_attention: bool = True
+    config: ModelConfig,
+    *,
+    expert_range: range | tuple[int, int] | None = None,
+    gate_on_attention: bool = True,
+    shared_experts: bool = True,
 ) -> list[str]:
     """Hugging Face tensor names an FFN-side load of `expert_range` reads (only those experts)."""
     with torch.device("meta"):
-        model = FFNModel(config, expert_range=expert_range, gate_on_attention=gate_on_attention)
+        model = FFNModel(
+            config, expert_range=expert_range, gate_on_attention=gate_on_attention, shared_experts=shared_experts
+        )
     keys = [_hf_key(n) for n, _ in _plain_params(model)]
     for layer in model.layers:
         if model.layers[layer].experts is not None:
@@ -274,12 +280,14 @@ def load_attention_model(
     device: str | torch.device = "cpu",
     gate_on_attention: bool = True,
     seed: int = 0,
+    shared_experts: bool = False,
 ) -> AttentionModel:
-    """Attention side: embedding, attention, norms, gate / dense MLPs (gate on attention), lm_head."""
+    """Attention side: embedding, attention, norms, gate / dense MLPs (gate on attention), lm_head (and the shared
+    experts with `shared_experts`)."""
     config, dtype, device = load_model_config(model), resolve_dtype(dtype), torch.device(device)
     with torch.device("meta"):
-        out = AttentionModel(config, gate_on_attention=gate_on_attention, dtype=dtype)
-    keys = attention_keys(config, gate_on_attention=gate_on_attention)
+        out = AttentionModel(config, gate_on_attention=gate_on_attention, dtype=dtype, shared_experts=shared_experts)
+    keys = attention_keys(config, gate_on_attention=gate_on_attention, shared_experts=shared_experts)
     tensors = _read(model, config, keys, dtype=dtype, device=device, seed=seed, model=out)
     if config.tie_word_embeddings:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
@@ -296,12 +304,22 @@ def load_ffn_model(
     expert_range: range | tuple[int, int] | None = None,
     gate_on_attention: bool = True,
     seed: int = 0,
+    shared_experts: bool = True,
 ) -> FFNModel:
-    """FFN side: routed experts of `expert_range` (default all), shared experts, gate/dense MLPs (gate on FFN)."""
+    """FFN side: routed experts of `expert_range` (default all), shared experts (unless `shared_experts=False`),
+    gate/dense MLPs (gate on FFN)."""
     config, dtype, device = load_model_config(model), resolve_dtype(dtype), torch.device(device)
     with torch.device("meta"):
-        out = FFNModel(config, expert_range=expert_range, gate_on_attention=gate_on_attention, dtype=dtype)
-    keys = ffn_keys(config, expert_range=expert_range, gate_on_attention=gate_on_attention)
+        out = FFNModel(
+            config,
+            expert_range=expert_range,
+            gate_on_attention=gate_on_attention,
+            dtype=dtype,
+            shared_experts=shared_experts,
+        )
+    keys = ffn_keys(
+        config, expert_range=expert_range, gate_on_attention=gate_on_attention, shared_experts=shared_experts
+    )
     tensors = _read(model, config, keys, dtype=dtype, device=device, seed=seed, model=out)
     _fill(out, tensors)
     for layer_name, layer in out.layers.items():

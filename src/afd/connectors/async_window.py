@@ -31,7 +31,7 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +79,12 @@ class PeerDied(RuntimeError):
 # config
 
 
+def as_async_config(extra_config: AsyncExtraConfig | Mapping[str, Any] | None) -> AsyncExtraConfig:
+    if isinstance(extra_config, AsyncExtraConfig):
+        return extra_config
+    return AsyncExtraConfig.from_dict(dict(extra_config or {}))
+
+
 # ---------------------------------------------------------------------------------------------
 # common endpoint
 
@@ -105,11 +111,7 @@ class AsyncEndpoint:
         namespace: str = "afd_async",
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
-        self.config = (
-            extra_config
-            if isinstance(extra_config, AsyncExtraConfig)
-            else AsyncExtraConfig.from_dict(dict(extra_config or {}))
-        )
+        self.config = as_async_config(extra_config)
         size = topology.num_attention if self.role == "attention" else topology.num_ffn
         if not 0 <= role_rank < size:
             raise ValueError(f"{self.role} rank {role_rank} outside 0..{size - 1}")
@@ -133,6 +135,7 @@ class AsyncEndpoint:
             num_ffn=topology.num_ffn,
             max_num_batched_tokens=max_num_batched_tokens,
             routed_cap_multiplier=self.config.routed_cap_multiplier,
+            shared_on_attention=self.config.shared_experts_on_attention,
         )
         geometry = WindowGeometry(layout, topology.num_regions, self.config.ring_depth)
         world = topology.world_size
@@ -240,15 +243,35 @@ class PendingExchange:
     dtype: torch.dtype
     plan: DispatchPlan  # which token each reply row adds to
     sent: dict[int, InFlight]  # ffn_rank → slot and seq; the only ranks recv waits on
+    shared: torch.Tensor | None = None  # [T, H] the shared experts' output, run here (`shared_experts_on_attention`)
 
 
 class AsyncAttentionExchange(AsyncEndpoint):
-    """Attention side; usable as the model's `exchange(layer_idx, x, routing)`."""
+    """Attention side; usable as the model's `exchange(layer_idx, x, routing)`.
+
+    shared_experts: `(layer_idx, x) -> [T, H]`, the attention model's own shared experts; required with
+    `shared_experts_on_attention`, when every send runs them on this rank while the FFN ranks compute the routed
+    experts, and its recv adds them to the replies (fp32) before the one rounding to the model dtype.
+    """
 
     role: Role = "attention"
 
-    def __init__(self, store: dist.Store, topology: AsyncTopology, attn_rank: int, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        store: dist.Store,
+        topology: AsyncTopology,
+        attn_rank: int,
+        *,
+        shared_experts: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if as_async_config(kwargs.get("extra_config")).shared_experts_on_attention and shared_experts is None:
+            raise ValueError(
+                "connector_extra_config.shared_experts_on_attention needs the attention model's shared experts "
+                "(load it with shared_experts=True and pass its `shared`)"
+            )
         super().__init__(store, topology, attn_rank, **kwargs)
+        self.shared_experts = shared_experts if self.config.shared_experts_on_attention else None
         # micro-batches of a step in ping-pong (afd.model.run_ubatches): each is one send in flight per FFN rank,
         # so each needs its own ring stage (the config makes ring_depth cover them)
         cfg = self.config
@@ -310,13 +333,15 @@ class AsyncAttentionExchange(AsyncEndpoint):
         dst.x[:num_tokens].copy_(x)
         dst.topk_ids[:num_tokens].copy_(routing.topk_ids)
         dst.topk_weights[:num_tokens].copy_(routing.topk_weights)
-        chain.stamp_request(self._device_seq, dst.header, flag, layer_idx, num_tokens)
+        shared = self.shared_experts is not None
+        chain.stamp_request(self._device_seq, dst.header, flag, layer_idx, num_tokens, shared_on_ffn=not shared)
+        addend = self.shared_experts(layer_idx, x) if self.shared_experts is not None else None  # while FFN works
         reply = self.window.wait_flag(0, 0, 1, torch.cuda.current_stream(self.device))
-        out = torch.empty_like(x)
+        out = torch.empty(x.shape, dtype=torch.float32 if shared else x.dtype, device=x.device)
         chain.take_reply(reply.header, self.window.local_flag(0, 0), reply.out, out, self._device_seq, self._errors,
                          layer_idx)  # fmt: skip
         self.captured_sends += 1
-        return out
+        return out if addend is None else out.add_(addend.float()).to(x.dtype)
 
     def warm_up_graph_kernels(self) -> None:
         """Compile the captured exchange's kernels on scratch (a compile must not happen during a capture)."""
@@ -327,8 +352,10 @@ class AsyncAttentionExchange(AsyncEndpoint):
         flag = torch.zeros(1, dtype=torch.int64, device=self.device)
         counter, errors = torch.zeros_like(flag), torch.zeros_like(flag)
         rows = torch.zeros(2, self.hidden_size, dtype=lay.reply_dtype, device=self.device)
-        chain.stamp_request(counter, header, flag, 0, 2)
-        chain.take_reply(header, flag, rows, torch.empty(2, self.hidden_size, dtype=self.dtype, device=self.device),
+        shared = self.shared_experts is not None
+        chain.stamp_request(counter, header, flag, 0, 2, shared_on_ffn=not shared)
+        out_dtype = torch.float32 if shared else self.dtype
+        chain.take_reply(header, flag, rows, torch.empty(2, self.hidden_size, dtype=out_dtype, device=self.device),
                          counter, errors, 0)  # fmt: skip
         torch.cuda.synchronize(self.device)
 
@@ -391,7 +418,8 @@ class AsyncAttentionExchange(AsyncEndpoint):
             raise ValueError(f"{num_tokens} tokens exceed max_num_batched_tokens={self.window.layout.token_cap}")
         if self.timeline is not None:
             self.timeline.mark("send", layer_idx)  # on the device: the layer's attention is done
-        plan = plan_dispatch(topk_ids, self.expert_map, counts_host=self._counts_host)
+        shared_here = self.shared_experts is not None
+        plan = plan_dispatch(topk_ids, self.expert_map, counts_host=self._counts_host, shared_on_ffn=not shared_here)
         headers = {
             f: SlotHeader(
                 layer_idx=layer_idx, num_tokens=num_tokens, num_rows=plan.rows[f], shared_rows=plan.shared_rows[f]
@@ -426,6 +454,8 @@ class AsyncAttentionExchange(AsyncEndpoint):
         self._pending.append(pending)
         if self.timeline is not None:
             self.timeline.mark("sent", layer_idx)  # on the device: the rows and flags are written
+        if self.shared_experts is not None:  # on this rank's stream while the FFN ranks run the routed experts
+            pending.shared = self.shared_experts(layer_idx, x)
         return pending
 
     def recv(self) -> torch.Tensor:
@@ -479,6 +509,14 @@ class AsyncAttentionExchange(AsyncEndpoint):
             combine_scatter(acc, replies[f].rows, plan.token_index[plan.segment(f)])
         if self.timeline is not None:
             self.timeline.mark("reply", pending.layer_idx)
+        return self._with_shared(acc, pending)
+
+    @staticmethod
+    def _with_shared(acc: torch.Tensor, pending: PendingExchange) -> torch.Tensor:
+        """The routed experts' fp32 sum `acc [T, H]` plus the shared experts run here, rounded once to the model
+        dtype (the reference's order: routed, then shared). Never in place: `acc` may be a view of the window."""
+        if pending.shared is not None:
+            acc = acc + pending.shared.float()
         return acc.to(pending.dtype)
 
     def _recv_on_device(self, pending: PendingExchange) -> torch.Tensor:
@@ -491,7 +529,8 @@ class AsyncAttentionExchange(AsyncEndpoint):
             sent = pending.sent[0]
             views = self.window.wait_flag(0, sent.stage, sent.seq, stream)
             # a copy, never a view of the window: the next reply into this slot must not change the result
-            result = views.out[: pending.num_tokens].to(pending.dtype, copy=True)
+            reply = views.out[: pending.num_tokens]
+            result = reply.to(pending.dtype, copy=True) if pending.shared is None else self._with_shared(reply, pending)
             self._read_back_header(pending, 0, views.header)
             self.window.local_flag(0, sent.stage).zero_()  # consumed (a graphed exchange waits for "nonzero")
             self._in_flight.discard((0, sent.stage))
@@ -506,7 +545,7 @@ class AsyncAttentionExchange(AsyncEndpoint):
             # the stage may take the next send now: that send's writes are enqueued after this combine, and the
             # FFN rank can only overwrite this reply after it has seen that send
             self._in_flight.discard((f, sent.stage))
-        return acc.to(pending.dtype)
+        return self._with_shared(acc, pending)
 
     def _read_back_header(self, pending: PendingExchange, f: int, header: torch.Tensor) -> None:
         """Copy FFN rank f's reply header to the host behind the work on the stream; `_check_replies` checks it.

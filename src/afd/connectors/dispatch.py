@@ -81,21 +81,30 @@ def shared_owner(is_dest: torch.Tensor) -> torch.Tensor:
 
 
 def plan_dispatch(
-    topk_ids: torch.Tensor, expert_map: ExpertMap, *, counts_host: torch.Tensor | None = None
+    topk_ids: torch.Tensor,
+    expert_map: ExpertMap,
+    *,
+    counts_host: torch.Tensor | None = None,
+    shared_on_ffn: bool = True,
 ) -> DispatchPlan:
     """Plan one send. topk_ids: [T, K] int64 global expert ids.
 
     counts_host: optional [2F] int64 host buffer (pinned on CUDA) for the one device→host copy;
-    without it `.tolist()` is used.
+    without it `.tolist()` is used. shared_on_ffn=False: the attention rank runs the shared experts
+    itself, so no row is a shared row (every `shared_rows` is 0).
     """
     num_tokens = topk_ids.shape[0]
     num_ffn, device = expert_map.num_ffn, topk_ids.device
     if num_ffn == 1:  # every token goes to the one FFN rank, shared experts included: no count to read back
         token_index = torch.arange(num_tokens, device=device)  # [T]
-        return DispatchPlan(num_tokens, token_index, (num_tokens,), (num_tokens,), (0, num_tokens))
+        shared = num_tokens if shared_on_ffn else 0
+        return DispatchPlan(num_tokens, token_index, (num_tokens,), (shared,), (0, num_tokens))
     is_dest = destinations(topk_ids, expert_map.owner, num_ffn)  # [T, F]
     ranks = torch.arange(num_ffn, device=device)  # [F]
-    is_shared = ranks[None, :] == shared_owner(is_dest)[:, None]  # [T, F]
+    if shared_on_ffn:
+        is_shared = ranks[None, :] == shared_owner(is_dest)[:, None]  # [T, F]
+    else:
+        is_shared = torch.zeros_like(is_dest)
     # key per (f, t): 2f for a shared row, 2f + 1 for another row of f, 2F for no row; f-major order
     key = torch.where(is_dest, 2 * ranks[None, :] + (~is_shared).long(), 2 * num_ffn).t().reshape(-1)  # [F*T]
     order = torch.argsort(key, stable=True)  # [F*T]: flat index f*T + t

@@ -26,6 +26,8 @@ from afd.moe import Routing
 class FFNModelLike(Protocol):
     """The part of `afd.ffn_model.FFNModel` an async FFN rank uses."""
 
+    has_shared_experts: bool  # False: the attention ranks run them (`shared` is never needed)
+
     def experts_topk(self, layer_idx: int, x: torch.Tensor, routing: Routing) -> torch.Tensor: ...
 
     def shared(self, layer_idx: int, x: torch.Tensor) -> torch.Tensor: ...

@@ -144,7 +144,7 @@ class PassChain:
         steps.check_request(ends.header, ends.flag, self.stats, ends.topk_ids, layer_idx, n, ids, mask, ok)
         x = ends.x[:n]
         routed = self.ffn_model.experts_topk(layer_idx, x, Routing(ids, ends.topk_weights[:n])).float()  # [n, H]
-        shared = self.ffn_model.shared(layer_idx, x)  # [n, H]
+        shared = self.ffn_model.shared(layer_idx, x) if self.ffn_model.has_shared_experts else None  # [n, H]
         steps.combine_reply(routed, shared, mask, ends.reply.out, ends.header, ends.reply.header)
         steps.finish_item(ends.header, ends.flag, self.stats, ok, ends.reply_flag)
 
@@ -344,7 +344,7 @@ class _TorchSteps:
 
     @staticmethod
     def combine_reply(routed, shared, mask, out, header, reply_header) -> None:  # noqa: ANN001
-        out[: routed.shape[0]].copy_(routed + mask[:, None] * shared.float())
+        out[: routed.shape[0]].copy_(routed if shared is None else routed + mask[:, None] * shared.float())
         answer = header.clone()
         answer[W_FLAGS : W_FLAGS + 1].fill_(FLAG_RESPONSE)  # (item assignment copies a CPU scalar: not capturable)
         answer[W_ECHO_SEQ : W_ECHO_SEQ + 1].copy_(header[W_SEQ : W_SEQ + 1])

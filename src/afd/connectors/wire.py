@@ -82,11 +82,12 @@ def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def reply_dtype_for(dtype: torch.dtype, num_ffn: int) -> torch.dtype:
+def reply_dtype_for(dtype: torch.dtype, num_ffn: int, *, shared_on_attention: bool = False) -> torch.dtype:
     """dtype of the partial sums FFN ranks send back: the model dtype when one FFN rank holds every
-    expert (its partial is the whole answer, rounded once either way), else fp32 so that adding the
-    partials of several ranks on the attention side rounds once, as the reference does."""
-    return dtype if num_ffn == 1 else torch.float32
+    expert and the shared experts (its partial is the whole answer, rounded once either way), else fp32
+    so that adding the partials of several ranks, or the attention rank's shared experts, rounds once, as
+    the reference does."""
+    return dtype if num_ffn == 1 and not shared_on_attention else torch.float32
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,6 +237,7 @@ class SlotLayout:
         num_ffn: int,
         max_num_batched_tokens: int,
         routed_cap_multiplier: float = 2.0,
+        shared_on_attention: bool = False,
     ) -> SlotLayout:
         """token_cap = max_num_batched_tokens; row_cap = ceil(token_cap * min(topk, F) / F) * multiplier,
         capped at token_cap (a token travels at most once to each FFN rank, so token_cap always fits)."""
@@ -245,7 +247,7 @@ class SlotLayout:
         return cls(
             hidden_size=hidden_size,
             dtype=dtype,
-            reply_dtype=reply_dtype_for(dtype, num_ffn),
+            reply_dtype=reply_dtype_for(dtype, num_ffn, shared_on_attention=shared_on_attention),
             topk=topk,
             token_cap=token_cap,
             row_cap=max(row_cap, 1),

@@ -73,13 +73,15 @@ def _combine_kernel(
     routed_ptr, shared_ptr, mask_ptr, out_ptr, hdr_ptr, reply_hdr_ptr, H,
     BLOCK_H: tl.constexpr, HW: tl.constexpr, BLOCK_W: tl.constexpr,
     W_FLAGS_: tl.constexpr, W_ECHO_: tl.constexpr, W_SEQ_: tl.constexpr, RESPONSE: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0)
     cols = tl.arange(0, BLOCK_H)
     in_row = cols < H
-    routed = tl.load(routed_ptr + r * H + cols, mask=in_row, other=0.0)
-    shared = tl.load(shared_ptr + r * H + cols, mask=in_row, other=0.0).to(tl.float32)
-    total = routed + tl.load(mask_ptr + r) * shared
+    total = tl.load(routed_ptr + r * H + cols, mask=in_row, other=0.0)
+    if HAS_SHARED:
+        shared = tl.load(shared_ptr + r * H + cols, mask=in_row, other=0.0).to(tl.float32)
+        total = total + tl.load(mask_ptr + r) * shared
     tl.store(out_ptr + r * H + cols, total.to(out_ptr.dtype.element_ty), mask=in_row)
     if r == 0:
         idx = tl.arange(0, BLOCK_W)
@@ -126,7 +128,7 @@ def check_request(
 
 def combine_reply(
     routed: torch.Tensor,  # [n, H] fp32
-    shared: torch.Tensor,  # [n, H]
+    shared: torch.Tensor | None,  # [n, H]; None: the attention rank runs the shared experts
     mask: torch.Tensor,  # [n] fp32
     out: torch.Tensor,  # [>= n, H] the reply rows (any dtype), contiguous
     header: torch.Tensor,  # [HEADER_WORDS] int32: the request's
@@ -134,9 +136,9 @@ def combine_reply(
 ) -> None:
     n, hidden = routed.shape
     _combine_kernel[(n,)](
-        routed, shared, mask, out, header, reply_header, hidden,
+        routed, routed if shared is None else shared, mask, out, header, reply_header, hidden,
         BLOCK_H=triton.next_power_of_2(hidden), HW=HEADER_WORDS, BLOCK_W=triton.next_power_of_2(HEADER_WORDS),
-        W_FLAGS_=W_FLAGS, W_ECHO_=W_ECHO_SEQ, W_SEQ_=W_SEQ, RESPONSE=FLAG_RESPONSE,
+        W_FLAGS_=W_FLAGS, W_ECHO_=W_ECHO_SEQ, W_SEQ_=W_SEQ, RESPONSE=FLAG_RESPONSE, HAS_SHARED=shared is not None,
     )  # fmt: skip
 
 
@@ -152,7 +154,7 @@ def _stamp_kernel(
     counter_ptr, hdr_ptr, flag_ptr, layer, T, magic, version,
     HW: tl.constexpr, BLOCK_W: tl.constexpr, W_MAGIC_: tl.constexpr, W_VERSION_: tl.constexpr,
     W_LAYER_: tl.constexpr, W_TOKENS_: tl.constexpr, W_ROWS_: tl.constexpr, W_SHARED_: tl.constexpr,
-    W_SEQ_: tl.constexpr,
+    W_SEQ_: tl.constexpr, SHARED_ON_FFN: tl.constexpr,
 ):  # fmt: skip
     seq = tl.load(counter_ptr) + 1
     tl.store(counter_ptr, seq)
@@ -161,7 +163,9 @@ def _stamp_kernel(
     words = tl.where(idx == W_MAGIC_, magic, 0)
     words = tl.where(idx == W_VERSION_, version, words)
     words = tl.where(idx == W_LAYER_, layer, words)
-    words = tl.where((idx == W_TOKENS_) | (idx == W_ROWS_) | (idx == W_SHARED_), T, words)
+    words = tl.where((idx == W_TOKENS_) | (idx == W_ROWS_), T, words)
+    if SHARED_ON_FFN:
+        words = tl.where(idx == W_SHARED_, T, words)  # else 0: the attention rank runs the shared experts
     words = tl.where(idx == W_SEQ_, seq_word, words)
     tl.store(hdr_ptr + idx, words, mask=idx < HW)
     tl.debug_barrier()
@@ -188,13 +192,23 @@ def _take_kernel(
         tl.store(flag_ptr, 0)  # consumed: the next reply sets it again (it comes after the next request)
 
 
-def stamp_request(counter: torch.Tensor, header: torch.Tensor, flag: torch.Tensor, layer_idx: int, rows: int) -> None:
+def stamp_request(
+    counter: torch.Tensor,
+    header: torch.Tensor,
+    flag: torch.Tensor,
+    layer_idx: int,
+    rows: int,
+    *,
+    shared_on_ffn: bool = True,
+) -> None:
     """Take the next seq from `counter` (device int64 [1]) and publish a request of `rows` rows (already copied
-    into the peer's slot) for `layer_idx`: its header, then its flag, in the peer's window."""
+    into the peer's slot) for `layer_idx`: its header, then its flag, in the peer's window. Every row is a shared
+    row unless `shared_on_ffn` is False (the attention rank runs the shared experts)."""
     _stamp_kernel[(1,)](
         counter, header, flag, layer_idx, rows, MAGIC_WORD, VERSION,
         HW=HEADER_WORDS, BLOCK_W=triton.next_power_of_2(HEADER_WORDS), W_MAGIC_=W_MAGIC, W_VERSION_=W_VERSION,
         W_LAYER_=W_LAYER, W_TOKENS_=W_NUM_TOKENS, W_ROWS_=W_ROWS, W_SHARED_=W_SHARED, W_SEQ_=W_SEQ,
+        SHARED_ON_FFN=shared_on_ffn,
     )  # fmt: skip
 
 

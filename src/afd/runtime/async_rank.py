@@ -78,10 +78,15 @@ def run_async_rank(job: RankJob) -> None:
         timeout_s=job.timeout_s,
     )
     load_args = dict(dtype=job.spec.dtype, device=device, gate_on_attention=True, seed=job.spec.seed)
+    shared_on_attention = cfg.connector_extra_config.shared_experts_on_attention  # where the shared experts run
     try:
         if job.role == "attention":
-            model = load_attention_model(job.spec.model, **load_args)
-            exchange = AsyncAttentionExchange(world.store, topo, job.role_rank, **endpoint_args)
+            model = load_attention_model(job.spec.model, shared_experts=shared_on_attention, **load_args)
+            exchange = AsyncAttentionExchange(
+                world.store, topo, job.role_rank, shared_experts=model.shared, **endpoint_args
+            )
+            if shared_on_attention:
+                log.info("attention rank %d: shared experts run here, between each send and its recv", job.role_rank)
             try:
                 engine = engine_for(job, model, exchange)  # splits its steps into `exchange.num_ubatches`
                 if exchange.num_ubatches > 1:
@@ -107,7 +112,9 @@ def run_async_rank(job: RankJob) -> None:
                 exchange.close()  # the shutdown bit to every FFN rank
         else:
             experts = topo.expert_ranges[job.role_rank]
-            ffn_model = load_ffn_model(job.spec.model, expert_range=experts, **load_args)
+            ffn_model = load_ffn_model(
+                job.spec.model, expert_range=experts, shared_experts=not shared_on_attention, **load_args
+            )
             warm_up_ffn(ffn_model, device, max_num_batched_tokens=job.spec.max_num_batched_tokens)  # before any item
             server = AsyncFFNServer(world.store, topo, job.role_rank, **endpoint_args)
             # 1A1F on CUDA: whole passes enqueued on the device; elsewhere one replay per message at decode sizes
