@@ -47,6 +47,37 @@ def test_warm_up_leaves_no_trace_and_never_crosses_to_the_ffn_side() -> None:
     assert all(g.logprobs == w.logprobs for g, w in zip(got, want, strict=True))
 
 
+def test_warm_up_runs_the_shared_experts_held_here_and_the_sampling_path(monkeypatch) -> None:
+    """With the shared experts on the attention side, the warm-up runs them at every shape (their GEMMs load too),
+    still without crossing to the FFN side; every warm-up forward is followed by the sampling path (greedy and a
+    sampled row, the pinned copy to the host)."""
+    from afd import warm_up
+
+    attn = load_attention_model("tiny", shared_experts=True)
+    shared_calls, sampled = [], []
+    real_shared, real_sampling = attn.shared, warm_up.launch_sampling
+
+    def shared(layer_idx, x):
+        shared_calls.append(x.shape[0])
+        return real_shared(layer_idx, x)
+
+    def launch_sampling(model, hidden, sampling, positions):
+        out = real_sampling(model, hidden, sampling, positions)
+        sampled.append((sampling, out[0].tolist()))
+        return out
+
+    monkeypatch.setattr(attn, "shared", shared)
+    monkeypatch.setattr(warm_up, "launch_sampling", launch_sampling)
+    remote = _Remote(LocalExchange(load_ffn_model("tiny")))
+    engine = Engine(attn, remote, 64, block_size=4)
+    warm_up_engine(engine, force=True)
+    assert remote.calls == 0
+    assert len(set(shared_calls)) > 1  # several shapes, as the attention layers see them
+    assert sampled and all(p[0] is None and not p[1].greedy for p, _ in sampled)
+    vocab = attn.config.vocab_size
+    assert all(len(tokens) == 2 and all(0 <= t < vocab for t in tokens) for _, tokens in sampled)
+
+
 def test_ffn_warm_up_runs_every_form_and_changes_no_weight() -> None:
     ffn = load_ffn_model("tiny")
     before = {k: v.clone() for k, v in ffn.state_dict().items()}

@@ -55,6 +55,26 @@ class LocalExchange:
         return self.ffn_model(layer_idx, x, routing)
 
 
+def launch_sampling(
+    model: AttentionModel, hidden: torch.Tensor, sampling: list, positions: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]:
+    """Sample one token per row of `hidden [B, H]` (`sampling[i]`: SamplingParams or None for greedy) and start
+    copying `[token, its logprob]` to the host: (tokens [B] on the device, the host buffer [2, B] float64, the event
+    that says the copy landed; None on CPU, where the copy is done)."""
+    logprobs = torch.log_softmax(model.compute_logits(hidden), dim=-1)  # [B, V] fp32
+    tokens = sample(logprobs, sampling, positions)  # [B]; greedy rows: logprobs.argmax
+    picked = logprobs.gather(1, tokens[:, None]).squeeze(1)  # [B]
+    both = torch.stack([tokens.double(), picked.double()])  # [2, B]
+    cuda = both.is_cuda
+    host = torch.empty(both.shape, dtype=both.dtype, pin_memory=cuda)
+    host.copy_(both, non_blocking=cuda)
+    ready = None
+    if cuda:  # queued before any later step, so reading it never waits for one
+        ready = torch.cuda.Event()
+        ready.record()
+    return tokens, host, ready
+
+
 class Engine:
     """Continuous batching with chunked prefill over one `AttentionModel` and an `exchange` to the FFN side.
 
@@ -438,20 +458,11 @@ class Engine:
         sampled = [s for s in scheduled if s.samples]
         tokens = host = ready = None
         if sampled:
-            logprobs = torch.log_softmax(self.model.compute_logits(hidden[last_rows]), dim=-1)  # [B, V] fp32
             sampling = [s.seq.request.sampling for s in sampled]
             # the index of the token each row samples, from the schedule: a decode launched ahead has not
             # appended its input token on the host yet
             positions = [s.start + len(s.input_ids) for s in sampled]
-            tokens = sample(logprobs, sampling, positions)  # [B]; greedy rows: logprobs.argmax
-            picked = logprobs.gather(1, tokens[:, None]).squeeze(1)  # [B]
-            both = torch.stack([tokens.double(), picked.double()])  # [2, B]
-            cuda = both.is_cuda
-            host = torch.empty(both.shape, dtype=both.dtype, pin_memory=cuda)
-            host.copy_(both, non_blocking=cuda)
-            if cuda:  # queued before any later step, so reading it never waits for one
-                ready = torch.cuda.Event()
-                ready.record()
+            tokens, host, ready = launch_sampling(self.model, hidden[last_rows], sampling, positions)
         for s, first, n in zip(scheduled, batch.starts, batch.query_lens, strict=True):
             prompt = s.seq.request.prompt_ids
             if s.is_decode or not s.seq.request.prompt_logprobs:
