@@ -8,23 +8,20 @@ import json
 import random
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from e2e_util import MODEL, assert_matches_reference, launch_checked
+from e2e_util import MODEL, assert_matches_reference
+from test_ubatch import IN_PROCESS_PROMPTS, endpoint_args, launch_mixed_lengths, run_in_process
 
 from afd.config import AsyncExtraConfig, ConfigError
-from afd.connectors.async_ffn import AsyncFFNServer, run_ffn_loop
 from afd.connectors.async_window import AsyncAttentionExchange
 from afd.connectors.dispatch import ExpertMap, plan_dispatch
 from afd.connectors.wire import SlotLayout
-from afd.engine import Engine, Request
 from afd.generate import generate
 from afd.topology import AsyncTopology, expert_ranges
-from afd.transport.shm import cleanup_segments
 from afd.weights import attention_keys, ffn_keys, load_attention_model, load_ffn_model, load_model_config
 
 KEY = "shared_experts_on_attention"
@@ -91,20 +88,8 @@ def test_config_rejects_a_non_bool() -> None:
 
 
 def _endpoint_args(num_ubatches: int) -> dict:
-    config = load_model_config(MODEL)
-    extra = {"recv_poll_timeout_ms": 50, KEY: True}
-    if num_ubatches > 1:
-        extra |= {"async_moe_ubatching": True, "async_moe_num_ubatches": num_ubatches}
-    return dict(
-        hidden_size=config.hidden_size,
-        topk=config.num_experts_per_tok,
-        num_layers=config.num_hidden_layers,
-        dtype=torch.float32,
-        device="cpu",
-        max_num_batched_tokens=32,
-        extra_config=extra,
-        timeout_s=30.0,
-    )
+    ubatching = {"async_moe_ubatching": True, "async_moe_num_ubatches": num_ubatches} if num_ubatches > 1 else {}
+    return endpoint_args(**{KEY: True}, **ubatching)
 
 
 @pytest.mark.timeout(60)
@@ -119,40 +104,17 @@ def test_exchange_without_the_models_shared_experts_is_refused() -> None:
 def test_engine_with_shared_experts_here_equals_the_reference(num_ffn: int, num_ubatches: int) -> None:
     """One attention rank in this process, FFN ranks in threads over real shared memory; with three micro-batches
     in flight the shared outputs of each wait beside its own send."""
-    config = load_model_config(MODEL)
-    topo = AsyncTopology(1, num_ffn, config.n_routed_experts)
-    store, args = dist.HashStore(), _endpoint_args(num_ubatches)
-    errors: list[BaseException] = []
-    served: list[AsyncFFNServer] = []
-
-    def ffn_rank(f: int) -> None:
-        try:
-            server = AsyncFFNServer(store, topo, f, **args)
-            served.append(server)
-            ffn_model = load_ffn_model(MODEL, expert_range=topo.expert_ranges[f], shared_experts=False)
-            run_ffn_loop(server, ffn_model)
-        except BaseException as exc:  # reported by the test, not lost in the thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=ffn_rank, args=(f,), daemon=True) for f in range(num_ffn)]
-    for t in threads:
-        t.start()
+    topo = AsyncTopology(1, num_ffn, load_model_config(MODEL).n_routed_experts)
     model = load_attention_model(MODEL, shared_experts=True)
-    ex = AsyncAttentionExchange(store, topo, 0, shared_experts=model.shared, **args)
-    prompts = [tokens(23, 1), [7, 3], tokens(9, 2), [11]]
-    try:
-        engine = Engine(model, ex, 32)
-        for p in prompts:
-            engine.add(Request(p, 4, prompt_logprobs=True))
-        outputs = engine.run()
-    finally:
-        ex.close()
-        for t in threads:
-            t.join(30)
-        cleanup_segments(ex.window.heap.run_token)
-    assert not errors and not any(t.is_alive() for t in threads)
+    outputs, engine = run_in_process(
+        topo,
+        _endpoint_args(num_ubatches),
+        model,
+        lambda f: load_ffn_model(MODEL, expert_range=topo.expert_ranges[f], shared_experts=False),
+        shared_experts=model.shared,
+    )
     assert (engine.ubatched_steps > 0) == (num_ubatches > 1)
-    assert_matches_reference(outputs, generate(MODEL, prompts, max_new_tokens=4, prompt_logprobs=True))
+    assert_matches_reference(outputs, generate(MODEL, IN_PROCESS_PROMPTS, max_new_tokens=4, prompt_logprobs=True))
 
 
 # ---------------------------------------------------------------- launched
@@ -166,22 +128,8 @@ RUNS = [(1, 1, 1), (2, 2, 2), (1, 3, 1), (3, 1, 2)]
 def test_launched_runs_with_shared_experts_here_equal_the_reference(
     num_attn: int, num_ffn: int, m: int, tmp_path: Path
 ) -> None:
-    lens = [23, 2, 9, 1, 14, 5, 30, 3, 7]
-    prompts = [tokens(lens[i % len(lens)], i) for i in range(3 * num_attn)]
     ubatching = {"async_moe_ubatching": True, "async_moe_num_ubatches": m} if m > 1 else {}
-    outputs, _ = launch_checked(
-        "async",
-        num_attn,
-        num_ffn,
-        prompts,
-        max_new_tokens=4,
-        max_num_batched_tokens=16,
-        run_dir=tmp_path,
-        recv_poll_timeout_ms=100,
-        **{KEY: True},
-        **ubatching,
-    )
-    assert_matches_reference(outputs, generate(MODEL, prompts, max_new_tokens=4, prompt_logprobs=True))
+    launch_mixed_lengths("async", num_attn, num_ffn, tmp_path, recv_poll_timeout_ms=100, **{KEY: True}, **ubatching)
     for a in range(num_attn):
         log = (tmp_path / f"attention{a}.log").read_text()
         assert "shared experts run here" in log, log[-2000:]

@@ -175,41 +175,44 @@ def test_async_reply_to_a_later_micro_batch_first_waits_for_its_own_recv() -> No
         assert ex._in_flight == set() and not ex._early and not ex._pending
 
 
-def test_engine_over_the_async_exchange_in_process_equals_the_reference(tiny) -> None:
-    """1A2F in one process over real shared memory, FFN ranks in threads: the engine splits its steps into 3
-    micro-batches in ping-pong (replies of two FFN ranks to three sends in flight, in any order) and every
-    output equals the reference."""
+IN_PROCESS_PROMPTS = [tokens(23, 1), [7, 3], tokens(9, 2), [11]]
+
+
+def endpoint_args(**extra_config: object) -> dict:
+    """The tiny model's async endpoint arguments on CPU (a 32-token budget), with `extra_config` keys added."""
     config = load_model_config(MODEL)
-    topo = AsyncTopology(1, 2, config.n_routed_experts)
-    store = dist.HashStore()
-    args = dict(
+    return dict(
         hidden_size=config.hidden_size,
         topk=config.num_experts_per_tok,
         num_layers=config.num_hidden_layers,
         dtype=torch.float32,
         device="cpu",
         max_num_batched_tokens=32,
-        extra_config={"recv_poll_timeout_ms": 50, "async_moe_ubatching": True, "async_moe_num_ubatches": 3},
+        extra_config={"recv_poll_timeout_ms": 50, **extra_config},
         timeout_s=30.0,
     )
-    servers: dict[int, AsyncFFNServer] = {}
+
+
+def run_in_process(topo: AsyncTopology, args: dict, attention_model, ffn_model_of, **exchange_kwargs):
+    """The engine over an `AsyncAttentionExchange` in this process, its FFN ranks in threads over real shared memory
+    (`ffn_model_of(f)`: FFN rank f's model): (the outputs of IN_PROCESS_PROMPTS with prompt logprobs, the engine)."""
+    store = dist.HashStore()
     errors: list[BaseException] = []
 
     def ffn_rank(f: int) -> None:
         try:
-            servers[f] = AsyncFFNServer(store, topo, f, **args)
-            run_ffn_loop(servers[f], load_ffn_model(MODEL, expert_range=topo.expert_ranges[f]))
+            server = AsyncFFNServer(store, topo, f, **args)
+            run_ffn_loop(server, ffn_model_of(f))
         except BaseException as exc:  # reported by the test, not lost in the thread
             errors.append(exc)
 
-    threads = [threading.Thread(target=ffn_rank, args=(f,), daemon=True) for f in range(2)]
+    threads = [threading.Thread(target=ffn_rank, args=(f,), daemon=True) for f in range(topo.num_ffn)]
     for t in threads:
         t.start()
-    ex = AsyncAttentionExchange(store, topo, 0, **args)
-    prompts = [tokens(23, 1), [7, 3], tokens(9, 2), [11]]
+    ex = AsyncAttentionExchange(store, topo, 0, **exchange_kwargs, **args)
     try:
-        engine = Engine(tiny[0], ex, 32)
-        for p in prompts:
+        engine = Engine(attention_model, ex, 32)
+        for p in IN_PROCESS_PROMPTS:
             engine.add(Request(p, 4, prompt_logprobs=True))
         outputs = engine.run()
     finally:
@@ -218,8 +221,20 @@ def test_engine_over_the_async_exchange_in_process_equals_the_reference(tiny) ->
             t.join(30)
         cleanup_segments(ex.window.heap.run_token)
     assert not errors and not any(t.is_alive() for t in threads)
+    return outputs, engine
+
+
+def test_engine_over_the_async_exchange_in_process_equals_the_reference(tiny) -> None:
+    """1A2F in one process over real shared memory, FFN ranks in threads: the engine splits its steps into 3
+    micro-batches in ping-pong (replies of two FFN ranks to three sends in flight, in any order) and every
+    output equals the reference."""
+    topo = AsyncTopology(1, 2, load_model_config(MODEL).n_routed_experts)
+    args = endpoint_args(async_moe_ubatching=True, async_moe_num_ubatches=3)
+    outputs, engine = run_in_process(
+        topo, args, tiny[0], lambda f: load_ffn_model(MODEL, expert_range=topo.expert_ranges[f])
+    )
     assert engine.ubatched_steps > 0
-    assert_matches_reference(outputs, generate(MODEL, prompts, max_new_tokens=4, prompt_logprobs=True))
+    assert_matches_reference(outputs, generate(MODEL, IN_PROCESS_PROMPTS, max_new_tokens=4, prompt_logprobs=True))
 
 
 # ---------------------------------------------------------------- launched runs
@@ -235,6 +250,24 @@ def ubatch_keys(connector: str, m: int) -> dict:
     return {"timeout_s": 60, "p2p_ubatching": True, "p2p_num_ubatches": m}
 
 
+def launch_mixed_lengths(connector: str, num_attn: int, num_ffn: int, run_dir: Path, **extra_config: object) -> None:
+    """`afd launch` of three prompts of different lengths per replica with a 16-token budget (steps that mix decodes
+    and prompt chunks), checked against the reference."""
+    lens = [23, 2, 9, 1, 14, 5, 30, 3, 7]
+    prompts = [tokens(lens[i % len(lens)], i) for i in range(3 * num_attn)]
+    outputs, _ = launch_checked(
+        connector,
+        num_attn,
+        num_ffn,
+        prompts,
+        max_new_tokens=4,
+        max_num_batched_tokens=16,
+        run_dir=run_dir,
+        **extra_config,
+    )
+    assert_matches_reference(outputs, generate(MODEL, prompts, max_new_tokens=4, prompt_logprobs=True))
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("connector", ["async", "p2p"])
 @pytest.mark.parametrize("num_attn, num_ffn, m", RUNS, ids=[f"{a}A{f}F-m{m}" for a, f, m in RUNS])
@@ -245,19 +278,7 @@ def test_launched_micro_batches_equal_the_reference(
     prompts of different lengths and a 16-token budget, so its steps mix decodes and prompt chunks, its
     micro-batches differ from its peers' (and some steps are whole: one sequence left); p2p's DP wave stays in
     lockstep."""
-    lens = [23, 2, 9, 1, 14, 5, 30, 3, 7]
-    prompts = [tokens(lens[i % len(lens)], i) for i in range(3 * num_attn)]
-    outputs, _ = launch_checked(
-        connector,
-        num_attn,
-        num_ffn,
-        prompts,
-        max_new_tokens=4,
-        max_num_batched_tokens=16,
-        run_dir=tmp_path,
-        **ubatch_keys(connector, m),
-    )
-    assert_matches_reference(outputs, generate(MODEL, prompts, max_new_tokens=4, prompt_logprobs=True))
+    launch_mixed_lengths(connector, num_attn, num_ffn, tmp_path, **ubatch_keys(connector, m))
     for a in range(num_attn):  # each replica says how many of its steps ran as micro-batches
         log = (tmp_path / f"attention{a}.log").read_text()
         split = re.search(r"attention rank \d+: (\d+) of (\d+) steps ran as micro-batches", log)

@@ -112,6 +112,12 @@ def _engine(**overrides) -> EngineSettings:
         (lambda: afd_config_from({"afd": {"connector": "nccl"}}), "additional_config['afd']: connector must be"),
         (lambda: afd_config_from({"afd": {"role": "ffn"}}), "vLLM runs the attention side"),
         (lambda: afd_config_from({"afd": {"compute_gate_on_attention": False}}), "computes the gate in vLLM"),
+        (
+            lambda: afd_config_from(
+                {"afd": {"connector": "async", "connector_extra_config": {"shared_experts_on_attention": True}}}
+            ),
+            "leaves the shared experts to the FFN ranks",
+        ),
         (lambda: check_engine(parse_config({}), _engine(enforce_eager=False)), "enforce_eager=True"),
         (lambda: check_engine(parse_config({}), _engine(tensor_parallel_size=2)), "tensor_parallel_size=1"),
         (

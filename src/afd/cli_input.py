@@ -106,17 +106,6 @@ def strict_int(text: str) -> int:
 CONNECTOR_NAMES = ("p2p", "async")
 
 
-def connector_list(text: str) -> tuple[str, ...]:
-    """An argparse type: a comma-separated list of p2p and async, in the order given, without repeats."""
-    names = [n.strip() for n in text.split(",")]
-    bad = [n for n in names if n not in CONNECTOR_NAMES]
-    if bad:
-        raise argparse.ArgumentTypeError(
-            f"--connectors takes p2p and/or async separated by ',' (e.g. p2p,async), got {bad[0]!r} in {text!r}"
-        )
-    return tuple(dict.fromkeys(names))
-
-
 PROMPT_IDS_GRAMMAR = (
     "token ids in ASCII digits, ',' between the ids of a prompt and ';' between prompts "
     '(spaces allowed around them), e.g. "1,2,3;4,5"'
@@ -273,6 +262,9 @@ def choice_list(flag: str, choices: tuple[str, ...]) -> Callable[[str], tuple[st
         return tuple(dict.fromkeys(names))
 
     return parse
+
+
+connector_list = choice_list("--connectors", CONNECTOR_NAMES)  # p2p and/or async, in the order given
 
 
 def prefill_list(text: str) -> list[tuple[int, int]]:

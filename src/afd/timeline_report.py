@@ -38,9 +38,12 @@ def attention_phases(points: list[list]) -> dict[str, list[float]]:
     """Seconds per exchange: compute (the reply that resumed this layer → its send: the host's last reply before the
     send, of an earlier layer of the same step; with micro-batches that is the same micro-batch's previous layer),
     send, round trip (replies come in send order), host lead (how far the host enqueued the send ahead of its
-    stream: near 0 means the stream waited for its host)."""
+    stream: near 0 means the stream waited for its host), and the host's own time for each part: enqueueing the
+    layer's attention (the reply that resumed it → its send), the send, and everything up to taking the reply
+    (the shared experts when they run here, the recv). A stream that waits for its host is explained by these."""
     sends, sents, replies = (_by_key(points, k) for k in ("send", "sent", "reply"))
     out: dict[str, list[float]] = {"attention compute": [], "send": [], "round trip": [], "host lead": []}
+    out |= {"host: attention": [], "host: send": [], "host: to the reply": []}
     taken = 0  # replies the host had taken before the current send
     for send, sent, reply in zip(sends, sents, replies, strict=False):
         while taken < len(replies) and replies[taken][2] <= send[2]:
@@ -48,9 +51,12 @@ def attention_phases(points: list[list]) -> dict[str, list[float]]:
         resumed = replies[taken - 1] if taken else None
         if resumed is not None and resumed[1] < send[1]:  # an earlier layer of the same step
             out["attention compute"].append(_time(send) - _time(resumed))
+            out["host: attention"].append(send[2] - resumed[2])
         out["send"].append(_time(sent) - _time(send))
         out["round trip"].append(_time(reply) - _time(sent))
         out["host lead"].append(_time(send) - send[2])
+        out["host: send"].append(sent[2] - send[2])
+        out["host: to the reply"].append(reply[2] - sent[2])
     return out
 
 

@@ -66,6 +66,11 @@ def afd_config_from(additional_config: Mapping[str, Any] | None) -> AFDConfig:
             "the vLLM adapter computes the gate in vLLM (the FFN ranks get routed rows); "
             "set compute_gate_on_attention to true"
         )
+    if getattr(cfg.connector_extra_config, "shared_experts_on_attention", False):
+        raise AdapterError(
+            "the vLLM adapter leaves the shared experts to the FFN ranks (vLLM's layer gets routed plus shared from "
+            "the exchange); set connector_extra_config.shared_experts_on_attention to false"
+        )
     return cfg
 
 
