@@ -27,6 +27,10 @@ def test_attention_phases_split_each_exchange():
     assert phases["send"] == pytest.approx([0.001, 0.001, 0.001])
     assert phases["round trip"] == pytest.approx([0.009, 0.014, 0.009])
     assert phases["host lead"] == pytest.approx([1e-3] * 3)
+    # the host's own time: layer 2's attention from taking layer 1's reply (0.011) to its send call (0.024)
+    assert phases["host: attention"] == pytest.approx([0.013])
+    assert phases["host: send"] == pytest.approx([1e-3] * 3)
+    assert phases["host: to the reply"] == pytest.approx([0.001, 0.001, 0.001])
 
 
 def test_attention_compute_follows_each_micro_batch_in_ping_pong():
