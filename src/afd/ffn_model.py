@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from afd.layers import MLP, Gate
-from afd.model_config import ModelConfig
+from afd.model_config import ModelConfig, scaled
 from afd.moe import Routing, grouped_expert_mlp, grouped_expert_mlp_offsets, routed_experts
 
 
@@ -90,7 +90,7 @@ class FFNModel(nn.Module):
 
     def dense(self, layer_idx: int, x: torch.Tensor) -> torch.Tensor:
         """Dense MLP of a non-MoE layer (gate on FFN only): [T, H] -> [T, H]."""
-        return self._layer(layer_idx).mlp(x) * self.scale
+        return scaled(self._layer(layer_idx).mlp(x), self.scale)
 
     def experts(self, layer_idx: int, x_grouped: torch.Tensor, group_sizes: list[int]) -> torch.Tensor:
         """Rows grouped by local expert [N, H] -> unweighted expert outputs [N, H] (the async form)."""
@@ -114,7 +114,7 @@ class FFNModel(nn.Module):
     def shared(self, layer_idx: int, x: torch.Tensor) -> torch.Tensor:
         """Shared experts: [T, H] -> [T, H] (zeros when the model has none)."""
         mlp = self._layer(layer_idx).shared_experts
-        return mlp(x) * self.scale if mlp is not None else torch.zeros_like(x)
+        return scaled(mlp(x), self.scale) if mlp is not None else torch.zeros_like(x)
 
     def forward(self, layer_idx: int, x: torch.Tensor, routing: Routing | None) -> torch.Tensor:
         """The whole MLP of one layer with the local experts: [T, H] -> [T, H] model dtype."""

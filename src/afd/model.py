@@ -23,7 +23,7 @@ from torch import nn
 from afd.attention import Batch, MLAttention
 from afd.kv_cache import PagedLatentCache
 from afd.layers import MLP, Gate, RMSNorm, apply_rope
-from afd.model_config import MODEL_TYPES, ModelConfig, rope_parameters
+from afd.model_config import MODEL_TYPES, ModelConfig, rope_parameters, scaled
 from afd.moe import Routing
 
 logger = logging.getLogger(__name__)
@@ -176,10 +176,10 @@ class AttentionLayer(nn.Module):
     ) -> tuple[torch.Tensor, Boundary | None]:
         """Everything of the layer on this side: the residual after attention (and after the dense MLP when
         this side owns it) [T, H], and what crosses to the FFN side (None when nothing does)."""
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, kv_cache) * self.scale
+        h = x + scaled(self.self_attn(self.input_layernorm(x), cos, sin, batch, kv_cache), self.scale)
         y = self.post_attention_layernorm(h)  # [T, H]
         if self.mlp is not None:
-            return h + self.mlp(y) * self.scale, None
+            return h + scaled(self.mlp(y), self.scale), None
         return h, Boundary(self.layer_idx, y, self.gate(y) if self.gate is not None else None)
 
 
@@ -220,7 +220,7 @@ class AttentionModel(nn.Module):
         mlp = self.layers[layer_idx].shared_experts
         if mlp is None:
             raise ValueError(f"layer {layer_idx}'s shared experts are not on the attention side")
-        return mlp(x) * self.scale
+        return scaled(mlp(x), self.scale)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, R/2] fp32 (already multiplied by the YaRN attention factor)."""
@@ -253,7 +253,7 @@ class AttentionModel(nn.Module):
         with the FFN side's answer [T, H]. Why a generator: a CUDA graph can capture each piece between two
         exchanges (afd.cuda_graph) while the exchange itself, which crosses processes, runs eagerly."""
         cos, sin = self.rope(positions)  # [T, R/2]
-        h = self.embed_tokens(input_ids) * self.scale  # [T, H]
+        h = scaled(self.embed_tokens(input_ids), self.scale)  # [T, H]
         for layer in self.layers:
             h, boundary = layer.attend(h, cos, sin, batch, kv_cache)
             if boundary is not None:

@@ -120,6 +120,12 @@ class ModelConfig:
         return 1.0 / self.routed_scaling_factor if dtype == torch.float16 else 1.0
 
 
+def scaled(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """`x * scale`, without a kernel when the scale is 1 (every dtype but float16): the product is `x` itself, and
+    at prefill sizes each such multiply reads and writes a whole [T, H] for nothing."""
+    return x if scale == 1.0 else x * scale
+
+
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 

@@ -294,6 +294,7 @@ class AsyncAttentionExchange(AsyncEndpoint):
             self._counts_host = torch.zeros(
                 2 * self.topology.num_ffn, dtype=torch.int64, pin_memory=self.device.type == "cuda"
             )
+            self._row_index = torch.arange(self.window.layout.token_cap, device=self.device)  # the plan's, at F = 1
         except BaseException:
             self._abandon()
             raise
@@ -419,7 +420,13 @@ class AsyncAttentionExchange(AsyncEndpoint):
         if self.timeline is not None:
             self.timeline.mark("send", layer_idx)  # on the device: the layer's attention is done
         shared_here = self.shared_experts is not None
-        plan = plan_dispatch(topk_ids, self.expert_map, counts_host=self._counts_host, shared_on_ffn=not shared_here)
+        plan = plan_dispatch(
+            topk_ids,
+            self.expert_map,
+            counts_host=self._counts_host,
+            shared_on_ffn=not shared_here,
+            row_index=self._row_index,
+        )
         headers = {
             f: SlotHeader(
                 layer_idx=layer_idx, num_tokens=num_tokens, num_rows=plan.rows[f], shared_rows=plan.shared_rows[f]
@@ -434,8 +441,8 @@ class AsyncAttentionExchange(AsyncEndpoint):
         # one gather of every destination's rows; each message is a segment of it (one FFN rank: the rows are x's)
         gather = (lambda t: t) if self.topology.num_ffn == 1 else (lambda t: t.index_select(0, plan.token_index))
         rows_x = gather(x)  # [N, H]
-        rows_ids = gather(topk_ids).to(torch.int32)  # [N, K]
-        rows_w = gather(topk_weights).to(torch.float32)  # [N, K]
+        rows_ids = gather(topk_ids)  # [N, K] int64: the copy into the slot converts (int32 there), no kernel of its own
+        rows_w = gather(topk_weights)  # [N, K] fp32
         sent: dict[int, InFlight] = {}
         for f, header in headers.items():
             seg = plan.segment(f)

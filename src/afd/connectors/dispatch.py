@@ -86,17 +86,19 @@ def plan_dispatch(
     *,
     counts_host: torch.Tensor | None = None,
     shared_on_ffn: bool = True,
+    row_index: torch.Tensor | None = None,
 ) -> DispatchPlan:
     """Plan one send. topk_ids: [T, K] int64 global expert ids.
 
     counts_host: optional [2F] int64 host buffer (pinned on CUDA) for the one device→host copy;
     without it `.tolist()` is used. shared_on_ffn=False: the attention rank runs the shared experts
-    itself, so no row is a shared row (every `shared_rows` is 0).
+    itself, so no row is a shared row (every `shared_rows` is 0). row_index: `arange(n)` on the routing device
+    with n >= T, sliced for the one-FFN-rank plan instead of a new arange per send.
     """
     num_tokens = topk_ids.shape[0]
     num_ffn, device = expert_map.num_ffn, topk_ids.device
     if num_ffn == 1:  # every token goes to the one FFN rank, shared experts included: no count to read back
-        token_index = torch.arange(num_tokens, device=device)  # [T]
+        token_index = row_index[:num_tokens] if row_index is not None else torch.arange(num_tokens, device=device)
         shared = num_tokens if shared_on_ffn else 0
         return DispatchPlan(num_tokens, token_index, (num_tokens,), (shared,), (0, num_tokens))
     is_dest = destinations(topk_ids, expert_map.owner, num_ffn)  # [T, F]
