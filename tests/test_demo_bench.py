@@ -188,3 +188,31 @@ def test_bench_repeat_launches_every_configuration_in_rounds_and_keeps_the_media
     assert proc.stderr.count("(launch 2 of 2)") == 2  # the second round launches both configurations again
     assert "each row: the median of 2 launches" in proc.stdout
     assert "async m=2: elapsed" in proc.stdout and "without micro-batches" in proc.stdout
+
+
+def test_bench_table_fits_its_longest_label_and_says_when_no_decode_step_was_timed() -> None:
+    from afd.bench import format_bench
+
+    run = {
+        "tokens_per_s": 80.0,
+        "ttft_p50_s": 0.1,
+        "ttft_p99_s": 0.1,
+        "elapsed_s": 0.1,
+        "replicas": [{"elapsed_s": 0.1}],
+    }
+    result = {
+        "model": "tiny",
+        "dtype": "float32",
+        "device": "cpu",
+        "topology": "1A1F",
+        "workload": {},
+        "runs": [
+            {**run, "connector": "async", "ubatches": 2, "shared_experts": "attention", "decode_step_p50_ms": None},
+            {**run, "connector": "p2p", "ubatches": 1, "decode_step_p50_ms": 12.5},
+        ],
+    }
+    header, long_row, short_row = format_bench(result).splitlines()[2:5]
+    assert long_row.startswith("async+sa m=2 ") and short_row.startswith("p2p ")
+    end = header.index("tok/s") + len("tok/s")  # right-aligned: every row's number ends where the header does
+    assert long_row.index("80.0") + len("80.0") == end == short_row.index("80.0") + len("80.0")
+    assert long_row.split()[-2] == "-" and "nan" not in long_row and "12.50ms" in short_row

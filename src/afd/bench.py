@@ -237,22 +237,25 @@ def run_label(connector: str, num_ubatches: int, shared_experts: str = "ffn") ->
 
 
 def format_bench(result: dict) -> str:
+    labels = [run_label(r["connector"], r.get("ubatches", 1), r.get("shared_experts", "ffn")) for r in result["runs"]]
+    width = max([10, *map(len, labels)])
     lines = [
         f"{result['model']} {result['dtype']} on {result['device']}, {result['topology']}",
         f"workload {result['workload']}",
-        f"{'connector':<10} {'tok/s':>9} {'TTFT p50':>10} {'TTFT p99':>10} {'decode step p50':>16}  "
+        f"{'connector':<{width}} {'tok/s':>9} {'TTFT p50':>10} {'TTFT p99':>10} {'decode step p50':>16}  "
         "per-replica elapsed (s)",
     ]
     repeat = result.get("repeat", 1)
     if repeat > 1:
         lines.insert(2, f"each row: the median of {repeat} launches by elapsed time (all of them: launches_elapsed_s)")
-    for run in result["runs"]:
+    for run, label in zip(result["runs"], labels, strict=True):
         per = " / ".join(f"{r['elapsed_s']:.2f}" for r in run["replicas"])
-        label = run_label(run["connector"], run.get("ubatches", 1), run.get("shared_experts", "ffn"))
-        step = run.get("decode_step_p50_ms", float("nan"))
+        step = run.get("decode_step_p50_ms")
+        no_step = step is None or math.isnan(step)  # no all-decode step was timed (one new token)
+        step_text = "-" if no_step else f"{step:.2f}ms"
         lines.append(
-            f"{label:<10} {run['tokens_per_s']:>9.1f} {run['ttft_p50_s'] * 1e3:>8.1f}ms "
-            f"{run['ttft_p99_s'] * 1e3:>8.1f}ms {step:>14.2f}ms  {per}"
+            f"{label:<{width}} {run['tokens_per_s']:>9.1f} {run['ttft_p50_s'] * 1e3:>8.1f}ms "
+            f"{run['ttft_p99_s'] * 1e3:>8.1f}ms {step_text:>16}  {per}"
         )
     lines += ubatch_gains(result["runs"])
     for connector, n in result.get("numerics", {}).items():
