@@ -25,3 +25,20 @@ timelined() {
   mkdir -p "$OUT/${name}_points" && cp "$AFD_TIMELINE"/*.json "$OUT/${name}_points/"
   unset AFD_TIMELINE
 }
+# gen NAME ARGS...: one `afd generate` (the oracle runs) under 180 s, its JSON into ${GEN_DIR:-$OUT}/NAME.json, its
+# stderr into $B
+gen() {
+  local name=$1; shift
+  local t0=$SECONDS
+  timeout 180 python3 -m afd generate "$@" >"${GEN_DIR:-$OUT}/$name.json" 2>"$B/$name.err"
+  echo "$name rc=$? in $((SECONDS - t0)) s"; tail -n 2 "$B/$name.err"
+}
+# the fp32 oracle's `afd generate` arguments (tiny, 4 prompts, prompt logprobs, CUDA); scripts/compare_outputs.py
+# compares the JSON of each run with the single-process one's
+ORACLE=(--model tiny --prompt-ids "5,17,33,2,9,41,7,3,19,23,11;4,8;100,3,77,12,9,250;1" --max-new-tokens 8
+  --prompt-logprobs --device cuda --json)
+# log_run NAME: all the script prints goes to $OUT/log.txt too; its scratch files go to B=/tmp/afd_NAME
+log_run() {
+  exec > >(tee -a "$OUT/log.txt") 2>&1
+  B=/tmp/afd_$1; mkdir -p "$B"
+}

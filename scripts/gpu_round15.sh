@@ -5,22 +5,13 @@
 # micro-batches (3 launches each, p2p beside), its per-layer timeline, the 1A1F decode step, and bf16 numerics.
 set -u
 source "$(dirname "$0")/device_env.sh"
-exec > >(tee -a "$OUT/log.txt") 2>&1
-B=/tmp/afd_r15; mkdir -p "$B"
+log_run r15
 SA='{"connector_extra_config": {"shared_experts_on_attention": true}}'
 SA_M2='{"connector_extra_config": {"shared_experts_on_attention": true, "async_moe_ubatching": true}}'
-PROMPTS="5,17,33,2,9,41,7,3,19,23,11;4,8;100,3,77,12,9,250;1"
-COMMON=(--model tiny --prompt-ids "$PROMPTS" --max-new-tokens 8 --prompt-logprobs --device cuda --json)
-gen() {
-  local name=$1; shift
-  local t0=$SECONDS
-  timeout 180 python3 -m afd generate "$@" >"$OUT/$name.json" 2>"$B/$name.err"
-  echo "$name rc=$? in $((SECONDS - t0)) s"; tail -n 2 "$B/$name.err"
-}
-gen ref "${COMMON[@]}"
-gen async_1a1f_sa "${COMMON[@]}" --connector async --attention 1 --ffn 1 --config "$SA"
-gen async_1a1f_sa_m2 "${COMMON[@]}" --connector async --attention 1 --ffn 1 --config "$SA_M2"
-gen async_2a2f_sa "${COMMON[@]}" --connector async --attention 2 --ffn 2 --config "$SA"
+gen ref "${ORACLE[@]}"
+gen async_1a1f_sa "${ORACLE[@]}" --connector async --attention 1 --ffn 1 --config "$SA"
+gen async_1a1f_sa_m2 "${ORACLE[@]}" --connector async --attention 1 --ffn 1 --config "$SA_M2"
+gen async_2a2f_sa "${ORACLE[@]}" --connector async --attention 2 --ffn 2 --config "$SA"
 python3 scripts/compare_outputs.py "$OUT/ref.json" "$OUT"/async_1a1f_sa.json "$OUT"/async_1a1f_sa_m2.json \
   "$OUT"/async_2a2f_sa.json | tee "$OUT/compare.txt"
 bench 1a1f_prefill_8x1024_shared 300 --attention 1 --ffn 1 --requests 8 --long-len 1024 --short-len 1024 \

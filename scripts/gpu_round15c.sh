@@ -5,8 +5,7 @@
 # mixed workload at 1A1F with the async server's shared experts on its attention rank. At most 8 files come back.
 set -u
 source "$(dirname "$0")/device_env.sh"
-exec > >(tee -a "$OUT/log.txt") 2>&1
-B=/tmp/afd_r15c; mkdir -p "$B"
+log_run r15c
 bench prefill 220 --attention 1 --ffn 1 --requests 8 --long-len 1024 --short-len 1024 --max-new-tokens 1 \
   --ubatches 1,2 --shared-experts ffn,attention --repeat 3 --connectors async,p2p --max-num-batched-tokens 8192 \
   --no-score

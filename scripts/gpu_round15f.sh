@@ -4,24 +4,16 @@
 # places of the shared experts, then 1A1F prefill of 8 x 1024 once per configuration.
 set -u
 source "$(dirname "$0")/device_env.sh"
-exec > >(tee -a "$OUT/log.txt") 2>&1
-B=/tmp/afd_r15f; mkdir -p "$B"
+log_run r15f
 SA='{"connector": "async", "connector_extra_config": {"shared_experts_on_attention": true}}'
 M2='{"connector": "async", "connector_extra_config": {"async_moe_ubatching": true}}'
-PROMPTS="5,17,33,2,9,41,7,3,19,23,11;4,8;100,3,77,12,9,250;1"
-COMMON=(--model tiny --prompt-ids "$PROMPTS" --max-new-tokens 8 --prompt-logprobs --device cuda --json)
-gen() {
-  local name=$1; shift
-  local t0=$SECONDS
-  timeout 120 python3 -m afd generate "$@" >"$B/$name.json" 2>"$B/$name.err"
-  echo "$name rc=$? in $((SECONDS - t0)) s"; tail -n 2 "$B/$name.err"
-}
-gen ref "${COMMON[@]}"
-gen async_1a1f "${COMMON[@]}" --connector async --attention 1 --ffn 1
-gen async_1a1f_sa "${COMMON[@]}" --connector async --attention 1 --ffn 1 --config "$SA"
-gen async_1a1f_m2 "${COMMON[@]}" --connector async --attention 1 --ffn 1 --config "$M2"
-gen async_2a2f_sa "${COMMON[@]}" --connector async --attention 2 --ffn 2 --config "$SA"
-gen p2p_1a1f "${COMMON[@]}" --connector p2p --attention 1 --ffn 1
+GEN_DIR=$B
+gen ref "${ORACLE[@]}"
+gen async_1a1f "${ORACLE[@]}" --connector async --attention 1 --ffn 1
+gen async_1a1f_sa "${ORACLE[@]}" --connector async --attention 1 --ffn 1 --config "$SA"
+gen async_1a1f_m2 "${ORACLE[@]}" --connector async --attention 1 --ffn 1 --config "$M2"
+gen async_2a2f_sa "${ORACLE[@]}" --connector async --attention 2 --ffn 2 --config "$SA"
+gen p2p_1a1f "${ORACLE[@]}" --connector p2p --attention 1 --ffn 1
 python3 scripts/compare_outputs.py "$B/ref.json" "$B"/async_1a1f.json "$B"/async_1a1f_sa.json "$B"/async_1a1f_m2.json \
   "$B"/async_2a2f_sa.json "$B"/p2p_1a1f.json | tee "$OUT/compare.txt"
 bench prefill 150 --attention 1 --ffn 1 --requests 8 --long-len 1024 --short-len 1024 --max-new-tokens 1 \
