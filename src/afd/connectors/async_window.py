@@ -336,7 +336,7 @@ class AsyncAttentionExchange(AsyncEndpoint):
         dst.topk_weights[:num_tokens].copy_(routing.topk_weights)
         shared = self.shared_experts is not None
         chain.stamp_request(self._device_seq, dst.header, flag, layer_idx, num_tokens, shared_on_ffn=not shared)
-        addend = self.shared_experts(layer_idx, x) if self.shared_experts is not None else None  # while FFN works
+        addend = self.shared_experts(layer_idx, x) if shared else None  # on this stream while the FFN rank works
         reply = self.window.wait_flag(0, 0, 1, torch.cuda.current_stream(self.device))
         out = torch.empty(x.shape, dtype=torch.float32 if shared else x.dtype, device=x.device)
         chain.take_reply(reply.header, self.window.local_flag(0, 0), reply.out, out, self._device_seq, self._errors,
