@@ -493,7 +493,13 @@ def test_bench_serve_pieces():
         ("none R=2", ["--connector", "none", "--replicas", "2"]),
         ("async A=2,F=2", ["--connector", "async", "--attention", "2", "--ffn", "2"]),
     ]
-    for bad in ("R=2", "none:A=2", "async:R=2", "p2p:A=0", "foo:R=1"):
+    assert compare_list("async+sa:A=1,F=1") == [
+        (
+            "async+sa A=1,F=1",
+            ["--connector", "async", "--shared-experts", "attention", "--attention", "1", "--ffn", "1"],
+        )
+    ]
+    for bad in ("R=2", "none:A=2", "async:R=2", "p2p:A=0", "foo:R=1", "p2p+sa:A=1"):
         with pytest.raises(Exception, match="--compare"):
             compare_list(bad)
     assert rate_list("1,2.5,inf") == [1.0, 2.5, float("inf")]
@@ -545,6 +551,7 @@ def test_cli_refuses_bad_serve_input_before_starting_anything(capsys):
         (["serve", "--model", MODEL, "--attention", "2"], "--attention, --ffn"),
         (["serve", "--model", MODEL, "--connector", "async", "--attention", "2", "--replicas", "3"], "--replicas"),
         (["serve", "--model", "no-such-model"], "neither a preset"),
+        (["serve", "--model", MODEL, "--shared-experts", "attention"], "--shared-experts attention needs --connector"),
         (["serve", "--model", MODEL, "--max-model-len", "99999"], "--max-model-len"),
     ):
         assert cli.main(argv) == 2

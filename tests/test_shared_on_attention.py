@@ -152,3 +152,21 @@ def test_cli_reads_a_config_without_a_connector_as_the_flags_connector(tmp_path:
     as_p2p = [*cmd[:5], "p2p", *cmd[6:]]  # the same keys under p2p: one sentence, exit 2
     p2p = subprocess.run(as_p2p, capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert p2p.returncode == 2 and "in connector_extra_config for p2p" in p2p.stderr and "Traceback" not in p2p.stderr
+
+
+@pytest.mark.timeout(120)
+def test_cli_flag_puts_the_shared_experts_on_the_attention_ranks(tmp_path: Path) -> None:
+    """`--shared-experts attention` on `afd launch`: the attention rank runs them (its log says so) and the outputs
+    equal the reference; with another connector, one sentence and exit 2 before anything starts."""
+    args = ["--model", "tiny", "--prompt-ids", "5,17,33,2,9;4,8", "--max-new-tokens", "4", "--prompt-logprobs"]
+    cmd = [sys.executable, "-m", "afd", "launch", "--connector", "async", "--shared-experts", "attention", *args]
+    verbose = [*cmd[:3], "-v", *cmd[3:], "--json"]  # -v: every rank's log lines on stderr
+    proc = subprocess.run(verbose, capture_output=True, text=True, timeout=100, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "shared experts run here" in proc.stderr
+    got = [o["token_ids"] for o in json.loads(proc.stdout)["outputs"]]
+    assert got == [o.token_ids for o in generate(MODEL, [[5, 17, 33, 2, 9], [4, 8]], max_new_tokens=4)]
+    for connector in ("p2p", "none"):
+        bad = subprocess.run([*cmd[:5], connector, *cmd[6:]], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        assert bad.returncode == 2 and "--shared-experts attention needs --connector async" in bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr

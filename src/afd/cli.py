@@ -25,6 +25,7 @@ from afd.cli_args import (
     launch_config,
     run_spec,
     sampling_params,
+    shared_experts_keys,
 )
 from afd.cli_input import (
     UsageError,
@@ -114,6 +115,7 @@ def run_generate(args: argparse.Namespace) -> tuple[list, dict]:
     prompts = read_prompts(args)
     model_config = check_prompts(args.model, prompts, args.device, args.max_new_tokens)
     check_cache_fits(args, prompts)
+    shared_experts_keys(args.connector, args.shared_experts)  # refused in one sentence before anything starts
     if args.connector == "none":
         if getattr(args, "launch", False):
             raise UsageError("afd launch needs --connector p2p or --connector async")
@@ -151,6 +153,7 @@ def run_generate(args: argparse.Namespace) -> tuple[list, dict]:
         args.config,
         args.connector,
         port=args.port,
+        shared_experts=args.shared_experts,
         num_attention_ranks=args.attention,
         num_ffn_ranks=args.ffn,
         compute_gate_on_attention=not args.gate_on_ffn,

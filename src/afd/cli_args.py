@@ -192,6 +192,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", type=rank_count, default=1, help="attention ranks (A)")
     p.add_argument("--ffn", type=rank_count, default=1, help="FFN ranks (F)")
     p.add_argument("--gate-on-ffn", action="store_true", help="run the MoE gate on the FFN side (p2p only)")
+    add_shared_experts_flag(p)
     p.add_argument("--config", help="AFD config (file or JSON) for host, port and connector_extra_config")
     p.add_argument("--port", type=port_number, help="rendezvous port (default: a free one, or the config's)")
     p.add_argument("--timeout", type=positive_seconds, default=600.0, help="seconds before the whole run is given up")
@@ -204,14 +205,43 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     add_skip_resource_check(p)
 
 
-def launch_config(source: str | None, connector: str, *, port: int | None = None, **changes: object) -> AFDConfig:
+def add_shared_experts_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--shared-experts",
+        choices=["ffn", "attention"],
+        help="where the shared experts run (default: the config's, else ffn); attention (async only): on each "
+        "attention rank, between a layer's send and its recv, while the FFN ranks compute the routed experts",
+    )
+
+
+def shared_experts_keys(connector: str, where: str | None) -> dict:
+    """The `connector_extra_config` keys `--shared-experts` sets (none when it was not given); UsageError for a
+    connector that cannot run them on its attention side."""
+    if where == "attention" and connector != "async":
+        raise UsageError(
+            f"--shared-experts attention needs --connector async (connector {connector} runs the shared experts "
+            "on its FFN side)"
+        )
+    return {"shared_experts_on_attention": where == "attention"} if where and connector == "async" else {}
+
+
+def launch_config(
+    source: str | None,
+    connector: str,
+    *,
+    port: int | None = None,
+    shared_experts: str | None = None,
+    **changes: object,
+) -> AFDConfig:
     """The AFD config of a launch: `--config` (a file or JSON; one that names no connector is read as `connector`'s)
-    under the command line's choices. A config written for the other connector keeps none of its extra keys; the
-    rendezvous port is `port`, else the config's when one was given, else a free one."""
+    under the command line's choices (`shared_experts`: `--shared-experts`). A config written for the other connector
+    keeps none of its extra keys; the rendezvous port is `port`, else the config's when one was given, else a free
+    one."""
     from afd.config import parse_config
     from afd.runtime.launch import free_port
 
     base = parse_config(source if source else {}, default_connector=connector)
     extra = base.to_dict()["connector_extra_config"] if base.connector == connector else {}
+    extra |= shared_experts_keys(connector, shared_experts)
     port = port or (base.port if source else free_port(base.host))
     return base.replace(connector=connector, connector_extra_config=extra, port=port, **changes)

@@ -13,7 +13,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from afd.cli_args import check_resources, launch_config
+from afd.cli_args import add_shared_experts_flag, check_resources, launch_config, shared_experts_keys
 from afd.cli_input import (
     UsageError,
     batched_tokens,
@@ -82,6 +82,7 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--ffn", type=rank_count, default=1, help="FFN ranks (F)")
     p.add_argument("--replicas", type=rank_count, help="connector none: whole-model replicas (default 1)")
     p.add_argument("--gate-on-ffn", action="store_true", help="run the MoE gate on the FFN side (p2p only)")
+    add_shared_experts_flag(p)
     p.add_argument("--host", default="127.0.0.1", help="address the HTTP server listens on")
     p.add_argument("--port", type=port_number, default=8000, help="HTTP port")
     p.add_argument("--served-model-name", help="the model name clients send and /v1/models lists (default: --model)")
@@ -106,6 +107,7 @@ def build_plan(args: argparse.Namespace):
     limit = model_config.max_position_embeddings
     if args.max_model_len is not None and args.max_model_len > limit:
         raise UsageError(f"--max-model-len {args.max_model_len} is more than the {limit} positions of {args.model!r}")
+    shared_experts_keys(args.connector, args.shared_experts)
     if args.connector == "none":
         if (args.attention, args.ffn) != (1, 1) or args.gate_on_ffn:
             raise UsageError(
@@ -121,6 +123,7 @@ def build_plan(args: argparse.Namespace):
         config = launch_config(
             args.config,
             args.connector,
+            shared_experts=args.shared_experts,
             num_attention_ranks=args.attention,
             num_ffn_ranks=args.ffn,
             compute_gate_on_attention=not args.gate_on_ffn,
@@ -215,7 +218,7 @@ def compare_list(text: str) -> list[tuple[str, list[str]]]:
     configs: list[tuple[str, dict[str, int]]] = []
     for item in (t.strip() for t in text.split(",")):
         name, sep, rest = item.partition(":")
-        if name in ("none", "p2p", "async"):
+        if name in ("none", "p2p", "async", "async+sa"):
             configs.append((name, {}))
             item = rest if sep else ""
         if not item:
@@ -233,7 +236,9 @@ def compare_list(text: str) -> list[tuple[str, list[str]]]:
             raise argparse.ArgumentTypeError(
                 f"--compare: connector none takes R=N, p2p and async take A=N,F=N ({text!r})"
             )
-        flags = ["--connector", connector] + [f for k, v in keys.items() for f in (SERVER_KEYS[k], str(v))]
+        flags = ["--connector", connector.removesuffix("+sa")]  # +sa: the shared experts on the attention ranks
+        flags += ["--shared-experts", "attention"] if connector.endswith("+sa") else []
+        flags += [f for k, v in keys.items() for f in (SERVER_KEYS[k], str(v))]
         label = connector + (" " + ",".join(f"{k}={v}" for k, v in keys.items()) if keys else "")
         out.append((label, flags))
     return out
@@ -250,7 +255,8 @@ def add_bench_serve_parser(steps) -> None:
         "--compare",
         type=compare_list,
         default="none:R=1",
-        help="servers to start and measure in turn, e.g. none:R=2,async:A=2,F=2",
+        help="servers to start and measure in turn, e.g. none:R=2,async:A=2,F=2 (async+sa: async with --shared-experts "
+        "attention)",
     )
     target.add_argument("--url", help="measure a running server instead (e.g. http://127.0.0.1:8000)")
     target.add_argument(
