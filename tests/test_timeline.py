@@ -31,6 +31,9 @@ def test_attention_phases_split_each_exchange():
     assert phases["host: attention"] == pytest.approx([0.013])
     assert phases["host: send"] == pytest.approx([1e-3] * 3)
     assert phases["host: to the reply"] == pytest.approx([0.001, 0.001, 0.001])
+    assert phases["shared experts here"] == []  # no "shared" points: the FFN ranks ran them
+    shared = [["shared", 1, 0.0105, 0.0114], ["shared", 2, 0.0255, 0.0272], ["shared", 1, 0.1005, 0.1013]]
+    assert attention_phases(points + shared)["shared experts here"] == pytest.approx([0.0004, 0.0012, 0.0003])
 
 
 def test_attention_compute_follows_each_micro_batch_in_ping_pong():
@@ -79,12 +82,17 @@ def test_report_cli_refuses_an_empty_folder(tmp_path: Path, capsys: pytest.Captu
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("connector", ["async", "p2p"])
-def test_a_real_launch_writes_both_ranks_points(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, connector: str):
+@pytest.mark.parametrize("connector, shared_here", [("async", False), ("async", True), ("p2p", False)])
+def test_a_real_launch_writes_both_ranks_points(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, connector: str, shared_here: bool
+):
     import e2e_util
 
     monkeypatch.setenv("AFD_TIMELINE", str(tmp_path))  # the launched ranks inherit it
-    outputs, _ = e2e_util.launch_checked(connector, 1, 1, [[3, 5, 7]], max_new_tokens=2, max_num_batched_tokens=64)
+    extra = {"shared_experts_on_attention": True} if shared_here else {}
+    outputs, _ = e2e_util.launch_checked(
+        connector, 1, 1, [[3, 5, 7]], max_new_tokens=2, max_num_batched_tokens=64, **extra
+    )
     assert len(outputs[0].token_ids) == 2
     attention = json.loads((tmp_path / f"{connector}_attention0.json").read_text())["points"]
     ffn = json.loads((tmp_path / f"{connector}_ffn0.json").read_text())["points"]
@@ -94,4 +102,6 @@ def test_a_real_launch_writes_both_ranks_points(tmp_path: Path, monkeypatch: pyt
     split = result[f"{connector}_attention0 <-> {connector}_ffn0"]
     assert split["FFN pass + reply writes"]["n"] == num_moe
     assert result[f"{connector}_attention0"]["step"]["n"] == 2  # a prefill step, then a decode step
+    shared = result[f"{connector}_attention0"].get("shared experts here", {"n": 0})
+    assert shared["n"] == (num_moe if shared_here else 0)  # timed only where the attention rank runs them
     assert main([str(tmp_path), "--json", str(tmp_path / "summary.json.out")]) == 0

@@ -44,6 +44,10 @@ def attention_phases(points: list[list]) -> dict[str, list[float]]:
     sends, sents, replies = (_by_key(points, k) for k in ("send", "sent", "reply"))
     out: dict[str, list[float]] = {"attention compute": [], "send": [], "round trip": [], "host lead": []}
     out |= {"host: attention": [], "host: send": [], "host: to the reply": []}
+    # the shared experts on the attention rank (`shared_experts_on_attention`): sent → done, inside the round trip
+    out["shared experts here"] = [
+        _time(done) - _time(sent) for sent, done in zip(sents, _by_key(points, "shared"), strict=False)
+    ]
     taken = 0  # replies the host had taken before the current send
     for send, sent, reply in zip(sends, sents, replies, strict=False):
         while taken < len(replies) and replies[taken][2] <= send[2]:

@@ -463,6 +463,8 @@ class AsyncAttentionExchange(AsyncEndpoint):
             self.timeline.mark("sent", layer_idx)  # on the device: the rows and flags are written
         if self.shared_experts is not None:  # on this rank's stream while the FFN ranks run the routed experts
             pending.shared = self.shared_experts(layer_idx, x)
+            if self.timeline is not None:
+                self.timeline.mark("shared", layer_idx)  # on the device: the shared experts are done
         return pending
 
     def recv(self) -> torch.Tensor:
