@@ -193,9 +193,12 @@ def endpoint_args(**extra_config: object) -> dict:
     )
 
 
-def run_in_process(topo: AsyncTopology, args: dict, attention_model, ffn_model_of, **exchange_kwargs):
+def run_in_process(
+    topo: AsyncTopology, args: dict, attention_model, ffn_model_of, *, prepare_engine=None, **exchange_kwargs
+):
     """The engine over an `AsyncAttentionExchange` in this process, its FFN ranks in threads over real shared memory
-    (`ffn_model_of(f)`: FFN rank f's model): (the outputs of IN_PROCESS_PROMPTS with prompt logprobs, the engine)."""
+    (`ffn_model_of(f)`: FFN rank f's model; `prepare_engine(engine)`: called before the prompts are added): (the
+    outputs of IN_PROCESS_PROMPTS with prompt logprobs, the engine)."""
     store = dist.HashStore()
     errors: list[BaseException] = []
 
@@ -212,6 +215,8 @@ def run_in_process(topo: AsyncTopology, args: dict, attention_model, ffn_model_o
     ex = AsyncAttentionExchange(store, topo, 0, **exchange_kwargs, **args)
     try:
         engine = Engine(attention_model, ex, 32)
+        if prepare_engine is not None:
+            prepare_engine(engine)
         for p in IN_PROCESS_PROMPTS:
             engine.add(Request(p, 4, prompt_logprobs=True))
         outputs = engine.run()

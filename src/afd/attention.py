@@ -87,6 +87,16 @@ class MLAttention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Batch, kv_cache: PagedLatentCache | None
     ) -> torch.Tensor:
+        """x [T, H] (normed) -> [T, H]: `project`, `attend`, then the output projection."""
+        q, kv_c, k_pe = self.project(x, cos, sin, batch, kv_cache)
+        return self.o_proj(self.attend(q, kv_c, k_pe, batch, kv_cache).flatten(1))
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Batch, kv_cache: PagedLatentCache | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The row-wise part: q [T, nh, D] with its rope part rotated, this step's latents kv_c [T, C] and k_pe [T, R],
+        already written to the cache at `batch.slot_mapping`. Why apart from `attend`: it depends on the token count
+        only, so a prefill CUDA graph (afd.prefill_graph) can hold it while the layout-dependent core runs eagerly."""
         c, nh = self.config, self.num_heads
         T = x.shape[0]
         if c.q_lora_rank is None:
@@ -94,25 +104,40 @@ class MLAttention(nn.Module):
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(T, nh, c.qk_head_dim)  # [T, nh, D]
-        q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
+        q_pe = q[..., c.qk_nope_head_dim :]
         kv_c, k_pe = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         kv_c = self.kv_a_layernorm(kv_c)  # [T, C]
         apply_rope(q_pe, cos, sin, c.rope_interleave, out=q_pe)  # in place: q is now [q_nope | rotated q_pe]
         k_pe = apply_rope(k_pe, cos, sin, c.rope_interleave)  # [T, R]
         if kv_cache is not None:  # every token of the step at once, before any sequence reads its context
             kv_cache.write(self.layer_idx, batch.slot_mapping, torch.cat([kv_c, k_pe], dim=-1))
+        return q, kv_c, k_pe
 
-        out = x.new_empty(T, nh, c.v_head_dim)  # [T, nh, Dv]
+    def attend(
+        self,
+        q: torch.Tensor,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        batch: Batch,
+        kv_cache: PagedLatentCache | None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The core, which depends on the step's layout: every sequence's queries against its keys -> [T, nh, Dv]
+        (into `out` when given)."""
+        c, nh = self.config, self.num_heads
+        T = q.shape[0]
+        q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         batched = set(batch.decode_seqs) if kv_cache is not None else set()
         if batched and len(batched) == len(batch.query_lens):  # all decodes (graphed steps): rows in order
-            return self.o_proj(self._decode_attention(q_nope, q_pe, kv_cache, batch.decode_rows, batch.decode_valid)
-                               .reshape(T, nh * c.v_head_dim))  # fmt: skip
+            o = self._decode_attention(q_nope, q_pe, kv_cache, batch.decode_rows, batch.decode_valid)
+            return o if out is None else out.copy_(o)
+        out = q.new_empty(T, nh, c.v_head_dim) if out is None else out  # [T, nh, Dv]
         if batched:  # one pass over every single-token sequence instead of a loop over them
             rows = batch.decode_token_rows  # [Bd]
             o = self._decode_attention(q_nope[rows], q_pe[rows], kv_cache, batch.decode_rows, batch.decode_valid)
             out[rows] = o  # [Bd, nh, Dv]
         self._prefill_attention(out, q, kv_c, k_pe, batch, kv_cache, batched)
-        return self.o_proj(out.view(T, nh * c.v_head_dim))  # [T, H]
+        return out
 
     def _prefill_attention(
         self,

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from afd.kv_cache import NULL_BLOCK, PagedLatentCache
-from afd.model import AttentionModel, Batch, Boundary, Exchange, run_segments, zero_exchange
+from afd.model import AttentionCore, AttentionModel, Batch, Boundary, Exchange, Segments, run_segments, zero_exchange
 from afd.moe import Routing, _grouped_mm_supported
 
 logger = logging.getLogger(__name__)
@@ -140,8 +140,10 @@ class _Graph:
     answers: list[torch.Tensor] = field(default_factory=list)  # segmented: [n, H] what graph i + 1 reads
 
 
-def _resume(segments, answer: torch.Tensor | None) -> tuple[Boundary | None, torch.Tensor | None]:
-    """One piece of a `forward_segments` generator: (next boundary, None) or (None, final output)."""
+def resume(
+    segments: Segments, answer: torch.Tensor | None
+) -> tuple[Boundary | AttentionCore | None, torch.Tensor | None]:
+    """One piece of a `forward_segments` generator: (next pause, None) or (None, final output)."""
     try:
         return (next(segments) if answer is None else segments.send(answer)), None
     except StopIteration as end:
@@ -302,7 +304,7 @@ class DecodeGraphRunner:
         while True:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                boundary, output = _resume(segments, answer)
+                boundary, output = resume(segments, answer)
             captured.graphs.append(graph)
             if boundary is None:
                 captured.output = output

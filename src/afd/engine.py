@@ -24,6 +24,7 @@ from collections import deque
 
 import torch
 
+from afd import env
 from afd.cuda_graph import DecodeGraphRunner, capture_safe_moe
 from afd.ffn_model import FFNModel
 from afd.kv_cache import (
@@ -36,8 +37,9 @@ from afd.kv_cache import (
     latent_bytes_per_token,
     num_cache_blocks,
 )
-from afd.model import AttentionModel, Batch, Exchange, run_ubatches, split_ubatches
+from afd.model import AttentionModel, Batch, Exchange, Segments, run_segments, run_ubatches, split_ubatches
 from afd.moe import Routing
+from afd.prefill_graph import PrefillGraphRunner
 from afd.request import EngineLoad, Output, Request, StepToken
 from afd.sampling import sample
 from afd.sequence import ON_DEVICE, LaunchedStep, Scheduled, SequenceState
@@ -160,6 +162,15 @@ class Engine:
                     "whole step" + ("" if local else ", exchanges included") if whole else "pieces between exchanges",
                     self.cuda_graphs.buckets,
                 )
+        # Steps with prompt tokens (or more decodes than a decode graph holds) replay their row-wise pieces from CUDA
+        # graphs at padded token counts, the attention core and the exchanges eagerly between them
+        # (afd.prefill_graph); one runner per micro-batch, as micro-batches in flight need their own buffers.
+        self.prefill_graphs: list[PrefillGraphRunner] = []
+        if not enforce_eager and self.device.type == "cuda" and not env.prefill_graphs_disabled():
+            self.prefill_graphs = [
+                PrefillGraphRunner(model, self.kv_cache, max_num_batched_tokens) for _ in range(self.num_ubatches)
+            ]
+            logger.info("prefill CUDA graphs on, token buckets %s", self.prefill_graphs[0].buckets)
         self.waiting: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []
         self._live: dict[int, SequenceState] = {}  # request id -> its sequence, waiting or running
@@ -393,8 +404,18 @@ class Engine:
             self.exchange.begin_step(len(positions))
         hidden = graphs.forward(batch, ids, pos) if graphs is not None else None  # [T, H] replayed
         if hidden is None:
-            hidden = self.model(ids, pos, batch, self.kv_cache, self.exchange)  # [T, H]
+            hidden = run_segments(self._segments(0, batch, ids, pos), self.exchange)  # [T, H]
         return self._sample(scheduled, batch, hidden, last)
+
+    def _segments(self, ubatch: int, batch: Batch, input_ids: torch.Tensor, positions: torch.Tensor) -> Segments:
+        """The forward of a prepared (micro-)batch as `forward_segments`: replayed from micro-batch `ubatch`'s prefill
+        graphs where they hold its token count, else eager."""
+        runner = self.prefill_graphs[ubatch] if ubatch < len(self.prefill_graphs) else None
+        if runner is not None and runner.handles(input_ids.shape[0]):
+            segments = runner.segments(batch, input_ids, positions)
+            if segments is not None:
+                return segments
+        return self.model.forward_segments(input_ids, positions, batch, self.kv_cache)
 
     @property
     def num_ubatches(self) -> int:
@@ -425,7 +446,7 @@ class Engine:
                 host.append(torch.tensor(last_rows, dtype=torch.long))
             ids, pos, *sampled = self.kv_cache.prepare(part, *host)
             last = sampled[0] if sampled else last
-            segments.append(self.model.forward_segments(ids, pos, part, self.kv_cache))
+            segments.append(self._segments(len(segments), part, ids, pos))
         if hasattr(self.exchange, "begin_step"):  # p2p: the control plane announces every micro-batch's rows
             self.exchange.begin_step(batch.num_tokens, [starts[g.stop] - starts[g.start] for g in ubatches])
         self.ubatched_steps += 1

@@ -9,6 +9,8 @@
 - `AFD_API_KEY`: the key `afd serve` requires from clients when `--api-key` is not given (keeps it off `ps`).
 - `AFD_DISABLE_TRITON`: set to 1 to run the CUDA step on eager PyTorch ops instead of afd's Triton kernels.
 - `AFD_FFN_GRAPHS`: set to 0 to run FFN ranks' expert passes eagerly instead of replaying CUDA graphs.
+- `AFD_PREFILL_GRAPHS`: set to 0 to run steps with prompt tokens eagerly instead of replaying their row-wise pieces
+  from CUDA graphs at padded token counts (`afd.prefill_graph`).
 - `AFD_FFN_CHAIN`: set to 0 to make a 1A1F async FFN rank on CUDA discover every request from the host instead of
   enqueueing whole passes on the device (`afd.connectors.ffn_chain`); 1 runs those passes on CPU too (tests).
 - `AFD_EXCHANGE_GRAPHS`: set to 0 to keep a 1A1F async attention rank's decode graphs in pieces between exchanges
@@ -55,6 +57,11 @@ def visible_devices() -> list[str] | None:
 def triton_disabled() -> bool:
     """`AFD_DISABLE_TRITON=1` makes the CUDA step use the eager PyTorch ops (a kernel suspected wrong, or timing)."""
     return os.environ.get("AFD_DISABLE_TRITON", "") not in ("", "0")
+
+
+def prefill_graphs_disabled() -> bool:
+    """`AFD_PREFILL_GRAPHS=0`: steps with prompt tokens run eagerly (a comparison, or a suspected capture problem)."""
+    return os.environ.get("AFD_PREFILL_GRAPHS", "1") == "0"
 
 
 def ffn_graphs_disabled() -> bool:

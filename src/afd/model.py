@@ -36,6 +36,7 @@ __all__ = [
     "AttentionLayer",
     "AttentionModel",
     "Batch",
+    "AttentionCore",
     "Boundary",
     "Exchange",
     "Gate",
@@ -62,7 +63,20 @@ class Boundary:
     routing: Routing | None
 
 
-Segments = Generator[Boundary, torch.Tensor, torch.Tensor]  # AttentionModel.forward_segments
+@dataclass
+class AttentionCore:
+    """Where `forward_segments(pause_at_attention=True)` stops inside a layer: its row-wise projections are done
+    (q [T, nh, D], this step's latents kv_c [T, C], k_pe [T, R], already cached); the caller runs the
+    layout-dependent core (`MLAttention.attend`) and resumes with its output [T, nh, Dv]."""
+
+    layer_idx: int
+    q: torch.Tensor
+    kv_c: torch.Tensor
+    k_pe: torch.Tensor
+
+
+# AttentionModel.forward_segments (AttentionCore pauses only with pause_at_attention=True)
+Segments = Generator[Boundary | AttentionCore, torch.Tensor, torch.Tensor]
 
 
 def zero_exchange(layer_idx: int, x: torch.Tensor, routing: Routing | None) -> torch.Tensor:
@@ -176,7 +190,17 @@ class AttentionLayer(nn.Module):
     ) -> tuple[torch.Tensor, Boundary | None]:
         """Everything of the layer on this side: the residual after attention (and after the dense MLP when
         this side owns it) [T, H], and what crosses to the FFN side (None when nothing does)."""
-        h = x + scaled(self.self_attn(self.input_layernorm(x), cos, sin, batch, kv_cache), self.scale)
+        return self.finish(x, self.self_attn.attend(*self.project(x, cos, sin, batch, kv_cache), batch, kv_cache))
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Batch, kv_cache: PagedLatentCache | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The attention's row-wise part on the layer input x [T, H]: q, kv_c, k_pe (`MLAttention.project`)."""
+        return self.self_attn.project(self.input_layernorm(x), cos, sin, batch, kv_cache)
+
+    def finish(self, x: torch.Tensor, attention: torch.Tensor) -> tuple[torch.Tensor, Boundary | None]:
+        """The rest of the layer from the attention core's output [T, nh, Dv]: as `attend` returns."""
+        h = x + scaled(self.self_attn.o_proj(attention.flatten(1)), self.scale)
         y = self.post_attention_layernorm(h)  # [T, H]
         if self.mlp is not None:
             return h + scaled(self.mlp(y), self.scale), None
@@ -247,15 +271,27 @@ class AttentionModel(nn.Module):
         return run_segments(self.forward_segments(input_ids, positions, batch, kv_cache), exchange)
 
     def forward_segments(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: Batch, kv_cache: PagedLatentCache | None
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: Batch,
+        kv_cache: PagedLatentCache | None,
+        *,
+        pause_at_attention: bool = False,
     ) -> Segments:
         """The forward pass, paused at every boundary layer: yields what crosses to the FFN side and resumes
         with the FFN side's answer [T, H]. Why a generator: a CUDA graph can capture each piece between two
-        exchanges (afd.cuda_graph) while the exchange itself, which crosses processes, runs eagerly."""
+        exchanges (afd.cuda_graph) while the exchange itself, which crosses processes, runs eagerly.
+        `pause_at_attention`: also pause in every layer at its attention core (`AttentionCore`), which
+        depends on the step's layout, so that a prefill graph holds only what depends on the token count."""
         cos, sin = self.rope(positions)  # [T, R/2]
         h = scaled(self.embed_tokens(input_ids), self.scale)  # [T, H]
         for layer in self.layers:
-            h, boundary = layer.attend(h, cos, sin, batch, kv_cache)
+            if pause_at_attention:
+                core = AttentionCore(layer.layer_idx, *layer.project(h, cos, sin, batch, kv_cache))
+                h, boundary = layer.finish(h, (yield core))
+            else:
+                h, boundary = layer.attend(h, cos, sin, batch, kv_cache)
             if boundary is not None:
                 h = h + (yield boundary)
         return self.norm(h)

@@ -79,6 +79,9 @@ def warm_up_engine(engine: Engine, *, force: bool = False) -> None:
         finally:
             for slot in slots:
                 cache.free(slot)
+    with torch.inference_mode():  # the prefill graphs of every token bucket (afd.prefill_graph): no capture mid-run
+        for runner in engine.prefill_graphs:
+            runner.capture_all()
     logger.info("warmed up the attention step (kernels compiled) in %.1f s", time.perf_counter() - start)
 
 
