@@ -154,6 +154,7 @@ def main(out_dir: str) -> None:
             y.copy_(x)
         small = torch.zeros(8, device="cuda")
         rows = torch.arange(2048, device="cuda")
+        latents = cache.cache[0][:2048].clone()
         probes = {
             "torch add_ (tiny)": lambda: small.add_(1),
             "F.linear 2048x2048 -> 1536": lambda: F.linear(x, lin),
@@ -164,7 +165,7 @@ def main(out_dir: str) -> None:
             "gate (fused router)": lambda: layer0.gate(x),
             "cuda graph replay (1 copy)": g.replay,
             "torch.cat 2 tensors": lambda: torch.cat([kpe, kpe], dim=-1),
-            "index_copy_": lambda: cache.cache[0].index_copy_(0, rows, cache.cache[0][:2048]),
+            "index_copy_": lambda: cache.cache[0].index_copy_(0, rows, latents),
         }
         for name, fn in probes.items():
             result["launch_us"][name] = launch_us(fn)

@@ -132,6 +132,7 @@ def test_replayed_prefill_graphs_equal_eager_steps(dtype: str) -> None:
             assert engine.prefill_graphs and engine.prefill_graphs[0].buckets == token_buckets(512)
             with torch.inference_mode():
                 engine.prefill_graphs[0].capture_all()
+            assert not engine.prefill_graphs[0].disabled, "a capture failed (its traceback is in the log)"
             assert engine.prefill_graphs[0].captured == token_buckets(512)
         for p in prompts:
             engine.add(Request(list(p), 6, prompt_logprobs=True))
@@ -141,7 +142,8 @@ def test_replayed_prefill_graphs_equal_eager_steps(dtype: str) -> None:
     got, rows = run(True)
     assert rows == want_rows
     tol = 1e-4 if dtype == "float32" else 5e-2
-    for g, w in zip(got, want, strict=True):
-        assert g.token_ids == w.token_ids
-        assert max(abs(a - b) for a, b in zip(g.logprobs, w.logprobs, strict=True)) <= tol
-        assert max(abs(a - b) for a, b in zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:], strict=True)) <= tol
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.token_ids == w.token_ids, f"request {i}: tokens {g.token_ids} != {w.token_ids}"
+        diff = max(abs(a - b) for a, b in zip(g.logprobs, w.logprobs, strict=True))
+        prompt_diff = max(abs(a - b) for a, b in zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:], strict=True))
+        assert max(diff, prompt_diff) <= tol, f"request {i}: |Δ logprob| {diff:.2e}, prompt {prompt_diff:.2e}"
