@@ -8,7 +8,8 @@ source "$(dirname "$0")/device_env.sh"
 log_run r16c
 timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -rf tests/test_prefill_graph.py 2>&1 \
   | tail -n 60 > "$OUT/gpu_tests.txt"; tail -n 3 "$OUT/gpu_tests.txt"
-gen ref "${ORACLE[@]}"; grep -c "captured the prefill CUDA graphs" "$B/ref.err"; grep -i "failed" "$B/ref.err" | head -3
+timeout 120 python3 -m afd -v generate "${ORACLE[@]}" >"$B/ref.json" 2>"$B/ref.err"; echo "ref rc=$?"
+grep -c "captured the prefill CUDA graphs" "$B/ref.err"; grep -iE "failed|Error" "$B/ref.err" | head -5
 bench decode_b64 110 --attention 1 --ffn 1 --requests 64 --long-len 512 --short-len 512 --max-new-tokens 32 \
   --shared-experts ffn,attention --connectors async,p2p --no-score
 export AFD_TIMELINE=$B/chunked.tl
