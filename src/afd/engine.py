@@ -39,7 +39,7 @@ from afd.kv_cache import (
 )
 from afd.model import AttentionModel, Batch, Exchange, Segments, run_segments, run_ubatches, split_ubatches
 from afd.moe import Routing
-from afd.prefill_graph import PrefillGraphRunner
+from afd.prefill_graph import PrefillGraphRunner, graph_memory_estimate
 from afd.request import EngineLoad, Output, Request, StepToken
 from afd.sampling import sample
 from afd.sequence import ON_DEVICE, LaunchedStep, Scheduled, SequenceState
@@ -134,7 +134,13 @@ class Engine:
                 max_cache_tokens=max_cache_tokens,
                 memory=device_memory(self.device) if cuda and max_cache_tokens is None else None,
                 gpu_memory_utilization=gpu_memory_utilization,
-                activation_bytes=activation_bytes_estimate(config, dtype, max_num_batched_tokens) if cuda else 0,
+                activation_bytes=(
+                    activation_bytes_estimate(config, dtype, max_num_batched_tokens)
+                    + self._prefill_graph_copies(enforce_eager)
+                    * graph_memory_estimate(config, dtype, max_num_batched_tokens)
+                    if cuda
+                    else 0
+                ),
             )
         self.kv_cache = PagedLatentCache(
             config,
@@ -165,11 +171,11 @@ class Engine:
         # Steps with prompt tokens (or more decodes than a decode graph holds) replay their row-wise pieces from CUDA
         # graphs at padded token counts, the attention core and the exchanges eagerly between them
         # (afd.prefill_graph); one runner per micro-batch, as micro-batches in flight need their own buffers.
-        self.prefill_graphs: list[PrefillGraphRunner] = []
-        if not enforce_eager and self.device.type == "cuda" and not env.prefill_graphs_disabled():
-            self.prefill_graphs = [
-                PrefillGraphRunner(model, self.kv_cache, max_num_batched_tokens) for _ in range(self.num_ubatches)
-            ]
+        self.prefill_graphs = [
+            PrefillGraphRunner(model, self.kv_cache, max_num_batched_tokens)
+            for _ in range(self._prefill_graph_copies(enforce_eager))
+        ]
+        if self.prefill_graphs:
             logger.info("prefill CUDA graphs on, token buckets %s", self.prefill_graphs[0].buckets)
         self.waiting: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []
@@ -416,6 +422,12 @@ class Engine:
             if segments is not None:
                 return segments
         return self.model.forward_segments(input_ids, positions, batch, self.kv_cache)
+
+    def _prefill_graph_copies(self, enforce_eager: bool) -> int:
+        """Prefill graph runners this engine holds: one per micro-batch on CUDA, none when eager or on CPU."""
+        if enforce_eager or self.device.type != "cuda" or env.prefill_graphs_disabled():
+            return 0
+        return self.num_ubatches
 
     @property
     def num_ubatches(self) -> int:

@@ -34,6 +34,7 @@ import torch
 from afd.cuda_graph import resume
 from afd.kv_cache import PagedLatentCache
 from afd.model import AttentionCore, AttentionModel, Batch, Boundary, Segments
+from afd.model_config import ModelConfig
 from afd.moe import Routing
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,19 @@ def token_buckets(max_tokens: int, smallest: int = SMALLEST_BUCKET) -> list[int]
         step = smallest if size < 8 * smallest else 1 << (size.bit_length() - 3)
         size += step
     return sorted(buckets | {max_tokens})
+
+
+def graph_memory_estimate(config: ModelConfig, dtype: torch.dtype, max_tokens: int) -> int:
+    """An upper estimate of one runner's device memory (bytes), which the KV cache must leave free.
+
+    Per token of the largest bucket: the static buffers (q, the latents, the attention output, the boundary rows,
+    the answer, the routing, the inputs), about eight hidden-size temporaries in the graphs' pool, and each
+    bucket's output (the buckets sum to under seven times the largest).
+    """
+    c = config
+    rows = c.num_attention_heads * (c.qk_head_dim + c.v_head_dim) + c.kv_lora_rank + c.qk_rope_head_dim
+    per_token = dtype.itemsize * (rows + 18 * c.hidden_size) + 12 * c.num_experts_per_tok + 24
+    return max_tokens * per_token
 
 
 @dataclass
