@@ -55,7 +55,9 @@ def test_bench_writes_raw_json_with_side_by_side_runs(tmp_path: Path) -> None:
     assert result["topology"] == "2A1F" and result["model"] == "tiny"
     runs = {(r["connector"], r["ubatches"]): r for r in result["runs"]}
     assert set(runs) == {("p2p", 1), ("p2p", 2), ("async", 1), ("async", 2)}  # each connector per count
-    assert set(result["numerics"]) == {"p2p", "p2p m=2", "async", "async m=2"}
+    # each connector where it runs the shared experts by default: async on its attention rank (+sa)
+    assert {r["shared_experts"] for r in result["runs"] if r["connector"] == "async"} == {"attention"}
+    assert set(result["numerics"]) == {"p2p", "p2p m=2", "async+sa", "async+sa m=2"}
     assert "async m=2" in proc.stdout and "p2p m=2" in proc.stdout
     for run in runs.values():
         assert run["generated_tokens"] == 2 * 2 * 3 and run["tokens_per_s"] > 0

@@ -499,7 +499,8 @@ def test_bench_serve_pieces():
             ["--connector", "async", "--shared-experts", "attention", "--attention", "1", "--ffn", "1"],
         )
     ]
-    for bad in ("R=2", "none:A=2", "async:R=2", "p2p:A=0", "foo:R=1", "p2p+sa:A=1"):
+    assert compare_list("async+sf")[0][1] == ["--connector", "async", "--shared-experts", "ffn"]
+    for bad in ("R=2", "none:A=2", "async:R=2", "p2p:A=0", "foo:R=1", "p2p+sa:A=1", "async+xx:A=1"):
         with pytest.raises(Exception, match="--compare"):
             compare_list(bad)
     assert rate_list("1,2.5,inf") == [1.0, 2.5, float("inf")]

@@ -154,13 +154,37 @@ def test_cli_reads_a_config_without_a_connector_as_the_flags_connector(tmp_path:
     assert p2p.returncode == 2 and "in connector_extra_config for p2p" in p2p.stderr and "Traceback" not in p2p.stderr
 
 
+def test_command_line_default_is_the_attention_rank_for_async_unless_the_config_or_flag_says() -> None:
+    """`afd launch/generate/serve/bench` put async's shared experts on its attention ranks when neither the config
+    nor `--shared-experts` says where; a config's own value and the flag win; other connectors keep them on the FFN
+    side; the dataclass default (the Python API, the vLLM adapter) stays off."""
+    from afd.cli_args import launch_config
+    from afd.config import AsyncExtraConfig, default_shared_experts, given_extra_keys
+
+    def placed(source, connector="async", flag=None) -> bool:
+        extra = launch_config(source, connector, port=1, shared_experts=flag).connector_extra_config
+        return getattr(extra, KEY, False)
+
+    assert placed(None) and placed('{"connector_extra_config": {"ring_depth": 2}}')
+    assert not placed(json.dumps({"connector_extra_config": {KEY: False}}))
+    assert not placed(json.dumps({"afd": {"connector": "async", "connector_extra_config": {KEY: False}}}))
+    assert not placed(None, flag="ffn")
+    assert placed(json.dumps({"connector_extra_config": {KEY: False}}), flag="attention")
+    assert not placed('{"connector": "p2p", "connector_extra_config": {"timeout_s": 5}}', "p2p")
+    assert placed(json.dumps({"connector": "p2p"}), "async")  # another connector's config: the default
+    assert default_shared_experts("async") == "attention" and default_shared_experts("p2p") == "ffn"
+    assert given_extra_keys(json.dumps({"afd": {"connector_extra_config": {KEY: True}}})) == {KEY}
+    assert not AsyncExtraConfig().shared_experts_on_attention
+
+
 @pytest.mark.timeout(120)
-def test_cli_flag_puts_the_shared_experts_on_the_attention_ranks(tmp_path: Path) -> None:
-    """`--shared-experts attention` on `afd launch`: the attention rank runs them (its log says so) and the outputs
-    equal the reference; with another connector, one sentence and exit 2 before anything starts."""
+def test_cli_puts_the_shared_experts_on_the_attention_ranks_by_default(tmp_path: Path) -> None:
+    """`afd launch --connector async` (no flag): the attention rank runs them (its log says so) and the outputs
+    equal the reference; `--shared-experts attention` with another connector: one sentence and exit 2 before
+    anything starts."""
     args = ["--model", "tiny", "--prompt-ids", "5,17,33,2,9;4,8", "--max-new-tokens", "4", "--prompt-logprobs"]
     cmd = [sys.executable, "-m", "afd", "launch", "--connector", "async", "--shared-experts", "attention", *args]
-    verbose = [*cmd[:3], "-v", *cmd[3:], "--json"]  # -v: every rank's log lines on stderr
+    verbose = [*cmd[:3], "-v", *cmd[3:7], *args, "--json"]  # -v: every rank's log lines on stderr; no flag
     proc = subprocess.run(verbose, capture_output=True, text=True, timeout=100, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "shared experts run here" in proc.stderr

@@ -17,6 +17,7 @@ import platform
 import random
 from dataclasses import asdict, dataclass
 
+from afd.config import default_shared_experts
 from afd.runtime.harness import RunResult, percentile, run_connector, run_reference
 from afd.runtime.launch import RunSpec
 
@@ -102,11 +103,12 @@ def run_bench(
     ubatches: tuple[int, ...] = (1,),
     max_num_batched_tokens: int | None = None,
     repeat: int = 1,
-    shared_experts: tuple[str, ...] = ("ffn",),
+    shared_experts: tuple[str, ...] | None = None,
     progress=None,
 ) -> dict:
     """Each connector once per micro-batch count in `ubatches` (1: off) and per place of the shared experts in
-    `shared_experts` ("ffn", "attention": async only, skipped for the others); `max_num_batched_tokens` is the
+    `shared_experts` ("ffn", "attention": async only, skipped for the others; None: each connector's command-line
+    default, `config.default_shared_experts`); `max_num_batched_tokens` is the
     engines' token budget per step (None: max(2048, 2 x the long prompt)).
 
     `repeat` > 1: every configuration is launched that many times, in rounds (each round launches every
@@ -141,7 +143,7 @@ def run_bench(
         dict.fromkeys(
             (c, m, where)
             for c in connectors
-            for where in shared_experts
+            for where in shared_experts or (default_shared_experts(c),)
             if where == "ffn" or c == "async"
             for m in ubatches
         )
@@ -226,9 +228,9 @@ def ubatch_config(connector: str, num_ubatches: int) -> dict:
 
 
 def run_config(connector: str, num_ubatches: int, shared_experts: str = "ffn") -> dict:
-    """`connector_extra_config` of one bench run: micro-batches, and where the shared experts run."""
+    """`connector_extra_config` of one bench run: micro-batches, and (async) where the shared experts run."""
     extra = ubatch_config(connector, num_ubatches)
-    return extra | {"shared_experts_on_attention": True} if shared_experts == "attention" else extra
+    return extra | {"shared_experts_on_attention": shared_experts == "attention"} if connector == "async" else extra
 
 
 def run_label(connector: str, num_ubatches: int, shared_experts: str = "ffn") -> str:

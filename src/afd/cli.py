@@ -378,7 +378,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         ubatches=tuple(args.ubatches),
         max_num_batched_tokens=args.max_num_batched_tokens,
         repeat=args.repeat,
-        shared_experts=tuple(args.shared_experts),
+        shared_experts=tuple(args.shared_experts) if args.shared_experts else None,
         progress=lambda msg: print(f"[afd bench] {msg}", file=sys.stderr, flush=True),
     )
     print(format_bench(result))
@@ -459,9 +459,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--shared-experts",
         type=choice_list("--shared-experts", ("ffn", "attention")),
-        default="ffn",
         help="where the shared experts run, comma-separated to compare: ffn, attention (async only: on the attention "
-        "rank between send and recv; rows labelled +sa)",
+        "rank between send and recv; rows labelled +sa); default: each connector's own (async: attention)",
     )
     p.add_argument("--no-score", action="store_true", help="skip the numerics comparison")
     p.add_argument("--json", help="also write the raw result (JSON) to this file")

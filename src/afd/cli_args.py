@@ -209,8 +209,9 @@ def add_shared_experts_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--shared-experts",
         choices=["ffn", "attention"],
-        help="where the shared experts run (default: the config's, else ffn); attention (async only): on each "
-        "attention rank, between a layer's send and its recv, while the FFN ranks compute the routed experts",
+        help="where the shared experts run (default: the config's, else attention with --connector async and ffn "
+        "otherwise); attention (async only): on each attention rank, between a layer's send and its recv, while the "
+        "FFN ranks compute the routed experts",
     )
 
 
@@ -234,14 +235,19 @@ def launch_config(
     **changes: object,
 ) -> AFDConfig:
     """The AFD config of a launch: `--config` (a file or JSON; one that names no connector is read as `connector`'s)
-    under the command line's choices (`shared_experts`: `--shared-experts`). A config written for the other connector
-    keeps none of its extra keys; the rendezvous port is `port`, else the config's when one was given, else a free
-    one."""
-    from afd.config import parse_config
+    under the command line's choices (`shared_experts`: `--shared-experts`; when neither it nor the config says,
+    the connector's command-line default, `config.default_shared_experts`). A config written for the other
+    connector keeps none of its extra keys; the rendezvous port is `port`, else the config's when one was given,
+    else a free one."""
+    from afd.config import default_shared_experts, given_extra_keys, parse_config
     from afd.runtime.launch import free_port
 
     base = parse_config(source if source else {}, default_connector=connector)
-    extra = base.to_dict()["connector_extra_config"] if base.connector == connector else {}
+    same_connector = base.connector == connector
+    extra = base.to_dict()["connector_extra_config"] if same_connector else {}
+    given = given_extra_keys(source) if source and same_connector else set()
+    if shared_experts is None and "shared_experts_on_attention" not in given:
+        shared_experts = default_shared_experts(connector)
     extra |= shared_experts_keys(connector, shared_experts)
     port = port or (base.port if source else free_port(base.host))
     return base.replace(connector=connector, connector_extra_config=extra, port=port, **changes)

@@ -211,6 +211,9 @@ def rate_list(text: str) -> list[float]:
 
 
 SERVER_KEYS = {"R": "--replicas", "A": "--attention", "F": "--ffn"}
+# async servers by where their shared experts run: the default (attention), +sa on the attention ranks, +sf on the
+# FFN ranks
+ASYNC_PLACEMENTS = {"async": None, "async+sa": "attention", "async+sf": "ffn"}
 
 
 def compare_list(text: str) -> list[tuple[str, list[str]]]:
@@ -218,7 +221,7 @@ def compare_list(text: str) -> list[tuple[str, list[str]]]:
     configs: list[tuple[str, dict[str, int]]] = []
     for item in (t.strip() for t in text.split(",")):
         name, sep, rest = item.partition(":")
-        if name in ("none", "p2p", "async", "async+sa"):
+        if name in ("none", "p2p", *ASYNC_PLACEMENTS):
             configs.append((name, {}))
             item = rest if sep else ""
         if not item:
@@ -236,8 +239,9 @@ def compare_list(text: str) -> list[tuple[str, list[str]]]:
             raise argparse.ArgumentTypeError(
                 f"--compare: connector none takes R=N, p2p and async take A=N,F=N ({text!r})"
             )
-        flags = ["--connector", connector.removesuffix("+sa")]  # +sa: the shared experts on the attention ranks
-        flags += ["--shared-experts", "attention"] if connector.endswith("+sa") else []
+        flags = ["--connector", connector.partition("+")[0]]
+        where = ASYNC_PLACEMENTS.get(connector)
+        flags += ["--shared-experts", where] if where else []
         flags += [f for k, v in keys.items() for f in (SERVER_KEYS[k], str(v))]
         label = connector + (" " + ",".join(f"{k}={v}" for k, v in keys.items()) if keys else "")
         out.append((label, flags))
@@ -255,8 +259,8 @@ def add_bench_serve_parser(steps) -> None:
         "--compare",
         type=compare_list,
         default="none:R=1",
-        help="servers to start and measure in turn, e.g. none:R=2,async:A=2,F=2 (async+sa: async with --shared-experts "
-        "attention)",
+        help="servers to start and measure in turn, e.g. none:R=2,async:A=2,F=2 (async+sa / async+sf: async with "
+        "--shared-experts attention / ffn; plain async runs them where it does by default, on the attention ranks)",
     )
     target.add_argument("--url", help="measure a running server instead (e.g. http://127.0.0.1:8000)")
     target.add_argument(

@@ -301,10 +301,8 @@ def _read_file(path: Path) -> str:
         raise ConfigError(str(exc)) from None
 
 
-def parse_config(source: dict | str | Path, *, default_connector: str = "p2p") -> AFDConfig:
-    """Resolve a config from a dict, a JSON string or a JSON file; raise ConfigError on anything off.
-    `default_connector`: the connector of a config that names none (a CLI's `--connector`), whose keys its
-    `connector_extra_config` is checked against."""
+def _folded(source: dict | str | Path) -> dict[str, Any]:
+    """The config's keys as given (unwrapped from {"afd": ...}, aliases folded to their canonical names)."""
     raw = _load_raw(source)
     if "afd" in raw:
         if len(raw) != 1 or not isinstance(raw["afd"], dict):
@@ -316,6 +314,32 @@ def parse_config(source: dict | str | Path, *, default_connector: str = "p2p") -
         if name in folded:
             raise ConfigError(f"key {name!r} is given twice (once through its alias {key!r}); keep one")
         folded[name] = value
+    return folded
+
+
+def given_extra_keys(source: dict | str | Path) -> set[str]:
+    """The `connector_extra_config` keys a config sets itself (not by default): a CLI default must not override
+    them."""
+    extra = _folded(source).get("connector_extra_config")
+    return set(extra) if isinstance(extra, dict) else set()
+
+
+# Where a connector runs the shared experts when neither the config nor the command line says (`afd launch`,
+# `generate`, `serve`, `bench`): async on its attention ranks, between each send and its recv (measured faster
+# at 1A1F and 2A2F, docs/performance.md round 16); p2p, none and the vLLM adapter on the FFN side.
+CLI_SHARED_EXPERTS = {"async": "attention"}
+
+
+def default_shared_experts(connector: str) -> str:
+    """'attention' or 'ffn': where `connector` runs the shared experts by default on the command line."""
+    return CLI_SHARED_EXPERTS.get(connector, "ffn")
+
+
+def parse_config(source: dict | str | Path, *, default_connector: str = "p2p") -> AFDConfig:
+    """Resolve a config from a dict, a JSON string or a JSON file; raise ConfigError on anything off.
+    `default_connector`: the connector of a config that names none (a CLI's `--connector`), whose keys its
+    `connector_extra_config` is checked against."""
+    folded = _folded(source)
     _reject_unknown("the AFD config", folded, CANONICAL_KEYS + list(KEY_ALIASES))
 
     connector = folded.get("connector", default_connector)
