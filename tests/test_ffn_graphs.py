@@ -64,6 +64,46 @@ def test_rows_beyond_the_largest_bucket_or_a_dense_layer_fall_back() -> None:
     assert not ExpertPassGraphs.usable(ffn)  # CPU: never captured
 
 
+def test_prefill_buckets_share_one_output_and_equal_the_eager_pass() -> None:
+    """`max_rows`: buckets above the decode ones up to the token budget (`token_buckets`), their results in one
+    shared output buffer; a pass of 5-290 rows (items of two replicas, shared rows too) equals the eager pass, and a
+    set of prefill buckets alone (`buckets=()`, the chained FFN rank's) starts at the smallest token bucket."""
+    ffn = load_ffn_model("tiny")
+    graphs = ExpertPassGraphs(ffn, buckets=(1, 4), max_rows=300, capture=False)
+    assert graphs.buckets == [1, 4, 128, 256, 300]
+    assert ExpertPassGraphs(ffn, (), max_rows=300, capture=False).buckets == [128, 256, 300]
+    layer = graphs.moe_layers[0]
+    for sizes_shared in ([(5, 5)], [(100, 10), (90, 0)], [(290, 290)]):
+        items = _items(ffn.config, sizes_shared, expert_range=None, seed=len(sizes_shared))
+        with torch.inference_mode():
+            want = expert_pass(ffn, layer, items)
+            got = expert_pass(ffn, layer, items, graphs)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        rows = sum(r for r, _ in sizes_shared)
+        assert (got[0].data_ptr() == graphs._prefill_out.data_ptr()) == (rows > 4)  # prefill sizes: the shared one
+    assert (graphs._ids[290:300] == -1).all()  # padding pairs route to no rank's expert
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_prefill_buckets_replay_the_eager_pass_bf16() -> None:
+    """V2-Lite bf16, half the experts: passes of 300, 1,000 and 2,048 rows replayed from the prefill buckets of a
+    2,048-token budget equal the eager pass (a bucket's GEMMs tile apart: bf16 products, fp32 sums)."""
+    ffn = load_ffn_model("deepseek-v2-lite", dtype="bfloat16", device="cuda", expert_range=(0, 32))
+    graphs = ExpertPassGraphs(ffn, max_rows=2048)
+    graphs.capture_all()
+    layer = graphs.moe_layers[0]
+    with torch.inference_mode():
+        for sizes_shared in ([(300, 300)], [(600, 0), (400, 400)], [(2048, 2048)]):
+            items = _items(ffn.config, sizes_shared, expert_range=(0, 32), device="cuda", dtype=torch.bfloat16)
+            want = [w.clone() for w in expert_pass(ffn, layer, items)]
+            got = [g.clone() for g in expert_pass(ffn, layer, items, graphs)]
+            for g, w in zip(got, want, strict=True):
+                torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)
+                assert (g - w).abs().mean() < 2e-3
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_replay_equals_the_eager_expert_pass_bf16() -> None:

@@ -53,6 +53,25 @@ def batch_buckets(max_num_seqs: int, candidates: tuple[int, ...] = DEFAULT_BATCH
     return sorted({b for b in candidates if b < cap} | {cap})
 
 
+SMALLEST_BUCKET = 128
+
+
+def token_buckets(max_tokens: int, smallest: int = SMALLEST_BUCKET) -> list[int]:
+    """Token counts prefill graphs are captured for, up to `max_tokens` (which is always one).
+
+    Multiples of `smallest` up to 8 of them, then a quarter of each power of two (so padding adds at most 25%
+    of the row-wise work above 8 x `smallest`, and fewer than `smallest` rows below).
+    """
+    if max_tokens < 1 or smallest < 1:
+        raise ValueError(f"max_tokens and smallest must be at least 1, got {max_tokens} and {smallest}")
+    buckets, size = set(), smallest
+    while size < max_tokens:
+        buckets.add(size)
+        step = smallest if size < 8 * smallest else 1 << (size.bit_length() - 3)
+        size += step
+    return sorted(buckets | {max_tokens})
+
+
 def pick_bucket(num_seqs: int, buckets: list[int]) -> int | None:
     """The smallest bucket that holds `num_seqs`, or None when none does (the step runs eager)."""
     return next((b for b in buckets if b >= num_seqs), None) if num_seqs > 0 else None

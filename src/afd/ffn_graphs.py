@@ -1,4 +1,4 @@
-"""CUDA graphs for an FFN rank's expert pass at decode sizes.
+"""CUDA graphs for an FFN rank's expert pass at decode sizes, and at prefill sizes up to the token budget.
 
 Why: an FFN rank's host launches every kernel of a layer's expert pass — the fused MoE's kernels, the shared
 experts' MLP, the adds — about ten launches, and a Triton launch from Python alone costs 20-40 us of host time.
@@ -8,7 +8,13 @@ polling, then launches. One replay per (layer, row bucket) is one launch.
 A graph computes, on static buffers of `n` (bucket) rows: the routed experts' weighted sum over each row's own
 (row, k) pairs (`FFNModel.experts_topk`, the fixed-shape path: no host sync) plus the shared experts on the
 rows a static mask marks, in fp32. Padding rows hold zeros with weight 0 and add nothing to real rows (every
-op is row-wise), so one graph serves every row count up to its bucket.
+op is row-wise), so one graph serves every row count up to its bucket. Padding rows route to expert id -1, which
+no rank holds: their pairs sort after every group and cost no expert FLOPs.
+
+Prefill sizes (`max_rows`: the buckets of `afd.cuda_graph.token_buckets` above the decode ones) matter because
+the FFN host spent 0.7-1.2 ms enqueueing a 2,048-4,096-row pass that the GPU ran in 1.0-1.5 ms (round 16), so
+two micro-batches left the FFN host-bound. Their graphs write one shared fp32 output buffer (a copy inside the
+graph) instead of keeping an output per (layer, bucket), which at these sizes would be gigabytes.
 A GEMM over a bucket may tile differently than over the real rows: a row's result may move by float rounding,
 as when replicas' items are batched (`afd.connectors.expert_pass`).
 
@@ -26,7 +32,7 @@ from collections.abc import Sequence
 import torch
 
 from afd import env
-from afd.cuda_graph import DEFAULT_BATCH_BUCKETS, capture_safe_moe, pick_bucket
+from afd.cuda_graph import DEFAULT_BATCH_BUCKETS, capture_safe_moe, pick_bucket, token_buckets
 from afd.moe import Routing
 
 logger = logging.getLogger(__name__)
@@ -35,9 +41,21 @@ logger = logging.getLogger(__name__)
 class ExpertPassGraphs:
     """Replays one layer's expert pass (routed + shared experts, fp32 out) for up to `max(buckets)` rows."""
 
-    def __init__(self, ffn_model: torch.nn.Module, buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS, *, capture=True):
+    def __init__(
+        self,
+        ffn_model: torch.nn.Module,
+        buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS,
+        *,
+        capture=True,
+        max_rows: int | None = None,
+    ):
         self.ffn_model = ffn_model
-        self.buckets = sorted(buckets)
+        decode = sorted(buckets)
+        above = decode[-1] if decode else 0
+        prefill = [b for b in token_buckets(max_rows) if b > above] if max_rows and max_rows > above else []
+        self.buckets = decode + prefill
+        if not self.buckets:
+            raise ValueError("an expert-pass graph set needs at least one bucket")
         self.capture = capture
         config = ffn_model.config
         param = next(ffn_model.parameters())
@@ -49,6 +67,8 @@ class ExpertPassGraphs:
         self._weights = torch.zeros(n, k, dtype=torch.float32, device=self.device)  # [n, K]
         self._shared = torch.zeros(n, dtype=torch.bool, device=self.device)  # [n]: rows through the shared experts
         self._out: dict[tuple[int, int], torch.Tensor] = {}  # (layer, bucket) -> [bucket, H] fp32 (graph output)
+        self._shared_out_above = above  # buckets above this write `_prefill_out`, shared by every layer
+        self._prefill_out = torch.zeros(n, hidden, dtype=torch.float32, device=self.device) if prefill else None
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
 
@@ -76,8 +96,12 @@ class ExpertPassGraphs:
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            self._out[key] = self._compute(layer_idx, n)
+            self._out[key] = self._output(n, self._compute(layer_idx, n))
         self._graphs[key] = graph
+
+    def _output(self, n: int, out: torch.Tensor) -> torch.Tensor:
+        """Where bucket `n`'s result lives: its own buffer (decode sizes) or the shared prefill one (a copy)."""
+        return out if n <= self._shared_out_above else self._prefill_out[:n].copy_(out)
 
     def capture_all(self) -> None:
         """Capture every (MoE layer, bucket) now, before any timed work; logs how long it took."""
@@ -115,14 +139,14 @@ class ExpertPassGraphs:
         self._x[:rows].copy_(x)
         self._x[rows:n].zero_()
         self._ids[:rows].copy_(topk_ids)
-        self._ids[rows:n].zero_()
+        self._ids[rows:n].fill_(-1)  # no rank's expert: padding pairs cost nothing
         self._weights[:rows].copy_(topk_weights)
         self._weights[rows:n].zero_()
         self._shared[:n].zero_()
         for start, count in shared:
             self._shared[start : start + count].fill_(True)
         if not self.capture:
-            return self._compute(layer_idx, n)[:rows]
+            return self._output(n, self._compute(layer_idx, n))[:rows]
         key = (layer_idx, n)
         if key not in self._graphs:
             self._capture(key)

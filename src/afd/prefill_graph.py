@@ -31,31 +31,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from afd.cuda_graph import resume
+from afd.cuda_graph import resume, token_buckets
 from afd.kv_cache import PagedLatentCache
 from afd.model import AttentionCore, AttentionModel, Batch, Boundary, Segments
 from afd.model_config import ModelConfig
 from afd.moe import Routing
 
 logger = logging.getLogger(__name__)
-
-SMALLEST_BUCKET = 128
-
-
-def token_buckets(max_tokens: int, smallest: int = SMALLEST_BUCKET) -> list[int]:
-    """Token counts prefill graphs are captured for, up to `max_tokens` (which is always one).
-
-    Multiples of `smallest` up to 8 of them, then a quarter of each power of two (so padding adds at most 25%
-    of the row-wise work above 8 x `smallest`, and fewer than `smallest` rows below).
-    """
-    if max_tokens < 1 or smallest < 1:
-        raise ValueError(f"max_tokens and smallest must be at least 1, got {max_tokens} and {smallest}")
-    buckets, size = set(), smallest
-    while size < max_tokens:
-        buckets.add(size)
-        step = smallest if size < 8 * smallest else 1 << (size.bit_length() - 3)
-        size += step
-    return sorted(buckets | {max_tokens})
 
 
 def graph_memory_estimate(config: ModelConfig, dtype: torch.dtype, max_tokens: int) -> int:

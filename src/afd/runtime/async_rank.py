@@ -17,6 +17,7 @@ import torch
 
 from afd.connectors.async_ffn import AsyncFFNServer, run_ffn_loop
 from afd.connectors.async_window import AsyncAttentionExchange
+from afd.cuda_graph import DEFAULT_BATCH_BUCKETS
 from afd.distributed import World, init_world
 from afd.ffn_graphs import ExpertPassGraphs
 from afd.runtime.online import run_online, stop_on_signals
@@ -117,9 +118,13 @@ def run_async_rank(job: RankJob) -> None:
             )
             warm_up_ffn(ffn_model, device, max_num_batched_tokens=job.spec.max_num_batched_tokens)  # before any item
             server = AsyncFFNServer(world.store, topo, job.role_rank, **endpoint_args)
-            # 1A1F on CUDA: whole passes enqueued on the device; elsewhere one replay per message at decode sizes
-            if not server.chain_to(ffn_model) and ExpertPassGraphs.usable(ffn_model):
-                server.expert_graphs = ExpertPassGraphs(ffn_model)
+            # 1A1F on CUDA: whole passes enqueued on the device at decode sizes; what the host serves (elsewhere
+            # everything, there the rest) replays one graph per pass up to the token budget
+            chained = server.chain_to(ffn_model)
+            if ExpertPassGraphs.usable(ffn_model):
+                server.expert_graphs = ExpertPassGraphs(
+                    ffn_model, () if chained else DEFAULT_BATCH_BUCKETS, max_rows=job.spec.max_num_batched_tokens
+                )
                 server.expert_graphs.capture_all()
             announce_ffn_ready(world.store, job.role_rank)
             if job.serve_address is not None:

@@ -94,9 +94,9 @@ def run_p2p_rank(job: RankJob) -> None:
             experts = expert_ranges(model_config.n_routed_experts, cfg.num_ffn_ranks)[job.role_rank]
             ffn_model = load_ffn_model(job.spec.model, expert_range=experts, **common)
             warm_up_ffn(ffn_model, device, max_num_batched_tokens=job.spec.max_num_batched_tokens)  # before any item
-            graphs = None  # one FFN rank: its MoE replays from CUDA graphs at decode sizes (with several: all-to-all)
+            graphs = None  # one FFN rank: its MoE replays from CUDA graphs up to the budget (several: all-to-all)
             if cfg.num_ffn_ranks == 1 and ExpertPassGraphs.usable(ffn_model):
-                graphs = ExpertPassGraphs(ffn_model)
+                graphs = ExpertPassGraphs(ffn_model, max_rows=job.spec.max_num_batched_tokens)
                 graphs.capture_all()
             boundary = list(range(model_config.num_hidden_layers)) if not gate_on_attention else model_config.moe_layers
             dense = [i for i in boundary if not model_config.is_moe_layer(i)]
