@@ -37,6 +37,15 @@ gen() {
 # compares the JSON of each run with the single-process one's
 ORACLE=(--model tiny --prompt-ids "5,17,33,2,9,41,7,3,19,23,11;4,8;100,3,77,12,9,250;1" --max-new-tokens 8
   --prompt-logprobs --device cuda --json)
+# serve_mixed NAME LIMIT ARGS...: `afd bench serve` of the mixed workload (V2-Lite bf16 on CUDA, 64 to 1,024-token
+# prompts, 64 new tokens) with ARGS (--compare, --rates, --requests ...), its JSON into $OUT/NAME.json
+serve_mixed() {
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" python3 -m afd bench serve --model deepseek-v2-lite --dtype bfloat16 --device cuda --workload mixed \
+    --short-len 64 --long-len 1024 --max-tokens 64 "$@" --json "$OUT/$name.json" 2>"$B/$name.err" | tail -n 10
+  local rc=${PIPESTATUS[0]}
+  echo "$name rc=$rc"; [[ $rc == 0 ]] || tail -n 30 "$B/$name.err" > "$OUT/$name.err"
+}
 # log_run NAME: all the script prints goes to $OUT/log.txt too; its scratch files go to B=/tmp/afd_NAME
 log_run() {
   exec > >(tee -a "$OUT/log.txt") 2>&1

@@ -17,10 +17,6 @@ bench chunked 110 --attention 1 --ffn 1 --requests 64 --long-len 512 --short-len
   --shared-experts ffn,attention --connectors async,p2p
 python3 -m afd.timeline_report "$AFD_TIMELINE" --json "$OUT/chunked_timeline.json" | grep -E "^[a-z]|host|step |round"
 unset AFD_TIMELINE
-timeout 240 python3 -m afd bench serve --model deepseek-v2-lite --dtype bfloat16 --device cuda \
-  --compare none:R=2,p2p:A=1,F=1,async:A=1,F=1 --workload mixed --requests 64 --rates 64,inf --warmups 8 \
-  --short-len 64 --long-len 1024 --max-tokens 64 \
-  --config '{"connector": "async", "connector_extra_config": {"shared_experts_on_attention": true}}' \
-  --json "$OUT/serve_mixed_1a1f_sa.json" 2>"$B/serve.err" | tail -n 10
-rc=${PIPESTATUS[0]}; echo "serve rc=$rc"; [[ $rc == 0 ]] || tail -n 30 "$B/serve.err" > "$OUT/serve.err"
+serve_mixed serve_mixed_1a1f_sa 240 --compare none:R=2,p2p:A=1,F=1,async:A=1,F=1 --requests 64 --rates 64,inf \
+  --warmups 8 --config '{"connector": "async", "connector_extra_config": {"shared_experts_on_attention": true}}'
 echo "== leftover processes:"; pgrep -af "afd" | grep -v pgrep || echo none

@@ -112,7 +112,7 @@ def test_padded_decode_steps_equal_unpadded_ones_across_block_boundaries(tiny) -
     assert got1[0].logprobs == pytest.approx(want1[0].logprobs, abs=1e-5)
 
 
-class _RealRowsOnly:
+class RealRowsOnly:
     """A disaggregated exchange's view: records the rows it was asked for, answers as the local one does."""
 
     def __init__(self, local: LocalExchange) -> None:
@@ -130,7 +130,7 @@ def test_segmented_padded_steps_send_only_real_rows_and_equal_unpadded_ones(tiny
     begin_step announced) and gives the unpadded engine's tokens and logprobs (1e-5, fp32)."""
     attn, ffn = tiny
     _, want = _run(tiny, PROMPTS, 9, padded=False)
-    exchange = _RealRowsOnly(LocalExchange(ffn))
+    exchange = RealRowsOnly(LocalExchange(ffn))
     engine = Engine(attn, exchange, 64, block_size=BLOCK, max_num_seqs=8)
     engine.cuda_graphs = DecodeGraphRunner(attn, exchange, engine.kv_cache, 8, capture=False, segmented=True)
     for p in PROMPTS:

@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 from e2e_util import MODEL, assert_matches_reference
+from test_cuda_graph import RealRowsOnly
 from test_ubatch import IN_PROCESS_PROMPTS, endpoint_args, run_in_process
 
 from afd.engine import Engine, LocalExchange, Request
@@ -47,27 +48,16 @@ def tiny():
     return load_attention_model(MODEL), load_ffn_model(MODEL)
 
 
-class _RowsSeen:
-    """A disaggregated exchange's view: the row counts it was handed, answered as the local exchange does."""
-
-    def __init__(self, local: LocalExchange) -> None:
-        self.local, self.rows = local, []
-
-    def __call__(self, layer_idx, x, routing):
-        self.rows.append(x.shape[0])
-        return self.local(layer_idx, x, routing)
-
-
 def _run(tiny, prompts, budget: int, *, padded: bool):
     attn, ffn = tiny
-    exchange = _RowsSeen(LocalExchange(ffn))
+    exchange = RealRowsOnly(LocalExchange(ffn))
     engine = Engine(attn, exchange, budget, block_size=BLOCK, max_num_seqs=8)
     assert engine.prefill_graphs == []  # CPU never captures
     if padded:
         engine.prefill_graphs = [PrefillGraphRunner(attn, engine.kv_cache, budget, capture=False)]
     for p in prompts:
         engine.add(Request(list(p), 5, prompt_logprobs=True))
-    return engine, engine.run(), exchange.rows
+    return engine, engine.run(), exchange.rows_seen
 
 
 @pytest.mark.timeout(300)
@@ -124,7 +114,7 @@ def test_replayed_prefill_graphs_equal_eager_steps(dtype: str) -> None:
 
     def run(graphs: bool):
         attn, ffn = models
-        exchange = _RowsSeen(LocalExchange(ffn))
+        exchange = RealRowsOnly(LocalExchange(ffn))
         engine = Engine(attn, exchange, 512, block_size=16, max_num_seqs=16, num_blocks=1024)
         if not graphs:
             engine.prefill_graphs = []
@@ -136,7 +126,7 @@ def test_replayed_prefill_graphs_equal_eager_steps(dtype: str) -> None:
             assert engine.prefill_graphs[0].captured == token_buckets(512)
         for p in prompts:
             engine.add(Request(list(p), 6, prompt_logprobs=True))
-        return engine.run(), exchange.rows
+        return engine.run(), exchange.rows_seen
 
     want, want_rows = run(False)
     got, rows = run(True)
