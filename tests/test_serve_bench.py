@@ -136,6 +136,11 @@ def test_slo_compliant_throughput_is_the_highest_rate_within_the_ttft_slo_withou
     table = format_table([{"name": "async A=2,F=2", "runs": [{"rate": 3.0, "summary": full}]}], 5.0)
     assert "TPOT p50" in table and "250ms" in table
     assert "async A=2,F=2: SLO-compliant throughput (p90 TTFT <= 5 s): 3/s" in table
+    assert "note:" not in table  # no capacity run
+    short = format_table([{"name": "p2p", "runs": [{"rate": math.inf, "summary": full | {"wall_s": 1.3}}]}], 5.0)
+    assert short.splitlines()[-1].startswith("note: the shortest run at rate inf lasted 1.3 s")
+    long = format_table([{"name": "p2p", "runs": [{"rate": math.inf, "summary": full | {"wall_s": 6.5}}]}], 5.0)
+    assert "note:" not in long
 
 
 # ---------------------------------------------------------------- the engine alone

@@ -12,6 +12,22 @@ from pathlib import Path
 from afd.serve.bench import QUANTILES, format_rate
 
 PLOT_PANELS = (("ttft", "TTFT"), ("tpot", "time per output token"), ("e2e", "end-to-end latency"))
+# A capacity run (rate inf) shorter than this is a warning, not a ranking: 64 requests, about a second of load on
+# an H200 pair, gave the same servers up to ±25% apart between runs (docs/performance.md, round 16); 512 did not.
+SHORT_CAPACITY_RUN_S = 5.0
+
+
+def short_capacity_note(results: list[dict]) -> str | None:
+    """One line when a run at rate inf lasted under `SHORT_CAPACITY_RUN_S` (None otherwise)."""
+    walls = [r["summary"].get("wall_s") for res in results for r in res["runs"] if math.isinf(r["rate"])]
+    walls = [w for w in walls if w is not None]
+    if not walls or min(walls) >= SHORT_CAPACITY_RUN_S:
+        return None
+    return (
+        f"note: the shortest run at rate inf lasted {min(walls):.1f} s; capacity measured over so short a load can "
+        f"differ by tens of percent between identical runs: raise --requests until each lasts "
+        f"{SHORT_CAPACITY_RUN_S:g} s or more before ranking servers"
+    )
 
 
 def slo_throughput(runs: list[dict], slo_ttft_s: float) -> float | None:
@@ -74,7 +90,8 @@ def format_table(results: list[dict], slo_ttft_s: float) -> str:
                 f"{slo['output_tok_s']:.1f} output tok/s served)"
             )
         lines.append(f"{res['name']}: SLO-compliant throughput (p90 TTFT <= {slo_ttft_s:g} s): {text}")
-    return "\n".join(lines)
+    note = short_capacity_note(results)
+    return "\n".join([*lines, note] if note else lines)
 
 
 class PlotUnavailable(RuntimeError):
