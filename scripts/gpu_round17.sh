@@ -5,11 +5,19 @@
 # 8 so that chunks after cached context and steps mixing them with decodes go through the prefill graphs; bf16
 # numerics and speed at 2A2F (async vs p2p, prefill graphs and FFN prefill graphs on).
 # `bash scripts/gpu_round17.sh serve`: the mixed workload with 512 requests per server at 2A2F and 1A1F.
+# `bash scripts/gpu_round17.sh exchange`: where the captured exchange's ~40 us per layer go (issue 11: <= 25 us):
+# `afd bench exchange --graph` at T = 8 under torch.profiler (kernels inside the replayed graphs included), both
+# sides' tables.
 set -u
 PHASE=${1:-check}
 source "$(dirname "$0")/device_env.sh"
 log_run r17
-if [[ $PHASE == serve ]]; then
+if [[ $PHASE == exchange ]]; then
+  AFD_BENCH_PROFILE=$B/prof timeout 200 python3 -m afd bench exchange --model deepseek-v2-lite --dtype bfloat16 \
+    --device cuda --tokens 8 --iters 50 --layers 26 --graph --connectors async --json "$OUT/exchange_t8.json" \
+    2>"$B/exchange.err" | tail -n 8
+  echo "exchange rc=${PIPESTATUS[0]}"; cp "$B"/prof/*.txt "$OUT/" 2>/dev/null; tail -n 3 "$B/exchange.err"
+elif [[ $PHASE == serve ]]; then
   serve_mixed serve_mixed_2a2f_512 280 --compare none:R=2,p2p:A=2,F=2,async:A=2,F=2 --requests 512 --rates inf \
     --warmups 16
   serve_mixed serve_mixed_1a1f_512 260 --compare p2p:A=1,F=1,async:A=1,F=1,async+sf:A=1,F=1 --requests 512 \
