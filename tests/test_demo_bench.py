@@ -58,7 +58,7 @@ def test_bench_writes_raw_json_with_side_by_side_runs(tmp_path: Path) -> None:
     # each connector where it runs the shared experts by default: async on its attention rank (+sa)
     assert {r["shared_experts"] for r in result["runs"] if r["connector"] == "async"} == {"attention"}
     assert set(result["numerics"]) == {"p2p", "p2p m=2", "async+sa", "async+sa m=2"}
-    assert "async m=2" in proc.stdout and "p2p m=2" in proc.stdout
+    assert "async+sa m=2" in proc.stdout and "p2p m=2" in proc.stdout
     for run in runs.values():
         assert run["generated_tokens"] == 2 * 2 * 3 and run["tokens_per_s"] > 0
         assert len(run["replicas"]) == 2
@@ -189,7 +189,7 @@ def test_bench_repeat_launches_every_configuration_in_rounds_and_keeps_the_media
         assert len(launches) == 2 and run["elapsed_s"] == min(launches)  # the lower middle of two
     assert proc.stderr.count("(launch 2 of 2)") == 2  # the second round launches both configurations again
     assert "each row: the median of 2 launches" in proc.stdout
-    assert "async m=2: elapsed" in proc.stdout and "without micro-batches" in proc.stdout
+    assert "async+sa m=2: elapsed" in proc.stdout and "without micro-batches" in proc.stdout  # the default placement
 
 
 def test_bench_table_fits_its_longest_label_and_says_when_no_decode_step_was_timed() -> None:

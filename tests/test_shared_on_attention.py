@@ -184,7 +184,7 @@ def test_cli_puts_the_shared_experts_on_the_attention_ranks_by_default(tmp_path:
     anything starts."""
     args = ["--model", "tiny", "--prompt-ids", "5,17,33,2,9;4,8", "--max-new-tokens", "4", "--prompt-logprobs"]
     cmd = [sys.executable, "-m", "afd", "launch", "--connector", "async", "--shared-experts", "attention", *args]
-    verbose = [*cmd[:3], "-v", *cmd[3:7], *args, "--json"]  # -v: every rank's log lines on stderr; no flag
+    verbose = [*cmd[:3], "-v", *cmd[3:6], *args, "--json"]  # -v: every rank's log lines on stderr; no flag
     proc = subprocess.run(verbose, capture_output=True, text=True, timeout=100, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "shared experts run here" in proc.stderr
