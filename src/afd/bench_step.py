@@ -15,7 +15,8 @@ large device-to-device copy): every non-expert weight (attention, norms, dense M
 lm_head), the routed experts a batch touches in expectation under uniform top-k routing
 (`E * (1 - (1 - K/E)^batch)` per MoE layer), and the latent cache the batch reads.
 
-Prefill: `batch x context` prompt tokens in one step, beside the larger of its compute floor (FLOPs at the
+Prefill: `batch x context` prompt tokens in one step (on CUDA through the prefill graphs, as served steps run; the
+eager decode rows use neither kind of graph), beside the larger of its compute floor (FLOPs at the
 matmul rate measured in the same run) and its weight-read floor.
 
 The decode sequences are admitted without running their prompts: their cache blocks are filled with
@@ -238,6 +239,7 @@ def run_bench_step(
         max_model_len=longest,
     )
     graphs = engine.cuda_graphs
+    prefill_graphs = engine.prefill_graphs  # an eager decode row must not replay their pieces either
     pool = engine.kv_cache.cache
     gen = torch.Generator().manual_seed(seed)
     pool[:, block_size : pool.shape[1] - 1].normal_(0.0, 1.0)  # random latents; the null block stays zero
@@ -280,6 +282,7 @@ def run_bench_step(
                     row["graph_ms"] = row["graph_isolated_ms"] = None
                     continue
                 engine.cuda_graphs = graphs if mode == "graph" else None
+                engine.prefill_graphs = prefill_graphs if mode == "graph" else []
                 _seed_decodes(engine, batch, context, max_new, gen)
                 if mode == "graph":  # capture before timing: every length the timed steps reach
                     graphs.capture_for(batch, context + 1)
@@ -301,7 +304,7 @@ def run_bench_step(
                 ms = row.get(f"{mode}_ms")
                 row[f"{mode}_over_floor"] = ms / row["floor_ms"] if ms else None
             result["decode"].append(row)
-    engine.cuda_graphs = graphs
+    engine.cuda_graphs, engine.prefill_graphs = graphs, prefill_graphs
     for batch, context in prefills:
         say(f"prefill: {batch} x {context} tokens ...")
         times = []
@@ -336,6 +339,8 @@ def run_bench_step(
         )
     if graphs is not None:
         result["graphs_captured"] = [list(k) for k in graphs.captured]
+    if prefill_graphs:  # the prefill rows replay their row-wise pieces (afd.prefill_graph), as served steps do
+        result["prefill_graph_buckets"] = prefill_graphs[0].captured
     return result
 
 
