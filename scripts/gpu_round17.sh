@@ -4,7 +4,9 @@
 # defaults (async runs the shared experts on its attention ranks) at 1A1F, 1A2F and 2A2F, and with a token budget of
 # 8 so that chunks after cached context and steps mixing them with decodes go through the prefill graphs; bf16
 # numerics and speed at 2A2F (async vs p2p, prefill graphs and FFN prefill graphs on).
-# `bash scripts/gpu_round17.sh serve`: the mixed workload with 512 requests per server at 2A2F and 1A1F.
+# `bash scripts/gpu_round17.sh serve`: the mixed workload with 512 requests per server at 2A2F and 1A1F, and async 1A1F
+# without the FFN's device chain (round 16 e: async trailed p2p by 6% at 1A1F; one suspect is the chain's row
+# prediction, which steps mixing prompts and decodes break).
 # `bash scripts/gpu_round17.sh exchange`: where the captured exchange's ~40 us per layer go (issue 11: <= 25 us):
 # `afd bench exchange --graph` at T = 8 under torch.profiler (kernels inside the replayed graphs included), both
 # sides' tables.
@@ -20,8 +22,11 @@ if [[ $PHASE == exchange ]]; then
 elif [[ $PHASE == serve ]]; then
   serve_mixed serve_mixed_2a2f_512 280 --compare none:R=2,p2p:A=2,F=2,async:A=2,F=2 --requests 512 --rates inf \
     --warmups 16
-  serve_mixed serve_mixed_1a1f_512 260 --compare p2p:A=1,F=1,async:A=1,F=1,async+sf:A=1,F=1 --requests 512 \
-    --rates inf --warmups 16
+  serve_mixed serve_mixed_1a1f_512 200 --compare p2p:A=1,F=1,async:A=1,F=1 --requests 512 --rates inf --warmups 16
+  # does the FFN's device chain cost under serving (mixed steps break its row prediction)? its count, then without it
+  grep -h "handed back to the host" "$B"/serve_mixed_1a1f_512.err | tail -n 2
+  AFD_FFN_CHAIN=0 serve_mixed serve_mixed_1a1f_nochain 100 --compare async:A=1,F=1 --requests 512 --rates inf \
+    --warmups 16
 else
   timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -rf tests/test_prefill_graph.py \
     tests/test_ffn_graphs.py tests/test_cuda_graph.py 2>&1 | tail -n 8
