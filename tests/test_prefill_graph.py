@@ -138,3 +138,21 @@ def test_replayed_prefill_graphs_equal_eager_steps(dtype: str) -> None:
         pairs = zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:], strict=True)  # a one-token prompt scores none
         prompt_diff = max((abs(a - b) for a, b in pairs), default=0.0)
         assert max(diff, prompt_diff) <= tol, f"request {i}: |Δ logprob| {diff:.2e}, prompt {prompt_diff:.2e}"
+
+
+def test_memory_estimate_covers_the_static_buffers_and_grows_with_the_budget(tiny) -> None:
+    """`graph_memory_estimate` (left free by the cache sizing) is above what one runner's static buffers take for the
+    same budget (measured on a CPU runner after one padded pass), and linear in the budget."""
+    from afd.kv_cache import PagedLatentCache
+    from afd.prefill_graph import graph_memory_estimate
+
+    attn = tiny[0]
+    cache = PagedLatentCache(attn.config, num_blocks=64, block_size=BLOCK, dtype=torch.float32, device="cpu")
+    runner = PrefillGraphRunner(attn, cache, 256, capture=False)
+    with torch.inference_mode():
+        runner._capture(256)
+    buffers = runner._buffers
+    static = sum(t.numel() * t.element_size() for t in vars(buffers).values() if isinstance(t, torch.Tensor))
+    estimate = graph_memory_estimate(attn.config, torch.float32, 256)
+    assert static < estimate < 20 * static
+    assert graph_memory_estimate(attn.config, torch.float32, 512) == 2 * estimate
