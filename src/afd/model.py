@@ -33,10 +33,10 @@ Exchange = Callable[[int, torch.Tensor, Routing | None], torch.Tensor]
 __all__ = [
     "MODEL_TYPES",
     "MLP",
+    "AttentionCore",
     "AttentionLayer",
     "AttentionModel",
     "Batch",
-    "AttentionCore",
     "Boundary",
     "Exchange",
     "Gate",
