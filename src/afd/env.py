@@ -75,6 +75,12 @@ def ffn_chain() -> bool | None:
     return False if value == "0" else True if value == "1" else None
 
 
+def ffn_pass_graphs_disabled() -> bool:
+    """`AFD_FFN_PASS_GRAPHS=0`: the FFN's device chain replays one graph per layer (and a wait before each)
+    instead of one graph per whole pass."""
+    return os.environ.get("AFD_FFN_PASS_GRAPHS", "") == "0"
+
+
 def exchange_graphs_disabled() -> bool:
     """`AFD_EXCHANGE_GRAPHS=0`: decode graphs never capture a disaggregated exchange."""
     return os.environ.get("AFD_EXCHANGE_GRAPHS", "") == "0"

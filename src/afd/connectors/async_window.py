@@ -288,6 +288,7 @@ class AsyncAttentionExchange(AsyncEndpoint):
         # captured decode steps (afd.cuda_graph): a device seq counter, a device count of failed reply checks
         self._device_seq = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._errors = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._arrive = torch.zeros(1, dtype=torch.int32, device=self.device)  # send_request's arrival count
         self._graph_checks: deque[tuple[torch.cuda.Event, torch.Tensor]] = deque()
         self.captured_sends = 0
         try:  # the plan's counts: shared and other rows per FFN rank
@@ -319,23 +320,21 @@ class AsyncAttentionExchange(AsyncEndpoint):
         )
 
     def _exchange_in_graph(self, layer_idx: int, x: torch.Tensor, routing: Any) -> torch.Tensor:
-        """The exchange as device work only (being captured): copy the rows into the FFN rank's slot, stamp the
-        header and flag with the next seq of a device counter, wait for the reply's flag, copy the reply out,
-        check its header into a device error count and reset the flag. `before_replay` sets the counter from the
-        host's; `after_replay` advances the host's and reads the error count back."""
+        """The exchange as device work only (being captured): one launch copies the rows into the FFN rank's slot
+        and publishes the header and flag with the next seq of a device counter; then wait for the reply's flag,
+        copy the reply out, check its header into a device error count and reset the flag. `before_replay` sets
+        the counter from the host's; `after_replay` advances the host's and reads the error count back."""
         from afd.kernels import chain
 
         if not self.capturable:
             raise RuntimeError("this async exchange cannot be captured in a CUDA graph")
         if routing is None or x.shape[0] > self.window.layout.token_cap:
             raise ValueError("a captured exchange needs the routing and at most max_num_batched_tokens rows")
-        num_tokens = x.shape[0]
         dst, flag = self.window.peer_slot(self.peer_world(0), self.role_rank, 0)
-        dst.x[:num_tokens].copy_(x)
-        dst.topk_ids[:num_tokens].copy_(routing.topk_ids)
-        dst.topk_weights[:num_tokens].copy_(routing.topk_weights)
         shared = self.shared_experts is not None
-        chain.stamp_request(self._device_seq, dst.header, flag, layer_idx, num_tokens, shared_on_ffn=not shared)
+        chain.send_request(x.contiguous(), routing.topk_ids.contiguous(), routing.topk_weights.contiguous(), dst.x,
+                           dst.topk_ids, dst.topk_weights, self._device_seq, self._arrive, dst.header, flag, layer_idx,
+                           shared_on_ffn=not shared)  # fmt: skip
         addend = self.shared_experts(layer_idx, x) if shared else None  # on this stream while the FFN rank works
         reply = self.window.wait_flag(0, 0, 1, torch.cuda.current_stream(self.device))
         out = torch.empty(x.shape, dtype=torch.float32 if shared else x.dtype, device=x.device)
@@ -354,7 +353,11 @@ class AsyncAttentionExchange(AsyncEndpoint):
         counter, errors = torch.zeros_like(flag), torch.zeros_like(flag)
         rows = torch.zeros(2, self.hidden_size, dtype=lay.reply_dtype, device=self.device)
         shared = self.shared_experts is not None
-        chain.stamp_request(counter, header, flag, 0, 2, shared_on_ffn=not shared)
+        x = torch.zeros(2, self.hidden_size, dtype=self.dtype, device=self.device)
+        ids = torch.zeros(2, lay.topk, dtype=torch.int64, device=self.device)
+        weights = torch.zeros(2, lay.topk, dtype=torch.float32, device=self.device)
+        chain.send_request(x, ids, weights, torch.empty_like(x), ids.int(), weights.clone(), counter, self._arrive,
+                           header, flag, 0, shared_on_ffn=not shared)  # fmt: skip
         out_dtype = torch.float32 if shared else self.dtype
         chain.take_reply(header, flag, rows, torch.empty(2, self.hidden_size, dtype=out_dtype, device=self.device),
                          counter, errors, 0)  # fmt: skip

@@ -3,11 +3,13 @@ per-layer path.
 
 Why: a host that discovers each layer's request (a flag read, a header read, a dozen launches, the reply's
 copies) costs a few hundred µs per MoE layer, on the critical path of every decode step. Here, for each MoE
-layer of a pass, the host enqueues once, ahead of time: a stream wait until the request's flag is set (no SM
-spins), then one graph replay that checks the request's header on the device, computes the experts over a
-bucket of rows (rows past the header's count are masked out), writes the reply rows and header into the
-attention rank's window, resets the local flag to 0 and publishes the reply's flag. The host only retires
-finished passes and enqueues the next.
+layer of a pass, the device runs, enqueued ahead of time: a stream wait until the request's flag is set, then
+an item (two kernels around the experts, `afd.kernels.chain`) that checks the request's header on the device,
+computes the experts over a bucket of rows (rows past the header's count are masked out), writes the reply rows
+and header into the attention rank's window, resets the local flag to 0 and publishes the reply's flag. A whole
+pass (every layer's wait and item) is one captured graph, so the host launches once per pass
+(`AFD_FFN_PASS_GRAPHS=0`: one graph per layer, a wait before each; a pass started mid-way always runs so). The
+host only retires finished passes and enqueues the next.
 
 Where: one FFN rank, no micro-batching (one ring stage), on CUDA with a device-side flag wait
 (`Window.device_waits`). There the order of one attention rank's requests is known: the MoE layers of a forward
@@ -125,9 +127,12 @@ class PassChain:
         self._ids = torch.zeros(top, k, dtype=torch.int64, device=dev)  # [n, K]: the rows' ids, -1 past the count
         self._mask = torch.zeros(top, dtype=torch.float32, device=dev)  # [n]: 1.0 on the rows with shared experts
         self._ok = torch.zeros(1, dtype=torch.int32, device=dev)  # whether this item serves its message
+        self._arrive = torch.zeros(1, dtype=torch.int32, device=dev)  # reply_item's arrival count (0 between items)
         self.use_kernels = self.is_cuda and not env.triton_disabled()
         self.stream = torch.cuda.Stream(dev) if self.is_cuda else None
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        # bucket -> one graph of a whole pass, each layer's wait captured before its item: one launch per pass
+        self._pass_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.is_cuda else None
         self.queued: deque[QueuedPass] = deque()
         self.next_bucket = self.buckets[0]
@@ -145,8 +150,9 @@ class PassChain:
         x = ends.x[:n]
         routed = self.ffn_model.experts_topk(layer_idx, x, Routing(ids, ends.topk_weights[:n])).float()  # [n, H]
         shared = self.ffn_model.shared(layer_idx, x) if self.ffn_model.has_shared_experts else None  # [n, H]
-        steps.combine_reply(routed, shared, mask, ends.reply.out, ends.header, ends.reply.header)
-        steps.finish_item(ends.header, ends.flag, self.stats, ok, ends.reply_flag)
+        reply = ends.reply
+        steps.reply_item(routed, shared, mask, reply.out, ends.header, reply.header, ends.flag, self.stats, ok,
+                         ends.reply_flag, self._arrive)  # fmt: skip
 
     def _scratch_ends(self) -> Ends:
         """Ends of the same shapes that touch neither window: warming the kernels up writes no peer."""
@@ -179,14 +185,32 @@ class PassChain:
                     with torch.cuda.graph(graph, pool=self._pool, stream=side):
                         self._item(self.ends, layer_idx, n)
                     self._graphs[(layer_idx, n)] = graph
+            if not env.ffn_pass_graphs_disabled():
+                self._capture_passes(side)
             self.stats.copy_(saved)
         torch.cuda.synchronize(self.device)
         logger.info(
-            "FFN device-driven passes: %d layers x buckets %s captured in %.1f s",
+            "FFN device-driven passes: %d layers x buckets %s captured in %.1f s (%s)",
             len(self.moe_layers),
             self.buckets,
             time.perf_counter() - start,
+            "and one graph per whole pass" if self._pass_graphs else "one graph per layer",
         )
+
+    def _capture_passes(self, side: torch.cuda.Stream) -> None:
+        """One graph per bucket of a whole pass (the items' kernels are compiled by then). A wait that cannot be
+        captured leaves the per-layer graphs in charge, with a warning, instead of failing the rank."""
+        try:
+            for n in self.buckets:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool, stream=side):
+                    for layer_idx in self.moe_layers:
+                        self.window.wait_flag(self.region, 0, 1, side)
+                        self._item(self.ends, layer_idx, n)
+                self._pass_graphs[n] = graph
+        except RuntimeError as exc:
+            self._pass_graphs.clear()
+            logger.warning("whole-pass FFN graphs could not be captured (%s); one graph per layer instead", exc)
 
     # -- host side: queue, retire, fall back ------------------------------------------------------------
 
@@ -222,10 +246,14 @@ class PassChain:
             return
         # after what the host enqueued on its own stream (a reply it served, the stats it reset after an abort)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        whole = self._pass_graphs.get(bucket) if layers == self.moe_layers else None
         with torch.cuda.stream(self.stream):
-            for layer_idx in layers:
-                self.window.wait_flag(self.region, 0, 1, self.stream)
-                self._graphs[(layer_idx, bucket)].replay()
+            if whole is not None:
+                whole.replay()  # every layer's wait and item: one launch
+            else:  # a pass the host started mid-way (after a hand-back)
+                for layer_idx in layers:
+                    self.window.wait_flag(self.region, 0, 1, self.stream)
+                    self._graphs[(layer_idx, bucket)].replay()
             done = torch.cuda.Event()
             done.record(self.stream)
         self.queued.append(QueuedPass(layers, bucket, done))
@@ -319,7 +347,7 @@ class PassChain:
 
 
 class _TorchSteps:
-    """An item's three steps in PyTorch: the CPU path and the oracle of `afd.kernels.chain` (same arguments)."""
+    """An item's two steps in PyTorch: the CPU path and the oracle of `afd.kernels.chain` (same arguments)."""
 
     @staticmethod
     def check_request(header, flag, stats, topk_ids, layer_idx, n, ids_out, mask_out, ok_out) -> None:  # noqa: ANN001
@@ -343,15 +371,13 @@ class _TorchSteps:
         mask_out.copy_((index < shared).float())
 
     @staticmethod
-    def combine_reply(routed, shared, mask, out, header, reply_header) -> None:  # noqa: ANN001
+    def reply_item(routed, shared, mask, out, header, reply_header, flag, stats, ok, reply_flag, arrive) -> None:  # noqa: ANN001
+        """The reply's rows and header, then the flags and counters (`arrive` is the kernel's; unused here)."""
         out[: routed.shape[0]].copy_(routed if shared is None else routed + mask[:, None] * shared.float())
         answer = header.clone()
         answer[W_FLAGS : W_FLAGS + 1].fill_(FLAG_RESPONSE)  # (item assignment copies a CPU scalar: not capturable)
         answer[W_ECHO_SEQ : W_ECHO_SEQ + 1].copy_(header[W_SEQ : W_SEQ + 1])
         reply_header.copy_(answer)
-
-    @staticmethod
-    def finish_item(header, flag, stats, ok, reply_flag) -> None:  # noqa: ANN001
         served, seq, rows = ok[0] != 0, flag[0], header[W_ROWS].long()
         published = torch.where(served, seq, reply_flag[0])
         flag.copy_(torch.where(served, 0, seq))

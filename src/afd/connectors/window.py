@@ -271,7 +271,7 @@ class Window:
         return self._seq
 
     def advance_seq(self, count: int) -> None:
-        """`count` messages were stamped on the device (a replayed graph, afd.kernels.chain.stamp_request)."""
+        """`count` messages were stamped on the device (a replayed graph, afd.kernels.chain.send_request)."""
         self._seq += count
 
     def local_flag(self, region: int, stage: int) -> torch.Tensor:
