@@ -240,6 +240,48 @@ def _stress(exchange: Exchange, spec: dict, device: torch.device) -> list[dict]:
     return [{"round_trips": len(sizes), "messages": 2 * len(sizes), "mismatches": int(bad), "seconds": elapsed}]
 
 
+def _stress_captured(exchange: AsyncAttentionExchange, spec: dict, device: torch.device) -> list[dict]:
+    """The stress test through captured passes, the path of a captured decode step (`send_request`, the device
+    wait, `take_reply`): one graph per T of a few sizes up to the largest, each a pass of `num_layers` exchanges
+    that echo the previous one's answer; replays in random order of sizes (the FFN's device chain mispredicts at
+    every change of size and hands back, which is stressed too), fresh rows before each. The last answer of a
+    pass equals its input only if every message of the pass was delivered whole and in order."""
+    dtype = getattr(torch, spec["dtype"])
+    topk, experts, layers = spec["topk"], spec["num_experts"], spec["num_layers"]
+    top = max(spec["tokens"])
+    sizes = sorted({1, 3, max(1, top // 8), max(1, top // 2), top})
+    graphs = []
+    for t in sizes:
+        x = torch.zeros(t, spec["hidden_size"], device=device, dtype=dtype)  # [T, H], refilled before each replay
+        ids = ((torch.arange(topk, device=device) + t) % experts).expand(t, topk).contiguous()  # [T, K]
+        routing = Routing(ids, torch.ones(t, topk, device=device))
+        answer: dict[str, torch.Tensor] = {}
+
+        def one_pass(x: torch.Tensor = x, routing: Routing = routing, answer: dict = answer) -> None:
+            y = x
+            for layer_idx in range(layers):
+                y = exchange(layer_idx, y, routing)
+            answer["y"] = y  # after the capture: the graph's output buffer
+
+        graphs.append((_captured(exchange, one_pass, device), x, answer))
+    replays = -(-spec["stress"] // layers)
+    picks = torch.randint(0, len(sizes), (replays,), generator=torch.Generator().manual_seed(0)).tolist()
+    bad = torch.zeros((), dtype=torch.int64, device=device)
+    start = time.perf_counter()
+    for i, pick in enumerate(picks):
+        replay, x, answer = graphs[pick]
+        x.copy_(torch.randn(x.shape, device=device))
+        replay()
+        bad += (answer["y"] != x).any()
+        if i % 100 == 99 and int(bad):
+            raise RuntimeError(f"captured pass {i}: {int(bad)} passes ended with another answer than their input")
+    _synchronize(device)
+    elapsed = time.perf_counter() - start
+    exchange.before_replay()  # raises if any reply failed the device-side header check
+    trips = replays * layers
+    return [{"round_trips": trips, "messages": 2 * trips, "mismatches": int(bad), "seconds": elapsed, "graph": True}]
+
+
 def _run_async(world: World, spec: dict, device: torch.device) -> list[dict] | None:
     """Attention: the timed rows (or the stress test's). FFN: the self-driven loop until the shutdown flag,
     returns None."""
@@ -261,7 +303,9 @@ def _run_async(world: World, spec: dict, device: torch.device) -> list[dict] | N
     ex = AsyncAttentionExchange(world.store, topo, 0, **args)
     try:
         with torch.inference_mode():  # as the engine runs its steps (the window's buffers are inference tensors)
-            return _stress(ex, spec, device) if stress else _time_exchanges(ex, spec, device)
+            if stress:
+                return (_stress_captured if spec.get("graph") else _stress)(ex, spec, device)
+            return _time_exchanges(ex, spec, device)
     finally:
         ex.close()  # the shutdown flag: the FFN loop returns
 
@@ -405,10 +449,18 @@ def run_bench_exchange(
 
 
 def run_exchange_stress(
-    *, model: str, dtype: str, device: str, round_trips: int, max_tokens: int = 64, timeout_s: float = 600.0
+    *,
+    model: str,
+    dtype: str,
+    device: str,
+    round_trips: int,
+    max_tokens: int = 64,
+    graph: bool = False,
+    timeout_s: float = 600.0,
 ) -> dict:
     """The async connector's ordering under load: `round_trips` exchanges (two messages each) of random sizes
-    through the real window and transport, an echo FFN; raises unless every reply equals its request."""
+    through the real window and transport, an echo FFN; raises unless every reply equals its request. `graph`
+    (CUDA): through captured passes, as decode steps send (`_stress_captured`)."""
     config = load_model_config(model)
     attn_dev, ffn_dev = rank_devices(device)
     spec = {
@@ -419,6 +471,7 @@ def run_exchange_stress(
         "dtype": dtype,
         "tokens": [max_tokens],
         "stress": round_trips,
+        "graph": graph,
         "timeout_s": timeout_s,
         "devices": {"attention": attn_dev, "ffn": ffn_dev},
     }
@@ -431,6 +484,7 @@ def run_exchange_stress(
         "model": model,
         "dtype": dtype,
         "max_tokens": max_tokens,
+        "captured": graph,
         **row,
     }
 

@@ -51,7 +51,7 @@ def add_bench_parsers(steps) -> None:
         type=positive_int,
         metavar="N",
         help="instead: N async round trips of random sizes (up to the largest --tokens) through an echo FFN, "
-        "failing unless every reply equals its request (ordering under load)",
+        "failing unless every reply equals its request (ordering under load); with --graph through captured passes",
     )
     s.add_argument("--json", help="also write the raw result (JSON) to this file")
     s.set_defaults(func=cmd_bench_exchange)
@@ -85,10 +85,16 @@ def cmd_bench_exchange(args: argparse.Namespace) -> int:
         from afd.bench_exchange import run_exchange_stress
 
         result = run_exchange_stress(
-            model=args.model, dtype=args.dtype, device=args.device, round_trips=args.stress, max_tokens=max(args.tokens)
+            model=args.model,
+            dtype=args.dtype,
+            device=args.device,
+            round_trips=args.stress,
+            max_tokens=max(args.tokens),
+            graph=args.graph,
         )
+        how = ", captured passes" if args.graph else ""
         summary = (
-            f"async ordering stress: {result['round_trips']} round trips ({result['messages']} messages, T up to "
+            f"async ordering stress{how}: {result['round_trips']} round trips ({result['messages']} messages, T up to "
             f"{result['max_tokens']}) in {result['seconds']:.1f}s, {result['mismatches']} mismatches"
         )
         return _report(summary, result, args.json)
