@@ -12,6 +12,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from e2e_util import TEST_TAG_VAR, Leftovers, kill_pids, role_of, worker_pids
@@ -167,6 +168,36 @@ def test_p2p_serves_and_a_killed_rank_fails_health_and_ends_in_flight_requests(m
         assert http_request(srv.port, "POST", "/v1/completions", {"prompt": "a", "max_tokens": 2})[0] == 503
         srv.server.proc.send_signal(signal.SIGTERM)
         assert srv.server.proc.wait(25) == 1  # a rank had died: not a clean stop
+        srv.leftovers.check()
+    finally:
+        srv.close()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a live process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.timeout(180)
+def test_busy_poll_serves_the_same_answers_and_spins_while_idle(monkeypatch, reference):
+    """AFD_BUSY_POLL=1: an idle replica polls its link without sleeping (its CPU time grows while nothing is asked;
+    without the variable it would block), answers stay the reference's, and SIGTERM still leaves nothing behind."""
+    monkeypatch.setenv("AFD_BUSY_POLL", "1")
+    srv = Served(["--connector", "none"], f"servebusy{os.getpid()}")
+    try:
+        monkeypatch.setenv(TEST_TAG_VAR, srv.tag)
+        (replica,) = srv.workers
+        before, started = cpu_seconds(replica), time.monotonic()
+        time.sleep(1.0)
+        spun = (cpu_seconds(replica) - before) / (time.monotonic() - started)
+        assert spun > 0.3, f"an idle busy-polling replica used only {spun:.0%} of a core"
+        body = {"prompt": PROMPTS[2], "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 0,
+                "return_tokens_as_token_ids": True}  # fmt: skip
+        status, got, _ = http_request(srv.port, "POST", "/v1/completions", body)
+        assert status == 200 and token_ids(got["choices"][0]) == reference[2].token_ids
+        srv.server.proc.send_signal(signal.SIGTERM)
+        assert srv.server.proc.wait(25) == 0
         srv.leftovers.check()
     finally:
         srv.close()

@@ -5,7 +5,8 @@ between two steps it drains its link to the front end (`afd.serve.link`: add / a
 steps the engine and sends what the step made — one `tokens` message per step, a `finished` per ended
 request, `load` whenever running / waiting / cache usage changed.
 
-When idle, a replica of its own (`async`, `none`) blocks on its link, so an idle server burns no CPU.
+When idle, a replica of its own (`async`, `none`) blocks on its link, so an idle server burns no CPU (with
+`AFD_BUSY_POLL=1` it polls without sleeping instead: a core, for a request taken up without a wake-up).
 A `p2p` replica belongs to a DP wave: every replica and FFN rank steps together, so it keeps stepping
 (0 tokens) while the server runs, pausing `IDLE_WAVE_S` between waves in which no replica had work.
 
@@ -212,7 +213,7 @@ def _poll_timeout(engine: Engine, wave: Wave | None) -> float:
     if engine.has_work():
         return 0.0
     if wave is None:
-        return IDLE_POLL_S
+        return 0.0 if env.busy_poll() else IDLE_POLL_S
     return IDLE_WAVE_S if wave.wave_idle else 0.0  # another replica's work: do not hold up its wave
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from afd import env
 from afd.serve import metrics
 from afd.serve.frontend import ReplicaPool
 from afd.serve.protocol import APIError, parse_chat, parse_completion, parse_json
@@ -217,11 +218,14 @@ async def serve(
     site = web.SockSite(runner, sock)
     await site.start()
     watcher = asyncio.create_task(_watch_ranks(state))
+    spinner = asyncio.create_task(_spin()) if env.busy_poll() else None
     on_ready()
     try:
         await stop.wait()
     finally:
         watcher.cancel()
+        if spinner is not None:
+            spinner.cancel()
         state.failed_before_stop = state.problem() is not None
         state.draining = True
         await site.stop()  # no new connections; requests on open ones get 503
@@ -238,6 +242,14 @@ async def serve(
         state.pool.close()
         if silent:
             logger.warning("replicas %s did not answer the shutdown; their ranks are stopped", silent)
+
+
+async def _spin() -> None:
+    """`AFD_BUSY_POLL=1`: a task that is always ready keeps the event loop out of a sleeping select, so a request
+    or a replica's tokens are taken up on the next turn of the loop, not after a wake-up from idle."""
+    logger.info("busy polling: the event loop never sleeps (AFD_BUSY_POLL=1)")
+    while True:
+        await asyncio.sleep(0)
 
 
 async def _watch_ranks(state: ServerState) -> None:
