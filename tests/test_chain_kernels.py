@@ -101,6 +101,7 @@ def test_pytorch_steps_serve_only_the_expected_request(case: str) -> None:
         assert reply_header[2].item() == 1 and reply_header[8].item() == header_args["seq"]  # response, echo
         assert (ids[rows:] == -1).all() and (ids[:rows] >= 0).all()
         assert mask.tolist() == [1.0] * shared + [0.0] * (8 - shared)
+        assert (out[:rows] != 0).any(dim=1).all() and (out[rows:] == 0).all()  # the bucket's padding: unwritten
     else:
         assert ok.item() == 0 and flag.item() == flag_value and reply_flag.item() == 3
         assert stats[0].item() == 1 and stats[1].item() == 4

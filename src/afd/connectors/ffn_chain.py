@@ -69,6 +69,15 @@ logger = logging.getLogger(__name__)
 QUEUED_PASSES = 2  # passes enqueued ahead: the next pass is waiting on the device while the host retires one
 
 
+def pass_buckets(row_cap: int) -> list[int]:
+    """The rows a chain's items are captured for: the decode batch buckets, then powers of two up to the slot's
+    rows, and the slot's rows. Prefill-size steps stay on the device too (before: the host served every step
+    above 256 rows, ~200 µs per layer). A bucket larger than a message costs little: its padding rows route to no
+    expert and are never written back."""
+    large = {1 << p for p in range(9, max(9, row_cap.bit_length()))}
+    return sorted({b for b in (*DEFAULT_BATCH_BUCKETS, *large) if b < row_cap} | {row_cap})
+
+
 @dataclass
 class Ends:
     """Where an item reads its request and writes its reply: the real window slots, or scratch for warm-up."""
@@ -103,13 +112,14 @@ class PassChain:
         ffn_model: FFNModelLike,
         moe_layers: Sequence[int],
         *,
-        buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
+        buckets: Sequence[int] | None = None,
         timeout_s: float,
     ) -> None:
         self.window = window
         self.ffn_model = ffn_model
         self.moe_layers = sorted(moe_layers)
-        self.buckets = sorted(b for b in buckets if b <= window.layout.row_cap) or [window.layout.row_cap]
+        cap = window.layout.row_cap
+        self.buckets = sorted(b for b in (pass_buckets(cap) if buckets is None else buckets) if b <= cap) or [cap]
         self.timeout_s = timeout_s
         self.region = region
         self.device = window.device
@@ -373,7 +383,10 @@ class _TorchSteps:
     @staticmethod
     def reply_item(routed, shared, mask, out, header, reply_header, flag, stats, ok, reply_flag, arrive) -> None:  # noqa: ANN001
         """The reply's rows and header, then the flags and counters (`arrive` is the kernel's; unused here)."""
-        out[: routed.shape[0]].copy_(routed if shared is None else routed + mask[:, None] * shared.float())
+        n = routed.shape[0]
+        total = routed if shared is None else routed + mask[:, None] * shared.float()
+        written = (torch.arange(n, device=out.device) < header[W_ROWS].long())[:, None]  # the message's rows only
+        out[:n].copy_(torch.where(written, total.to(out.dtype), out[:n]))
         answer = header.clone()
         answer[W_FLAGS : W_FLAGS + 1].fill_(FLAG_RESPONSE)  # (item assignment copies a CPU scalar: not capturable)
         answer[W_ECHO_SEQ : W_ECHO_SEQ + 1].copy_(header[W_SEQ : W_SEQ + 1])

@@ -10,10 +10,10 @@ the host (capturable):
    layer, at most `n` rows, header seq = flag, nothing aborted before); it writes the top-k ids of the `n` rows
    as int64 with the rows past the header's count set to -1 (they route nowhere) and the shared-experts mask.
 2. `reply_item`: one program per row writes `routed + mask * shared` into the attention rank's reply rows (its
-   dtype); the last program to arrive writes the reply header (the request's, with the response flag and the seq
-   echoed), resets the local flag to 0 if `ok`, updates [abort, served, max rows], and, if `ok`, stores the
-   reply's flag (the request's seq) into the attention rank's window with a system-scope release, so the rows
-   and the header are visible first.
+   dtype; only the message's rows, not the bucket's padding); the last program to arrive writes the reply header
+   (the request's, with the response flag and the seq echoed), resets the local flag to 0 if `ok`, updates
+   [abort, served, max rows], and, if `ok`, stores the reply's flag (the request's seq) into the attention rank's
+   window with a system-scope release, so the rows and the header are visible first.
 
 The attention side's send is one launch too (`send_request`: rows, ids, weights, header, flag), measured at
 ~10 µs per layer as three copies and a stamp kernel (round 17).
@@ -80,7 +80,7 @@ def _reply_kernel(
 ):  # fmt: skip
     r = tl.program_id(0)
     cols = tl.arange(0, BLOCK_H)
-    in_row = cols < H
+    in_row = (cols < H) & (r < tl.load(hdr_ptr + W_ROWS_))  # a bucket's padding rows are never written back
     total = tl.load(routed_ptr + r * H + cols, mask=in_row, other=0.0)
     if HAS_SHARED:
         shared = tl.load(shared_ptr + r * H + cols, mask=in_row, other=0.0).to(tl.float32)
