@@ -279,7 +279,7 @@ def _stress_captured(exchange: AsyncAttentionExchange, spec: dict, device: torch
     elapsed = time.perf_counter() - start
     exchange.before_replay()  # raises if any reply failed the device-side header check
     trips = replays * layers
-    return [{"round_trips": trips, "messages": 2 * trips, "mismatches": int(bad), "seconds": elapsed, "graph": True}]
+    return [{"round_trips": trips, "messages": 2 * trips, "mismatches": int(bad), "seconds": elapsed}]
 
 
 def _run_async(world: World, spec: dict, device: torch.device) -> list[dict] | None:
