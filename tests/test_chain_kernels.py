@@ -16,27 +16,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from afd.connectors.wire import (
-    HEADER_WORDS,
-    MAGIC_WORD,
-    VERSION,
-    W_FLAGS,
-    W_LAYER,
-    W_MAGIC,
-    W_NUM_TOKENS,
-    W_ROWS,
-    W_SEQ,
-    W_SHARED,
-    W_VERSION,
-)
+from afd.connectors import wire
 
 HERE = Path(__file__).resolve().parent
 
 
 def _request(rows: int, shared: int, layer: int, seq: int, *, flags: int = 0, magic: int | None = None):
-    h = torch.zeros(HEADER_WORDS, dtype=torch.int32)
-    h[W_MAGIC], h[W_VERSION], h[W_FLAGS], h[W_LAYER] = MAGIC_WORD if magic is None else magic, VERSION, flags, layer
-    h[W_ROWS], h[W_SHARED], h[W_SEQ] = rows, shared, seq
+    h = torch.zeros(wire.HEADER_WORDS, dtype=torch.int32)
+    h[wire.W_MAGIC] = wire.MAGIC_WORD if magic is None else magic
+    h[wire.W_VERSION], h[wire.W_FLAGS], h[wire.W_LAYER] = wire.VERSION, flags, layer
+    h[wire.W_ROWS], h[wire.W_SHARED], h[wire.W_SEQ] = rows, shared, seq
     return h
 
 
@@ -138,12 +127,12 @@ def check_send_kernel(dev: str) -> None:
         dst_w = torch.full((cap, k), -7.0, device=dev)
         counter = torch.tensor([41], dtype=torch.int64, device=dev)
         arrive = torch.zeros(1, dtype=torch.int32, device=dev)
-        header = torch.full((HEADER_WORDS,), 99, dtype=torch.int32, device=dev)
+        header = torch.full((wire.HEADER_WORDS,), 99, dtype=torch.int32, device=dev)
         flag = torch.zeros(1, dtype=torch.int64, device=dev)
         chain.send_request(x, ids, weights, dst_x, dst_ids, dst_w, counter, arrive, header, flag, 4,
                            shared_on_ffn=shared_on_ffn)  # fmt: skip
         want = _request(rows=num_tokens, shared=num_tokens if shared_on_ffn else 0, layer=4, seq=42)
-        want[W_NUM_TOKENS] = num_tokens
+        want[wire.W_NUM_TOKENS] = num_tokens
         what = f"T={num_tokens}"
         assert torch.equal(header.cpu(), want), f"{what}: header {header.tolist()} vs {want.tolist()}"
         assert counter.item() == 42 and flag.item() == 42 and arrive.item() == 0, what
