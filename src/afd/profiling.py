@@ -4,6 +4,9 @@
 `afd serve` with `AFD_PROFILE=DIR` (its serving part: the attention engine's steps, the FFN loop). DIR/NAME.txt
 holds the Python functions by own time (cProfile) and the torch operators and kernels by self time
 (torch.profiler); DIR/NAME.trace.json is the timeline (chrome://tracing, Perfetto). Keep such runs short.
+
+Always on, for CUDA ranks: `watching_compiles` logs every Triton kernel variant compiled during the serving part
+(one the warm-up missed) and a count at its end.
 """
 
 from __future__ import annotations
@@ -11,11 +14,14 @@ from __future__ import annotations
 import contextlib
 import cProfile
 import io
+import logging
 import pstats
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -42,3 +48,65 @@ def profiled(name: str, folder: str | None) -> Iterator[None]:
     Path(folder).mkdir(parents=True, exist_ok=True)
     Path(folder, f"{name}.txt").write_text(text.getvalue() + "\n" + table + "\n" + table2)
     ops.export_chrome_trace(str(Path(folder, f"{name}.trace.json")))
+
+
+class CompileWatch:
+    """The Triton kernel variants this process compiles (or loads from Triton's disk cache) before its serving part
+    starts and after. One after is a first use inside timed or served work that the warm-up (`afd.warm_up`, the
+    graph captures) did not cover: it lands in some request's latency (round 18: a fresh machine's first run paid
+    ~260 ms of TTFT). Triton calls it after each compile (`triton.knobs.runtime.jit_post_compile_hook`)."""
+
+    def __init__(self, chained: Callable[..., object] | None = None) -> None:
+        self.before = 0
+        self.after: list[str] = []  # each variant compiled while serving: the kernel and its specialization
+        self.serving = False
+        self._chained = chained  # a hook that was installed before this one
+
+    def __call__(self, *, key: object, repr: str, fn: object, compile: object, is_manual_warmup: bool,  # noqa: A002
+                 already_compiled: bool) -> bool | None:  # fmt: skip
+        if self.serving:
+            self.after.append(repr)
+            logger.info("Triton compiled %s while serving (the warm-up did not)", repr)
+        else:
+            self.before += 1
+        if self._chained is not None:
+            return self._chained(key=key, repr=repr, fn=fn, compile=compile, is_manual_warmup=is_manual_warmup,
+                                 already_compiled=already_compiled)  # fmt: skip
+        return None
+
+    def summary(self) -> str:
+        kernels = sorted({r.partition("[")[0].partition("(")[0] for r in self.after})
+        names = f": {', '.join(kernels)}" if kernels else ""
+        return f"Triton: {self.before} kernel variants compiled before serving, {len(self.after)} while serving{names}"
+
+
+_WATCH: CompileWatch | None = None
+
+
+def watch_compiles() -> CompileWatch | None:
+    """This process's compile watch, installed on first call; None where Triton is not installed."""
+    global _WATCH
+    if _WATCH is None:
+        try:
+            import triton.knobs
+        except ImportError:
+            return None
+        _WATCH = CompileWatch(triton.knobs.runtime.jit_post_compile_hook)
+        triton.knobs.runtime.jit_post_compile_hook = _WATCH
+    return _WATCH
+
+
+@contextlib.contextmanager
+def watching_compiles(enabled: bool) -> Iterator[None]:
+    """Around a rank's serving part (CUDA: `enabled`): compiles inside it are counted apart and logged, and a
+    summary is logged at its end."""
+    watch = watch_compiles() if enabled else None
+    if watch is None:
+        yield
+        return
+    watch.serving = True
+    try:
+        yield
+    finally:
+        watch.serving = False
+        logger.info("%s", watch.summary())

@@ -19,7 +19,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -30,7 +30,7 @@ import torch.distributed as dist
 from afd import env
 from afd.config import AFDConfig
 from afd.engine import Engine, Output, Request
-from afd.profiling import profiled
+from afd.profiling import profiled, watching_compiles
 from afd.runtime.launch import RunSpec
 from afd.topology import local_gpu_index
 from afd.transport.symm_heap import wait_keys
@@ -148,10 +148,14 @@ class ReplicaStats:
         }
 
 
-def profile_rank(job: RankJob) -> contextlib.AbstractContextManager:
-    """`AFD_PROFILE=DIR`: this rank's serving part profiled into DIR/<connector>_<role><rank>.* (`afd.profiling`)."""
+@contextlib.contextmanager
+def profile_rank(job: RankJob) -> Iterator[None]:
+    """Around this rank's serving part: `AFD_PROFILE=DIR` profiles it into DIR/<connector>_<role><rank>.*, and on
+    CUDA the Triton kernels compiled inside it are logged (`afd.profiling`)."""
     connector = "none" if job.role == "replica" else job.config.connector
-    return profiled(f"{connector}_{job.role}{job.role_rank}", env.profile_dir())
+    name = f"{connector}_{job.role}{job.role_rank}"
+    with watching_compiles(job.spec.device == "cuda"), profiled(name, env.profile_dir()):
+        yield
 
 
 def drive_replica(engine: Engine, job: RankJob, step_gate: Callable[[bool], bool]) -> tuple[list[Output], ReplicaStats]:
