@@ -75,6 +75,12 @@ def ffn_chain() -> bool | None:
     return False if value == "0" else True if value == "1" else None
 
 
+def log_dir() -> str | None:
+    """`AFD_LOG_DIR=DIR`: the ranks' logs of every run that ends well are copied to DIR/<run directory's name>/
+    before the run directory goes (a failed run keeps its directory and says where)."""
+    return os.environ.get("AFD_LOG_DIR") or None
+
+
 def busy_poll() -> bool:
     """`AFD_BUSY_POLL=1`: a server's front end and its replicas poll without sleeping while idle (a core each), so
     a request and its first token skip the wake-ups from idle (~0.1-0.25 ms each) on their way."""

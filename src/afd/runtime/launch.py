@@ -22,6 +22,7 @@ import logging
 import os
 import re
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -32,6 +33,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from afd import env
 from afd.config import AFDConfig
 from afd.engine import Output
 from afd.env import LAUNCHER_PID_VAR, SECRET_VAR
@@ -435,9 +437,21 @@ def run_token(run_dir: Path) -> str:
 
 
 def _remove_tree(path: Path) -> None:
+    keep_logs(path)
     for child in path.iterdir():
         child.unlink()
     path.rmdir()
+
+
+def keep_logs(run_dir: Path) -> None:
+    """`AFD_LOG_DIR`: copy the run's rank logs there before its directory is removed."""
+    folder = env.log_dir()
+    if folder is None:
+        return
+    dest = Path(folder) / run_dir.name
+    dest.mkdir(parents=True, exist_ok=True)
+    for log_file in run_dir.glob("*.log"):
+        shutil.copy2(log_file, dest / log_file.name)
 
 
 def _in_main_thread() -> bool:

@@ -26,6 +26,7 @@ from afd.runtime.launch import (
     clean_up_run,
     describe_exit,
     host_world_store,
+    keep_logs,
     new_secret,
     rank_environment,
     rank_order,
@@ -80,6 +81,7 @@ class ServerRanks:
         if failed:
             log.warning("%s did not end cleanly; their logs are in %s", ", ".join(failed), self.run_dir)
         else:
+            keep_logs(self.run_dir)
             shutil.rmtree(self.run_dir, ignore_errors=True)
         return codes
 
