@@ -62,17 +62,16 @@ class CompileWatch:
         self.serving = False
         self._chained = chained  # a hook that was installed before this one
 
-    def __call__(self, *, key: object, repr: str, fn: object, compile: object, is_manual_warmup: bool,  # noqa: A002
-                 already_compiled: bool) -> bool | None:  # fmt: skip
+    def __call__(self, **hook_args: object) -> object:
+        """Triton's post-compile hook; keyword arguments only (their set differs between Triton versions: only
+        `repr` is read, and a missing one never fails a compile)."""
+        what = str(hook_args.get("repr", "?"))
         if self.serving:
-            self.after.append(repr)
-            logger.info("Triton compiled %s while serving (the warm-up did not)", repr)
+            self.after.append(what)
+            logger.info("Triton compiled %s while serving (the warm-up did not)", what)
         else:
             self.before += 1
-        if self._chained is not None:
-            return self._chained(key=key, repr=repr, fn=fn, compile=compile, is_manual_warmup=is_manual_warmup,
-                                 already_compiled=already_compiled)  # fmt: skip
-        return None
+        return self._chained(**hook_args) if self._chained is not None else None
 
     def summary(self) -> str:
         kernels = sorted({r.partition("[")[0].partition("(")[0] for r in self.after})
