@@ -12,7 +12,7 @@ from multiprocessing.connection import Connection
 
 import pytest
 
-from afd.serve.link import FrameSender, decode_frames, encode_frame
+from afd.serve.link import FrameSender, FrontLink, ReplicaLink, decode_frames, encode_frame
 
 MESSAGES = [
     {"type": "add", "rid": "cmpl-1", "prompt_ids": list(range(300)), "max_tokens": 8},
@@ -93,3 +93,30 @@ def test_sender_reports_a_closed_peer_once():
             time.sleep(0.01)
         assert sender.broken and calls == [1]
         assert not sender.send(encode_frame(MESSAGES[1]))  # nothing more is taken
+
+
+@pytest.mark.timeout(30)
+def test_both_ends_of_a_link_send_without_nagle():
+    """A replica's several small messages per step must not wait for delayed ACKs (~40 ms each with Nagle's
+    algorithm on): both ends of the link set TCP_NODELAY, and messages still arrive whole and in order."""
+    front = FrontLink("127.0.0.1", b"key")
+    replicas: list[ReplicaLink] = []
+    connect = threading.Thread(target=lambda: replicas.append(ReplicaLink(front.address, b"key", {"replica": 0})))
+    connect.start()
+    try:
+        front.accept(1, timeout_s=10)
+        connect.join(10)
+        (replica,) = replicas
+        for conn in (front.conns[0], replica._conn):
+            sock = socket.socket(fileno=conn.fileno())
+            try:
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+            finally:
+                sock.detach()
+        for msg in MESSAGES:
+            replica.send(msg)
+        assert [front.conns[0].recv() for _ in MESSAGES] == MESSAGES
+    finally:
+        for replica in replicas:
+            replica.close()
+        front.close()

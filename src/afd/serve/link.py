@@ -45,6 +45,18 @@ class LinkError(RuntimeError):
     """The other end of a link went away or never came."""
 
 
+def no_delay(conn: Connection) -> None:
+    """Turn Nagle's algorithm off on a link's TCP socket. Why: a replica sends several small messages per step
+    (tokens, finished, load), and with Nagle each one after the first waited for the peer's delayed ACK: ~40 ms
+    on Linux (measured on loopback: 41.7 ms p50 for the second of two messages, 0.04 ms without Nagle)."""
+    sock = socket.socket(fileno=conn.fileno())
+    try:
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    finally:
+        sock.detach()  # the Connection keeps its descriptor
+
+
 # ---------------------------------------------------------------- the frames, as `multiprocessing.connection` has them
 # The front end reads and writes its links on its event loop (no thread hand-offs on a request's path), so it
 # frames messages itself, byte for byte as `Connection.send` / `recv` do: a signed 4-byte big-endian length (or -1
@@ -173,6 +185,7 @@ class FrontLink:
             try:
                 while len(self.conns) < num_replicas:
                     conn = self._listener.accept()
+                    no_delay(conn)
                     hello = conn.recv()
                     if not isinstance(hello, dict) or hello.get("type") != "hello":
                         conn.close()
@@ -205,6 +218,7 @@ class ReplicaLink:
             self._conn = Client(address, authkey=authkey)
         except (OSError, EOFError) as exc:
             raise LinkError(f"cannot reach the front end at {address[0]}:{address[1]}: {exc}") from None
+        no_delay(self._conn)
         self.send({"type": "hello", **hello})
 
     def poll(self, timeout_s: float = 0.0) -> list[Message]:
