@@ -332,7 +332,8 @@ class AsyncAttentionExchange(AsyncEndpoint):
             raise ValueError("a captured exchange needs the routing and at most max_num_batched_tokens rows")
         dst, flag = self.window.peer_slot(self.peer_world(0), self.role_rank, 0)
         shared = self.shared_experts is not None
-        chain.send_request(x.contiguous(), routing.topk_ids.contiguous(), routing.topk_weights.contiguous(), dst.x,
+        rows = x if x.stride(1) == 1 else x.contiguous()  # the kernel takes any row stride: no copy for a view
+        chain.send_request(rows, routing.topk_ids.contiguous(), routing.topk_weights.contiguous(), dst.x,
                            dst.topk_ids, dst.topk_weights, self._device_seq, self._arrive, dst.header, flag, layer_idx,
                            shared_on_ffn=not shared)  # fmt: skip
         addend = self.shared_experts(layer_idx, x) if shared else None  # on this stream while the FFN rank works
