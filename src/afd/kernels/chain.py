@@ -19,7 +19,7 @@ The attention side's send is one launch too (`send_request`: rows, ids, weights,
 ~10 µs per layer as three copies and a stamp kernel (round 17).
 
 `afd.connectors.ffn_chain` keeps the same steps in PyTorch as the CPU path and the oracle of
-`tests/test_ffn_chain.py`.
+`tests/test_chain_kernels.py` (on CPU through Triton's interpreter, on a GPU compiled).
 """
 
 from __future__ import annotations
@@ -211,7 +211,7 @@ def send_request(
 ) -> None:
     """One launch for a whole request: copy the `T` rows, ids and weights into the peer's slot, take the next seq
     from `counter` and publish the header, then the flag. Every row is a shared row unless `shared_on_ffn` is
-    False (the attention rank runs the shared experts). (Before: three copies and a stamp, ~10 µs per layer.)"""
+    False (the attention rank runs the shared experts)."""
     num_tokens, hidden = x.shape
     k = topk_ids.shape[1]
     if num_tokens < 1 or x.stride(1) != 1 or not (topk_ids.is_contiguous() and topk_weights.is_contiguous()):
