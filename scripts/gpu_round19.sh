@@ -11,8 +11,10 @@ source "$(dirname "$0")/device_env.sh"
 log_run r19
 if [[ $PHASE == cold ]]; then
   export AFD_LOG_DIR=$B/logs
+  # one GPU (the x2 kind not lent): async 1A1F with both PEs on it; p2p cannot put two NCCL ranks on one GPU
+  CONNECTORS=async,p2p; [[ $(nvidia-smi -L | wc -l) -ge 2 ]] || CONNECTORS=async
   bench decode_1a1f_cold 200 --attention 1 --ffn 1 --requests 64 --long-len 512 --short-len 512 --max-new-tokens 32 \
-    --connectors async,p2p
+    --connectors $CONNECTORS
   grep -h "while serving" "$AFD_LOG_DIR"/*/*.log | sed 's/.*afd.profiling INFO //' | sort | uniq -c | sort -rn \
     | head -n 40 | tee "$OUT/compiled_while_serving.txt"
   tail -q -n 200 "$AFD_LOG_DIR"/*/*.log | grep -h "Triton:" | tee -a "$OUT/compiled_while_serving.txt"
