@@ -26,7 +26,16 @@ pytest.importorskip("triton")
 
 from afd import kernels  # noqa: E402
 from afd.cuda_graph import StaticInputs, fill_static_inputs  # noqa: E402
-from afd.kernels.mla_decode import MAX_SPLITS, MIN_SPLIT_ROWS, mla_decode, num_splits_for  # noqa: E402
+from afd.kernels import mla_decode as mla_decode_module  # noqa: E402
+from afd.kernels.mla_decode import (  # noqa: E402
+    MAX_SPLITS,
+    MIN_SPLIT_ROWS,
+    compile_key,
+    mla_decode,
+    num_splits_for,
+    split_rows,
+    warm_up_shapes,
+)
 from afd.kv_cache import PagedLatentCache  # noqa: E402
 from afd.model import Batch, MLAttention, rope_parameters  # noqa: E402
 from afd.weights import load_model_config  # noqa: E402
@@ -168,6 +177,34 @@ def test_empty_batch_and_empty_context() -> None:
     assert got.shape == (0, 2, 32)
     got = mla_decode(q, q_pe, cache_layer, rows[:, :0], valid[:, :0], 0.3)
     torch.testing.assert_close(got, eager_o_latent(q, q_pe, cache_layer, rows[:, :0], valid[:, :0], 0.3))
+
+
+@pytest.mark.parametrize("block_n", [16, 32])
+def test_the_warm_up_shapes_reach_every_variant_a_launch_can_compile(block_n: int) -> None:
+    """Every (context, asked splits) a server can launch with falls on a compiled variant the warm-up made, and
+    each warm-up shape gives the split count it stands for."""
+    shapes = warm_up_shapes(block_n)
+    assert all(split_rows(context, s, block_n)[1] == s for context, s in shapes)
+    made = {compile_key(context, s) for context, s in shapes}
+    needed = {compile_key(L, split_rows(L, s, block_n)[1]) for L in range(1, 4200) for s in range(1, MAX_SPLITS + 1)}
+    assert needed <= made and len(needed) == 21  # 3 direct, and 2 context kinds x 9 split classes
+
+
+def test_the_warm_up_launches_each_shape_and_reads_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    q, q_pe, cache_layer, _, _ = make_case(1, 2, 2, 32, 16)
+    before = cache_layer.clone()
+    launched = []
+
+    def spy(q_latent, q_pe, cache_layer, rows, valid, scale, *, num_splits):
+        launched.append((rows.shape[1], num_splits))
+        out = mla_decode(q_latent, q_pe, cache_layer, rows, valid, scale, num_splits=num_splits)
+        assert torch.isfinite(out).all()
+        return out
+
+    monkeypatch.setattr(mla_decode_module, "mla_decode", spy)
+    mla_decode_module.warm_up(q, q_pe, cache_layer, 0.3)
+    assert launched == warm_up_shapes(16)  # fp32: 16-row tiles
+    assert torch.equal(cache_layer, before)
 
 
 def test_num_splits_depend_on_shapes_only() -> None:

@@ -19,7 +19,7 @@ import pytest
 from e2e_util import Leftovers
 
 from afd.engine import Request, StepToken
-from afd.serve.bench import RequestResult, percentile, run_rates, summarize
+from afd.serve.bench import TTFT_STAGES, RequestResult, is_this_host, percentile, run_rates, summarize, ttft_stages
 from afd.serve.progress import BarProgress, LineProgress, stderr_progress
 from afd.serve.report import format_table, slo_summary, slo_throughput
 from afd.serve.workload import TraceEntry, TraceError, Workload, load_trace
@@ -122,6 +122,22 @@ def test_summary_has_tpot_and_request_throughput() -> None:
 def _run(rate: float, ttft_p90: float | None, errors: int = 0, served: float = 1.0) -> dict:
     summary = {"errors": errors, "ttft_p90_s": ttft_p90, "request_throughput": served, "output_tok_s": 10 * served}
     return {"rate": rate, "summary": summary}
+
+
+def test_ttft_is_cut_at_the_servers_stamps_and_the_stages_sum_to_it() -> None:
+    stamps = {"handler": 10.5, "sent": 10.75, "replica_took": 11.0, "replica_stepped": 14.0, "front_got": 14.25,
+              "written": 14.5}  # fmt: skip
+    stages = ttft_stages(10.0, 15.0, stamps)
+    assert stages == {"client_to_handler": 0.5, "handler_to_sent": 0.25, "sent_to_replica": 0.25, "engine": 3.0,
+                      "replica_to_front": 0.25, "front_to_written": 0.25, "written_to_client": 0.5}  # fmt: skip
+    assert list(stages) == [name for name, _ in TTFT_STAGES] and sum(stages.values()) == 5.0
+    assert ttft_stages(10.0, 15.0, {k: v for k, v in stamps.items() if k != "front_got"}) is None
+    # the summary has each stage's p50 over the requests that carry stages, none when no request does
+    results = [RequestResult(8, 2, 5.0, [0.1], 5.1, stages_s=stages), RequestResult(8, 2, 5.0, [0.1], 5.1)]
+    assert summarize(results, 10.0)["ttft_stages_p50_s"] == stages
+    assert "ttft_stages_p50_s" not in summarize(results[1:], 10.0)
+    assert is_this_host("http://127.0.0.1:8000") and is_this_host("http://localhost:1")
+    assert not is_this_host("http://10.0.0.7:8000")
 
 
 def test_slo_compliant_throughput_is_the_highest_rate_within_the_ttft_slo_without_errors() -> None:
@@ -307,6 +323,13 @@ def test_bench_serve_overhead_smoke_on_tiny(tmp_path: Path) -> None:
         served = raw["results"][0]["runs"][0]["requests"]
         assert all(0 < r["engine_ttft_s"] < r["ttft_s"] for r in served), served
         assert 0 < row["front_end_p50_s"] <= row["front_end_p90_s"] and row["http_floor_p50_s"] > 0
+        # on one host the client's TTFT is cut at the server's stamps: every stage took time, and they sum to it
+        for r in served:
+            assert all(s > 0 for s in r["stages_s"].values()), r["stages_s"]
+            assert math.isclose(sum(r["stages_s"].values()), r["ttft_s"], rel_tol=1e-6)
+            assert math.isclose(r["stages_s"]["engine"], r["engine_ttft_s"], rel_tol=1e-6, abs_tol=1e-6)
+        assert set(row["ttft_stages_p50_s"]) == {name for name, _ in TTFT_STAGES}
+        assert "the server's TTFT by stage" in proc.stdout
         assert not plot or png.read_bytes()[:4] == b"\x89PNG"
         leftovers.check()
     finally:

@@ -47,6 +47,34 @@ def test_warm_up_leaves_no_trace_and_never_crosses_to_the_ffn_side() -> None:
     assert all(g.logprobs == w.logprobs for g, w in zip(got, want, strict=True))
 
 
+def test_warm_up_continues_a_prompt_beside_decodes_and_alone_as_a_server_does(monkeypatch) -> None:
+    """After each prompt set's prefill and decode, the first prompt takes a chunk with cached context beside the
+    others' decodes, then one alone: the prefill kernel's variants of a continued prompt compile here too."""
+    from afd.warm_up import CONTINUE_TOKENS, PROMPT_LENS
+
+    attn = load_attention_model("tiny")
+    steps = []
+    real_forward = attn.forward
+
+    def forward(input_ids, positions, batch, kv_cache, exchange):
+        steps.append((list(batch.query_lens), list(batch.context_lens), positions.tolist()))
+        return real_forward(input_ids, positions, batch, kv_cache, exchange)
+
+    monkeypatch.setattr(attn, "forward", forward)
+    engine = Engine(attn, LocalExchange(load_ffn_model("tiny")), 64, block_size=4)
+    free_before = engine.kv_cache.pool.num_free
+    warm_up_engine(engine, force=True)
+    assert engine.kv_cache.pool.num_free == free_before
+    n = CONTINUE_TOKENS
+    for lens in PROMPT_LENS:
+        mixed = ([n] + [1] * (len(lens) - 1), [c + 1 for c in lens])
+        alone = ([n], [lens[0] + 1 + n])
+        at = [s[:2] for s in steps].index(mixed)
+        assert steps[at + 1][:2] == alone
+        assert steps[at][2][:n] == list(range(lens[0] + 1, lens[0] + 1 + n))  # positions follow the cached tokens
+        assert steps[at + 1][2] == list(range(lens[0] + 1 + n, lens[0] + 1 + 2 * n))
+
+
 def test_warm_up_runs_the_shared_experts_held_here_and_the_sampling_path(monkeypatch) -> None:
     """With the shared experts on the attention side, the warm-up runs them at every shape (their GEMMs load too),
     still without crossing to the FFN side; every warm-up forward is followed by the sampling path (greedy and a

@@ -17,6 +17,7 @@ from typing import Protocol
 
 import torch
 
+from afd import kernels
 from afd.engine import Engine, LocalExchange, launch_sampling
 from afd.ffn_model import FFNModel
 from afd.model import AttentionModel, Batch, zero_exchange
@@ -36,6 +37,11 @@ FFN_TOKEN_COUNTS = (1, 8, 17, 64, 256, 1000, 1024)
 # an H200 (round 14, `AFD_TIMELINE`): the first 8,192-token prefill step of a fresh process took 170 ms more on
 # its host before its first exchange than the steps after it.
 FULL_STEP_PROMPT_LEN = 1024  # the budget step's prompts: long enough for the prefill kernels' long-query tiles
+# Then each prompt set continues as a server's steps do: the first prompt's next chunk of this many tokens beside the
+# others' decodes, then another chunk alone. Why: a prompt with cached context takes its keys from the cache
+# (other strides), and one packed between decodes is gathered and scattered; round 19's fresh machine compiled
+# the prefill kernel again mid-run for that.
+CONTINUE_TOKENS = 8
 
 
 def budget_prompt_lens(budget: int, max_model_len: int, free_tokens: int, block_size: int) -> tuple[int, ...]:
@@ -64,7 +70,8 @@ def warm_up_engine(engine: Engine, *, force: bool = False) -> None:
     free_tokens = cache.pool.num_free * cache.block_size
     full_step = budget_prompt_lens(engine.max_num_batched_tokens, engine.max_model_len, free_tokens, cache.block_size)
     for lens in (*PROMPT_LENS, *((full_step,) if full_step else ())):
-        slots = [cache.allocate(n + 1) for n in lens]
+        extra = 2 * CONTINUE_TOKENS if lens is not full_step else 0
+        slots = [cache.allocate(n + 1 + extra) for n in lens]
         try:
             with torch.inference_mode():
                 positions = torch.cat([torch.arange(n) for n in lens]).to(engine.device)
@@ -74,6 +81,8 @@ def warm_up_engine(engine: Engine, *, force: bool = False) -> None:
                 decode = Batch(slots=slots, query_lens=[1] * len(slots), context_lens=list(lens), batch_decodes=True)
                 last = torch.tensor(lens, device=engine.device)
                 model(torch.zeros_like(last), last, decode, cache, exchange)
+                if extra:
+                    _continue_first_prompt(model, cache, exchange, slots, [n + 1 for n in lens], engine.device)
             if engine.device.type == "cuda":
                 torch.cuda.synchronize(engine.device)
         finally:
@@ -82,7 +91,35 @@ def warm_up_engine(engine: Engine, *, force: bool = False) -> None:
     with torch.inference_mode():  # the prefill graphs of every token bucket (afd.prefill_graph): no capture mid-run
         for runner in engine.prefill_graphs:
             runner.capture_all()
+        if kernels.enabled(engine.device):
+            warm_up_decode_kernels(model, cache)
     logger.info("warmed up the attention step (kernels compiled) in %.1f s", time.perf_counter() - start)
+
+
+def _continue_first_prompt(
+    model: AttentionModel, cache, exchange, slots: list[int], cached: list[int], device: torch.device
+) -> None:
+    """Two steps after the decode: the first prompt's next chunk with the others' decodes, then a chunk alone."""
+    n, first = CONTINUE_TOKENS, cached[0]
+    query_lens = [n] + [1] * (len(slots) - 1)
+    positions = torch.cat([torch.arange(c, c + q) for c, q in zip(cached, query_lens, strict=True)]).to(device)
+    mixed = Batch(slots=slots, query_lens=query_lens, context_lens=list(cached))
+    model(torch.zeros_like(positions), positions, mixed, cache, exchange)
+    positions = torch.arange(first + n, first + 2 * n, device=device)
+    alone = Batch(slots=slots[:1], query_lens=[n], context_lens=[first + n])
+    model(torch.zeros_like(positions), positions, alone, cache, exchange)
+
+
+def warm_up_decode_kernels(model: AttentionModel, cache) -> None:
+    """Every compiled variant of the decode attention kernels for this model's heads (`mla_decode.warm_up`)."""
+    from afd.kernels import mla_decode
+
+    attention = model.layers[0].self_attn
+    c, device = model.config, model.embed_tokens.weight.device
+    dtype = model.embed_tokens.weight.dtype
+    q_latent = torch.zeros(1, attention.num_heads, c.kv_lora_rank, dtype=dtype, device=device)
+    q_pe = torch.zeros(1, attention.num_heads, c.qk_rope_head_dim, dtype=dtype, device=device)
+    mla_decode.warm_up(q_latent, q_pe, cache.cache[attention.layer_idx], attention.softmax_scale)
 
 
 # one greedy row and one that samples with every filter: the kernels of both paths

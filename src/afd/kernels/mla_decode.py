@@ -184,6 +184,50 @@ def num_splits_for(batch: int, head_tiles: int, context: int, num_sms: int) -> i
     return max(1, min(fill, _cdiv(context, MIN_SPLIT_ROWS), MAX_SPLITS))
 
 
+def split_rows(context: int, num_splits: int, block_n: int) -> tuple[int, int]:
+    """(rows per split, splits) for a context of `context` rows asked to split `num_splits` ways: whole tiles per
+    split, and never an empty split (so there may be fewer than asked)."""
+    chunk = _cdiv(_cdiv(context, max(1, num_splits)), block_n) * block_n
+    return chunk, _cdiv(context, chunk)
+
+
+def _kind(value: int) -> str:
+    """How Triton specializes an integer argument: 1, a multiple of 16, or neither (a compile for each)."""
+    return "one" if value == 1 else "div16" if value % 16 == 0 else "any"
+
+
+def compile_key(context: int, splits: int) -> tuple:
+    """What decides which compiled variant of the two kernels a launch with these sizes uses (the head count,
+    strides and dtypes are fixed for a model): the context width (`L`, also the stride of `rows` and
+    `valid`), whether the output is written directly, and for the combine the split count and its padding."""
+    if splits == 1:
+        return (_kind(context), "direct")
+    return (_kind(context), _kind(splits), triton.next_power_of_2(splits))
+
+
+def warm_up_shapes(block_n: int) -> list[tuple[int, int]]:
+    """(context width, splits) pairs that between them reach every `compile_key` a launch can have: a direct
+    launch with a context of each kind, then every padded split count up to `MAX_SPLITS`, with a split count
+    that is a multiple of 16 and one that is not, each with a context of both kinds."""
+    shapes = [(1, 1), (block_n - 1, 1), (block_n, 1)]
+    for s in (2, 3, 5, 9, 16, 17, 32, 33, 64):
+        if s <= MAX_SPLITS:
+            shapes += [(s * block_n, s), (s * block_n - 1, s)]  # each gives exactly s splits (`split_rows`)
+    return shapes
+
+
+def warm_up(q_latent: torch.Tensor, q_pe: torch.Tensor, cache_layer: torch.Tensor, softmax_scale: float) -> None:
+    """Compile every variant the decode kernels can need for these heads and this dtype (`warm_up_shapes`), on
+    one sequence that reads the cache's first row. Why: the split count follows the batch and context, so a
+    server meets new ones long after its first steps; round 19's fresh machine compiled four mid-run."""
+    block_n = BLOCK_N_FP32 if q_latent.dtype == torch.float32 else BLOCK_N
+    q_latent, q_pe = q_latent[:1], q_pe[:1]
+    for context, splits in warm_up_shapes(block_n):
+        rows = torch.zeros(1, context, dtype=torch.int64, device=q_latent.device)
+        valid = torch.ones(1, context, dtype=torch.bool, device=q_latent.device)
+        mla_decode(q_latent, q_pe, cache_layer, rows, valid, softmax_scale, num_splits=splits)
+
+
 def mla_decode(
     q_latent: torch.Tensor,
     q_pe: torch.Tensor,
@@ -232,8 +276,7 @@ def mla_decode(
     if num_splits is None:
         sms = _num_sms(q_latent.device)
         num_splits = num_splits_for(B, head_tiles, L, sms)
-    chunk = _cdiv(_cdiv(L, max(1, num_splits)), block_n) * block_n  # rows per split, whole tiles
-    splits = _cdiv(L, chunk)  # never an empty split
+    chunk, splits = split_rows(L, num_splits, block_n)
     direct = splits == 1
     if direct:
         part_o = part_m = part_l = out  # unused

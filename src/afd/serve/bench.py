@@ -14,6 +14,7 @@ import asyncio
 import json
 import math
 import time
+import urllib.parse
 from dataclasses import asdict, dataclass, field
 
 import aiohttp
@@ -37,6 +38,7 @@ class RequestResult:
     e2e_s: float | None = None
     error: str | None = None
     engine_ttft_s: float | None = None  # the replica's own share of ttft_s, as the server reports it
+    stages_s: dict[str, float] | None = None  # ttft_s cut at the server's stamps (`ttft_stages`; same host only)
 
     @property
     def front_end_s(self) -> float | None:
@@ -59,6 +61,28 @@ class RequestResult:
             return cls(prompt_len, error="no token")
         gaps = [b - a for a, b in zip(times_s, times_s[1:], strict=False)]
         return cls(prompt_len, len(times_s), times_s[0], gaps, times_s[-1])
+
+
+# TTFT from the client's send to its first token, cut at the moments the server stamps on the way (`Submitted.stamps`)
+TTFT_STAGES = (
+    ("client_to_handler", "handler"),  # the client's request, the server's HTTP parsing, to the handler's start
+    ("handler_to_sent", "sent"),  # the body read and checked, the replica picked, the `add` built
+    ("sent_to_replica", "replica_took"),  # pickled, over the link, the replica's loop noticing and unpickling it
+    ("engine", "replica_stepped"),  # the replica's own share: from taking the request to the end of its first step
+    ("replica_to_front", "front_got"),  # the tokens message back over the link to the front end's loop
+    ("front_to_written", "written"),  # the request's handler waking, detokenizing, the chunk written
+    ("written_to_client", None),  # the chunk's way to the client, and the client's parsing
+)
+
+
+def ttft_stages(client_sent: float, client_first: float, stamps: dict[str, float]) -> dict[str, float] | None:
+    """The client's TTFT as the durations between the server's stamps (they sum to it); None when a stamp is
+    missing. Meaningful only when client and server read one clock: `time.perf_counter()` is CLOCK_MONOTONIC,
+    shared by every process of one Linux host."""
+    if any(key is not None and key not in stamps for _, key in TTFT_STAGES):
+        return None
+    points = [client_sent, *(stamps[key] for _, key in TTFT_STAGES if key is not None), client_first]
+    return {name: b - a for (name, _), a, b in zip(TTFT_STAGES, points[:-1], points[1:], strict=True)}
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -95,6 +119,9 @@ def summarize(results: list[RequestResult], wall_s: float) -> dict:
     for name, values in series.items():
         for q in QUANTILES:
             out[f"{name}_p{q}_s"] = percentile(values, q)
+    staged = [r.stages_s for r in ok if r.stages_s is not None]
+    if staged:
+        out["ttft_stages_p50_s"] = {name: percentile([s[name] for s in staged], 50) for name, _ in TTFT_STAGES}
     first_error = next((r.error for r in results if r.error), None)
     if first_error:
         out["first_error"] = first_error
@@ -114,7 +141,9 @@ async def _one(
     model: str | None,
     headers: dict,
     timeout_s: float,
+    same_clock: bool = False,
 ) -> RequestResult:
+    """One streamed request; with `same_clock` (the server is on this host), its TTFT cut into stages too."""
     result = RequestResult(len(prompt))
     body = {
         "prompt": prompt,
@@ -127,7 +156,8 @@ async def _one(
     }
     if model:
         body["model"] = model
-    start = last = time.perf_counter()
+    start = last = first_at = time.perf_counter()
+    stamps = None
     try:
         async with session.post(
             f"{url}/v1/completions", json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
@@ -147,11 +177,12 @@ async def _one(
                     result.output_tokens = event["usage"]["completion_tokens"]
                 if isinstance(event.get("afd_timing"), dict):
                     result.engine_ttft_s = event["afd_timing"].get("engine_ttft_s")
+                    stamps = event["afd_timing"].get("stamps")
                 if not event.get("choices") or event["choices"][0].get("finish_reason") is not None:
                     continue  # the usage chunk, or the closing chunk (the server streams one chunk per token before it)
                 now = time.perf_counter()
                 if result.ttft_s is None:
-                    result.ttft_s = now - start
+                    result.ttft_s, first_at = now - start, now
                 else:
                     result.itl_s.append(now - last)
                 last = now
@@ -159,6 +190,8 @@ async def _one(
         result.error = f"{type(exc).__name__}: {exc}"
         return result
     result.e2e_s = time.perf_counter() - start
+    if same_clock and isinstance(stamps, dict) and result.ttft_s is not None:
+        result.stages_s = ttft_stages(start, first_at, stamps)
     return result
 
 
@@ -172,6 +205,7 @@ async def _run(
     progress: Progress,
     timeout_s: float,
 ) -> dict:
+    same_clock = is_this_host(url)
     prompts, arrivals, max_tokens = workload.prompts(vocab_size), workload.arrivals(rate), workload.max_tokens_of()
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     connector = aiohttp.TCPConnector(limit=0)  # open loop: never queue requests in the client
@@ -181,13 +215,18 @@ async def _run(
 
         async def send(i: int) -> RequestResult:
             await asyncio.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
-            result = await _one(session, url, prompts[i], max_tokens[i], model, headers, timeout_s)
+            result = await _one(session, url, prompts[i], max_tokens[i], model, headers, timeout_s, same_clock)
             progress.advance()
             return result
 
         results = await asyncio.gather(*(send(i) for i in range(len(prompts))))
         wall = time.perf_counter() - start
     return run_record(rate, results, wall)
+
+
+def is_this_host(url: str) -> bool:
+    """Whether the server at `url` runs on this machine (a loopback address), so its stamps share our clock."""
+    return urllib.parse.urlsplit(url).hostname in ("127.0.0.1", "localhost", "::1")
 
 
 def run_record(rate: float, results: list[RequestResult], wall_s: float) -> dict:

@@ -55,6 +55,9 @@ class Submitted:
     generated: int = 0
     last_token_at: float = 0.0
     engine_ttft_s: float | None = None  # the replica's own time to this request's first token
+    # moments on the way to the first token (`time.perf_counter()`, the host's CLOCK_MONOTONIC): `handler`, `sent`,
+    # `replica_took`, `replica_stepped`, `front_got`, then the stream's `written` (`afd bench serve` cuts TTFT there)
+    stamps: dict[str, float] = field(default_factory=dict)
 
     @property
     def outstanding(self) -> int:
@@ -149,7 +152,9 @@ class ReplicaPool:
     def _on_message(self, replica: int, message: Message) -> None:
         kind = message.get("type")
         if kind == "tokens":
-            self._on_tokens(replica, message["items"], message.get("engine_ttft") or {})
+            self._on_tokens(
+                replica, message["items"], message.get("engine_ttft") or {}, message.get("engine_stamps") or {}
+            )
         elif kind == "finished":
             self._on_finished(message)
         elif kind == "load":
@@ -162,7 +167,9 @@ class ReplicaPool:
         else:
             logger.warning("replica %d sent an unknown message %r", replica, kind)
 
-    def _on_tokens(self, replica: int, items: list, engine_ttft: dict[str, float]) -> None:
+    def _on_tokens(
+        self, replica: int, items: list, engine_ttft: dict[str, float], engine_stamps: dict[str, list[float]]
+    ) -> None:
         now = time.perf_counter()
         m = self.metrics[replica]
         grouped: dict[str, list[tuple[int, float]]] = {}
@@ -175,6 +182,9 @@ class ReplicaPool:
             if sub.generated == 0:
                 m.ttft.observe(now - sub.arrival)
                 sub.engine_ttft_s = engine_ttft.get(rid)
+                if rid in engine_stamps:
+                    sub.stamps["replica_took"], sub.stamps["replica_stepped"] = engine_stamps[rid]
+                sub.stamps["front_got"] = now
                 if sub.engine_ttft_s is not None:
                     m.engine_ttft.observe(sub.engine_ttft_s)
             else:
@@ -225,8 +235,10 @@ class ReplicaPool:
         sampling: SamplingParams,
         stop_token_ids: list[int],
         prompt_logprobs: bool = False,
+        received_at: float | None = None,
     ) -> Submitted:
         """Send a request to the least loaded live replica; its answers come on the returned `queue`.
+        `received_at`: when its HTTP handler began (`time.perf_counter()`), the first of its stamps.
 
         Raises LookupError when no replica is alive."""
         try:
@@ -245,7 +257,10 @@ class ReplicaPool:
             "stop_token_ids": stop_token_ids,
             "prompt_logprobs": prompt_logprobs,
         }
+        sub.stamps["sent"] = time.perf_counter()  # before the send: the replica may take it before send returns
         self._send(replica, message)
+        if received_at is not None:
+            sub.stamps["handler"] = received_at
         return sub
 
     def abort(self, rid: str, reason: str = "abort") -> None:

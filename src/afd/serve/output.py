@@ -77,6 +77,7 @@ class Piece:
     finish_reason: str | None = None
     prompt_logprobs: list[float | None] | None = None  # on the last piece, when the replica scored the prompt
     engine_ttft_s: float | None = None  # on the last piece: the replica's own time to the first token
+    stamps: dict[str, float] | None = None  # the request's moments to its first token (`Submitted.stamps`), shared
 
 
 @dataclass
@@ -130,7 +131,12 @@ def prepare(pool: ReplicaPool, tokenizer: Tokenizer, prompt_ids: list[int], para
 
 
 def run_request(
-    pool: ReplicaPool, tokenizer: Tokenizer, rid: str, prepared: Prepared, params: GenerationParams
+    pool: ReplicaPool,
+    tokenizer: Tokenizer,
+    rid: str,
+    prepared: Prepared,
+    params: GenerationParams,
+    received_at: float | None = None,
 ) -> AsyncIterator[Piece]:
     """Submit one prompt now (APIError 503 when no replica is alive) and return its pieces until it ends; the
     pieces raise APIError when it fails on the way.
@@ -147,6 +153,7 @@ def run_request(
             params.sampling,
             prepared.stop_token_ids,
             prompt_logprobs=params.echo and params.logprobs is not None,
+            received_at=received_at,
         )
     except LookupError as exc:
         raise APIError(503, f"the server cannot take requests: {exc}") from None
@@ -169,10 +176,12 @@ async def _pieces(
             if event.kind == "tokens":
                 for token_id, logprob in event.items:
                     shown = token_id not in stop_ids  # a stop token ends the request and is not text
-                    yield Piece(text.add(token_id) if shown else "", token_id, logprob)
+                    yield Piece(text.add(token_id) if shown else "", token_id, logprob, stamps=sub.stamps)
                     if text.stopped:
                         pool.abort(rid, "stop")
-                        yield Piece(text.finish(), finish_reason="stop", engine_ttft_s=sub.engine_ttft_s)
+                        yield Piece(
+                            text.finish(), finish_reason="stop", engine_ttft_s=sub.engine_ttft_s, stamps=sub.stamps
+                        )
                         return
                 continue
             if event.reason == "error":
@@ -183,6 +192,7 @@ async def _pieces(
                 finish_reason=reason,
                 prompt_logprobs=event.prompt_logprobs,
                 engine_ttft_s=sub.engine_ttft_s,
+                stamps=sub.stamps,
             )
             return
     finally:

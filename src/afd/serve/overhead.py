@@ -154,6 +154,7 @@ def front_end_overhead(server: dict, engine: dict) -> list[dict]:
                 "front_end_p50_s": s_run["summary"].get("front_end_p50_s"),
                 "front_end_p90_s": s_run["summary"].get("front_end_p90_s"),
                 "http_floor_p50_s": s_run.get("http_floor_p50_s"),  # GET /health round trips, same client
+                "ttft_stages_p50_s": s_run["summary"].get("ttft_stages_p50_s"),  # where the server's TTFT goes
             }
         )
     return rows
@@ -173,4 +174,7 @@ def format_overhead(rows: list[dict]) -> str:
             f"p90 {ms(r['front_end_p90_s'])} (an HTTP round trip to /health, the floor: p50 "
             f"{ms(r['http_floor_p50_s'])})"
         )
+        if r.get("ttft_stages_p50_s"):
+            stages = ", ".join(f"{name} {ms(s)}" for name, s in r["ttft_stages_p50_s"].items())
+            lines.append(f"    the server's TTFT by stage, p50 of each: {stages}")
     return "\n".join(lines)

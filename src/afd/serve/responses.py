@@ -33,12 +33,21 @@ class Call:
     params: GenerationParams
     originals: list[str | list[int]] | None  # the prompts as sent (echo returns a string prompt as it came)
     created: int = 0  # unix seconds of the request, as the API reports it
+    received_at: float | None = None  # when its handler began (`time.perf_counter()`)
     runs: list[AsyncIterator[Piece]] | None = None  # each prompt's pieces, once submitted (`start`)
 
     @classmethod
-    def build(cls, state, prefix: str, prompts: list[list[int]], params: GenerationParams, originals=None) -> Call:
+    def build(
+        cls,
+        state,
+        prefix: str,
+        prompts: list[list[int]],
+        params: GenerationParams,
+        originals=None,
+        received_at: float | None = None,
+    ) -> Call:
         prepared = [prepare(state.pool, state.tokenizer, ids, params) for ids in prompts]
-        return cls(state, f"{prefix}-{uuid.uuid4().hex}", prepared, params, originals, int(time.time()))
+        return cls(state, f"{prefix}-{uuid.uuid4().hex}", prepared, params, originals, int(time.time()), received_at)
 
     @property
     def model(self) -> str:
@@ -62,7 +71,8 @@ class Call:
         runs: list[AsyncIterator[Piece]] = []
         try:
             for i, p in enumerate(self.prepared):
-                runs.append(run_request(self.state.pool, self.state.tokenizer, self.rid(i), p, self.params))
+                pool, tokenizer = self.state.pool, self.state.tokenizer
+                runs.append(run_request(pool, tokenizer, self.rid(i), p, self.params, self.received_at))
         except BaseException:
             self.abort(len(runs))
             raise
@@ -214,7 +224,8 @@ async def _stream(
 ) -> web.StreamResponse:
     """Send `first_chunks`, then `chunk_of(i, piece)` for every piece (one per token, its text possibly held
     back, and the last with `finish_reason`), then usage when asked, then [DONE]. With `afd_timing` asked for,
-    each choice's closing chunk also says how long its replica took to the first token.
+    each choice's closing chunk also says how long its replica took to the first token, and the moments on the
+    way there (`Submitted.stamps`).
 
     The prompts are submitted before the response is prepared: the replica starts meanwhile (aiohttp sends the
     headers with the first body write)."""
@@ -234,8 +245,10 @@ async def _stream(
                 generated += piece.token_id is not None
                 chunk = {**envelope, "choices": [chunk_of(i, piece)]}
                 if call.params.afd_timing and piece.finish_reason is not None:
-                    chunk["afd_timing"] = {"index": i, "engine_ttft_s": piece.engine_ttft_s}
+                    chunk["afd_timing"] = {"index": i, "engine_ttft_s": piece.engine_ttft_s, "stamps": piece.stamps}
                 await response.write(sse(chunk))
+                if piece.stamps is not None and piece.token_id is not None and "written" not in piece.stamps:
+                    piece.stamps["written"] = time.perf_counter()  # the first token is on its way to the client
         if call.params.include_usage:
             await response.write(sse({**envelope, "choices": [], "usage": call.usage(generated)}))
     except APIError as err:

@@ -167,16 +167,18 @@ async def metrics_page(request: web.Request) -> web.Response:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
+    received_at = time.perf_counter()
     state = request.app[STATE]
     req = parse_completion(parse_json(await request.read()))
     state.admit(req.model)
-    call = Call.build(state, "cmpl", [state.encode(p) for p in req.prompts], req.params, req.prompts)
+    call = Call.build(state, "cmpl", [state.encode(p) for p in req.prompts], req.params, req.prompts, received_at)
     if req.params.stream:
         return await stream_completion(request, call)
     return web.json_response(await completion_response(call))
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
+    received_at = time.perf_counter()
     state = request.app[STATE]
     req = parse_chat(parse_json(await request.read()))
     state.admit(req.model)
@@ -184,7 +186,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         prompt_ids = state.tokenizer.chat_prompt(req.messages)
     except TokenizerError as exc:
         raise APIError(400, str(exc), param="messages") from None
-    call = Call.build(state, "chatcmpl", [prompt_ids], req.params)
+    call = Call.build(state, "chatcmpl", [prompt_ids], req.params, received_at=received_at)
     if req.params.stream:
         return await stream_chat(request, call)
     return web.json_response(await chat_response(call))
