@@ -29,6 +29,7 @@ import torch.nn.functional as F  # noqa: E402
 pytest.importorskip("triton")
 
 
+from afd.kernels import prefill_attention as kernel_module  # noqa: E402
 from afd.kernels.prefill_attention import prefill_attention  # noqa: E402
 from afd.kv_cache import PagedLatentCache, blocks_needed  # noqa: E402
 from afd.model import Batch, MLAttention, rope_parameters  # noqa: E402
@@ -185,6 +186,11 @@ def test_kernel_empty_and_deterministic() -> None:
     assert torch.equal(first, second)
 
 
+def meta_base(view: torch.Tensor) -> int:
+    """Where the tensor a view was cut from begins."""
+    return view.data_ptr() - view.storage_offset() * view.element_size()
+
+
 def _attention_and_step(config, dtype, device, query_lens, context_lens, seed: int = 0):
     """One MLAttention layer with random weights, a paged cache whose context rows hold random latents,
     the step's batch prepared on it, and this step's q, kv_c, k_pe (written to the cache as forward does)."""
@@ -212,11 +218,13 @@ STEPS = {  # (query_lens, context_lens) of one engine step
     "fresh-prompts": ([3, 17, 1], [0, 0, 0]),
     "lone-decode-and-chunk": ([1, 3], [9, 3]),
     "decodes-between-chunks": ([5, 4, 1, 1, 17], [0, 9, 7, 3, 0]),
+    "three-prompts": ([3, 8, 2], [0, 0, 0]),
+    "chunks-around-a-decode": ([4, 1, 6, 2, 3], [5, 2, 0, 0, 1]),
 }
 
 
 @pytest.mark.parametrize("step", STEPS.values(), ids=STEPS.keys())
-def test_model_kernel_path_matches_sdpa_loop(step) -> None:
+def test_model_kernel_path_matches_sdpa_loop(step, monkeypatch: pytest.MonkeyPatch) -> None:
     """`MLAttention._prefill_attention_varlen` (one kv_b_proj over all key latents, one launch, gather and
     scatter around batched decodes) writes the same rows as the eager SDPA loop, tiny preset, fp32; the
     batched decodes' rows are left alone."""
@@ -228,7 +236,19 @@ def test_model_kernel_path_matches_sdpa_loop(step) -> None:
     want = torch.full(shape, 7.0, device=device)
     got = want.clone()
     attn._prefill_attention_sdpa(want, q, kv_c, k_pe, batch, cache, seqs)
+    tables = []
+    real_kernel = kernel_module.prefill_attention
+
+    def spy(q, k_nope, k_rope, v, cu_q, cu_k, *rest, **kw):
+        tables.append((cu_q.data_ptr() - meta_base(cu_q), cu_k.data_ptr() - meta_base(cu_k)))
+        return real_kernel(q, k_nope, k_rope, v, cu_q, cu_k, *rest, **kw)
+
+    monkeypatch.setattr(kernel_module, "prefill_attention", spy)
     attn._prefill_attention_varlen(got, q, kv_c, k_pe, batch, cache, seqs)
+    # both length tables start 16-byte aligned in the step's one metadata tensor, whatever the sequence count:
+    # Triton would compile the kernel once more for a misaligned pointer
+    ((q_at, k_at),) = tables
+    assert q_at == 0 and k_at % 16 == 0 and k_at >= 4 * (len(seqs) + 1), (len(seqs), k_at)
     torch.testing.assert_close(got, want, atol=TOL_CPU, rtol=0)
     for i in batch.decode_seqs:
         assert (got[batch.starts[i]] == 7.0).all()

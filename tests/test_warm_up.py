@@ -75,6 +75,19 @@ def test_warm_up_continues_a_prompt_beside_decodes_and_alone_as_a_server_does(mo
         assert steps[at + 1][2] == list(range(lens[0] + 1 + n, lens[0] + 1 + 2 * n))
 
 
+def test_a_whole_model_warms_up_its_experts_at_every_shape_and_a_disaggregated_one_does_not(monkeypatch) -> None:
+    from afd import warm_up
+
+    calls = []
+    monkeypatch.setattr(warm_up, "warm_up_ffn", lambda ffn, device, **kw: calls.append((ffn, kw)))
+    ffn = load_ffn_model("tiny")
+    engine = Engine(load_attention_model("tiny"), LocalExchange(ffn), 96, block_size=4)
+    warm_up_engine(engine, force=True)
+    assert len(calls) == 1 and calls[0][0] is ffn and calls[0][1]["max_num_batched_tokens"] == 96
+    warm_up_engine(Engine(load_attention_model("tiny"), _Remote(LocalExchange(ffn)), 64, block_size=4), force=True)
+    assert len(calls) == 1  # the FFN ranks warm up their own experts
+
+
 def test_warm_up_runs_the_shared_experts_held_here_and_the_sampling_path(monkeypatch) -> None:
     """With the shared experts on the attention side, the warm-up runs them at every shape (their GEMMs load too),
     still without crossing to the FFN side; every warm-up forward is followed by the sampling path (greedy and a

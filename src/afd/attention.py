@@ -250,22 +250,26 @@ class MLAttention(nn.Module):
         kv = self.kv_b_proj(keys_c).view(Lk, nh, c.qk_nope_head_dim + c.v_head_dim)
         k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)  # [Lk, nh, Dn], [Lk, nh, Dv]: views
         S = len(seqs)
+        # the key table starts 16-byte aligned whatever S is: Triton compiles a kernel again for each alignment of a
+        # pointer argument (round 19b: a fresh server compiled the prefill kernel mid-run for this)
+        k_at = -(-(S + 1) // 4) * 4
         meta = batch.varlen_meta.get(tuple(seqs))  # the same for every layer of the step: built by the first
         if meta is None:
-            cu_seqlens = [0, *itertools.accumulate(query_lens), 0, *itertools.accumulate(key_lens)]
-            meta = torch.tensor(cu_seqlens, dtype=torch.int32)  # [2S + 2] (+ [Tq] query rows below)
+            gap = [0] * (k_at - S - 1)
+            cu_seqlens = [0, *itertools.accumulate(query_lens), *gap, 0, *itertools.accumulate(key_lens)]
+            meta = torch.tensor(cu_seqlens, dtype=torch.int32)  # [k_at + S + 1] (+ [Tq] query rows below)
             if not every_row:  # append the step row of every packed query: its sequence's first row + its index
                 shift = torch.tensor([starts[i] for i in seqs], dtype=torch.int32) - meta[:S]  # [S]
                 q_rows = torch.arange(Tq, dtype=torch.int32) + shift.repeat_interleave(torch.tensor(query_lens))
                 meta = torch.cat([meta, q_rows])
             meta = meta.pin_memory().to(q.device, non_blocking=True) if q.is_cuda else meta.to(q.device)
             batch.varlen_meta[tuple(seqs)] = meta
-        cu_seqlens_q, cu_seqlens_k = meta[: S + 1], meta[S + 1 : 2 * S + 2]  # [S + 1] int32 each
+        cu_seqlens_q, cu_seqlens_k = meta[: S + 1], meta[k_at : k_at + S + 1]  # [S + 1] int32 each
         args = (k_nope, keys_pe, v, cu_seqlens_q, cu_seqlens_k, max(query_lens), self.softmax_scale)
         if every_row:
             prefill_attention(q, *args, out=out)
         else:  # decodes (attended in their own batched pass) sit between: gather the queries, scatter back
-            rows = meta[2 * S + 2 :].long()  # [Tq]
+            rows = meta[k_at + S + 1 :].long()  # [Tq]
             out.index_copy_(0, rows, prefill_attention(q.index_select(0, rows), *args))
 
     def _decode_attention(

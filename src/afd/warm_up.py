@@ -30,7 +30,9 @@ logger = logging.getLogger(__name__)
 # a kernel again when an integer argument is a multiple of 16 (its "divisibility" specialization): lengths, token
 # counts and batch sizes (2 and 16) of both kinds are compiled before timed or served work.
 PROMPT_LENS = ((17, 5), (32, 16), (1,) * 16)
-# every tile configuration of the MoE kernels, the grouped-GEMM path, token counts of both kinds
+# every tile configuration of the MoE kernels, the grouped-GEMM path, token counts of both kinds; on CUDA also the
+# counts that reach every compiled variant of the routed-experts kernels (`moe.warm_up_token_counts`: round 19b's
+# fresh machine compiled the pair sort three times mid-run, at pair tiles these counts had not reached)
 FFN_TOKEN_COUNTS = (1, 8, 17, 64, 256, 1000, 1024)
 # Then one step of the engine's whole token budget. Why: cuBLAS and the grouped GEMM pick other kernels for a
 # full prefill step than for the sizes above, and CUDA loads each kernel's module on its first use. Measured on
@@ -88,6 +90,9 @@ def warm_up_engine(engine: Engine, *, force: bool = False) -> None:
         finally:
             for slot in slots:
                 cache.free(slot)
+    if isinstance(exchange, LocalExchange):  # the whole model here: its experts at every shape a step can have
+        budget = engine.max_num_batched_tokens
+        warm_up_ffn(exchange.ffn_model, engine.device, max_num_batched_tokens=budget, force=force)
     with torch.inference_mode():  # the prefill graphs of every token bucket (afd.prefill_graph): no capture mid-run
         for runner in engine.prefill_graphs:
             runner.capture_all()
@@ -153,9 +158,14 @@ def warm_up_ffn(
     moe = [i for i in held if config.is_moe_layer(i)][:1]  # one layer of each kind: kernels compile per shape
     dense = [i for i in held if not config.is_moe_layer(i)][:1]
     gen = torch.Generator(device=device).manual_seed(0)
+    counts = set(FFN_TOKEN_COUNTS) | {max(max_num_batched_tokens, 1)}
+    if kernels.enabled(device):
+        from afd.kernels.moe import warm_up_token_counts
+
+        local = ffn_model.num_local_experts or config.n_routed_experts
+        counts |= set(warm_up_token_counts(config.num_experts_per_tok, local, max(counts)))
     with torch.inference_mode():
-        full_step = (max_num_batched_tokens,) if max_num_batched_tokens > FFN_TOKEN_COUNTS[-1] else ()
-        for num_tokens in (*FFN_TOKEN_COUNTS, *full_step):
+        for num_tokens in sorted(counts):
             x = torch.randn(num_tokens, config.hidden_size, device=device, dtype=dtype, generator=gen) * 0.1
             for layer in dense:
                 ffn_model(layer, x, None)

@@ -21,6 +21,12 @@ def _triton_importable() -> bool:
     return True
 
 
+def int_kind(value: int) -> str:
+    """How Triton specializes an integer argument when it compiles: equal to 1, a multiple of 16, or neither
+    (a kernel compiles once per kind of each such argument; the warm-ups reach every kind a server meets)."""
+    return "one" if value == 1 else "div16" if value % 16 == 0 else "any"
+
+
 def enabled(device: torch.device) -> bool:
     """Whether the Triton kernels run on `device`: CUDA, triton importable, and `AFD_DISABLE_TRITON` unset."""
     return device.type == "cuda" and not env.triton_disabled() and _triton_importable()

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from afd.kernels import int_kind
+
 # Tile shapes, checked by compiling for sm_90 (ptxas -v, C = 512, R = 64): 16-bit inputs take 32 context rows
 # per tile (a 32 KiB latent tile), 16 or 32 heads per program at 4 or 8 warps, no register spills. fp32 inputs
 # (exact fp32 products, CUDA-core dots) take 16 rows and 16 heads: at 32 rows they spill.
@@ -191,18 +193,13 @@ def split_rows(context: int, num_splits: int, block_n: int) -> tuple[int, int]:
     return chunk, _cdiv(context, chunk)
 
 
-def _kind(value: int) -> str:
-    """How Triton specializes an integer argument: 1, a multiple of 16, or neither (a compile for each)."""
-    return "one" if value == 1 else "div16" if value % 16 == 0 else "any"
-
-
 def compile_key(context: int, splits: int) -> tuple:
     """What decides which compiled variant of the two kernels a launch with these sizes uses (the head count,
     strides and dtypes are fixed for a model): the context width (`L`, also the stride of `rows` and
     `valid`), whether the output is written directly, and for the combine the split count and its padding."""
     if splits == 1:
-        return (_kind(context), "direct")
-    return (_kind(context), _kind(splits), triton.next_power_of_2(splits))
+        return (int_kind(context), "direct")
+    return (int_kind(context), int_kind(splits), triton.next_power_of_2(splits))
 
 
 def warm_up_shapes(block_n: int) -> list[tuple[int, int]]:

@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from afd.kernels import int_kind
+
 logger = logging.getLogger(__name__)
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -78,6 +80,25 @@ def rows_per_expert_hint(num_tokens: int, top_k: int, num_local_experts: int) ->
     overestimates it, the safe side), and twice the mean plus 8 covers the usual maximum."""
     mean = -(-num_tokens * top_k // max(num_local_experts, 1))
     return max(1, min(num_tokens, 2 * mean + 8))
+
+
+def routed_compile_key(num_tokens: int, top_k: int, num_local_experts: int) -> tuple:
+    """What decides which compiled variants `fused_routed_experts` launches for `num_tokens` rows (the model's
+    sizes fixed): the pair count and its block count (kinds of integer), the sort's pair tile, and the tile row
+    of the expert GEMMs."""
+    num_pairs = num_tokens * top_k
+    pair_tile = min(1024, max(16, triton.next_power_of_2(num_pairs)))
+    hint = rows_per_expert_hint(num_tokens, top_k, num_local_experts)
+    return (int_kind(num_pairs), int_kind(triton.cdiv(num_pairs, 16)), pair_tile, _bucket(hint))
+
+
+def warm_up_token_counts(top_k: int, num_local_experts: int, max_tokens: int) -> list[int]:
+    """The fewest token counts up to `max_tokens` whose launches between them compile every variant a step of
+    up to `max_tokens` rows can need (the first count of each `routed_compile_key`)."""
+    first: dict[tuple, int] = {}
+    for num_tokens in range(1, max_tokens + 1):
+        first.setdefault(routed_compile_key(num_tokens, top_k, num_local_experts), num_tokens)
+    return sorted(first.values())
 
 
 def gate_up_config(rows_hint: int) -> TileConfig:

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 
 import aiohttp
 
+from afd.serve import loop as event_loop
 from afd.serve.progress import Progress
 from afd.serve.workload import Workload
 
@@ -156,11 +157,13 @@ async def _one(
     }
     if model:
         body["model"] = model
+    data = json.dumps(body).encode()  # before the clock starts: the client's own work, not the server's
+    headers = {**headers, "Content-Type": "application/json"}
     start = last = first_at = time.perf_counter()
     stamps = None
     try:
         async with session.post(
-            f"{url}/v1/completions", json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
+            f"{url}/v1/completions", data=data, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
         ) as resp:
             if resp.status != 200:
                 result.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
@@ -248,12 +251,12 @@ def bench_url(
 ) -> list[dict]:
     """One run per rate against the server at `url` (one run for a timed trace); the raw results."""
     progress = progress or Progress()
-    http_floor = asyncio.run(_warm_up(url, model, api_key, timeout_s, workload.warm_up_requests(vocab_size)))
+    http_floor = event_loop.run(_warm_up(url, model, api_key, timeout_s, workload.warm_up_requests(vocab_size)))
     runs = []
     for rate in run_rates(workload, rates):
         progress.start(f"{label}rate {format_rate(rate)}", workload.num_requests)
         try:
-            runs.append(asyncio.run(_run(url, workload, rate, vocab_size, model, api_key, progress, timeout_s)))
+            runs.append(event_loop.run(_run(url, workload, rate, vocab_size, model, api_key, progress, timeout_s)))
         finally:
             progress.finish()
         runs[-1]["http_floor_p50_s"] = http_floor

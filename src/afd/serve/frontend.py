@@ -26,6 +26,7 @@ from afd.serve.metrics import ReplicaMetrics
 from afd.serve.router import outstanding_tokens, pick_replica
 
 logger = logging.getLogger(__name__)
+SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 
 
 @dataclass
@@ -253,7 +254,7 @@ class ReplicaPool:
             "rid": rid,
             "prompt_ids": prompt_ids,
             "max_tokens": max_tokens,
-            "sampling": dataclasses.asdict(sampling),
+            "sampling": {name: getattr(sampling, name) for name in SAMPLING_FIELDS},  # asdict: a deep copy
             "stop_token_ids": stop_token_ids,
             "prompt_logprobs": prompt_logprobs,
         }

@@ -168,7 +168,10 @@ async def _pieces(
     try:
         while True:
             try:  # bounded: a replica that is alive but answers nothing (frozen) must not hold the client forever
-                event = await asyncio.wait_for(sub.queue.get(), REQUEST_STALL_S)
+                # (a timeout scope, not `wait_for`: on Python 3.11 that wraps the get in a task of its own, one more
+                # turn of the event loop for every event)
+                async with asyncio.timeout(REQUEST_STALL_S):
+                    event = await sub.queue.get()
             except TimeoutError:
                 raise APIError(
                     504, f"replica {sub.replica} sent nothing for this request in {REQUEST_STALL_S:g} s; it was aborted"
