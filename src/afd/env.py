@@ -87,12 +87,6 @@ def busy_poll() -> bool:
     return os.environ.get("AFD_BUSY_POLL", "") == "1"
 
 
-def uvloop_disabled() -> bool:
-    """`AFD_UVLOOP=0`: `afd serve` and `afd bench serve` run on asyncio's own event loop even where uvloop is
-    installed."""
-    return os.environ.get("AFD_UVLOOP", "") == "0"
-
-
 def ffn_pass_graphs_disabled() -> bool:
     """`AFD_FFN_PASS_GRAPHS=0`: the FFN's device chain replays one graph per layer (and a wait before each)
     instead of one graph per whole pass."""

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from afd import env, signals
 from afd.config import AFDConfig
 from afd.runtime.launch import LaunchError, RunSpec
-from afd.serve import loop as event_loop
 from afd.serve.frontend import ReplicaPool
 from afd.serve.link import FrontLink, LinkError
 from afd.serve.server import DRAIN_S, ServeOptions, ServerState, serve
@@ -180,7 +179,7 @@ def _serve_until_signal(state: ServerState, sock: socket.socket, on_ready: Calla
         return state.failed_before_stop
 
     started = time.monotonic()
-    died = event_loop.run(main())
+    died = asyncio.run(main())
     logger.info("served for %.0f s", time.monotonic() - started)
     return died
 
