@@ -366,6 +366,7 @@ def bench_workload(args: argparse.Namespace, limit: int):
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     from afd import env
+    from afd.serve import http1
     from afd.serve.bench import BenchError, bench_servers, bench_url
     from afd.serve.progress import stderr_progress
     from afd.serve.report import (
@@ -384,6 +385,11 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         if path and not Path(path).resolve().parent.is_dir():
             raise UsageError(f"{flag} {path}: the directory {Path(path).resolve().parent} does not exist")
+    if args.url:
+        try:
+            http1.Client(args.url)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
     if args.plot:
         try:
             require_matplotlib()

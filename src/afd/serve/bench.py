@@ -17,8 +17,7 @@ import time
 import urllib.parse
 from dataclasses import asdict, dataclass, field
 
-import aiohttp
-
+from afd.serve import http1
 from afd.serve.progress import Progress
 from afd.serve.workload import Workload
 
@@ -70,8 +69,8 @@ TTFT_STAGES = (
     ("sent_to_replica", "replica_took"),  # pickled, over the link, the replica's loop noticing and unpickling it
     ("engine", "replica_stepped"),  # the replica's own share: from taking the request to the end of its first step
     ("replica_to_front", "front_got"),  # the tokens message back over the link to the front end's loop
-    ("front_to_written", "written"),  # the request's handler waking, detokenizing, the chunk written
-    ("written_to_client", None),  # the chunk's way to the client, and the client's parsing
+    ("front_to_written", "written"),  # the request's handler waking, detokenizing, the chunk built
+    ("written_to_client", None),  # the chunk written, its way to the client, and the client's parsing
 )
 
 
@@ -134,8 +133,7 @@ def run_rates(workload: Workload, rates: list[float]) -> list[float]:
 
 
 async def _one(
-    session: aiohttp.ClientSession,
-    url: str,
+    client: http1.Client,
     prompt: list[int],
     max_tokens: int,
     model: str | None,
@@ -161,13 +159,11 @@ async def _one(
     start = last = first_at = time.perf_counter()
     stamps = None
     try:
-        async with session.post(
-            f"{url}/v1/completions", data=data, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
-        ) as resp:
+        async with asyncio.timeout(timeout_s), client.request("POST", "/v1/completions", data, headers) as resp:
             if resp.status != 200:
-                result.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                result.error = f"HTTP {resp.status}: {(await resp.read()).decode(errors='replace')[:200]}"
                 return result
-            async for raw in resp.content:
+            async for raw in resp.lines():
                 line = raw.strip()
                 if not line.startswith(b"data: ") or line == b"data: [DONE]":
                     continue
@@ -188,8 +184,8 @@ async def _one(
                 else:
                     result.itl_s.append(now - last)
                 last = now
-    except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
-        result.error = f"{type(exc).__name__}: {exc}"
+    except (TimeoutError, ConnectionError, OSError, asyncio.IncompleteReadError, ValueError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         return result
     result.e2e_s = time.perf_counter() - start
     if same_clock and isinstance(stamps, dict) and result.ttft_s is not None:
@@ -210,19 +206,20 @@ async def _run(
     same_clock = is_this_host(url)
     prompts, arrivals, max_tokens = workload.prompts(vocab_size), workload.arrivals(rate), workload.max_tokens_of()
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    connector = aiohttp.TCPConnector(limit=0)  # open loop: never queue requests in the client
-
-    async with aiohttp.ClientSession(connector=connector) as session:
+    client = http1.Client(url)  # a connection per request in flight: an open loop never queues in the client
+    try:
         start = time.perf_counter()
 
         async def send(i: int) -> RequestResult:
             await asyncio.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
-            result = await _one(session, url, prompts[i], max_tokens[i], model, headers, timeout_s, same_clock)
+            result = await _one(client, prompts[i], max_tokens[i], model, headers, timeout_s, same_clock)
             progress.advance()
             return result
 
         results = await asyncio.gather(*(send(i) for i in range(len(prompts))))
         wall = time.perf_counter() - start
+    finally:
+        await client.close()
     return run_record(rate, results, wall)
 
 
@@ -270,9 +267,10 @@ async def _warm_up(
     Returns the p50 of `HTTP_FLOOR_PROBES` round trips to `/health` by this client: the HTTP floor the front end's
     share of TTFT compares with (no JSON body, no replica), None when the server has no `/health`."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    async with aiohttp.ClientSession() as session:
-        result = await _one(session, url, WARM_UP_PROMPT, WARM_UP_TOKENS, model, headers, timeout_s)
-        warm = [_one(session, url, p, n, model, headers, timeout_s) for p, n in requests]
+    client = http1.Client(url)
+    try:
+        result = await _one(client, WARM_UP_PROMPT, WARM_UP_TOKENS, model, headers, timeout_s)
+        warm = [_one(client, p, n, model, headers, timeout_s) for p, n in requests]
         results = [result, *await asyncio.gather(*warm)]
         failed = next((r.error for r in results if r.error), None)
         if failed:
@@ -280,11 +278,13 @@ async def _warm_up(
         times = []
         for _ in range(HTTP_FLOOR_PROBES):
             start = time.perf_counter()
-            async with session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            async with asyncio.timeout(timeout_s), client.request("GET", "/health") as resp:
                 await resp.read()
                 if resp.status != 200:
                     return None
             times.append(time.perf_counter() - start)
+    finally:
+        await client.close()
     return percentile(times[HTTP_FLOOR_PROBES // 5 :], 50)  # the first few open the connection
 
 

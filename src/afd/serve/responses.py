@@ -246,9 +246,10 @@ async def _stream(
                 chunk = {**envelope, "choices": [chunk_of(i, piece)]}
                 if call.params.afd_timing and piece.finish_reason is not None:
                     chunk["afd_timing"] = {"index": i, "engine_ttft_s": piece.engine_ttft_s, "stamps": piece.stamps}
-                await response.write(sse(chunk))
+                event = sse(chunk)
                 if piece.stamps is not None and piece.token_id is not None and "written" not in piece.stamps:
-                    piece.stamps["written"] = time.perf_counter()  # the first token is on its way to the client
+                    piece.stamps["written"] = time.perf_counter()  # before the write: the client may read it first
+                await response.write(event)
         if call.params.include_usage:
             await response.write(sse({**envelope, "choices": [], "usage": call.usage(generated)}))
     except APIError as err:
