@@ -91,11 +91,14 @@ def _bool(body: dict, name: str, default: bool = False) -> bool:
 
 def _token_ids(value: object, name: str) -> list[int] | None:
     """A list of non-negative integers, or None when `value` is not a list of integers at all."""
-    if not isinstance(value, list) or not value or not all(_is_int(t) for t in value):
+    if not isinstance(value, list) or not value:
+        return None
+    exact = set(map(type, value)) == {int}  # JSON's integers: one pass in C, not a Python step per token
+    if not exact and not all(_is_int(t) for t in value):
         return None
     if min(value) < 0:
         raise bad(name, f"{name} holds the negative token id {min(value)}")
-    return value if all(type(t) is int for t in value) else [int(t) for t in value]
+    return value if exact else [int(t) for t in value]
 
 
 # ---------------------------------------------------------------- requests
