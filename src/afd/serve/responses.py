@@ -216,6 +216,9 @@ async def chat_response(call: Call) -> dict:
 async def _open_stream(request: web.Request) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
+    # the headers go now, while the replica works (aiohttp holds them for the first body write otherwise): the
+    # client reads them off the first token's path (round 19d: 0.23 ms from the first chunk written to the client)
+    await response.write(b"")
     return response
 
 
@@ -227,8 +230,7 @@ async def _stream(
     each choice's closing chunk also says how long its replica took to the first token, and the moments on the
     way there (`Submitted.stamps`).
 
-    The prompts are submitted before the response is prepared: the replica starts meanwhile (aiohttp sends the
-    headers with the first body write)."""
+    The prompts are submitted before the response is prepared: the replica starts meanwhile."""
     call.start()
     try:
         response = await _open_stream(request)
