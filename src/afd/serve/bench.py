@@ -17,8 +17,10 @@ import time
 import urllib.parse
 from dataclasses import asdict, dataclass, field
 
+from afd import env
 from afd.serve import http1
 from afd.serve.progress import Progress
+from afd.serve.server import spin
 from afd.serve.workload import Workload
 
 QUANTILES = (50, 90, 99)
@@ -207,6 +209,7 @@ async def _run(
     prompts, arrivals, max_tokens = workload.prompts(vocab_size), workload.arrivals(rate), workload.max_tokens_of()
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     client = http1.Client(url)  # a connection per request in flight: an open loop never queues in the client
+    spinner = asyncio.create_task(spin()) if env.busy_poll() else None
     try:
         start = time.perf_counter()
 
@@ -219,6 +222,8 @@ async def _run(
         results = await asyncio.gather(*(send(i) for i in range(len(prompts))))
         wall = time.perf_counter() - start
     finally:
+        if spinner is not None:
+            spinner.cancel()
         await client.close()
     return run_record(rate, results, wall)
 
