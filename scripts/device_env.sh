@@ -51,3 +51,24 @@ log_run() {
   exec > >(tee -a "$OUT/log.txt") 2>&1
   B=/tmp/afd_$1; mkdir -p "$B"
 }
+# front_end NAME: `afd bench serve` of the uniform workload at 1 request/s through `none` R=1 (V2-Lite bf16 on CUDA),
+# its JSON into $OUT/NAME.json; prints the front end's share of TTFT (p50, p90) and its stages
+front_end() {
+  local name=$1
+  timeout 110 python3 -m afd bench serve --model deepseek-v2-lite --dtype bfloat16 --device cuda \
+    --workload uniform --short-len 128 --long-len 128 --max-tokens 32 --requests 24 --rates 1 --compare none:R=1 \
+    --warmups 4 --json "$OUT/$name.json" 2>"$B/$name.err" >/dev/null
+  echo "$name rc=$?"; grep -v "^\[afd" "$B/$name.err" | grep -iv warn | tail -n 2
+  python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['results'][0]['runs'][0]; s=r['summary']
+print('  front end p50 %.3f ms p90 %.3f ms; TTFT p50 %.2f ms; http floor %.3f ms' % (s['front_end_p50_s']*1e3,
+      s['front_end_p90_s']*1e3, s['ttft_p50_s']*1e3, r['http_floor_p50_s']*1e3))
+print('  stages p50: ' + ', '.join('%s %.3f' % (k, v*1e3) for k, v in s['ttft_stages_p50_s'].items()))" \
+    "$OUT/$name.json"
+}
+# compiled_while_serving: the Triton compiles the rank logs under $AFD_LOG_DIR saw while serving, and the warm-ups'
+# times, into $OUT/compiled_while_serving.txt
+compiled_while_serving() {
+  grep -h "while serving" "$AFD_LOG_DIR"/*/*.log | sed 's/.*afd.profiling INFO //' | cut -c1-160 | sort | uniq -c \
+    | sort -rn | head -n 20 | tee "$OUT/compiled_while_serving.txt"
+  grep -h "warmed up" "$AFD_LOG_DIR"/*/*.log | sed 's/.*INFO //' | tee -a "$OUT/compiled_while_serving.txt"
+}

@@ -5,6 +5,7 @@ and protocol errors in one sentence."""
 from __future__ import annotations
 
 import asyncio
+from contextlib import asynccontextmanager
 
 import pytest
 
@@ -17,9 +18,10 @@ SIZED = b"HTTP/1.1 404 Not Found\r\nContent-Length: 5\r\nContent-Type: text/plai
 CLOSED = b"HTTP/1.1 200 OK\r\n\r\nuntil the end"
 
 
-async def _serve(answers: list[bytes], close_after: set[int] = frozenset()):
+@asynccontextmanager
+async def _scripted(answers: list[bytes], close_after: set[int] = frozenset()):
     """A server that answers request i with answers[i] (whatever the request), closing the connection after the
-    answers in `close_after`; returns (server, the requests it read, how many connections it accepted)."""
+    answers in `close_after`; yields (a client of it, the requests it read, how many connections it accepted)."""
     requests: list[bytes] = []
     accepted = [0]
 
@@ -41,18 +43,22 @@ async def _serve(answers: list[bytes], close_after: set[int] = frozenset()):
                 return
 
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    return server, requests, accepted
-
-
-def _url(server) -> str:
-    return f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/prefix"
+    client = Client(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/prefix")
+    try:
+        yield client, requests, accepted
+    finally:
+        await client.close()
+        server.close()
+        await server.wait_closed()
 
 
 @pytest.mark.timeout(30)
 def test_bodies_of_each_kind_and_one_connection_for_sequential_requests() -> None:
     async def main():
-        server, requests, accepted = await _serve([CHUNKED, SIZED, CHUNKED, CLOSED])
-        client = Client(_url(server))
+        async with _scripted([CHUNKED, SIZED, CHUNKED, CLOSED]) as (client, requests, accepted):
+            await _each_kind(client, requests, accepted)
+
+    async def _each_kind(client, requests, accepted):
         async with client.request("POST", "/v1/x", b'{"a":1}', {"Content-Type": "application/json"}) as resp:
             lines = [line async for line in resp.lines()]
         assert resp.status == 200 and lines == [b"data: a\n", b"\n", b"data: c\n"]  # lines cut across chunks
@@ -66,9 +72,6 @@ def test_bodies_of_each_kind_and_one_connection_for_sequential_requests() -> Non
         assert not client._idle  # and that connection is not kept
         assert requests[0].startswith(b"POST /prefix/v1/x HTTP/1.1\r\nHost: 127.0.0.1:")
         assert b"Content-Length: 7\r\n" in requests[0] and requests[0].endswith(b'\r\n\r\n{"a":1}')
-        await client.close()
-        server.close()
-        await server.wait_closed()
 
     asyncio.run(main())
 
@@ -76,16 +79,12 @@ def test_bodies_of_each_kind_and_one_connection_for_sequential_requests() -> Non
 @pytest.mark.timeout(30)
 def test_a_kept_connection_the_server_closed_is_replaced_once() -> None:
     async def main():
-        server, _, accepted = await _serve([SIZED, SIZED], close_after={0})
-        client = Client(_url(server))
-        for _ in range(2):
-            async with client.request("GET", "/health") as resp:
-                assert await resp.read() == b"nope!"
-            await asyncio.sleep(0.05)  # the server's close arrives
-        assert accepted[0] == 2
-        await client.close()
-        server.close()
-        await server.wait_closed()
+        async with _scripted([SIZED, SIZED], close_after={0}) as (client, _, accepted):
+            for _ in range(2):
+                async with client.request("GET", "/health") as resp:
+                    assert await resp.read() == b"nope!"
+                await asyncio.sleep(0.05)  # the server's close arrives
+            assert accepted[0] == 2
 
     asyncio.run(main())
 
@@ -93,13 +92,10 @@ def test_a_kept_connection_the_server_closed_is_replaced_once() -> None:
 @pytest.mark.timeout(30)
 def test_protocol_errors_and_urls_in_one_sentence() -> None:
     async def main():
-        server, _, _ = await _serve([b"SMTP ready\r\n\r\n"])
-        client = Client(_url(server))
-        with pytest.raises(HTTPError, match="did not answer with an HTTP/1.1 status line"):
-            async with client.request("GET", "/health"):
-                pass
-        server.close()
-        await server.wait_closed()
+        async with _scripted([b"SMTP ready\r\n\r\n"]) as (client, _, _):
+            with pytest.raises(HTTPError, match="did not answer with an HTTP/1.1 status line"):
+                async with client.request("GET", "/health"):
+                    pass
 
     asyncio.run(main())
     for url in ("https://127.0.0.1:8000", "127.0.0.1:8000", "http://"):
