@@ -198,7 +198,7 @@ def front(request):
         mp.setenv(TEST_TAG_VAR, tag)
         leftovers = Leftovers()
         secret = new_secret()
-        link = FrontLink("127.0.0.1", secret.encode())
+        link = FrontLink(secret.encode())
         config = None
         if connector is not None:
             raw = {"connector": connector, "num_attention_ranks": num_attn, "num_ffn_ranks": num_ffn}

@@ -167,7 +167,7 @@ class InProcessServer:
         from afd.serve.tokenizer import load_tokenizer
         from afd.weights import load_attention_model, load_ffn_model, load_model_config
 
-        link = FrontLink("127.0.0.1", SECRET)
+        link = FrontLink(SECRET)
         self.engines = []
         self.threads = []
         for r in range(num_replicas):

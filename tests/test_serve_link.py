@@ -12,7 +12,16 @@ from multiprocessing.connection import Connection
 
 import pytest
 
-from afd.serve.link import FrameSender, FrontLink, ReplicaLink, decode_frames, encode_frame
+from afd.serve.link import (
+    FrameSender,
+    FrontLink,
+    LinkError,
+    ReplicaLink,
+    decode_frames,
+    encode_frame,
+    format_address,
+    parse_address,
+)
 
 MESSAGES = [
     {"type": "add", "rid": "cmpl-1", "prompt_ids": list(range(300)), "max_tokens": 8},
@@ -99,7 +108,7 @@ def test_sender_reports_a_closed_peer_once():
 def test_both_ends_of_a_link_send_without_nagle():
     """A replica's several small messages per step must not wait for delayed ACKs (~40 ms each with Nagle's
     algorithm on): both ends of the link set TCP_NODELAY, and messages still arrive whole and in order."""
-    front = FrontLink("127.0.0.1", b"key")
+    front = FrontLink(b"key", ("127.0.0.1", 0))
     replicas: list[ReplicaLink] = []
     connect = threading.Thread(target=lambda: replicas.append(ReplicaLink(front.address, b"key", {"replica": 0})))
     connect.start()
@@ -120,3 +129,52 @@ def test_both_ends_of_a_link_send_without_nagle():
         for replica in replicas:
             replica.close()
         front.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_local_link_is_an_abstract_unix_socket_that_leaves_no_file(tmp_path) -> None:
+    """`afd serve`'s default: a Unix socket in Linux's abstract namespace (its hop is shorter than loopback TCP's),
+    keyed like any link; a wrong key is refused, and closing leaves nothing to clean up."""
+    front = FrontLink(b"key")
+    assert isinstance(front.address, str) and front.address.startswith("\0")
+    assert parse_address(format_address(front.address)) == front.address  # through `--serve-address @NAME`
+    replicas: list[ReplicaLink] = []
+    refused: list[LinkError] = []
+
+    def connect_both() -> None:
+        try:
+            ReplicaLink(front.address, b"wrong", {"replica": 0})
+        except LinkError as exc:  # refused by the key's challenge, and the front end keeps accepting
+            refused.append(exc)
+        replicas.append(ReplicaLink(front.address, b"key", {"replica": 0}))
+
+    connect = threading.Thread(target=connect_both)
+    connect.start()
+    try:
+        front.accept(1, timeout_s=10)
+        connect.join(10)
+        assert len(refused) == 1 and "digest" in str(refused[0]).lower() and len(front.conns) == 1
+        for msg in MESSAGES:
+            replicas[0].send(msg)
+        assert [front.conns[0].recv() for _ in MESSAGES] == MESSAGES
+        front.conns[0].send({"type": "shutdown"})
+        assert replicas[0].poll(5.0) == [{"type": "shutdown"}]
+    finally:
+        for replica in replicas:
+            replica.close()
+        front.close()
+    with pytest.raises(LinkError, match="cannot reach the front end at @afd-link-"):
+        ReplicaLink(front.address, b"key", {"replica": 0})
+
+
+def test_link_addresses_read_and_write_as_the_flag_takes_them() -> None:
+    for address, text in [
+        (("127.0.0.1", 8000), "127.0.0.1:8000"),
+        (("::1", 9), "[::1]:9"),
+        ("/run/afd/link.sock", "/run/afd/link.sock"),
+        ("\0afd-link-1f", "@afd-link-1f"),
+    ]:
+        assert format_address(address) == text and parse_address(text) == address
+    for bad in ["localhost", "host:0", "host:70000", ":80", "@", "relative/path.sock"]:
+        with pytest.raises(ValueError, match="HOST:PORT with a port between 1 and 65535, a socket path or @NAME"):
+            parse_address(bad)

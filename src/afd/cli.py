@@ -42,6 +42,7 @@ from afd.cli_input import (
     size_list,
 )
 from afd.config import InputError, parse_config
+from afd.serve.link import LinkAddress, parse_address
 from afd.topology import SyncTopology
 
 if TYPE_CHECKING:
@@ -264,13 +265,12 @@ def worker_gpu(args: argparse.Namespace) -> int | None:
         raise UsageError(str(exc)) from None
 
 
-def serve_address(text: str) -> tuple[str, int]:
-    """`--serve-address HOST:PORT` (an IPv6 host in brackets); one sentence when it is not that."""
-    host, sep, port = text.rpartition(":")
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT with a port between 1 and 65535, got {text!r}")
-    return host, int(port)
+def serve_address(text: str) -> LinkAddress:
+    """`--serve-address HOST:PORT` (an IPv6 host in brackets), a Unix socket path, or @NAME (an abstract one)."""
+    try:
+        return parse_address(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_worker_arguments(p: argparse.ArgumentParser) -> None:
@@ -285,8 +285,8 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--serve-address",
         type=serve_address,
-        help="HOST:PORT of an afd serve front end: attention ranks and replicas serve its requests instead of "
-        "a prompts file (set by afd serve; the link is keyed with AFD_SECRET)",
+        help="HOST:PORT, socket path or @NAME (abstract socket) of an afd serve front end: attention ranks and "
+        "replicas serve its requests instead of a prompts file (set by afd serve; the link is keyed with AFD_SECRET)",
     )
     p.add_argument("--max-model-len", type=positive_int, help="positions a request may take (default: the model's)")
     p.add_argument("--connector", choices=["p2p", "async"], help="overrides the config's connector")

@@ -39,6 +39,7 @@ from afd.engine import Output
 from afd.env import LAUNCHER_PID_VAR, SECRET_VAR
 from afd.kv_cache import CacheOptions
 from afd.sampling import SamplingParams
+from afd.serve.link import LinkAddress, format_address
 from afd.signals import Interrupted
 from afd.store import RendezvousError, host_store
 from afd.topology import Role, SyncTopology
@@ -154,7 +155,7 @@ def worker_command(
     role: Role,
     role_rank: int,
     run_dir: Path,
-    serve_address: tuple[str, int] | None = None,
+    serve_address: LinkAddress | None = None,
 ) -> list[str]:
     """The `afd worker` command of one rank: its prompts and output files, or (a server's) the front end."""
     cmd = [sys.executable, "-m", "afd", "worker", "--config", json.dumps(config.to_dict()), "--role", role]
@@ -185,7 +186,7 @@ def worker_command(
 
 
 def replica_command(
-    spec: RunSpec, replica: int, num_replicas: int, run_dir: Path, serve_address: tuple[str, int]
+    spec: RunSpec, replica: int, num_replicas: int, run_dir: Path, serve_address: LinkAddress
 ) -> list[str]:
     """The `afd worker` command of whole-model replica `replica` of `num_replicas` (connector none); on CUDA
     replica i takes GPU i mod the GPU count."""
@@ -201,9 +202,8 @@ def replica_command(
     return cmd + cache_flags(cache) + sampling_flags(spec.sampling) + serve_flags(serve_address)
 
 
-def serve_flags(serve_address: tuple[str, int]) -> list[str]:
-    host, port = serve_address
-    return ["--serve-address", f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+def serve_flags(serve_address: LinkAddress) -> list[str]:
+    return ["--serve-address", format_address(serve_address)]
 
 
 def _spec_flags(spec: RunSpec, run_dir: Path) -> list[str]:

@@ -28,7 +28,7 @@ from afd import env, signals
 from afd.engine import Engine, EngineLoad, Output, Request
 from afd.runtime.rank import RankJob, profile_rank
 from afd.sampling import SamplingParams
-from afd.serve.link import LinkError, Message, ReplicaLink
+from afd.serve.link import LinkError, Message, ReplicaLink, format_address
 
 log = logging.getLogger(__name__)
 
@@ -259,7 +259,7 @@ def run_online(engine: Engine, job: RankJob, wave: Wave | None = None) -> None:
     }
     stop = stop_on_signals()
     link = ReplicaLink(job.serve_address, env.secret().encode(), hello)
-    log.info("%s rank %d serves the front end at %s:%d", job.role, job.role_rank, *job.serve_address)
+    log.info("%s rank %d serves the front end at %s", job.role, job.role_rank, format_address(job.serve_address))
     try:
         with profile_rank(job):
             serve_replica(engine, link, wave, stop.is_set)

@@ -32,6 +32,7 @@ from afd.config import AFDConfig
 from afd.engine import Engine, Output, Request
 from afd.profiling import profiled, watching_compiles
 from afd.runtime.launch import RunSpec
+from afd.serve.link import LinkAddress
 from afd.topology import local_gpu_index
 from afd.transport.symm_heap import wait_keys
 
@@ -55,7 +56,7 @@ class RankJob:
     run_token: str = "afd"
     local_host: str | None = None  # the address this rank binds to (multi-host); default: derived from host
     device_index: int | None = None  # CUDA: this rank's local GPU (afd launch sets it; by hand: LOCAL_RANK, ...)
-    serve_address: tuple[str, int] | None = None  # the front end's link; None: run `prompts` and exit
+    serve_address: LinkAddress | None = None  # the front end's link; None: run `prompts` and exit
     num_replicas: int = 1  # role "replica": how many run side by side (they share this host's cores)
 
     @property

@@ -36,6 +36,7 @@ from afd.runtime.launch import (
     worker_command,
     world_rank_of,
 )
+from afd.serve.link import LinkAddress
 
 __all__ = ["ServerRanks", "new_secret", "start_server_ranks"]
 
@@ -90,7 +91,7 @@ def start_server_ranks(
     config: AFDConfig | None,
     spec: RunSpec,
     replicas: int,
-    serve_address: tuple[str, int],
+    serve_address: LinkAddress,
     *,
     secret: str,
     run_dir: Path | None = None,

@@ -110,7 +110,7 @@ def run_server(plan: ServePlan, say: Callable[[str], None]) -> int:
     _warn_if_busy_poll_starves(plan)
     sock = bind_http(plan.host, plan.port)
     secret = new_secret()
-    link = FrontLink("127.0.0.1", secret.encode())
+    link = FrontLink(secret.encode())  # an abstract Unix socket: every replica runs on this host
     ranks = None
     died_while_serving = False
     try:
