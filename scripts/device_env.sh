@@ -72,3 +72,11 @@ compiled_while_serving() {
     | sort -rn | head -n 20 | tee "$OUT/compiled_while_serving.txt"
   grep -h "warmed up" "$AFD_LOG_DIR"/*/*.log | sed 's/.*INFO //' | tee -a "$OUT/compiled_while_serving.txt"
 }
+# cold_serving: `none` R=1 serving the mixed workload (256 requests at once) with AFD_LOG_DIR, then which Triton kernels
+# compiled while it served (a fresh machine's first call: Triton's disk cache is empty, as at a user's first start)
+cold_serving() {
+  export AFD_LOG_DIR=$B/logs
+  serve_mixed serve_mixed_none_cold 200 --compare none:R=1 --requests 256 --rates inf --warmups 16
+  compiled_while_serving
+  unset AFD_LOG_DIR
+}

@@ -8,9 +8,7 @@
 set -u
 source "$(dirname "$0")/device_env.sh"
 log_run r19b
-export CUDA_VISIBLE_DEVICES=0 AFD_LOG_DIR=$B/logs
-serve_mixed serve_mixed_none_cold 200 --compare none:R=1 --requests 256 --rates inf --warmups 16
-compiled_while_serving
-unset AFD_LOG_DIR
+export CUDA_VISIBLE_DEVICES=0
+cold_serving
 for bp in 0 1; do AFD_BUSY_POLL=$bp front_end front_end_busy_poll_$bp; done
 echo "== leftover processes:"; pgrep -af "afd" | grep -v pgrep || echo none

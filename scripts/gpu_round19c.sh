@@ -8,10 +8,8 @@
 set -u
 source "$(dirname "$0")/device_env.sh"
 log_run r19c
-export CUDA_VISIBLE_DEVICES=0 AFD_LOG_DIR=$B/logs
-serve_mixed serve_mixed_none_cold 200 --compare none:R=1 --requests 256 --rates inf --warmups 16
-compiled_while_serving
-unset AFD_LOG_DIR
+export CUDA_VISIBLE_DEVICES=0
+cold_serving
 python3 -c "import uvloop; print('uvloop', uvloop.__version__)"
 AFD_BUSY_POLL=1 AFD_UVLOOP=0 front_end front_end_bp1_asyncio
 AFD_BUSY_POLL=1 AFD_UVLOOP=1 front_end front_end_bp1_uvloop
