@@ -25,7 +25,7 @@ from afd.serve.link import (
 
 MESSAGES = [
     {"type": "add", "rid": "cmpl-1", "prompt_ids": list(range(300)), "max_tokens": 8},
-    {"type": "tokens", "items": [["cmpl-1", 7, -0.25]], "engine_ttft": {"cmpl-1": 0.012}},
+    {"type": "tokens", "items": [["cmpl-1", 7, -0.25]], "engine_stamps": {"cmpl-1": [1.5, 1.512]}},
     {"type": "abort", "rid": "cmpl-1"},
 ]
 

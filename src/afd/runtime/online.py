@@ -138,15 +138,8 @@ class OnlineReplica:
         now = time.perf_counter()
         items = [[self.rids[t.request_id], t.token_id, t.logprob] for t in self.engine.last_step_tokens]
         if items:
-            took = {rid: t for rid, _, _ in items if (t := self._received_at.pop(rid, None)) is not None}
-            self.send(
-                {
-                    "type": "tokens",
-                    "items": items,
-                    "engine_ttft": {rid: now - t for rid, t in took.items()},
-                    "engine_stamps": {rid: [t, now] for rid, t in took.items()},
-                }
-            )
+            firsts = {rid: [t, now] for rid, _, _ in items if (t := self._received_at.pop(rid, None)) is not None}
+            self.send({"type": "tokens", "items": items, "engine_stamps": firsts})
         for out in finished:
             self._finished(out)
         self.send_load()

@@ -153,9 +153,7 @@ class ReplicaPool:
     def _on_message(self, replica: int, message: Message) -> None:
         kind = message.get("type")
         if kind == "tokens":
-            self._on_tokens(
-                replica, message["items"], message.get("engine_ttft") or {}, message.get("engine_stamps") or {}
-            )
+            self._on_tokens(replica, message["items"], message.get("engine_stamps") or {})
         elif kind == "finished":
             self._on_finished(message)
         elif kind == "load":
@@ -168,9 +166,7 @@ class ReplicaPool:
         else:
             logger.warning("replica %d sent an unknown message %r", replica, kind)
 
-    def _on_tokens(
-        self, replica: int, items: list, engine_ttft: dict[str, float], engine_stamps: dict[str, list[float]]
-    ) -> None:
+    def _on_tokens(self, replica: int, items: list, engine_stamps: dict[str, list[float]]) -> None:
         now = time.perf_counter()
         m = self.metrics[replica]
         grouped: dict[str, list[tuple[int, float]]] = {}
@@ -182,12 +178,12 @@ class ReplicaPool:
                 continue  # aborted here already; the replica had not seen the abort yet
             if sub.generated == 0:
                 m.ttft.observe(now - sub.arrival)
-                sub.engine_ttft_s = engine_ttft.get(rid)
                 if rid in engine_stamps:
-                    sub.stamps["replica_took"], sub.stamps["replica_stepped"] = engine_stamps[rid]
-                sub.stamps["front_got"] = now
-                if sub.engine_ttft_s is not None:
+                    took, stepped = engine_stamps[rid]
+                    sub.stamps.update(replica_took=took, replica_stepped=stepped)
+                    sub.engine_ttft_s = stepped - took
                     m.engine_ttft.observe(sub.engine_ttft_s)
+                sub.stamps["front_got"] = now
             else:
                 m.itl.observe(now - sub.last_token_at)
             sub.generated += len(tokens)

@@ -16,10 +16,10 @@ front end -> replica
 replica -> front end
 - `hello`: `replica` (attention rank), `max_num_seqs`, `max_model_len`, `vocab_size`, `num_cache_tokens`
 - `tokens`: `items`: list of `[rid, token_id, logprob]`, everything one step produced, in step order;
-  `engine_ttft`: {rid: seconds} for the requests whose first token this is, from the replica taking their
-  `add` to the end of the step (so the front end's own share of TTFT is measured in the same run);
-  `engine_stamps`: {rid: [took, stepped]}, the same two moments on the host's `time.perf_counter()` clock
-  (CLOCK_MONOTONIC, one per machine), so a client on the same host can cut TTFT into stages
+  `engine_stamps`: {rid: [took, stepped]} for the requests whose first token this is: when the replica took
+  their `add` and when the step ended, on the host's `time.perf_counter()` clock (CLOCK_MONOTONIC, one per
+  machine). The difference is the replica's own time to the first token, so the front end's share of TTFT is
+  measured in the same run; a client on the same host can cut TTFT into stages at them.
 - `finished`: `rid`, `reason`: `"stop"` (a stop token), `"length"` (max_tokens), `"abort"`, or `"error"`
   with `message` (one sentence: the request was refused, e.g. it can never fit the cache)
 - `load`: `running`, `waiting`, `cache_usage` (0..1) — after every step that changed them
