@@ -40,9 +40,10 @@ FFN_TOKEN_COUNTS = (1, 8, 17, 64, 256, 1000, 1024)
 # its host before its first exchange than the steps after it.
 FULL_STEP_PROMPT_LEN = 1024  # the budget step's prompts: long enough for the prefill kernels' long-query tiles
 # Then each prompt set continues as a server's steps do: the first prompt's next chunk of this many tokens beside the
-# others' decodes, then another chunk alone. Why: a prompt with cached context takes its keys from the cache
-# (other strides), and one packed between decodes is gathered and scattered; round 19's fresh machine compiled
-# the prefill kernel again mid-run for that.
+# others' decodes, then another chunk alone. Why: a prompt with cached context takes another path through each layer
+# (its keys gathered from the cache, its queries gathered and scattered around the decodes), whose kernels then load
+# before serving. (Round 19a's mid-run prefill compile was another thing: the key-length table's alignment, fixed
+# in `MLAttention`; round 19c's fresh machine compiled nothing while serving.)
 CONTINUE_TOKENS = 8
 
 
