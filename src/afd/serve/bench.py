@@ -186,7 +186,7 @@ async def _one(
                 else:
                     result.itl_s.append(now - last)
                 last = now
-    except (TimeoutError, ConnectionError, OSError, asyncio.IncompleteReadError, ValueError) as exc:
+    except (TimeoutError, OSError, asyncio.IncompleteReadError, ValueError) as exc:  # OSError: HTTPError too
         result.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         return result
     result.e2e_s = time.perf_counter() - start
