@@ -15,8 +15,7 @@ if [[ $PHASE == front ]]; then
   for i in 1 2 3; do AFD_BUSY_POLL=1 front_end front_end_bp1_unix_$i; done
 elif [[ $PHASE == x2 ]]; then
   serve_mixed serve_mixed_512 280 --compare none:R=2,async:A=1,F=1 --requests 512 --rates inf --warmups 16
-  serve_mixed serve_mixed_512_ubatch2 200 --compare async:A=1,F=1 --requests 512 --rates inf --warmups 16 \
-    --config '{"connector_extra_config": {"async_moe_ubatching": true, "async_moe_num_ubatches": 2}}'
+  serve_mixed serve_mixed_512_ubatch2 200 --compare async:A=1,F=1,U=2 --requests 512 --rates inf --warmups 16
 elif [[ $PHASE == x2b ]]; then
   serve_mixed serve_mixed_512_2a2f 200 --compare async:A=2,F=2 --requests 512 --rates inf --warmups 16
   if command -v nvidia-cuda-mps-control >/dev/null; then

@@ -503,7 +503,11 @@ def test_bench_serve_pieces():
         )
     ]
     assert compare_list("async+sf")[0][1] == ["--connector", "async", "--shared-experts", "ffn"]
-    for bad in ("R=2", "none:A=2", "async:R=2", "p2p:A=0", "foo:R=1", "p2p+sa:A=1", "async+xx:A=1"):
+    assert compare_list("none:R=2,async:A=1,F=1,U=2") == [
+        ("none R=2", ["--connector", "none", "--replicas", "2"]),
+        ("async A=1,F=1,U=2", ["--connector", "async", "--attention", "1", "--ffn", "1", "--ubatches", "2"]),
+    ]
+    for bad in ("R=2", "none:A=2", "async:R=2", "p2p:A=0", "foo:R=1", "p2p+sa:A=1", "async+xx:A=1", "none:U=2"):
         with pytest.raises(Exception, match="--compare"):
             compare_list(bad)
     assert rate_list("1,2.5,inf") == [1.0, 2.5, float("inf")]
@@ -553,6 +557,7 @@ def test_cli_refuses_bad_serve_input_before_starting_anything(capsys):
         taken.close()
     for argv, words in (
         (["serve", "--model", MODEL, "--attention", "2"], "--attention, --ffn"),
+        (["serve", "--model", MODEL, "--ubatches", "2"], "--ubatches need --connector p2p or async"),
         (["serve", "--model", MODEL, "--connector", "async", "--attention", "2", "--replicas", "3"], "--replicas"),
         (["serve", "--model", "no-such-model"], "neither a preset"),
         (["serve", "--model", MODEL, "--shared-experts", "attention"], "--shared-experts attention needs --connector"),
@@ -561,9 +566,10 @@ def test_cli_refuses_bad_serve_input_before_starting_anything(capsys):
         assert cli.main(argv) == 2
         err = capsys.readouterr().err
         assert err.startswith("afd: error: ") and words in err and "Traceback" not in err
-    with pytest.raises(SystemExit) as info:
-        cli.main(["bench", "serve", "--compare", "none:X=1"])
-    assert info.value.code == 2
+    for argv in (["bench", "serve", "--compare", "none:X=1"], ["serve", "--model", MODEL, "--ubatches", "0"]):
+        with pytest.raises(SystemExit) as info:
+            cli.main(argv)
+        assert info.value.code == 2
 
 
 @pytest.mark.timeout(120)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -201,3 +202,25 @@ def test_busy_poll_serves_the_same_answers_and_spins_while_idle(monkeypatch, ref
         srv.leftovers.check()
     finally:
         srv.close()
+
+
+@pytest.mark.timeout(180)
+def test_micro_batched_async_serves_the_reference_answers(monkeypatch, tmp_path, reference):
+    """`--ubatches 2`: a step of several prompts runs as two micro-batches in ping-pong on the attention rank, the
+    answers stay the reference's, and the rank says how many of its steps were split."""
+    monkeypatch.setenv("AFD_LOG_DIR", str(tmp_path))  # the rank logs stay for the count below
+    flags = ["--connector", "async", "--attention", "1", "--ffn", "1", "--ubatches", "2"]
+    srv = Served(flags, f"serveubatch{os.getpid()}")
+    try:
+        body = {"model": MODEL, "prompt": PROMPTS, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 0,
+                "return_tokens_as_token_ids": True}  # fmt: skip
+        status, got, _ = http_request(srv.port, "POST", "/v1/completions", body)
+        assert status == 200, got
+        assert [token_ids(c) for c in got["choices"]] == [out.token_ids for out in reference]
+        srv.server.proc.send_signal(signal.SIGTERM)
+        assert srv.server.proc.wait(25) == 0
+    finally:
+        srv.close()
+    logs = "".join(p.read_text() for p in tmp_path.rglob("*.log"))
+    split = re.search(r"attention rank 0: (\d+) steps ran as micro-batches while serving", logs)
+    assert split and int(split.group(1)) >= 1, logs[-2000:]

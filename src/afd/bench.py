@@ -17,7 +17,7 @@ import platform
 import random
 from dataclasses import asdict, dataclass
 
-from afd.config import default_shared_experts
+from afd.config import default_shared_experts, ubatch_keys
 from afd.runtime.harness import RunResult, percentile, run_connector, run_reference
 from afd.runtime.launch import RunSpec
 
@@ -219,17 +219,9 @@ def ubatch_gains(runs: list[dict]) -> list[str]:
     return lines
 
 
-def ubatch_config(connector: str, num_ubatches: int) -> dict:
-    """`connector_extra_config` for `connector`'s micro-batching in `num_ubatches` (1: off)."""
-    if num_ubatches == 1:
-        return {}
-    prefix = "async_moe" if connector == "async" else connector
-    return {f"{prefix}_ubatching": True, f"{prefix}_num_ubatches": num_ubatches}
-
-
 def run_config(connector: str, num_ubatches: int, shared_experts: str = "ffn") -> dict:
     """`connector_extra_config` of one bench run: micro-batches, and (async) where the shared experts run."""
-    extra = ubatch_config(connector, num_ubatches)
+    extra = ubatch_keys(connector, num_ubatches)
     return extra | {"shared_experts_on_attention": shared_experts == "attention"} if connector == "async" else extra
 
 

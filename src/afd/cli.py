@@ -352,13 +352,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------- afd bench
 def cmd_bench(args: argparse.Namespace) -> int:
-    from afd.bench import Workload, format_bench, run_bench, ubatch_config
+    from afd.bench import Workload, format_bench, run_bench
+    from afd.config import ubatch_keys
 
     workload = Workload(args.requests, args.long_len, args.short_len, args.max_new_tokens)
     for connector in args.connectors:  # what a connector's config would refuse, refused here, before any rank starts
         for m in args.ubatches:
             try:
-                parse_config({"connector": connector, "connector_extra_config": ubatch_config(connector, m)})
+                parse_config({"connector": connector, "connector_extra_config": ubatch_keys(connector, m)})
             except InputError as exc:
                 raise UsageError(f"--ubatches {m}: {exc}") from None
     prompts = [[0] * len(p) for p in workload.prompts(1, args.attention)]

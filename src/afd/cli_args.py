@@ -232,14 +232,16 @@ def launch_config(
     *,
     port: int | None = None,
     shared_experts: str | None = None,
+    num_ubatches: int = 1,
     **changes: object,
 ) -> AFDConfig:
     """The AFD config of a launch: `--config` (a file or JSON; one that names no connector is read as `connector`'s)
     under the command line's choices (`shared_experts`: `--shared-experts`; when neither it nor the config says,
-    the connector's command-line default, `config.default_shared_experts`). A config written for the other
+    the connector's command-line default, `config.default_shared_experts`; `num_ubatches` > 1: the connector's
+    micro-batching, `config.ubatch_keys`). A config written for the other
     connector keeps none of its extra keys; the rendezvous port is `port`, else the config's when one was given,
     else a free one."""
-    from afd.config import default_shared_experts, given_extra_keys, parse_config
+    from afd.config import default_shared_experts, given_extra_keys, parse_config, ubatch_keys
     from afd.runtime.launch import free_port
 
     base = parse_config(source if source else {}, default_connector=connector)
@@ -249,5 +251,9 @@ def launch_config(
     if shared_experts is None and "shared_experts_on_attention" not in given:
         shared_experts = default_shared_experts(connector)
     extra |= shared_experts_keys(connector, shared_experts)
+    if num_ubatches > 1:
+        extra |= ubatch_keys(connector, num_ubatches)
+        if "ring_depth" not in given:
+            extra.pop("ring_depth", None)  # unless the config sets it, it follows the micro-batches in flight
     port = port or (base.port if source else free_port(base.host))
     return base.replace(connector=connector, connector_extra_config=extra, port=port, **changes)

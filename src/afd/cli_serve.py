@@ -83,6 +83,13 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--replicas", type=rank_count, help="connector none: whole-model replicas (default 1)")
     p.add_argument("--gate-on-ffn", action="store_true", help="run the MoE gate on the FFN side (p2p only)")
     add_shared_experts_flag(p)
+    p.add_argument(
+        "--ubatches",
+        type=positive_int,
+        default=1,
+        help="p2p/async: micro-batches a prefill or mixed step runs in, in ping-pong, so attention and FFN ranks "
+        "overlap (1: off; all-decode steps replayed from CUDA graphs are not split)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address the HTTP server listens on")
     p.add_argument("--port", type=port_number, default=8000, help="HTTP port")
     p.add_argument("--served-model-name", help="the model name clients send and /v1/models lists (default: --model)")
@@ -109,9 +116,9 @@ def build_plan(args: argparse.Namespace):
         raise UsageError(f"--max-model-len {args.max_model_len} is more than the {limit} positions of {args.model!r}")
     shared_experts_keys(args.connector, args.shared_experts)
     if args.connector == "none":
-        if (args.attention, args.ffn) != (1, 1) or args.gate_on_ffn:
+        if (args.attention, args.ffn) != (1, 1) or args.gate_on_ffn or args.ubatches != 1:
             raise UsageError(
-                "--attention, --ffn and --gate-on-ffn need --connector p2p or async; none takes --replicas"
+                "--attention, --ffn, --gate-on-ffn and --ubatches need --connector p2p or async; none takes --replicas"
             )
         replicas, config = args.replicas or 1, None
     else:
@@ -124,6 +131,7 @@ def build_plan(args: argparse.Namespace):
             args.config,
             args.connector,
             shared_experts=args.shared_experts,
+            num_ubatches=args.ubatches,
             num_attention_ranks=args.attention,
             num_ffn_ranks=args.ffn,
             compute_gate_on_attention=not args.gate_on_ffn,
@@ -210,7 +218,7 @@ def rate_list(text: str) -> list[float]:
     return rates
 
 
-SERVER_KEYS = {"R": "--replicas", "A": "--attention", "F": "--ffn"}
+SERVER_KEYS = {"R": "--replicas", "A": "--attention", "F": "--ffn", "U": "--ubatches"}
 # async servers by where their shared experts run: the default (attention), +sa on the attention ranks, +sf on the
 # FFN ranks
 ASYNC_PLACEMENTS = {"async": None, "async+sa": "attention", "async+sf": "ffn"}
@@ -229,15 +237,15 @@ def compare_list(text: str) -> list[tuple[str, list[str]]]:
         key, eq, value = item.partition("=")
         if not configs or key not in SERVER_KEYS or not eq or not value.isdigit() or int(value) < 1:
             raise argparse.ArgumentTypeError(
-                "--compare takes connector:KEY=N items with KEY one of R, A, F "
-                f"(e.g. none:R=2,async:A=2,F=2), got {text!r}"
+                "--compare takes connector:KEY=N items with KEY one of R, A, F, U "
+                f"(e.g. none:R=2,async:A=2,F=2,U=2), got {text!r}"
             )
         configs[-1][1][key] = int(value)
     out = []
     for connector, keys in configs:
-        if connector == "none" and ({"A", "F"} & set(keys)) or connector != "none" and "R" in keys:
+        if connector == "none" and ({"A", "F", "U"} & set(keys)) or connector != "none" and "R" in keys:
             raise argparse.ArgumentTypeError(
-                f"--compare: connector none takes R=N, p2p and async take A=N,F=N ({text!r})"
+                f"--compare: connector none takes R=N, p2p and async take A=N,F=N and U=N micro-batches ({text!r})"
             )
         flags = ["--connector", connector.partition("+")[0]]
         where = ASYNC_PLACEMENTS.get(connector)
@@ -259,8 +267,9 @@ def add_bench_serve_parser(steps) -> None:
         "--compare",
         type=compare_list,
         default="none:R=1",
-        help="servers to start and measure in turn, e.g. none:R=2,async:A=2,F=2 (async+sa / async+sf: async with "
-        "--shared-experts attention / ffn; plain async runs them where it does by default, on the attention ranks)",
+        help="servers to start and measure in turn, e.g. none:R=2,async:A=2,F=2,async:A=1,F=1,U=2 (U: --ubatches; "
+        "async+sa / async+sf: async with --shared-experts attention / ffn; plain async runs them where it does by "
+        "default, on the attention ranks)",
     )
     target.add_argument("--url", help="measure a running server instead (e.g. http://127.0.0.1:8000)")
     target.add_argument(

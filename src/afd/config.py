@@ -271,6 +271,14 @@ class AFDConfig:
 CANONICAL_KEYS = [f.name for f in fields(AFDConfig)]
 
 
+def ubatch_keys(connector: str, num_ubatches: int) -> dict:
+    """`connector_extra_config` for `connector`'s micro-batching in `num_ubatches` (1: off)."""
+    if num_ubatches == 1:
+        return {}
+    prefix = "async_moe" if connector == "async" else connector
+    return {f"{prefix}_ubatching": True, f"{prefix}_num_ubatches": num_ubatches}
+
+
 def _load_raw(source: dict | str | Path) -> dict:
     if isinstance(source, dict):
         return source

@@ -258,3 +258,7 @@ def run_online(engine: Engine, job: RankJob, wave: Wave | None = None) -> None:
             serve_replica(engine, link, wave, stop.is_set)
     finally:
         link.close()
+    if engine.num_ubatches > 1:
+        log.info(
+            "%s rank %d: %d steps ran as micro-batches while serving", job.role, job.role_rank, engine.ubatched_steps
+        )
