@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from numbers import Integral, Real
 
 import torch
@@ -64,6 +64,9 @@ class SamplingParams:
     def filters(self) -> bool:
         """Whether top-k or top-p removes anything (they need a sort of the row)."""
         return self.top_k > 0 or self.top_p < 1
+
+
+SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))  # what a replica's `add` message carries
 
 
 def _is_real(x: object) -> bool:

@@ -21,20 +21,18 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import fields
 from typing import Protocol
 
 from afd import env, signals
 from afd.engine import Engine, EngineLoad, Output, Request
 from afd.runtime.rank import RankJob, profile_rank
-from afd.sampling import SamplingParams
+from afd.sampling import SAMPLING_FIELDS, SamplingParams
 from afd.serve.link import LinkError, Message, ReplicaLink, format_address
 
 log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.1  # an idle replica of its own blocks on its link this long at a time (a stop signal is seen within it)
 IDLE_WAVE_S = 0.0015  # p2p: the pause after a DP wave in which no replica had work
-_SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
 
 
 class Wave(Protocol):
@@ -59,8 +57,8 @@ def request_from_message(msg: Message) -> Request:
     if not _is_int(max_tokens):
         raise ValueError(f"max_tokens must be an integer, got {max_tokens!r}")
     sampling = msg.get("sampling") or {}
-    if not isinstance(sampling, dict) or not set(sampling) <= set(_SAMPLING_FIELDS):
-        raise ValueError(f"sampling must be an object with some of the fields {', '.join(_SAMPLING_FIELDS)}")
+    if not isinstance(sampling, dict) or not set(sampling) <= set(SAMPLING_FIELDS):
+        raise ValueError(f"sampling must be an object with some of the fields {', '.join(SAMPLING_FIELDS)}")
     stop = msg.get("stop_token_ids") or []
     if not isinstance(stop, list) or not all(_is_int(t) for t in stop):
         raise ValueError("stop_token_ids must be a list of integer token ids")

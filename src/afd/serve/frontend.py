@@ -10,7 +10,6 @@ on it with an error event, so no client waits forever.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import logging
 import os
@@ -20,13 +19,12 @@ import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
-from afd.sampling import SamplingParams
+from afd.sampling import SAMPLING_FIELDS, SamplingParams
 from afd.serve.link import FrameSender, Message, decode_frames, encode_frame
 from afd.serve.metrics import ReplicaMetrics
 from afd.serve.router import outstanding_tokens, pick_replica
 
 logger = logging.getLogger(__name__)
-SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 
 
 @dataclass
