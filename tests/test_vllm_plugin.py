@@ -66,6 +66,9 @@ ENGINE = dict(  # vLLM's arguments; tiny and float32 so its tokens can equal tra
     max_model_len=128,
     max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
     kv_cache_memory_bytes=64 << 20,  # else vLLM's CPU backend takes most of the host's memory
+    # vLLM picks its AMX MLA kernels on a CPU with AMX tiles, and they refuse the tiny model's 16-wide heads
+    # ("invalid weight input features 16"); the reference CPU backend takes any shape, on any x86 host
+    attention_backend="CPU_MLA",
 )
 # Shapes vLLM's CPU kernels accept: a 576-wide MLA latent (kv_lora_rank 512 + rope 64).
 SHAPES = dict(
