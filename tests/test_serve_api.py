@@ -402,18 +402,23 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
         status, got, _ = server.post(path, body)
         assert status == code, (path, body, got)
         assert set(got["error"]) == {"message", "type", "param", "code"} and got["error"]["param"] == param
-    server.state.options.api_key = "sesame"
-    try:
-        assert server.post("/v1/completions", {"prompt": "a", "max_tokens": 1})[0] == 401
-        wrong = {"Authorization": "Bearer nope"}
-        assert server.post("/v1/completions", {"prompt": "a", "max_tokens": 1}, headers=wrong)[0] == 401
-        right = {"Authorization": "Bearer sesame"}
-        assert server.post("/v1/completions", {"prompt": "a", "max_tokens": 1}, headers=right)[0] == 200
-        assert server.request("GET", "/health")[0] == 200  # health and metrics need no key
-    finally:
-        server.state.options.api_key = None
     status, models, _ = server.request("GET", "/v1/models")
     assert status == 200 and models["data"][0]["id"] == MODEL and models["data"][0]["max_model_len"] == 4096
+
+
+@pytest.mark.timeout(120)
+def test_an_api_key_guards_the_v1_routes():
+    keyed = InProcessServer(num_replicas=1, api_key="sesame")
+    try:
+        assert keyed.post("/v1/completions", {"prompt": "a", "max_tokens": 1})[0] == 401
+        wrong = {"Authorization": "Bearer nope"}
+        assert keyed.post("/v1/completions", {"prompt": "a", "max_tokens": 1}, headers=wrong)[0] == 401
+        right = {"Authorization": "Bearer sesame"}
+        assert keyed.post("/v1/completions", {"prompt": "a", "max_tokens": 1}, headers=right)[0] == 200
+        assert keyed.request("GET", "/health")[0] == 200  # health and metrics need no key
+        assert keyed.request("GET", "/metrics")[0] == 200
+    finally:
+        keyed.close()
 
 
 def _open_stream(port: int, max_tokens: int) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
