@@ -178,3 +178,30 @@ def test_link_addresses_read_and_write_as_the_flag_takes_them() -> None:
     for bad in ["localhost", "host:0", "host:70000", ":80", "@", "relative/path.sock"]:
         with pytest.raises(ValueError, match="HOST:PORT with a port between 1 and 65535, a socket path or @NAME"):
             parse_address(bad)
+
+
+def test_a_replica_drains_every_waiting_message_and_hears_the_front_end_leave() -> None:
+    """`ReplicaLink.poll`: nothing waiting returns [] after (not before) its timeout; everything waiting comes in
+    one call, in order; a front end that closed its end is a LinkError at the next poll, not a hang."""
+    front = FrontLink(b"key")
+    replicas: list[ReplicaLink] = []
+    connect = threading.Thread(target=lambda: replicas.append(ReplicaLink(front.address, b"key", {"replica": 0})))
+    connect.start()
+    try:
+        front.accept(1, timeout_s=10)
+        connect.join(10)
+        (replica,) = replicas
+        start = time.monotonic()
+        assert replica.poll(0.05) == []
+        assert time.monotonic() - start >= 0.05
+        for msg in MESSAGES:
+            front.conns[0].send(msg)
+        assert replica.poll(5.0) == MESSAGES
+        assert replica.poll(0.0) == []
+        front.conns[0].close()
+        with pytest.raises(LinkError, match="closed its link"):
+            replica.poll(5.0)
+    finally:
+        for replica in replicas:
+            replica.close()
+        front.close()
