@@ -104,18 +104,28 @@ def test_sender_reports_a_closed_peer_once():
         assert not sender.send(encode_frame(MESSAGES[1]))  # nothing more is taken
 
 
-@pytest.mark.timeout(30)
-def test_both_ends_of_a_link_send_without_nagle():
-    """A replica's several small messages per step must not wait for delayed ACKs (~40 ms each with Nagle's
-    algorithm on): both ends of the link set TCP_NODELAY, and messages still arrive whole and in order."""
-    front = FrontLink(b"key", ("127.0.0.1", 0))
+@contextlib.contextmanager
+def one_replica(address=None) -> Iterator[tuple[FrontLink, ReplicaLink]]:
+    """A front end's listener (at `address`, default: an abstract Unix socket) with one replica connected."""
+    front = FrontLink(b"key", address)
     replicas: list[ReplicaLink] = []
     connect = threading.Thread(target=lambda: replicas.append(ReplicaLink(front.address, b"key", {"replica": 0})))
     connect.start()
     try:
         front.accept(1, timeout_s=10)
         connect.join(10)
-        (replica,) = replicas
+        yield front, replicas[0]
+    finally:
+        for replica in replicas:
+            replica.close()
+        front.close()
+
+
+@pytest.mark.timeout(30)
+def test_both_ends_of_a_link_send_without_nagle():
+    """A replica's several small messages per step must not wait for delayed ACKs (~40 ms each with Nagle's
+    algorithm on): both ends of the link set TCP_NODELAY, and messages still arrive whole and in order."""
+    with one_replica(("127.0.0.1", 0)) as (front, replica):
         for conn in (front.conns[0], replica._conn):
             sock = socket.socket(fileno=conn.fileno())
             try:
@@ -125,10 +135,6 @@ def test_both_ends_of_a_link_send_without_nagle():
         for msg in MESSAGES:
             replica.send(msg)
         assert [front.conns[0].recv() for _ in MESSAGES] == MESSAGES
-    finally:
-        for replica in replicas:
-            replica.close()
-        front.close()
 
 
 @pytest.mark.timeout(30)
@@ -180,17 +186,11 @@ def test_link_addresses_read_and_write_as_the_flag_takes_them() -> None:
             parse_address(bad)
 
 
+@pytest.mark.timeout(30)
 def test_a_replica_drains_every_waiting_message_and_hears_the_front_end_leave() -> None:
     """`ReplicaLink.poll`: nothing waiting returns [] after (not before) its timeout; everything waiting comes in
     one call, in order; a front end that closed its end is a LinkError at the next poll, not a hang."""
-    front = FrontLink(b"key")
-    replicas: list[ReplicaLink] = []
-    connect = threading.Thread(target=lambda: replicas.append(ReplicaLink(front.address, b"key", {"replica": 0})))
-    connect.start()
-    try:
-        front.accept(1, timeout_s=10)
-        connect.join(10)
-        (replica,) = replicas
+    with one_replica() as (front, replica):
         start = time.monotonic()
         assert replica.poll(0.05) == []
         assert time.monotonic() - start >= 0.05
@@ -201,7 +201,3 @@ def test_a_replica_drains_every_waiting_message_and_hears_the_front_end_leave() 
         front.conns[0].close()
         with pytest.raises(LinkError, match="closed its link"):
             replica.poll(5.0)
-    finally:
-        for replica in replicas:
-            replica.close()
-        front.close()
