@@ -408,7 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
     p = sub.add_parser("launch", help="start a whole topology on this host and gather the outputs")
     add_run_arguments(p)
-    p.set_defaults(func=cmd_generate, launch=True)
+    p.set_defaults(func=cmd_generate, launch=True, starts_ranks=True)
 
     p = sub.add_parser("worker", help="start one rank (by hand, e.g. on another host)")
     add_worker_arguments(p)
@@ -424,7 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--connectors", type=connector_list, default="p2p,async", help="comma-separated connectors to run, in order"
     )
     add_skip_resource_check(p)
-    p.set_defaults(func=cmd_demo)
+    p.set_defaults(func=cmd_demo, starts_ranks=True)
     p = sub.add_parser("bench", help="connectors side by side on an uneven request mix, plus numerics")
     p.add_argument("--model", default="tiny", help="checkpoint directory or preset")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights dtype")
@@ -466,7 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-score", action="store_true", help="skip the numerics comparison")
     p.add_argument("--json", help="also write the raw result (JSON) to this file")
     add_skip_resource_check(p)
-    p.set_defaults(func=cmd_bench)
+    p.set_defaults(func=cmd_bench, starts_ranks=True)
     # `afd bench step`: a sub-command of bench; `afd bench` without it keeps its flags and behaviour
     steps = p.add_subparsers(dest="bench_command", parser_class=_Parser, metavar="{step,exchange,serve}")
     cli_bench.add_bench_parsers(steps)
@@ -512,6 +512,10 @@ def _run(argv: Sequence[str] | None) -> int:
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
         stream=sys.stderr,
     )
+    if getattr(args, "starts_ranks", False):  # the ranks' zygote imports torch beside this process's own imports
+        from afd.runtime.zygote import prestart
+
+        prestart()
     try:
         return args.func(args)
     except (UsageError, InputError) as exc:

@@ -25,7 +25,7 @@ def add_bench_parsers(steps) -> None:
         "--steps", type=positive_int, default=10, help="timed steps per point (their mean; isolated: their median)"
     )
     s.add_argument("--json", help="also write the raw result (JSON) to this file")
-    s.set_defaults(func=cmd_bench_step)
+    s.set_defaults(func=cmd_bench_step, starts_ranks=False)
     s = steps.add_parser("exchange", help="one layer's exchange round trip (no-op FFN) beside a copy of its bytes")
     s.add_argument("--model", default="tiny", help="checkpoint directory or preset (only its shapes are used)")
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="hidden dtype")
@@ -54,7 +54,7 @@ def add_bench_parsers(steps) -> None:
         "failing unless every reply equals its request (ordering under load); with --graph through captured passes",
     )
     s.add_argument("--json", help="also write the raw result (JSON) to this file")
-    s.set_defaults(func=cmd_bench_exchange)
+    s.set_defaults(func=cmd_bench_exchange, starts_ranks=False)
 
 
 def cmd_bench_step(args: argparse.Namespace) -> int:

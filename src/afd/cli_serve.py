@@ -100,7 +100,7 @@ def add_serve_parser(sub) -> None:
         default=1024,
         help="requests that may wait for a replica; beyond it new requests get 429",
     )
-    p.set_defaults(func=cmd_serve)
+    p.set_defaults(func=cmd_serve, starts_ranks=True)
 
 
 def build_plan(args: argparse.Namespace):
@@ -314,7 +314,7 @@ def add_bench_serve_parser(steps) -> None:
     )
     s.add_argument("--json", help="also write the raw results (JSON) to this file")
     s.add_argument("--plot", metavar="FILE.png", help="latency vs rate per server config (needs afd[plot])")
-    s.set_defaults(func=cmd_bench_serve)
+    s.set_defaults(func=cmd_bench_serve, starts_ranks=False)
 
 
 def _fraction(text: str) -> float:

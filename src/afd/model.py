@@ -23,7 +23,7 @@ from torch import nn
 from afd.attention import Batch, MLAttention
 from afd.kv_cache import PagedLatentCache
 from afd.layers import MLP, Gate, RMSNorm, apply_rope
-from afd.model_config import MODEL_TYPES, ModelConfig, rope_parameters, scaled
+from afd.model_config import MODEL_TYPES, ModelConfig, rope_parameters, scaled, softmax_scale
 from afd.moe import Routing
 
 logger = logging.getLogger(__name__)
@@ -171,10 +171,9 @@ class AttentionLayer(nn.Module):
         shared_experts: bool = False,
     ) -> None:
         super().__init__()
-        _, _, softmax_scale = rope_parameters(config)
         self.layer_idx = layer_idx
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = MLAttention(config, layer_idx, softmax_scale)
+        self.self_attn = MLAttention(config, layer_idx, softmax_scale(config))
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         is_moe = config.is_moe_layer(layer_idx)
         self.mlp = MLP(config.hidden_size, config.intermediate_size) if gate_on_attention and not is_moe else None
@@ -207,6 +206,16 @@ class AttentionLayer(nn.Module):
         return h, Boundary(self.layer_idx, y, self.gate(y) if self.gate is not None else None)
 
 
+def _embedding(num_embeddings: int, dim: int) -> nn.Embedding:
+    """`nn.Embedding`, initialized only on a real device. Models are built on meta before their weights load, and
+    `normal_` on a meta tensor first imports ~900 modules (sympy, mpmath): 2 s of every launcher's and attention
+    rank's start on a small host, for values that are overwritten anyway."""
+    weight = torch.empty(num_embeddings, dim)
+    if weight.device.type != "meta":
+        nn.init.normal_(weight)
+    return nn.Embedding(num_embeddings, dim, _weight=weight)
+
+
 class AttentionModel(nn.Module):
     """Embedding, attention blocks, norms, gate/dense MLPs (gate on attention), final norm, lm_head."""
 
@@ -222,7 +231,7 @@ class AttentionModel(nn.Module):
         self.config, self.gate_on_attention, self.dtype = config, gate_on_attention, dtype
         # whether this side holds the shared experts of its MoE layers (the connector runs them between send and recv)
         self.has_shared_experts = shared_experts and gate_on_attention and config.n_shared_experts > 0
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = _embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             AttentionLayer(config, i, gate_on_attention, dtype, shared_experts) for i in range(config.num_hidden_layers)
         )

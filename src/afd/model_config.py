@@ -130,17 +130,31 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
+def _yarn_factor(config: ModelConfig) -> float:
+    ys = config.rope_scaling
+    return ys.get("factor") or config.max_position_embeddings / ys["original_max_position_embeddings"]
+
+
+def softmax_scale(config: ModelConfig) -> float:
+    """The attention's softmax scale: 1/sqrt(qk_head_dim), with YaRN's mscale_all_dim correction squared. Plain
+    floats: a model built on meta needs it, and its first tensor op on meta imports sympy (2 s of a rank's start)."""
+    scale = config.qk_head_dim**-0.5
+    ys = config.rope_scaling
+    if ys is not None and ys.get("mscale_all_dim"):
+        scale *= _yarn_mscale(_yarn_factor(config), ys["mscale_all_dim"]) ** 2
+    return scale
+
+
 def rope_parameters(config: ModelConfig) -> tuple[torch.Tensor, float, float]:
     """(inv_freq [R/2] fp32, cos/sin scale, softmax scale) for default rope or YaRN as DeepSeek uses it."""
     dim = config.qk_rope_head_dim
     base = config.rope_theta
     pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)  # [R/2]
-    softmax_scale = config.qk_head_dim**-0.5
     ys = config.rope_scaling
     if ys is None:
-        return 1.0 / pos_freqs, 1.0, softmax_scale
+        return 1.0 / pos_freqs, 1.0, softmax_scale(config)
     orig_max = ys["original_max_position_embeddings"]
-    factor = ys.get("factor") or config.max_position_embeddings / orig_max
+    factor = _yarn_factor(config)
     mscale, mscale_all_dim = ys.get("mscale"), ys.get("mscale_all_dim")
     attention_factor = ys.get("attention_factor")
     if attention_factor is None:
@@ -162,6 +176,4 @@ def rope_parameters(config: ModelConfig) -> tuple[torch.Tensor, float, float]:
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)  # [R/2]
     is_extrapolated = 1 - ramp
     inv_freq = (1.0 / (factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * is_extrapolated
-    if mscale_all_dim:
-        softmax_scale *= _yarn_mscale(factor, mscale_all_dim) ** 2
-    return inv_freq, float(attention_factor), softmax_scale
+    return inv_freq, float(attention_factor), softmax_scale(config)

@@ -42,7 +42,7 @@ def peer_silence_bound(timeout_s: float, heartbeat_s: float) -> float:
     return min(timeout_s, max(MIN_PEER_SILENCE_S, 32 * heartbeat_s))
 
 
-def _process_alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     """Whether `pid` still runs (a zombie, dead but not yet reaped, counts as gone)."""
     try:
         os.kill(pid, 0)
@@ -123,7 +123,7 @@ class Watchdog:
         assert pid is not None
         if self._parent_is_watched:
             return os.getppid() == pid  # reparented: the launcher died, even if not yet reaped
-        return _process_alive(pid)
+        return process_alive(pid)
 
     # the supervisor thread: no store ops, so a frozen store cannot hold it
     def _supervise(self) -> None:

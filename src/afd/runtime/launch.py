@@ -38,6 +38,7 @@ from afd.config import AFDConfig
 from afd.engine import Output
 from afd.env import LAUNCHER_PID_VAR, SECRET_VAR
 from afd.kv_cache import CacheOptions
+from afd.runtime.zygote import RankHandle, Zygote, ZygoteError, zygote_for_launch
 from afd.sampling import SamplingParams
 from afd.serve.link import LinkAddress, format_address
 from afd.signals import Interrupted
@@ -85,7 +86,7 @@ class RankProcess:
     role: str  # "attention", "ffn", or "replica" (a whole-model replica of a server, connector none)
     role_rank: int
     world_rank: int
-    proc: subprocess.Popen
+    proc: subprocess.Popen | RankHandle  # RankHandle: forked by the launch's zygote
     log_path: Path
     extra: dict = field(default_factory=dict)
 
@@ -262,7 +263,7 @@ def stop_all(ranks: list[RankProcess], grace_s: float = STOP_GRACE_S) -> None:
             rank.proc.wait(timeout=grace_s)
 
 
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+def _signal_group(proc: subprocess.Popen | RankHandle, sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
@@ -292,11 +293,12 @@ def launch(
     owned_dir = run_dir is None
     run_dir = Path(tempfile.mkdtemp(prefix="afd_run_")) if run_dir is None else run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
+    rank_env = rank_environment(secret)
+    zygote = zygote_for_launch()
     assignment = assign_prompts(prompts, config.num_attention_ranks)
     for a, indices in enumerate(assignment):
         lines = [json.dumps({"prompt_ids": prompts[i]}) + "\n" for i in indices]
         (run_dir / f"prompts_attn{a}.jsonl").write_text("".join(lines))
-    rank_env = rank_environment(secret)
 
     ranks: list[RankProcess] = []
     previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
@@ -317,7 +319,8 @@ def launch(
     try:
         for role, role_rank in rank_order(config):
             cmd = worker_command(config, spec, role, role_rank, run_dir)
-            ranks.append(spawn_rank(role, role_rank, world_rank_of(config, role, role_rank), cmd, run_dir, rank_env))
+            world_rank = world_rank_of(config, role, role_rank)
+            ranks.append(spawn_rank(role, role_rank, world_rank, cmd, run_dir, rank_env, zygote))
         _wait_for_ranks(ranks, spec.timeout_s, on_progress)
     except LaunchError as exc:
         raise LaunchError(f"{exc}; logs: {run_dir}") from None
@@ -374,9 +377,17 @@ def rank_order(config: AFDConfig) -> list[tuple[Role, int]]:
     ]
 
 
-def spawn_rank(role: str, role_rank: int, world_rank: int, cmd: list[str], run_dir: Path, env: dict) -> RankProcess:
-    """Start one rank in its own process group (stop_all reaches its children too), logging to the run dir."""
+def spawn_rank(
+    role: str, role_rank: int, world_rank: int, cmd: list[str], run_dir: Path, env: dict, zygote: Zygote | None = None
+) -> RankProcess:
+    """Start one rank in its own process group (stop_all reaches its children too), logging to the run dir:
+    forked from `zygote`, or (None) as a process of its own."""
     log_path = run_dir / f"{role}{role_rank}.log"
+    if zygote is not None:
+        try:
+            return RankProcess(role, role_rank, world_rank, zygote.spawn(cmd, env, log_path), log_path)
+        except ZygoteError as exc:
+            raise LaunchError(f"could not start {role} rank {role_rank}: {exc}") from None
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen(
             cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, env=env

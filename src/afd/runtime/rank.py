@@ -35,6 +35,7 @@ from afd.runtime.launch import RunSpec
 from afd.serve.link import LinkAddress
 from afd.topology import local_gpu_index
 from afd.transport.symm_heap import wait_keys
+from afd.watchdog import process_alive
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,9 @@ def die_with_launcher(launcher_pid: int | None) -> None:
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
             log.warning("no parent-death signal (errno %d); the watchdog still checks the launcher", ctypes.get_errno())
-    if os.getppid() != launcher_pid:
+    # a rank forked by the launch's zygote (afd.runtime.zygote) is the zygote's child; the zygote dies with the launcher
+    parent = env.zygote_pid() or launcher_pid
+    if os.getppid() != parent or (parent != launcher_pid and not process_alive(launcher_pid)):
         raise LauncherGone(f"the launcher that started this rank (pid {launcher_pid}) is gone")
 
 

@@ -36,6 +36,7 @@ from afd.runtime.launch import (
     worker_command,
     world_rank_of,
 )
+from afd.runtime.zygote import zygote_for_launch
 from afd.serve.link import LinkAddress
 
 __all__ = ["ServerRanks", "new_secret", "start_server_ranks"]
@@ -113,16 +114,17 @@ def start_server_ranks(
     run_dir.mkdir(parents=True, exist_ok=True)
     server = ServerRanks(config, run_dir, store)
     env = rank_environment(secret)
+    zygote = zygote_for_launch()
     try:
         if config is None:
             for r in range(replicas):
                 cmd = replica_command(spec, r, replicas, run_dir, serve_address)
-                server.ranks.append(spawn_rank("replica", r, r, cmd, run_dir, env))
+                server.ranks.append(spawn_rank("replica", r, r, cmd, run_dir, env, zygote))
         else:
             for role, role_rank in rank_order(config):
                 cmd = worker_command(config, spec, role, role_rank, run_dir, serve_address)
                 world_rank = world_rank_of(config, role, role_rank)
-                server.ranks.append(spawn_rank(role, role_rank, world_rank, cmd, run_dir, env))
+                server.ranks.append(spawn_rank(role, role_rank, world_rank, cmd, run_dir, env, zygote))
     except OSError as exc:  # no process could be made (resources): nothing half started stays
         server.stop()
         raise LaunchError(f"could not start the server's ranks: {exc}") from None
