@@ -99,16 +99,24 @@ def test_a_rank_ends_when_its_zygote_dies_and_its_status_is_unknown(tmp_path: Pa
 
 
 @pytest.mark.timeout(120)
-def test_one_zygote_serves_a_process_until_its_environment_changes(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_one_zygote_serves_every_launch_and_each_rank_shows_its_own_environment(tmp_path: Path) -> None:
+    first = zygotes.zygote_for_launch()
+    assert first is not None and zygotes.zygote_for_launch() is first
+    cmd = _waiting_ffn_rank()
+    rank = first.spawn(cmd, {**os.environ, "AFD_TEST_RANK_MARK": "mark-1"}, tmp_path / "ffn0.log")
     try:
-        first = zygotes.zygote_for_launch()
-        assert first is not None and zygotes.zygote_for_launch() is first
-        monkeypatch.setenv("AFD_TEST_ZYGOTE_ENV", "changed")  # e.g. the next test's tag
+        _wait_for_command(rank.pid, cmd)
+        shown = Path(f"/proc/{rank.pid}/environ").read_bytes().split(b"\0")
+        assert b"AFD_TEST_RANK_MARK=mark-1" in shown  # what finds ranks by environment (the tests' tags) reads
+        assert not any(entry.startswith(zygotes.ROOM_VAR.encode()) for entry in shown)
+        os.killpg(rank.pid, signal.SIGKILL)
+        assert rank.wait(30) == -signal.SIGKILL
+        first.proc.kill()  # a zygote that died is replaced
+        first.proc.wait(10)
         second = zygotes.zygote_for_launch()
-        assert second is not first and first.proc.poll() is not None
+        assert second is not first and second.usable()
     finally:
         zygotes.close_shared()
-    assert second.proc.poll() is not None
 
 
 @pytest.mark.timeout(120)

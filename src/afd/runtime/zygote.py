@@ -4,8 +4,9 @@
 of A + F ranks paid it A + F times over, on top of the launcher's own. So the launcher starts one zygote per launch
 (`Zygote`): `python -m afd.runtime.zygote` imports torch and the rank runtime, then forks each rank on request. A
 forked rank becomes what `python -m afd worker ...` would have been: its own session (process group), its log as
-stdout and stderr, the environment and working directory the launcher gave it, and that command line in
-/proc/PID/cmdline (the zygote starts with room for it), so `ps`, and the tests that find ranks by role, see it.
+stdout and stderr, the environment and working directory the launcher gave it, and that command line and
+environment in /proc/PID/cmdline and /proc/PID/environ (the zygote starts with room for both), so `ps`, and the
+tests that find ranks by role and by environment, see them.
 
 Nothing that starts threads, CUDA or a communicator runs before the fork; the zygote imports modules only.
 
@@ -39,7 +40,8 @@ from afd import env
 log = logging.getLogger(__name__)
 
 READY_S = 180.0  # the zygote's imports, at most (a loaded 2-core host took ~3 s)
-CMDLINE_ROOM = 16384  # bytes of command line a forked rank can show (a worker's is ~1-2 KB)
+ROOM = 32768  # bytes of command line, and of environment, a forked rank can show beyond the zygote's own
+ROOM_VAR = "AFD_ZYGOTE_ROOM"  # the zygote's environment holds ROOM spaces in it
 REAP_S = 0.02  # how often an idle zygote looks for ranks that ended
 
 
@@ -59,16 +61,13 @@ _shared_lock = threading.Lock()
 
 def zygote_for_launch() -> Zygote | None:
     """This process's zygote, started now or earlier (`prestart`); None where ranks start as processes of their own.
-
-    One zygote serves every launch of a process (`afd demo` launches each connector in turn) for as long as the
-    process's environment is the one the zygote started with: /proc/PID/environ of a forked rank is the zygote's,
-    and what finds ranks by their environment (the tests' tags) must read the launch's. A new environment, or a
-    zygote that died, gets a new one."""
+    One zygote serves every launch of a process (`afd demo` launches each connector in turn; a test session many
+    runs); one that died is replaced."""
     global _shared
     if not zygote_available():
         return None
     with _shared_lock:
-        if _shared is not None and (_shared.environ != dict(os.environ) or not _shared.usable()):
+        if _shared is not None and not _shared.usable():
             _shared.close()
             _shared = None
         if _shared is None:
@@ -95,13 +94,12 @@ class Zygote:
     """A zygote process; `spawn` forks a rank from it. Thread-safe; `close` ends it (after the launch's ranks)."""
 
     def __init__(self) -> None:
-        self.environ = dict(os.environ)
         ours, theirs = socket.socketpair()
         self._conn = Connection(os.dup(ours.fileno()))
         ours.close()
         fd, name = tempfile.mkstemp(prefix="afd_zygote_", suffix=".log")
         self.log_path = Path(name)
-        cmd = [sys.executable, "-m", "afd.runtime.zygote", str(theirs.fileno()), str(os.getpid()), " " * CMDLINE_ROOM]
+        cmd = [sys.executable, "-m", "afd.runtime.zygote", str(theirs.fileno()), str(os.getpid()), " " * ROOM]
         try:
             self.proc = subprocess.Popen(
                 cmd,
@@ -110,7 +108,7 @@ class Zygote:
                 stdout=fd,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # a Ctrl-C at the terminal is the launcher's to handle, not ours
-                env={**self.environ, "PYTHONUNBUFFERED": "1"},
+                env={**os.environ, "PYTHONUNBUFFERED": "1", ROOM_VAR: " " * ROOM},
             )
         finally:
             os.close(fd)
@@ -229,14 +227,26 @@ class RankHandle:
 
 
 # ---------------------------------------------------------------- the zygote's side
+def _overwrite_area(first_field: int, strings: list[str]) -> None:
+    """Write `strings`, NUL-terminated and NUL-padded, over the memory /proc shows from field `first_field` of
+    /proc/self/stat to the next (proc(5): 48-49 the command line, 50-51 the environment); what does not fit is cut."""
+    stat = Path("/proc/self/stat").read_text()
+    fields = stat[stat.rindex(")") + 2 :].split()  # fields 3.. of proc(5)
+    start, end = int(fields[first_field - 3]), int(fields[first_field - 2])
+    text = b"".join(s.encode(errors="replace") + b"\0" for s in strings)[: end - start - 1]
+    ctypes.memmove(start, text.ljust(end - start, b"\0"), end - start)
+
+
 def set_cmdline(args: list[str]) -> None:
     """Show `args` as this process's command line in /proc/PID/cmdline (what `ps` and `pgrep -f` read), written
-    over the original one, which must be long enough (the zygote's is `CMDLINE_ROOM` longer than it needs)."""
-    stat = Path("/proc/self/stat").read_text()
-    fields = stat[stat.rindex(")") + 2 :].split()  # fields 3.. of proc(5); arg_start and arg_end are 48 and 49
-    start, end = int(fields[45]), int(fields[46])
-    text = b"\0".join(a.encode(errors="replace") for a in args)[: end - start - 1] + b"\0"
-    ctypes.memmove(start, text.ljust(end - start, b"\0"), end - start)
+    over the original one, which must be long enough (the zygote's is `ROOM` longer than it needs)."""
+    _overwrite_area(48, args)
+
+
+def set_environ(environ: dict[str, str]) -> None:
+    """Show `environ` in /proc/PID/environ (what tools that find processes by their environment read), written over
+    the original one, which must be long enough (the zygote's holds `ROOM_VAR`)."""
+    _overwrite_area(50, [f"{k}={v}" for k, v in environ.items()])
 
 
 def _serve(conn: Connection) -> tuple | None:
@@ -292,6 +302,7 @@ def _become_rank(cmd: list[str], rank_env: dict[str, str], cwd: str, log_path: s
     os.environ.update(rank_env)
     os.environ[env.ZYGOTE_PID_VAR] = str(os.getppid())
     set_cmdline(cmd)
+    set_environ(dict(os.environ))
     sys.argv = [cmd[0], *cmd[3:]]
     from afd.cli import main
 
