@@ -80,3 +80,17 @@ cold_serving() {
   compiled_while_serving
   unset AFD_LOG_DIR
 }
+# serve_start ZYGOTE LABEL: seconds from `afd serve` (V2-Lite bf16, none R=1) to a healthy /health, then SIGTERM; with
+# AFD_ZYGOTE=ZYGOTE (1: ranks forked from the zygote, 0: processes of their own)
+serve_start() {
+  local z=$1 port=$((8100 + RANDOM % 800)) t0; t0=$(date +%s.%N)
+  AFD_ZYGOTE=$z timeout 300 python3 -m afd serve --model deepseek-v2-lite --dtype bfloat16 --device cuda \
+    --connector none --replicas 1 --port $port >"$B/serve_$2.out" 2>"$B/serve_$2.err" &
+  local pid=$!
+  until curl -sf "http://127.0.0.1:$port/health" >/dev/null; do
+    kill -0 $pid 2>/dev/null || { echo "serve $2 died"; tail -n 5 "$B/serve_$2.err"; break; }
+    sleep 0.1
+  done
+  echo "$2 AFD_ZYGOTE=$z: healthy after $(python3 -c "import time; print(round(time.time() - $t0, 1))") s"
+  kill -TERM $pid; wait $pid; echo "  exit status $?"
+}

@@ -20,17 +20,6 @@ for z in 1 0 1 0; do
     --max-new-tokens 4 >/dev/null 2>"$B/launch_$z.err" || tail -n 5 "$B/launch_$z.err"
 done
 echo "== afd serve start-up to a healthy /health, V2-Lite bf16 (s)"
-for z in 1 0; do
-  port=$((8100 + z)); t0=$(date +%s.%N)
-  AFD_ZYGOTE=$z timeout 300 python3 -m afd serve --model deepseek-v2-lite --dtype bfloat16 --device cuda \
-    --connector none --replicas 1 --port $port >"$B/serve_$z.out" 2>"$B/serve_$z.err" &
-  pid=$!
-  until curl -sf "http://127.0.0.1:$port/health" >/dev/null; do
-    kill -0 $pid 2>/dev/null || { echo "serve AFD_ZYGOTE=$z died"; tail -n 5 "$B/serve_$z.err"; break; }
-    sleep 0.2
-  done
-  echo "AFD_ZYGOTE=$z serve healthy after $(python3 -c "import time; print(round(time.time() - $t0, 1))") s"
-  kill -TERM $pid; wait $pid; echo "  exit status $?"
-done
+for z in 1 0; do serve_start $z "zygote_$z"; done
 for i in 1 2; do AFD_BUSY_POLL=1 front_end front_end_bp1_zygote_$i; done
 echo "== leftover processes:"; pgrep -af "afd" | grep -v pgrep || echo none

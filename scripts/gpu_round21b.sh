@@ -6,18 +6,6 @@ source "$(dirname "$0")/device_env.sh"
 log_run r21b
 export CUDA_VISIBLE_DEVICES=0
 export AFD_LOG_DIR=$B/logs
-serve_start() {  # serve_start ZYGOTE LABEL: seconds from `afd serve` to a healthy /health, then SIGTERM
-  local z=$1 port=$((8100 + RANDOM % 800)) t0; t0=$(date +%s.%N)
-  AFD_ZYGOTE=$z timeout 300 python3 -m afd serve --model deepseek-v2-lite --dtype bfloat16 --device cuda \
-    --connector none --replicas 1 --port $port >"$B/serve_$2.out" 2>"$B/serve_$2.err" &
-  local pid=$!
-  until curl -sf "http://127.0.0.1:$port/health" >/dev/null; do
-    kill -0 $pid 2>/dev/null || { echo "serve $2 died"; tail -n 5 "$B/serve_$2.err"; break; }
-    sleep 0.1
-  done
-  echo "$2 AFD_ZYGOTE=$z: healthy after $(python3 -c "import time; print(round(time.time() - $t0, 1))") s"
-  kill -TERM $pid; wait $pid; echo "  exit status $?"
-}
 serve_start 0 cache_fill
 for i in 1 2; do serve_start 1 "forked_$i"; serve_start 0 "own_$i"; done
 grep -h "warmed up\|loaded" "$AFD_LOG_DIR"/*/*.log | sed 's/^.* afd\./afd./' | cut -c1-150 | tee "$OUT/warm_up_lines.txt"
