@@ -3,6 +3,7 @@ and `FrameSender`, which never blocks its caller on a replica that is not readin
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import threading
@@ -12,6 +13,8 @@ from multiprocessing.connection import Connection
 
 import pytest
 
+from afd.sampling import SamplingParams
+from afd.serve.frontend import Event, ReplicaPool
 from afd.serve.link import (
     FrameSender,
     FrontLink,
@@ -201,3 +204,38 @@ def test_a_replica_drains_every_waiting_message_and_hears_the_front_end_leave() 
         front.conns[0].close()
         with pytest.raises(LinkError, match="closed its link"):
             replica.poll(5.0)
+
+
+def _pool_with_one_replica() -> tuple[ReplicaPool, Connection]:
+    """A front end's pool over a socketpair; the other end is the replica's Connection."""
+    front, replica = socket.socketpair()
+    hello = {"max_model_len": 64, "vocab_size": 100, "num_cache_tokens": 256, "max_num_seqs": 4}
+    return ReplicaPool({0: Connection(front.detach())}, {0: hello}), Connection(replica.detach())
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("death_seen_after_s", [0.1, None])
+def test_a_lost_replicas_requests_end_with_the_rank_death_behind_it(death_seen_after_s) -> None:
+    """A replica's link closes because a rank of its world died (the replica exits after it): its requests end with
+    that rank's name once the supervisor sees the death, looked for briefly; with no death, with the lost link."""
+    death = "ffn rank 0 (world rank 1) exited with status -9 (killed by SIGKILL)"
+
+    async def scenario() -> Event:
+        pool, replica = _pool_with_one_replica()
+        pool.start()
+        began = time.monotonic()
+        if death_seen_after_s is not None:
+            pool.cause_of_loss = lambda: death if time.monotonic() - began > death_seen_after_s else None
+        sub = pool.submit("cmpl-1", [1, 2, 3], 4, SamplingParams(), [])
+        assert replica.recv()["type"] == "add"
+        replica.close()  # the replica process exits
+        try:
+            event = await asyncio.wait_for(sub.queue.get(), 5)
+            assert not pool.alive[0]  # no request went there after the link closed
+            return event
+        finally:
+            pool.close()
+
+    event = asyncio.run(scenario())
+    assert event.kind == "finished" and event.reason == "error" and event.status == 503
+    assert event.message == (death if death_seen_after_s is not None else "replica 0 closed its link")

@@ -16,6 +16,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
@@ -25,6 +26,8 @@ from afd.serve.metrics import ReplicaMetrics
 from afd.serve.router import outstanding_tokens, pick_replica
 
 logger = logging.getLogger(__name__)
+
+LOSS_CAUSE_WAIT_S = 0.5  # how long a lost replica's requests wait to be told the cause (a rank's death) at most
 
 
 @dataclass
@@ -83,6 +86,8 @@ class ReplicaPool:
         self._senders: list[FrameSender] = []
         self._inbuf = [bytearray() for _ in range(self.num_replicas)]
         self._loop: asyncio.AbstractEventLoop | None = None
+        # why a replica's link may have closed, in one sentence (the server: a rank that died), or None
+        self.cause_of_loss: Callable[[], str | None] = lambda: None
 
     # --- the links, on the event loop
     def start(self) -> None:
@@ -136,9 +141,25 @@ class ReplicaPool:
                 pass
 
     def _gone(self, replica: int) -> None:
-        """On the loop: the replica's link broke (unless the server is stopping, that is a failure)."""
-        if not self.stopping:
-            self.lose(replica, f"replica {replica} closed its link")
+        """On the loop: the replica's link broke (unless the server is stopping, that is a failure). No request goes
+        to it from now on; its requests end once the cause is known (`_end_lost`)."""
+        if self.stopping or not self.alive[replica]:
+            return
+        self.alive[replica] = False
+        assert self._loop is not None
+        self._loop.create_task(self._end_lost(replica))
+
+    async def _end_lost(self, replica: int) -> None:
+        """End a lost replica's requests with the cause: a replica's link usually closes because a rank of its world
+        died and the replica exited after it, so the death is looked for, briefly, before the requests are told."""
+        deadline = time.monotonic() + LOSS_CAUSE_WAIT_S
+        cause = self.cause_of_loss()
+        while cause is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+            cause = self.cause_of_loss()
+        why = cause or f"replica {replica} closed its link"
+        logger.error("%s; the requests of replica %d end with an error", why, replica)
+        self.fail(why, replica)
 
     def close(self) -> None:
         """Stop reading and sending (on the loop, at the end of serving); the links themselves stay the caller's."""
@@ -273,14 +294,6 @@ class ReplicaPool:
         return self._senders[replica].send(encode_frame(message))
 
     # --- failures and shutdown
-    def lose(self, replica: int, why: str) -> None:
-        """A replica is gone: every request on it ends with an error (503)."""
-        if not self.alive[replica]:
-            return
-        self.alive[replica] = False
-        logger.error("%s; its requests end with an error", why)
-        self.fail(why, replica)
-
     def fail(self, why: str, replica: int | None = None) -> None:
         """End every request (of one replica, or all) with an error event carrying `why`."""
         for rid, sub in list(self.requests.items()):

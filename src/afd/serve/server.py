@@ -51,6 +51,7 @@ class ServerState:
     ) -> None:
         self.pool, self.tokenizer, self.options = pool, tokenizer, options
         self.dead_ranks = dead_ranks  # names of ranks that stopped (the rank supervisor's `.dead()`)
+        pool.cause_of_loss = lambda: rank_failure(dead) if (dead := self.dead_ranks()) else None
         self.draining = False
         self.failed_before_stop = False  # a rank or replica was gone when the stop came (the exit status says so)
         self.created = int(time.time())
