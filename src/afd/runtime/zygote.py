@@ -50,7 +50,7 @@ class ZygoteError(RuntimeError):
 
 
 def zygote_available() -> bool:
-    """Forking ranks needs Linux (/proc, prctl) and is on unless `AFD_ZYGOTE=0`."""
+    """Forking ranks needs Linux (/proc shows what a forked rank writes there) and is on unless `AFD_ZYGOTE=0`."""
     return sys.platform.startswith("linux") and env.zygote_enabled()
 
 
@@ -254,20 +254,12 @@ def _serve(conn: Connection) -> tuple | None:
     rank's job. Ends when the launcher closes the pipe."""
     children: set[int] = set()
     while True:
-        while children:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-            children.discard(pid)
-            conn.send(("exited", pid, os.waitstatus_to_exitcode(status)))
         try:
+            _report_ended(children, conn)
             if not conn.poll(REAP_S):
                 continue
             message = conn.recv()
-        except (EOFError, OSError):
+        except (EOFError, OSError):  # the launcher is gone: so is this zygote (its ranks get their death signal)
             return None
         if message[0] != "spawn":
             continue
@@ -278,13 +270,30 @@ def _serve(conn: Connection) -> tuple | None:
                 warnings.simplefilter("ignore", DeprecationWarning)
                 pid = os.fork()
         except OSError as exc:
-            conn.send(("failed", f"fork: {exc.strerror}"))
-            continue
+            pid, answer = None, ("failed", f"fork: {exc.strerror}")
         if pid == 0:
             conn.close()
             return message[1:]
-        children.add(pid)
-        conn.send(("spawned", pid))
+        if pid is not None:
+            children.add(pid)
+            answer = ("spawned", pid)
+        try:
+            conn.send(answer)
+        except OSError:
+            return None
+
+
+def _report_ended(children: set[int], conn: Connection) -> None:
+    """Reap every rank that ended and send its exit status (Popen's convention: -N for signal N)."""
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        children.discard(pid)
+        conn.send(("exited", pid, os.waitstatus_to_exitcode(status)))
 
 
 def _become_rank(cmd: list[str], rank_env: dict[str, str], cwd: str, log_path: str) -> int:
