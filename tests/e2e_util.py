@@ -157,6 +157,16 @@ def worker_pids() -> set[int]:
     return pids
 
 
+def zygote_pids() -> set[int]:
+    """Live zygotes (`afd.runtime.zygote`) started by the current test's processes: they carry its tag too."""
+    tag = test_tag()
+    return {
+        int(entry.name)
+        for entry in Path("/proc").iterdir()
+        if entry.name.isdigit() and b"afd.runtime.zygote" in _cmdline(int(entry.name)) and _tagged(int(entry.name), tag)
+    }
+
+
 def role_of(pid: int) -> str | None:
     cmdline = b"\0".join(_cmdline(pid))
     for role in ("attention", "ffn"):

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from e2e_util import MODEL, PROMPTS, assert_matches_reference, hand_config, launch_checked, reference
+from e2e_util import MODEL, PROMPTS, assert_matches_reference, hand_config, launch_checked, reference, zygote_pids
 
 from afd.runtime import zygote as zygotes
 from afd.runtime.launch import free_port, new_secret, rank_environment
@@ -125,3 +125,15 @@ def test_without_the_zygote_ranks_start_as_processes_and_match_the_reference(mon
     assert zygotes.zygote_for_launch() is None
     outputs, _ = launch_checked("async", 1, 1, PROMPTS, max_new_tokens=5, max_num_batched_tokens=64)
     assert_matches_reference(outputs, reference())
+
+
+@pytest.mark.timeout(180)
+def test_a_command_leaves_no_zygote_behind_whether_it_runs_or_refuses() -> None:
+    """The CLI starts its zygote before it checks its input: a run and a refusal both end it on the way out."""
+    launch = [sys.executable, "-m", "afd", "launch", "--connector", "async", "--attention", "1", "--ffn", "1"]
+    launch += ["--prompt-ids", "1,2", "--max-new-tokens", "2"]
+    ran = subprocess.run([*launch, "--model", MODEL], capture_output=True, text=True, timeout=150)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    refused = subprocess.run([*launch, "--model", "no-such-model"], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and refused.stderr.startswith("afd: error: ") and refused.stderr.count("\n") == 1
+    assert not zygote_pids(), "a zygote outlived its command"
