@@ -1,6 +1,7 @@
 """`afd launch`: start a whole topology on this host, one OS process per rank, and gather the outputs.
 
-Each rank is `python -m afd worker ...` (the same entry a user runs by hand on another host). The
+Each rank is `python -m afd worker ...` (the same entry a user runs by hand on another host), forked from
+the process's zygote, which imported torch once (`afd.runtime.zygote`; `AFD_ZYGOTE=0`: a process of its own). The
 launcher hands every rank the run's files through one run directory: `prompts_attn{r}.jsonl` in, one
 `outputs_attn{r}.json` out per attention replica, and one log per rank.
 
