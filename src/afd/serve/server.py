@@ -1,4 +1,5 @@
-"""The HTTP layer of `afd serve` (aiohttp): routes, the error object, the API key, health, and shutdown.
+"""The HTTP layer of `afd serve` (on `afd.serve.http_server`): routes, the error object, the API key, health,
+and shutdown.
 
 Handlers stay thin: `protocol` checks the body, `output.run_request` drives each prompt on a replica,
 and the handlers only shape what comes back (`responses`). Every failure a client can cause is an
@@ -10,17 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from aiohttp import web
-
 from afd import env
 from afd.serve import metrics
 from afd.serve.frontend import ReplicaPool
+from afd.serve.http_server import Handler, HTTPError, HTTPServer, Request, Response
 from afd.serve.protocol import APIError, parse_chat, parse_completion, parse_json
 from afd.serve.responses import Call, chat_response, completion_response, stream_chat, stream_completion
 from afd.serve.tokenizer import Tokenizer, TokenizerError
@@ -103,107 +104,91 @@ def rank_failure(dead: list[str]) -> str:
     return f"{dead[0]}{more}; the server cannot generate until it is restarted"
 
 
-STATE = web.AppKey("state", ServerState)
+# ---------------------------------------------------------------- responses
+def json_response(obj: object, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(status, json.dumps(obj).encode(), {"Content-Type": "application/json", **(headers or {})})
 
 
-# ---------------------------------------------------------------- middlewares
-def _error_response(err: APIError) -> web.Response:
-    return web.json_response(err.body(), status=err.status, headers=err.headers)
+def _error_response(err: APIError) -> Response:
+    return json_response(err.body(), err.status, err.headers)
 
 
-@web.middleware
-async def errors(request: web.Request, handler) -> web.StreamResponse:
-    """Every error a client sees is the OpenAI error object, also aiohttp's own 404/405/413."""
-    try:
-        return await handler(request)
-    except APIError as err:
-        return _error_response(err)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        return _error_response(APIError(exc.status, exc.reason or "the request failed"))
-    except (asyncio.CancelledError, ConnectionError):
-        raise  # the client left
-    except Exception:
-        logger.exception("unexpected error in %s %s", request.method, request.path)
-        return _error_response(APIError(500, "the server failed on this request; see its log"))
+def error_response(exc: Exception, request: Request | None) -> Response:
+    """Every error a client sees is the OpenAI error object: ours, the HTTP layer's own refusals (400, 404, 405,
+    408, 413, 431, 501), and an unexpected exception (500, with one line in the log)."""
+    if isinstance(exc, APIError):
+        return _error_response(exc)
+    if isinstance(exc, HTTPError):
+        return _error_response(APIError(exc.status, exc.message, headers=exc.headers))
+    where = f" in {request.method} {request.path}" if request is not None else ""
+    logger.exception("unexpected error%s", where, exc_info=exc)
+    return _error_response(APIError(500, "the server failed on this request; see its log"))
 
 
-@web.middleware
-async def api_key(request: web.Request, handler) -> web.StreamResponse:
-    """With --api-key, every /v1 route needs `Authorization: Bearer KEY` (health and metrics stay open)."""
-    key = request.app[STATE].options.api_key
-    if key and request.path.startswith("/v1"):
-        given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+def keyed(handler: Handler, key: str) -> Handler:
+    """With --api-key, the /v1 routes need `Authorization: Bearer KEY` (health and metrics stay open)."""
+    expected = f"Bearer {key}".encode()
+
+    async def guarded(request: Request) -> Response | None:
+        if not hmac.compare_digest(request.headers.get("authorization", "").encode(), expected):
             raise APIError(401, "the API key is missing or wrong; send the header Authorization: Bearer KEY")
-    return await handler(request)
+        return await handler(request)
+
+    return guarded
 
 
 # ---------------------------------------------------------------- routes
-async def health(request: web.Request) -> web.Response:
-    problem = request.app[STATE].problem()
-    if problem:
-        return _error_response(APIError(503, problem))
-    return web.Response(status=200)
+def build_routes(state: ServerState) -> dict[tuple[str, str], Handler]:
+    async def health(request: Request) -> Response:
+        problem = state.problem()
+        return _error_response(APIError(503, problem)) if problem else Response(200)
 
+    async def models(request: Request) -> Response:
+        card = {
+            "id": state.options.model_name,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "afd",
+            "root": state.options.model_name,
+            "max_model_len": state.pool.max_model_len,
+        }
+        return json_response({"object": "list", "data": [card]})
 
-async def models(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    card = {
-        "id": state.options.model_name,
-        "object": "model",
-        "created": state.created,
-        "owned_by": "afd",
-        "root": state.options.model_name,
-        "max_model_len": state.pool.max_model_len,
+    async def metrics_page(request: Request) -> Response:
+        text = metrics.render(state.pool.metrics, healthy=state.problem() is None, front_waiting=state.pool.waiting())
+        return Response(200, text.encode(), {"Content-Type": metrics.CONTENT_TYPE})
+
+    async def completions(request: Request) -> Response | None:
+        received_at = time.perf_counter()
+        req = parse_completion(parse_json(request.body))
+        state.admit(req.model)
+        call = Call.build(state, "cmpl", [state.encode(p) for p in req.prompts], req.params, req.prompts, received_at)
+        if req.params.stream:
+            return await stream_completion(request, call)
+        return json_response(await completion_response(call))
+
+    async def chat_completions(request: Request) -> Response | None:
+        received_at = time.perf_counter()
+        req = parse_chat(parse_json(request.body))
+        state.admit(req.model)
+        try:
+            prompt_ids = state.tokenizer.chat_prompt(req.messages)
+        except TokenizerError as exc:
+            raise APIError(400, str(exc), param="messages") from None
+        call = Call.build(state, "chatcmpl", [prompt_ids], req.params, received_at=received_at)
+        if req.params.stream:
+            return await stream_chat(request, call)
+        return json_response(await chat_response(call))
+
+    key = state.options.api_key
+    guard = (lambda h: keyed(h, key)) if key else (lambda h: h)
+    return {
+        ("GET", "/health"): health,
+        ("GET", "/metrics"): metrics_page,
+        ("GET", "/v1/models"): guard(models),
+        ("POST", "/v1/completions"): guard(completions),
+        ("POST", "/v1/chat/completions"): guard(chat_completions),
     }
-    return web.json_response({"object": "list", "data": [card]})
-
-
-async def metrics_page(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    text = metrics.render(state.pool.metrics, healthy=state.problem() is None, front_waiting=state.pool.waiting())
-    return web.Response(body=text.encode(), headers={"Content-Type": metrics.CONTENT_TYPE})
-
-
-async def completions(request: web.Request) -> web.StreamResponse:
-    received_at = time.perf_counter()
-    state = request.app[STATE]
-    req = parse_completion(parse_json(await request.read()))
-    state.admit(req.model)
-    call = Call.build(state, "cmpl", [state.encode(p) for p in req.prompts], req.params, req.prompts, received_at)
-    if req.params.stream:
-        return await stream_completion(request, call)
-    return web.json_response(await completion_response(call))
-
-
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    received_at = time.perf_counter()
-    state = request.app[STATE]
-    req = parse_chat(parse_json(await request.read()))
-    state.admit(req.model)
-    try:
-        prompt_ids = state.tokenizer.chat_prompt(req.messages)
-    except TokenizerError as exc:
-        raise APIError(400, str(exc), param="messages") from None
-    call = Call.build(state, "chatcmpl", [prompt_ids], req.params, received_at=received_at)
-    if req.params.stream:
-        return await stream_chat(request, call)
-    return web.json_response(await chat_response(call))
-
-
-def build_app(state: ServerState) -> web.Application:
-    # the key's check only when there is a key: one coroutine fewer between a request and its handler otherwise
-    middlewares = [errors, api_key] if state.options.api_key else [errors]
-    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
-    app[STATE] = state
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics_page)
-    app.router.add_get("/v1/models", models)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    return app
 
 
 # ---------------------------------------------------------------- running it
@@ -218,10 +203,8 @@ async def serve(
     requests finish (at most `DRAIN_S`), end the rest with an error, say `shutdown` to every replica.
     A rank that dies meanwhile makes /health answer 503 and ends every in-flight request with an error."""
     state.pool.start()
-    runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
-    await runner.setup()
-    site = web.SockSite(runner, sock)
-    await site.start()
+    server = HTTPServer(build_routes(state), error_response, max_body_bytes=MAX_BODY_BYTES)
+    await server.start(sock)
     watcher = asyncio.create_task(_watch_ranks(state))
     spinner = asyncio.create_task(spin()) if env.busy_poll() else None
     on_ready()
@@ -233,14 +216,14 @@ async def serve(
             spinner.cancel()
         state.failed_before_stop = state.problem() is not None
         state.draining = True
-        await site.stop()  # no new connections; requests on open ones get 503
+        server.stop_accepting()  # no new connections; requests on open ones get 503
         deadline = time.monotonic() + DRAIN_S
         while state.pool.requests and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if state.pool.requests:
             logger.warning("%d requests still running after %g s; ending them", len(state.pool.requests), DRAIN_S)
             state.pool.fail("the server is shutting down")
-        await runner.cleanup()
+        await server.close(2.0)
         # a replica whose world lost a rank cannot finish a step: do not wait long for its bye
         wait_s = min(replica_bye_s, 0.5) if state.failed_before_stop else replica_bye_s
         silent = await asyncio.to_thread(state.pool.shutdown, wait_s)
