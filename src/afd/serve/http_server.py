@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import http
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ MAX_HEAD_BYTES = 64 << 10
 KEEPALIVE_S = 75.0  # an idle connection closes after this long without a request
 REQUEST_READ_S = 60.0  # a request's head and body must be in within this long of its first byte
 DRAIN_WRITE_S = 60.0  # a client that reads nothing for this long while we write is dropped
+LINGER_S = 2.0  # after a refusal, what the client still sends is read and dropped this long, so it sees the answer
+_CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}")  # nothing else: a size a proxy might read otherwise is refused
 
 _eager_task = getattr(asyncio, "eager_task_factory", None)  # Python 3.12+: the handler starts in this callback
 
@@ -138,7 +141,8 @@ class HTTPServer:
             if not conn.busy:
                 conn.close()
         deadline = time.monotonic() + timeout_s
-        while any(c.busy for c in self.connections) and time.monotonic() < deadline:
+        # a busy one closes itself when its response ends, and a closed one leaves once what it wrote is sent
+        while self.connections and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         for conn in list(self.connections):
             conn.abort()
@@ -186,6 +190,7 @@ class _Connection(asyncio.Protocol):
         self._drain: asyncio.Future | None = None
         self._paused = False
         self._closed = False
+        self._lingering = False  # refused: what still comes is dropped until the client closes (or LINGER_S)
         self._loop = asyncio.get_running_loop()
 
     # --- asyncio's callbacks
@@ -204,6 +209,8 @@ class _Connection(asyncio.Protocol):
             self._task.cancel()  # the client left: its handler stops (and aborts its generation)
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            return
         self.buffer += data
         if not self.busy:
             self._next_request()
@@ -222,6 +229,8 @@ class _Connection(asyncio.Protocol):
     def _next_request(self) -> None:
         if self._closed or self.busy:
             return
+        while self.buffer[:2] == b"\r\n":  # an empty line before a request line is ignored (RFC 9112 2.2)
+            del self.buffer[:2]
         if not self.buffer:
             if self.server.closing:
                 self.close()
@@ -232,9 +241,7 @@ class _Connection(asyncio.Protocol):
         try:
             request = self._parse()
         except HTTPError as err:
-            self.keep_alive = False
-            self.buffer.clear()
-            self._write_whole(self.server.error_response(err, None), head_only=False, close=True)
+            self._refuse(err)
             return
         if request is None:
             return  # more bytes to come
@@ -289,7 +296,7 @@ class _Connection(asyncio.Protocol):
         else:
             if length is None:
                 size = 0
-            elif length.isdigit():
+            elif length.isascii() and length.isdigit():
                 size = int(length)
             else:
                 raise HTTPError(400, f"Content-Length {length[:40]!r} is not a number")
@@ -310,12 +317,13 @@ class _Connection(asyncio.Protocol):
         while True:
             line_end = buf.find(b"\r\n", pos)
             if line_end < 0:
+                if len(buf) - pos > MAX_HEAD_BYTES:
+                    raise HTTPError(431, f"a chunk's size line is over {MAX_HEAD_BYTES} bytes")
                 return None
-            size_text = bytes(buf[pos:line_end]).split(b";", 1)[0].strip()
-            try:
-                size = int(size_text, 16)
-            except ValueError:
-                raise HTTPError(400, f"the chunk size {size_text[:20]!r} is not hexadecimal") from None
+            size_text = bytes(buf[pos:line_end]).split(b";", 1)[0].strip(b" \t")
+            if not _CHUNK_SIZE.fullmatch(size_text):
+                raise HTTPError(400, f"the chunk size {size_text[:20]!r} is not a hexadecimal number")
+            size = int(size_text, 16)
             total += size
             if total > self.server.max_body_bytes:
                 raise HTTPError(413, f"the request body is over {self.server.max_body_bytes} bytes")
@@ -324,6 +332,8 @@ class _Connection(asyncio.Protocol):
                 if buf[line_end : line_end + 4] == b"\r\n\r\n":
                     return b"".join(parts), line_end + 4
                 if trailer_end < 0:
+                    if len(buf) - line_end > MAX_HEAD_BYTES:
+                        raise HTTPError(431, f"the request's trailers are over {MAX_HEAD_BYTES} bytes")
                     return None
                 return b"".join(parts), trailer_end + 4
             data_start = line_end + 2
@@ -344,19 +354,16 @@ class _Connection(asyncio.Protocol):
         try:
             try:
                 response = await self.server.resolve(request)(request)
+                if response is None and request._stream is None:
+                    raise RuntimeError(f"the handler of {request.method} {request.path} returned no response")
             except ClientGone:
                 raise
             except Exception as exc:  # noqa: BLE001 - one request's failure must not end the server
-                if request._stream is not None:  # the head went out already: all that is left is to end the body
+                if request._stream is not None:  # the head went out: cut the body off, so the client sees it failed
                     logger.exception("%s %s failed after its response began", request.method, request.path)
-                    self.keep_alive = False
-                    await request._stream.end()
-                    response = None
-                else:
-                    response = self.server.error_response(exc, request)
+                    raise ClientGone("the response was cut off") from exc
+                response = self.server.error_response(exc, request)
             if response is None:
-                if request._stream is None:
-                    raise RuntimeError(f"the handler of {request.method} {request.path} returned no response")
                 await request._stream.end()
             else:
                 self._write_whole(response, head_only=request.method == "HEAD", close=not self._keeps_alive())
@@ -372,6 +379,25 @@ class _Connection(asyncio.Protocol):
         self._arm_timer(KEEPALIVE_S)
         self.transport.resume_reading()
         self._loop.call_soon(self._next_request)  # a pipelined request waits its turn (never recursion)
+
+    def _refuse(self, err: HTTPError) -> None:
+        """Answer a request this layer cannot take, then close: first the sending side, while what the client is
+        still sending is read and dropped (closing on unread bytes resets the connection, and the client would
+        lose the answer), then all of it when the client closes or after `LINGER_S`."""
+        self.keep_alive = False
+        self.buffer.clear()
+        self._write_whole(self.server.error_response(err, None), head_only=False, close=False, connection_close=True)
+        self._lingering = True
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+            self._arm_timer(LINGER_S)
+        else:
+            self.close()
+
+    def eof_received(self) -> bool:
+        if self._lingering:
+            self.close()
+        return False  # the client closed its side: asyncio closes the connection (a handler still running stops)
 
     def _keeps_alive(self) -> bool:
         return self.keep_alive and not self.server.closing and not self._closed
@@ -389,9 +415,9 @@ class _Connection(asyncio.Protocol):
         await self.send(_head_bytes(status, head))
         return stream
 
-    def _write_whole(self, response: Response, *, head_only: bool, close: bool) -> None:
+    def _write_whole(self, response: Response, *, head_only: bool, close: bool, connection_close: bool = False) -> None:
         headers = {**response.headers, "Content-Length": str(len(response.body))}
-        if close:
+        if close or connection_close:
             headers["Connection"] = "close"
         data = _head_bytes(response.status, headers)
         if not head_only:
@@ -429,9 +455,10 @@ class _Connection(asyncio.Protocol):
         self._timer = None
         if self.busy or self._closed:
             return
-        if self._request_started is not None:  # a request was arriving, too slowly
-            err = HTTPError(408, f"the request did not arrive within {REQUEST_READ_S:g} s")
-            self._write_whole(self.server.error_response(err, None), head_only=False, close=True)
+        if self._lingering:
+            self.abort()
+        elif self._request_started is not None:  # a request was arriving, too slowly
+            self._refuse(HTTPError(408, f"the request did not arrive within {REQUEST_READ_S:g} s"))
         else:
             self.close()
 
