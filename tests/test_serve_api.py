@@ -327,7 +327,7 @@ def test_streaming_equals_non_streaming(server):
     assert len(closing) == 1 and closing[0]["choices"][0]["finish_reason"] == "length"
     assert closing[0]["afd_timing"]["index"] == 0 and closing[0]["afd_timing"]["engine_ttft_s"] > 0
     stamps = closing[0]["afd_timing"]["stamps"]  # the moments to the first token, in the order they happen
-    order = ["handler", "sent", "replica_took", "replica_stepped", "front_got", "written"]
+    order = ["arrived", "handler", "sent", "replica_took", "replica_stepped", "front_got", "written"]
     assert list(sorted(stamps, key=stamps.get)) == order, stamps
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0}
     status, whole, _ = server.post("/v1/chat/completions", chat)

@@ -125,11 +125,12 @@ def _run(rate: float, ttft_p90: float | None, errors: int = 0, served: float = 1
 
 
 def test_ttft_is_cut_at_the_servers_stamps_and_the_stages_sum_to_it() -> None:
-    stamps = {"handler": 10.5, "sent": 10.75, "replica_took": 11.0, "replica_stepped": 14.0, "front_got": 14.25,
-              "written": 14.5}  # fmt: skip
+    stamps = {"arrived": 10.25, "handler": 10.5, "sent": 10.75, "replica_took": 11.0, "replica_stepped": 14.0,
+              "front_got": 14.25, "written": 14.5}  # fmt: skip
     stages = ttft_stages(10.0, 15.0, stamps)
-    assert stages == {"client_to_handler": 0.5, "handler_to_sent": 0.25, "sent_to_replica": 0.25, "engine": 3.0,
-                      "replica_to_front": 0.25, "front_to_written": 0.25, "written_to_client": 0.5}  # fmt: skip
+    assert stages == {"client_to_arrived": 0.25, "arrived_to_handler": 0.25, "handler_to_sent": 0.25,
+                      "sent_to_replica": 0.25, "engine": 3.0, "replica_to_front": 0.25, "front_to_written": 0.25,
+                      "written_to_client": 0.5}  # fmt: skip
     assert list(stages) == [name for name, _ in TTFT_STAGES] and sum(stages.values()) == 5.0
     assert ttft_stages(10.0, 15.0, {k: v for k, v in stamps.items() if k != "front_got"}) is None
     # the summary has each stage's p50 over the requests that carry stages, none when no request does

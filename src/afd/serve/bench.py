@@ -49,6 +49,15 @@ class RequestResult:
         return self.ttft_s - self.engine_ttft_s
 
     @property
+    def server_s(self) -> float | None:
+        """The server's own part of `front_end_s`: from the request's last bytes read by the server to its first
+        token's chunk handed to the socket, less the engine (same host only: it needs the stages)."""
+        if self.stages_s is None or self.engine_ttft_s is None:
+            return None
+        stages = self.stages_s
+        return self.ttft_s - stages["client_to_arrived"] - stages["written_to_client"] - self.engine_ttft_s
+
+    @property
     def tpot_s(self) -> float | None:
         """Time per output token after the first (vLLM's TPOT); None with fewer than two tokens."""
         if self.error is not None or self.e2e_s is None or self.ttft_s is None or self.output_tokens < 2:
@@ -66,7 +75,8 @@ class RequestResult:
 
 # TTFT from the client's send to its first token, cut at the moments the server stamps on the way (`Submitted.stamps`)
 TTFT_STAGES = (
-    ("client_to_handler", "handler"),  # the client's request, the server's HTTP parsing, to the handler's start
+    ("client_to_arrived", "arrived"),  # the client's request built and sent, to its last bytes read by the server
+    ("arrived_to_handler", "handler"),  # the server's HTTP parsing, to its handler's start
     ("handler_to_sent", "sent"),  # the body read and checked, the replica picked, the `add` built
     ("sent_to_replica", "replica_took"),  # pickled, over the link, the replica's loop noticing and unpickling it
     ("engine", "replica_stepped"),  # the replica's own share: from taking the request to the end of its first step
@@ -116,6 +126,7 @@ def summarize(results: list[RequestResult], wall_s: float) -> dict:
         "itl": [g for r in ok for g in r.itl_s],
         "e2e": [r.e2e_s for r in ok],
         "front_end": [r.front_end_s for r in ok if r.front_end_s is not None],
+        "server": [r.server_s for r in ok if r.server_s is not None],
     }
     for name, values in series.items():
         for q in QUANTILES:

@@ -251,10 +251,11 @@ class ReplicaPool:
         sampling: SamplingParams,
         stop_token_ids: list[int],
         prompt_logprobs: bool = False,
-        received_at: float | None = None,
+        http_stamps: dict[str, float] | None = None,
     ) -> Submitted:
         """Send a request to the least loaded live replica; its answers come on the returned `queue`.
-        `received_at`: when its HTTP handler began (`time.perf_counter()`), the first of its stamps.
+        `http_stamps`: its moments in the HTTP layer (`arrived`, `handler`; `time.perf_counter()`), the first of its
+        stamps.
 
         Raises LookupError when no replica is alive."""
         try:
@@ -275,8 +276,8 @@ class ReplicaPool:
         }
         sub.stamps["sent"] = time.perf_counter()  # before the send: the replica may take it before send returns
         self._send(replica, message)
-        if received_at is not None:
-            sub.stamps["handler"] = received_at
+        if http_stamps:
+            sub.stamps.update(http_stamps)
         return sub
 
     def abort(self, rid: str, reason: str = "abort") -> None:

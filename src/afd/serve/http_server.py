@@ -67,6 +67,7 @@ class Request:
     headers: dict[str, str]  # names in lower case; repeated headers joined with ", "
     body: bytes
     version: str  # "HTTP/1.1" or "HTTP/1.0"
+    arrived_at: float = 0.0  # `time.perf_counter()` when the bytes that completed it were read
     _conn: _Connection | None = field(default=None, repr=False)
     _stream: Stream | None = field(default=None, repr=False)  # once the handler began a streamed response
 
@@ -190,6 +191,7 @@ class _Connection(asyncio.Protocol):
         self._drain: asyncio.Future | None = None
         self._paused = False
         self._closed = False
+        self._arrived_at = 0.0
         self._lingering = False  # refused: what still comes is dropped until the client closes (or LINGER_S)
         self._loop = asyncio.get_running_loop()
 
@@ -209,6 +211,7 @@ class _Connection(asyncio.Protocol):
             self._task.cancel()  # the client left: its handler stops (and aborts its generation)
 
     def data_received(self, data: bytes) -> None:
+        self._arrived_at = time.perf_counter()
         if self._lingering:
             return
         self.buffer += data
@@ -309,7 +312,7 @@ class _Connection(asyncio.Protocol):
         del self.buffer[:consumed]
         connection = headers.get("connection", "").lower()
         self.keep_alive = "close" not in connection and (version == "HTTP/1.1" or "keep-alive" in connection)
-        return Request(method, path, query, headers, body, version, self)
+        return Request(method, path, query, headers, body, version, self._arrived_at, self)
 
     def _chunked_body(self, start: int) -> tuple[bytes, int] | None:
         """(body, bytes consumed) of a chunked body starting at `start`, or None while incomplete."""

@@ -136,7 +136,7 @@ def run_request(
     rid: str,
     prepared: Prepared,
     params: GenerationParams,
-    received_at: float | None = None,
+    http_stamps: dict[str, float] | None = None,
 ) -> AsyncIterator[Piece]:
     """Submit one prompt now (APIError 503 when no replica is alive) and return its pieces until it ends; the
     pieces raise APIError when it fails on the way.
@@ -153,7 +153,7 @@ def run_request(
             params.sampling,
             prepared.stop_token_ids,
             prompt_logprobs=params.echo and params.logprobs is not None,
-            received_at=received_at,
+            http_stamps=http_stamps,
         )
     except LookupError as exc:
         raise APIError(503, f"the server cannot take requests: {exc}") from None

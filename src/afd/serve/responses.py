@@ -9,8 +9,9 @@ client leaving, an error), every prompt still running is aborted on its replica.
 from __future__ import annotations
 
 import asyncio
+import itertools
+import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -24,6 +25,15 @@ if TYPE_CHECKING:
     from afd.serve.server import ServerState
 
 
+_ID_PREFIX = secrets.token_hex(8)  # this process's; the ids of one server never repeat, nor across its restarts
+_ID_COUNTER = itertools.count()
+
+
+def next_id() -> str:
+    """A response id: a counter after a random prefix (`uuid4` reads the kernel's random source every time)."""
+    return f"{_ID_PREFIX}{next(_ID_COUNTER):08x}"
+
+
 @dataclass
 class Call:
     state: ServerState
@@ -32,7 +42,7 @@ class Call:
     params: GenerationParams
     originals: list[str | list[int]] | None  # the prompts as sent (echo returns a string prompt as it came)
     created: int = 0  # unix seconds of the request, as the API reports it
-    received_at: float | None = None  # when its handler began (`time.perf_counter()`)
+    http_stamps: dict[str, float] | None = None  # its moments in the HTTP layer (`Submitted.stamps`)
     runs: list[AsyncIterator[Piece]] | None = None  # each prompt's pieces, once submitted (`start`)
 
     @classmethod
@@ -43,10 +53,10 @@ class Call:
         prompts: list[list[int]],
         params: GenerationParams,
         originals=None,
-        received_at: float | None = None,
+        http_stamps: dict[str, float] | None = None,
     ) -> Call:
         prepared = [prepare(state.pool, state.tokenizer, ids, params) for ids in prompts]
-        return cls(state, f"{prefix}-{uuid.uuid4().hex}", prepared, params, originals, int(time.time()), received_at)
+        return cls(state, f"{prefix}-{next_id()}", prepared, params, originals, int(time.time()), http_stamps)
 
     @property
     def model(self) -> str:
@@ -71,7 +81,7 @@ class Call:
         try:
             for i, p in enumerate(self.prepared):
                 pool, tokenizer = self.state.pool, self.state.tokenizer
-                runs.append(run_request(pool, tokenizer, self.rid(i), p, self.params, self.received_at))
+                runs.append(run_request(pool, tokenizer, self.rid(i), p, self.params, self.http_stamps))
         except BaseException:
             self.abort(len(runs))
             raise

@@ -159,23 +159,23 @@ def build_routes(state: ServerState) -> dict[tuple[str, str], Handler]:
         return Response(200, text.encode(), {"Content-Type": metrics.CONTENT_TYPE})
 
     async def completions(request: Request) -> Response | None:
-        received_at = time.perf_counter()
+        stamps = {"arrived": request.arrived_at, "handler": time.perf_counter()}
         req = parse_completion(parse_json(request.body))
         state.admit(req.model)
-        call = Call.build(state, "cmpl", [state.encode(p) for p in req.prompts], req.params, req.prompts, received_at)
+        call = Call.build(state, "cmpl", [state.encode(p) for p in req.prompts], req.params, req.prompts, stamps)
         if req.params.stream:
             return await stream_completion(request, call)
         return json_response(await completion_response(call))
 
     async def chat_completions(request: Request) -> Response | None:
-        received_at = time.perf_counter()
+        stamps = {"arrived": request.arrived_at, "handler": time.perf_counter()}
         req = parse_chat(parse_json(request.body))
         state.admit(req.model)
         try:
             prompt_ids = state.tokenizer.chat_prompt(req.messages)
         except TokenizerError as exc:
             raise APIError(400, str(exc), param="messages") from None
-        call = Call.build(state, "chatcmpl", [prompt_ids], req.params, received_at=received_at)
+        call = Call.build(state, "chatcmpl", [prompt_ids], req.params, http_stamps=stamps)
         if req.params.stream:
             return await stream_chat(request, call)
         return json_response(await chat_response(call))
