@@ -627,32 +627,44 @@ def test_the_official_openai_client(server, reference):
 
 
 def test_a_request_whose_replica_answers_nothing_ends_with_504(monkeypatch):
-    """A replica alive but silent (frozen): the request's wait is bounded, it ends with one sentence and is
-    aborted on its replica."""
+    """A replica alive but silent (frozen): the request's wait is bounded, pulled (`Run.pieces`) or pushed (a
+    stream's `_push`), it ends with one sentence and is aborted on its replica."""
     import asyncio
     from types import SimpleNamespace
 
     from afd.sampling import SamplingParams
-    from afd.serve import output
+    from afd.serve import output, responses
     from afd.serve.protocol import APIError, GenerationParams
     from afd.serve.tokenizer import ByteTokenizer
 
     aborted = []
     pool = SimpleNamespace(
-        submit=lambda *args, **kwargs: SimpleNamespace(queue=asyncio.Queue(), replica=1),
+        submit=lambda *args, **kwargs: SimpleNamespace(queue=asyncio.Queue(), replica=1, listener=None),
         abort=lambda rid, *reason: aborted.append(rid),
     )
     monkeypatch.setattr(output, "REQUEST_STALL_S", 0.2)
+    monkeypatch.setattr(responses, "REQUEST_STALL_S", 0.2)
     params = GenerationParams(max_tokens=4, sampling=SamplingParams())
 
-    async def consume() -> None:
-        async for _ in output.run_request(pool, ByteTokenizer(256), "r1", output.Prepared([1, 2], 4), params):
+    def run() -> output.Run:
+        return output.run_request(pool, ByteTokenizer(256), "r1", output.Prepared([1, 2], 4), params)
+
+    async def pull() -> None:
+        async for _ in run().pieces():
             pass
 
-    with pytest.raises(APIError) as err:
-        asyncio.run(consume())
-    assert err.value.status == 504 and "replica 1 sent nothing for this request in 0.2 s" in err.value.message
-    assert aborted == ["r1"]
+    written = []
+
+    async def push() -> None:
+        await responses._push(run(), SimpleNamespace(write_nowait=written.append), lambda piece: b"chunk")
+
+    for consume in (pull, push):
+        with pytest.raises(APIError) as err:
+            asyncio.run(consume())
+        assert err.value.status == 504 and "replica 1 sent nothing for this request in 0.2 s" in err.value.message
+        assert aborted == ["r1"]
+        aborted.clear()
+    assert written == []
 
 
 def test_a_call_submits_all_its_prompts_or_none():

@@ -57,6 +57,7 @@ class Submitted:
     generated: int = 0
     last_token_at: float = 0.0
     engine_ttft_s: float | None = None  # the replica's own time to this request's first token
+    listener: Callable[[Event], None] | None = None  # takes each event at once, in place of `queue` (a stream)
     # moments on the way to the first token (`time.perf_counter()`, the host's CLOCK_MONOTONIC): `handler`, `sent`,
     # `replica_took`, `replica_stepped`, `front_got`, then the stream's `written` (`afd bench serve` cuts TTFT there)
     stamps: dict[str, float] = field(default_factory=dict)
@@ -64,6 +65,16 @@ class Submitted:
     @property
     def outstanding(self) -> int:
         return outstanding_tokens(self.prompt_len, self.max_tokens, self.generated)
+
+
+def _deliver(sub: Submitted, event: Event) -> None:
+    if sub.listener is None:
+        sub.queue.put_nowait(event)
+        return
+    try:
+        sub.listener(event)
+    except Exception:  # one request's listener must not keep the others' events from them
+        logger.exception("the listener of request %s failed", sub.rid)
 
 
 class ReplicaPool:
@@ -208,7 +219,7 @@ class ReplicaPool:
             sub.generated += len(tokens)
             sub.last_token_at = now
             m.generation_tokens += len(tokens)
-            sub.queue.put_nowait(Event("tokens", items=tokens))
+            _deliver(sub, Event("tokens", items=tokens))
 
     def _on_finished(self, message: Message) -> None:
         sub = self.requests.pop(message["rid"], None)
@@ -222,7 +233,7 @@ class ReplicaPool:
             text = message.get("message", "")
         self._count_end(sub, reason)
         scored = message.get("prompt_logprobs")
-        sub.queue.put_nowait(Event("finished", reason=reason, message=text, status=status, prompt_logprobs=scored))
+        _deliver(sub, Event("finished", reason=reason, message=text, status=status, prompt_logprobs=scored))
 
     def _count_end(self, sub: Submitted, reason: str) -> None:
         m = self.metrics[sub.replica]
@@ -301,7 +312,7 @@ class ReplicaPool:
             if replica is None or sub.replica == replica:
                 del self.requests[rid]
                 self._count_end(sub, "error")
-                sub.queue.put_nowait(Event("finished", reason="error", message=why, status=503))
+                _deliver(sub, Event("finished", reason="error", message=why, status=503))
 
     def shutdown(self, timeout_s: float) -> list[int]:
         """Send `shutdown` to every live replica and wait (bounded) for each `bye`; returns the replicas that

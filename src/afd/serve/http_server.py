@@ -91,6 +91,16 @@ class Stream:
             data = b"%x\r\n%b\r\n" % (len(data), data)
         await self._conn.send(data)
 
+    def write_nowait(self, data: bytes) -> None:
+        """Write without waiting for the client to read (a token's chunk, from a callback): what it has not read
+        yet waits in the transport's buffer, as much as the response itself at most. A no-op once the client left
+        (its handler is being cancelled)."""
+        if not data or self._head_only:
+            return
+        if self._chunked:
+            data = b"%x\r\n%b\r\n" % (len(data), data)
+        self._conn.send_nowait(data)
+
     async def end(self) -> None:
         if self.ended:
             return
@@ -429,6 +439,10 @@ class _Connection(asyncio.Protocol):
             self.transport.write(data)
         if close:
             self.close()
+
+    def send_nowait(self, data: bytes) -> None:
+        if not self._closed and not self.transport.is_closing():
+            self.transport.write(data)
 
     async def send(self, data: bytes) -> None:
         if self._closed or self.transport.is_closing():

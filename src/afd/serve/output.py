@@ -5,17 +5,18 @@ are not all there yet is held back (the tokenizer's decoder does that), and so i
 the beginning of a stop string. When a stop string appears, the text ends just before it and the request
 is finished with `finish_reason: "stop"` (the front end then aborts it on its replica).
 
-`run_request` drives one request from submission to its end and yields `Piece`s; the streaming and the
-non-streaming handlers both consume it, so both give the same text.
+`run_request` submits one prompt and returns its `Run`, whose events `PieceMaker` turns into `Piece`s; the
+streaming and the non-streaming handlers both read them from it, so both give the same text.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from afd.serve.frontend import ReplicaPool, Submitted
+from afd.serve.frontend import Event, ReplicaPool, Submitted
 from afd.serve.protocol import APIError, GenerationParams
 from afd.serve.tokenizer import Tokenizer
 
@@ -130,6 +131,103 @@ def prepare(pool: ReplicaPool, tokenizer: Tokenizer, prompt_ids: list[int], para
     return Prepared(list(prompt_ids), max_tokens, sorted(set(stops)))
 
 
+class PieceMaker:
+    """One prompt's events turned into pieces: the text through its stop strings, stop tokens hidden, the end with
+    its reason. Synchronous, so a stream can write a token's chunk in the very callback its tokens arrive in."""
+
+    def __init__(self, tokenizer: Tokenizer, prepared: Prepared, params: GenerationParams, sub: Submitted) -> None:
+        self.text = OutputText(tokenizer, params.stop)
+        self.stop_ids = set(prepared.stop_token_ids)
+        self.sub = sub
+        self.done = False  # the last piece was made
+        self.stopped = False  # a stop string ended it here, not its replica: the replica must be told
+
+    def take(self, event: Event) -> list[Piece]:
+        """The pieces of one event; APIError when the event is the request's failure."""
+        sub, text = self.sub, self.text
+        if event.kind == "tokens":
+            pieces = []
+            for token_id, logprob in event.items:
+                shown = token_id not in self.stop_ids  # a stop token ends the request and is not text
+                pieces.append(Piece(text.add(token_id) if shown else "", token_id, logprob, stamps=sub.stamps))
+                if text.stopped:
+                    self.done = self.stopped = True
+                    pieces.append(
+                        Piece(text.finish(), finish_reason="stop", engine_ttft_s=sub.engine_ttft_s, stamps=sub.stamps)
+                    )
+                    break
+            return pieces
+        self.done = True
+        if event.reason == "error":
+            raise APIError(event.status or 500, event.message or "the request failed on its replica")
+        return [
+            Piece(
+                text.finish(),
+                finish_reason="stop" if text.stopped else event.reason,
+                prompt_logprobs=event.prompt_logprobs,
+                engine_ttft_s=sub.engine_ttft_s,
+                stamps=sub.stamps,
+            )
+        ]
+
+
+class Run:
+    """One prompt submitted to a replica, until it ends: its pieces pulled (`pieces`, an async iterator) or pushed
+    (`push`, a callback per event). However it ends — a stop string, the client gone, an error — a request that is
+    still running on its replica is aborted there, which frees its cache (`abort`, a no-op once it ended)."""
+
+    def __init__(self, pool: ReplicaPool, rid: str, sub: Submitted, maker: PieceMaker) -> None:
+        self.pool, self.rid, self.sub, self.maker = pool, rid, sub, maker
+        self.last_event_at = time.monotonic()
+
+    def _take(self, event: Event) -> list[Piece]:
+        self.last_event_at = time.monotonic()
+        try:
+            return self.maker.take(event)
+        finally:
+            if self.maker.stopped:
+                self.pool.abort(self.rid, "stop")
+
+    async def pieces(self) -> AsyncIterator[Piece]:
+        try:
+            while not self.maker.done:
+                try:  # bounded: a replica that is alive but answers nothing (frozen) must not hold the client forever
+                    # (a timeout scope, not `wait_for`: on Python 3.11 that wraps the get in a task of its own, one
+                    # more turn of the event loop for every event)
+                    async with asyncio.timeout(REQUEST_STALL_S):
+                        event = await self.sub.queue.get()
+                except TimeoutError:
+                    raise self.stalled() from None
+                for piece in self._take(event):
+                    yield piece
+        finally:
+            self.abort()
+
+    def push(self, on_pieces: Callable[[list[Piece] | APIError], None]) -> None:
+        """From now on, hand each event's pieces (or its failure) to `on_pieces` in the callback that brought it,
+        those already queued first: no task wakes between a token's arrival and its chunk's write."""
+
+        def listener(event: Event) -> None:
+            try:
+                result: list[Piece] | APIError = self._take(event)
+            except APIError as err:
+                result = err
+            on_pieces(result)
+
+        while not self.sub.queue.empty():
+            listener(self.sub.queue.get_nowait())
+        self.sub.listener = listener
+
+    def stalled(self) -> APIError:
+        return APIError(
+            504, f"replica {self.sub.replica} sent nothing for this request in {REQUEST_STALL_S:g} s; it was aborted"
+        )
+
+    def abort(self) -> None:
+        self.sub.listener = None
+        self.pool.abort(self.rid)
+
+
 def run_request(
     pool: ReplicaPool,
     tokenizer: Tokenizer,
@@ -137,14 +235,9 @@ def run_request(
     prepared: Prepared,
     params: GenerationParams,
     http_stamps: dict[str, float] | None = None,
-) -> AsyncIterator[Piece]:
-    """Submit one prompt now (APIError 503 when no replica is alive) and return its pieces until it ends; the
-    pieces raise APIError when it fails on the way.
-
-    Submitted at the call, not at the first piece: a stream prepares its response while the replica already works.
-    However it ends — a stop string, the client gone (the pieces are closed), an error — a request that is still
-    running on its replica is aborted there, which frees its cache; pieces that are never iterated do not abort
-    it (`ReplicaPool.abort(rid)` does)."""
+) -> Run:
+    """Submit one prompt now (APIError 503 when no replica is alive); submitted at the call, not at the first
+    piece: a stream prepares its response while the replica already works."""
     try:
         sub = pool.submit(
             rid,
@@ -157,46 +250,4 @@ def run_request(
         )
     except LookupError as exc:
         raise APIError(503, f"the server cannot take requests: {exc}") from None
-    return _pieces(pool, tokenizer, rid, sub, prepared, params)
-
-
-async def _pieces(
-    pool: ReplicaPool, tokenizer: Tokenizer, rid: str, sub: Submitted, prepared: Prepared, params: GenerationParams
-) -> AsyncIterator[Piece]:
-    text = OutputText(tokenizer, params.stop)
-    stop_ids = set(prepared.stop_token_ids)
-    try:
-        while True:
-            try:  # bounded: a replica that is alive but answers nothing (frozen) must not hold the client forever
-                # (a timeout scope, not `wait_for`: on Python 3.11 that wraps the get in a task of its own, one more
-                # turn of the event loop for every event)
-                async with asyncio.timeout(REQUEST_STALL_S):
-                    event = await sub.queue.get()
-            except TimeoutError:
-                raise APIError(
-                    504, f"replica {sub.replica} sent nothing for this request in {REQUEST_STALL_S:g} s; it was aborted"
-                ) from None
-            if event.kind == "tokens":
-                for token_id, logprob in event.items:
-                    shown = token_id not in stop_ids  # a stop token ends the request and is not text
-                    yield Piece(text.add(token_id) if shown else "", token_id, logprob, stamps=sub.stamps)
-                    if text.stopped:
-                        pool.abort(rid, "stop")
-                        yield Piece(
-                            text.finish(), finish_reason="stop", engine_ttft_s=sub.engine_ttft_s, stamps=sub.stamps
-                        )
-                        return
-                continue
-            if event.reason == "error":
-                raise APIError(event.status or 500, event.message or "the request failed on its replica")
-            reason = "stop" if text.stopped else event.reason
-            yield Piece(
-                text.finish(),
-                finish_reason=reason,
-                prompt_logprobs=event.prompt_logprobs,
-                engine_ttft_s=sub.engine_ttft_s,
-                stamps=sub.stamps,
-            )
-            return
-    finally:
-        pool.abort(rid)  # a no-op when the request already ended
+    return Run(pool, rid, sub, PieceMaker(tokenizer, prepared, params, sub))

@@ -12,13 +12,13 @@ import asyncio
 import itertools
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from afd.serve.http_server import Request, Stream
-from afd.serve.output import Piece, Prepared, prepare, run_request
+from afd.serve.output import REQUEST_STALL_S, Piece, Prepared, Run, prepare, run_request
 from afd.serve.protocol import DONE, APIError, GenerationParams, chat_logprobs, completion_logprobs, sse, usage
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ class Call:
     originals: list[str | list[int]] | None  # the prompts as sent (echo returns a string prompt as it came)
     created: int = 0  # unix seconds of the request, as the API reports it
     http_stamps: dict[str, float] | None = None  # its moments in the HTTP layer (`Submitted.stamps`)
-    runs: list[AsyncIterator[Piece]] | None = None  # each prompt's pieces, once submitted (`start`)
+    runs: list[Run] | None = None  # each prompt's run on its replica, once submitted (`start`)
 
     @classmethod
     def build(
@@ -77,7 +77,7 @@ class Call:
         """Submit every prompt (at most once); all or none: a prompt that cannot be submitted aborts the others."""
         if self.runs is not None:
             return
-        runs: list[AsyncIterator[Piece]] = []
+        runs: list[Run] = []
         try:
             for i, p in enumerate(self.prepared):
                 pool, tokenizer = self.state.pool, self.state.tokenizer
@@ -99,7 +99,7 @@ class Call:
         runs, n = self.runs, len(self.prepared)
         assert runs is not None
         if n == 1:
-            async with aclosing(runs[0]) as run:
+            async with aclosing(runs[0].pieces()) as run:
                 async for piece in run:
                     yield 0, piece
             return
@@ -107,7 +107,7 @@ class Call:
 
         async def pump(i: int) -> None:
             try:
-                async with aclosing(runs[i]) as run:
+                async with aclosing(runs[i].pieces()) as run:
                     async for piece in run:
                         queue.put_nowait((i, piece))
             except APIError as err:
@@ -234,7 +234,8 @@ async def _stream(request: Request, call: Call, kind: str, chunk_of, first_chunk
     each choice's closing chunk also says how long its replica took to the first token, and the moments on the
     way there (`Submitted.stamps`).
 
-    The prompts are submitted before the response is prepared: the replica starts meanwhile."""
+    The prompts are submitted before the response is prepared: the replica starts meanwhile. One prompt's chunks
+    are written in the callback its tokens arrive in (`_push`); several prompts' are merged by `Call.pieces`."""
     call.start()
     try:
         response = await _open_stream(request)
@@ -243,24 +244,64 @@ async def _stream(request: Request, call: Call, kind: str, chunk_of, first_chunk
         raise
     envelope = {"id": call.id, "object": kind, "created": call.created, "model": call.model}
     generated = 0
+
+    def event_of(i: int, piece: Piece) -> bytes:
+        nonlocal generated
+        generated += piece.token_id is not None
+        chunk = {**envelope, "choices": [chunk_of(i, piece)]}
+        if call.params.afd_timing and piece.finish_reason is not None:
+            chunk["afd_timing"] = {"index": i, "engine_ttft_s": piece.engine_ttft_s, "stamps": piece.stamps}
+        event = sse(chunk)
+        if piece.stamps is not None and piece.token_id is not None and "written" not in piece.stamps:
+            piece.stamps["written"] = time.perf_counter()  # before the write: the client may read it first
+        return event
+
     try:
         for choice in first_chunks:
             await response.write(sse({**envelope, "choices": [choice]}))
-        async with aclosing(call.pieces()) as pieces:
-            async for i, piece in pieces:
-                generated += piece.token_id is not None
-                chunk = {**envelope, "choices": [chunk_of(i, piece)]}
-                if call.params.afd_timing and piece.finish_reason is not None:
-                    chunk["afd_timing"] = {"index": i, "engine_ttft_s": piece.engine_ttft_s, "stamps": piece.stamps}
-                event = sse(chunk)
-                if piece.stamps is not None and piece.token_id is not None and "written" not in piece.stamps:
-                    piece.stamps["written"] = time.perf_counter()  # before the write: the client may read it first
-                await response.write(event)
+        if call.runs is not None and len(call.runs) == 1:
+            await _push(call.runs[0], response, lambda piece: event_of(0, piece))
+        else:
+            async with aclosing(call.pieces()) as pieces:
+                async for i, piece in pieces:
+                    await response.write(event_of(i, piece))
         if call.params.include_usage:
             await response.write(sse({**envelope, "choices": [], "usage": call.usage(generated)}))
     except APIError as err:
         await response.write(sse(err.body()))
     await response.write(DONE)
+
+
+async def _push(run: Run, response: Stream, event_of: Callable[[Piece], bytes]) -> None:
+    """Write one prompt's pieces as its events arrive, in the front end's callback that reads its replica's link
+    (`Run.push`): a token's chunk leaves without a task waking in between. Returns at its end, raises its
+    APIError (a failure, or no event for `REQUEST_STALL_S`), and aborts it on its replica however it ends."""
+    ended = asyncio.get_running_loop().create_future()
+
+    def on_pieces(result: list[Piece] | APIError) -> None:
+        if ended.done():
+            return
+        try:
+            if isinstance(result, APIError):
+                raise result
+            for piece in result:
+                response.write_nowait(event_of(piece))
+            if run.maker.done:
+                ended.set_result(None)
+        except Exception as exc:  # the failure, or one to format a chunk: the handler raises it
+            ended.set_exception(exc)
+
+    run.push(on_pieces)
+    try:
+        while not ended.done():
+            await asyncio.wait([ended], timeout=max(0.0, run.last_event_at + REQUEST_STALL_S - time.monotonic()))
+            if not ended.done() and time.monotonic() >= run.last_event_at + REQUEST_STALL_S:
+                raise run.stalled()
+        ended.result()
+    finally:
+        run.abort()
+        if ended.done() and not ended.cancelled():
+            ended.exception()  # retrieved, also when the client left first
 
 
 async def stream_completion(request: Request, call: Call) -> None:
