@@ -56,12 +56,13 @@ log_run() {
 front_end() {
   local name=$1
   timeout 110 python3 -m afd bench serve --model deepseek-v2-lite --dtype bfloat16 --device cuda \
-    --workload uniform --short-len 128 --long-len 128 --max-tokens 32 --requests 24 --rates 1 --compare none:R=1 \
+    --workload uniform --short-len 128 --long-len 128 --max-tokens 32 --requests ${FRONT_REQUESTS:-24} --rates 1 --compare none:R=1 \
     --warmups 4 --json "$OUT/$name.json" 2>"$B/$name.err" >/dev/null
   echo "$name rc=$?"; grep -v "^\[afd" "$B/$name.err" | grep -iv warn | tail -n 2
   python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['results'][0]['runs'][0]; s=r['summary']
-print('  front end p50 %.3f ms p90 %.3f ms; TTFT p50 %.2f ms; http floor %.3f ms' % (s['front_end_p50_s']*1e3,
-      s['front_end_p90_s']*1e3, s['ttft_p50_s']*1e3, r['http_floor_p50_s']*1e3))
+print('  front end p50 %.3f ms p90 %.3f ms (in the server p50 %s ms); TTFT p50 %.2f ms; http floor %.3f ms' % (
+      s['front_end_p50_s']*1e3, s['front_end_p90_s']*1e3, '%.3f' % (s['server_p50_s']*1e3) if s.get('server_p50_s')
+      else '-', s['ttft_p50_s']*1e3, r['http_floor_p50_s']*1e3))
 print('  stages p50: ' + ', '.join('%s %.3f' % (k, v*1e3) for k, v in s['ttft_stages_p50_s'].items()))" \
     "$OUT/$name.json"
 }

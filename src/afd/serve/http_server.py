@@ -175,12 +175,11 @@ class HTTPServer:
         raise HTTPError(405, f"{request.path} takes {allowed}, not {request.method}", headers={"Allow": allowed})
 
 
+_REASONS = {status.value: status.phrase for status in http.HTTPStatus}
+
+
 def _head_bytes(status: int, headers: dict[str, str]) -> bytes:
-    try:
-        reason = http.HTTPStatus(status).phrase
-    except ValueError:
-        reason = "Unknown"
-    lines = [f"HTTP/1.1 {status} {reason}", "Server: afd"]
+    lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}", "Server: afd"]
     lines += [f"{name}: {value}" for name, value in headers.items()]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
@@ -196,7 +195,8 @@ class _Connection(asyncio.Protocol):
         self.keep_alive = True
         self._task: asyncio.Task | None = None
         self._timer: asyncio.TimerHandle | None = None
-        self._request_started: float | None = None  # monotonic time of the current request's first byte
+        self._deadline: float | None = None  # when `_timed_out` acts (the loop's clock); None while busy
+        self._request_started = False  # part of a request is in, the rest is awaited
         self._continued = False  # `100 Continue` sent for the request being read
         self._drain: asyncio.Future | None = None
         self._paused = False
@@ -209,7 +209,7 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport) -> None:
         self.transport = transport
         self.server.connections.add(self)
-        self._arm_timer(KEEPALIVE_S)
+        self._set_deadline(KEEPALIVE_S)
 
     def connection_lost(self, exc) -> None:
         self._closed = True
@@ -248,19 +248,18 @@ class _Connection(asyncio.Protocol):
             if self.server.closing:
                 self.close()
             return
-        if self._request_started is None:
-            self._request_started = time.monotonic()
-            self._arm_timer(REQUEST_READ_S)
         try:
             request = self._parse()
         except HTTPError as err:
             self._refuse(err)
             return
-        if request is None:
-            return  # more bytes to come
-        self._request_started = None
-        self._continued = False
-        self._cancel_timer()
+        if request is None:  # more bytes to come, within REQUEST_READ_S of the first
+            if not self._request_started:
+                self._request_started = True
+                self._set_deadline(REQUEST_READ_S)
+            return
+        self._request_started = self._continued = False
+        self._deadline = None
         self.busy = True
         coro = self._handle(request)
         self._task = _eager_task(self._loop, coro) if _eager_task else self._loop.create_task(coro)
@@ -389,7 +388,7 @@ class _Connection(asyncio.Protocol):
         if not self._keeps_alive():
             self.close()
             return
-        self._arm_timer(KEEPALIVE_S)
+        self._set_deadline(KEEPALIVE_S)
         self.transport.resume_reading()
         self._loop.call_soon(self._next_request)  # a pipelined request waits its turn (never recursion)
 
@@ -403,7 +402,7 @@ class _Connection(asyncio.Protocol):
         self._lingering = True
         if self.transport.can_write_eof():
             self.transport.write_eof()
-            self._arm_timer(LINGER_S)
+            self._set_deadline(LINGER_S)
         else:
             self.close()
 
@@ -459,9 +458,14 @@ class _Connection(asyncio.Protocol):
                 self._drain = None
 
     # --- timers and closing
-    def _arm_timer(self, seconds: float) -> None:
-        self._cancel_timer()
-        self._timer = self._loop.call_later(seconds, self._timed_out)
+    def _set_deadline(self, seconds: float) -> None:
+        """`_timed_out` acts `seconds` from now. One timer per connection, moved only when the deadline comes
+        sooner and re-armed when it fires early, so a request on a kept-alive connection costs no timer."""
+        self._deadline = self._loop.time() + seconds
+        if self._timer is not None and self._timer.when() > self._deadline:
+            self._cancel_timer()
+        if self._timer is None:
+            self._timer = self._loop.call_at(self._deadline, self._timed_out)
 
     def _cancel_timer(self) -> None:
         if self._timer is not None:
@@ -470,11 +474,14 @@ class _Connection(asyncio.Protocol):
 
     def _timed_out(self) -> None:
         self._timer = None
-        if self.busy or self._closed:
+        if self.busy or self._closed or self._deadline is None:
+            return  # a response ends by setting the next deadline
+        if self._loop.time() < self._deadline:
+            self._timer = self._loop.call_at(self._deadline, self._timed_out)
             return
         if self._lingering:
             self.abort()
-        elif self._request_started is not None:  # a request was arriving, too slowly
+        elif self._request_started:  # a request was arriving, too slowly
             self._refuse(HTTPError(408, f"the request did not arrive within {REQUEST_READ_S:g} s"))
         else:
             self.close()

@@ -59,6 +59,8 @@ def _is_int(x: object) -> bool:
 
 
 def _is_number(x: object) -> bool:
+    if type(x) is float or type(x) is int:  # JSON's numbers, without the ABC check
+        return math.isfinite(x)
     return isinstance(x, Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
