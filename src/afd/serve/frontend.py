@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 from afd.sampling import SAMPLING_FIELDS, SamplingParams
-from afd.serve.link import FrameSender, Message, decode_frames, encode_frame
+from afd.serve.link import RECV_BYTES, FrameSender, Message, decode_frames, encode_frame
 from afd.serve.metrics import ReplicaMetrics
 from afd.serve.router import outstanding_tokens, pick_replica
 
@@ -118,7 +118,7 @@ class ReplicaPool:
 
     def _readable(self, replica: int) -> None:
         try:
-            data = self._socks[replica].recv(1 << 20)
+            data = self._socks[replica].recv(RECV_BYTES)
         except BlockingIOError:
             return
         except OSError:

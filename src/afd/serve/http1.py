@@ -102,6 +102,9 @@ class Client:
 
     async def _connect(self) -> _Connection:
         reader, writer = await asyncio.open_connection(self.host, self.port, limit=MAX_HEADER_BYTES)
+        # asyncio's socket transport reads with `recv(256 KiB)`, which allocates that much for every chunk that
+        # arrives (~20 us for a 300-byte chunk on the CPU host, against ~2 us at 64 KiB): ask for less
+        writer.transport.max_size = 1 << 16
         sock = writer.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a request is one small write

@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 MAX_HEAD_BYTES = 64 << 10
 KEEPALIVE_S = 75.0  # an idle connection closes after this long without a request
 REQUEST_READ_S = 60.0  # a request's head and body must be in within this long of its first byte
+RECV_BYTES = 1 << 16
 DRAIN_WRITE_S = 60.0  # a client that reads nothing for this long while we write is dropped
 LINGER_S = 2.0  # after a refusal, what the client still sends is read and dropped this long, so it sees the answer
 _CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}")  # nothing else: a size a proxy might read otherwise is refused
@@ -184,13 +185,17 @@ def _head_bytes(status: int, headers: dict[str, str]) -> bytes:
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
-class _Connection(asyncio.Protocol):
-    """One client connection: reads requests, runs one handler at a time, writes its response."""
+class _Connection(asyncio.BufferedProtocol):
+    """One client connection: reads requests, runs one handler at a time, writes its response.
+
+    A buffered protocol: the transport reads into one buffer of ours (`recv_into`), where a plain protocol's
+    `recv(256 KiB)` allocates that much for every packet (~20 us of a request's way in, on the CPU host)."""
 
     def __init__(self, server: HTTPServer) -> None:
         self.server = server
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
+        self._recv = memoryview(bytearray(RECV_BYTES))
         self.busy = False  # a request is being handled
         self.keep_alive = True
         self._task: asyncio.Task | None = None
@@ -220,11 +225,14 @@ class _Connection(asyncio.Protocol):
         if self._task is not None and not self._task.done():
             self._task.cancel()  # the client left: its handler stops (and aborts its generation)
 
-    def data_received(self, data: bytes) -> None:
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._recv
+
+    def buffer_updated(self, nbytes: int) -> None:
         self._arrived_at = time.perf_counter()
         if self._lingering:
             return
-        self.buffer += data
+        self.buffer += self._recv[:nbytes]
         if not self.busy:
             self._next_request()
         elif len(self.buffer) > MAX_HEAD_BYTES + self.server.max_body_bytes:

@@ -50,6 +50,9 @@ Message = dict
 # socket's hop is shorter than loopback TCP's (measured on the CPU host, one small message to a polling reader:
 # 43 against 83 us; with a request's pickled `add`, 145 against 202 us)
 LinkAddress = tuple[str, int] | str
+# What one `recv` asks for. Not more: `recv(n)` allocates n bytes first, and a large buffer costs a large allocation
+# and its release every call (measured on the CPU host, a 300-byte message: 2.2 us with 64 KiB, 15.6 us with 1 MiB)
+RECV_BYTES = 1 << 16
 
 
 def format_address(address: LinkAddress) -> str:
@@ -275,7 +278,7 @@ class ReplicaLink:
         messages: list[Message] = []
         try:
             while self._poller.poll(0 if messages else math.ceil(timeout_s * 1000)):  # ms, rounded up as before
-                data = self._sock.recv(1 << 20)
+                data = self._sock.recv(RECV_BYTES)
                 if not data:
                     raise EOFError
                 self._inbuf += data
