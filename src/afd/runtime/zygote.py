@@ -23,7 +23,9 @@ from __future__ import annotations
 import atexit
 import ctypes
 import logging
+import math
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -97,6 +99,10 @@ class Zygote:
         ours, theirs = socket.socketpair()
         self._conn = Connection(os.dup(ours.fileno()))
         ours.close()
+        # one poll object for the pipe's life: `Connection.poll` builds a selector on every call (~10 us), and a
+        # rank's `poll()` (the server asks on every request whether its ranks live) polls the pipe each time
+        self._poller = select.poll()
+        self._poller.register(self._conn.fileno(), select.POLLIN)
         fd, name = tempfile.mkstemp(prefix="afd_zygote_", suffix=".log")
         self.log_path = Path(name)
         cmd = [sys.executable, "-m", "afd.runtime.zygote", str(theirs.fileno()), str(os.getpid()), " " * ROOM]
@@ -184,7 +190,7 @@ class Zygote:
         if self._lost:
             return False
         try:
-            if not self._conn.poll(timeout_s):
+            if not self._poller.poll(math.ceil(timeout_s * 1000)):  # ms
                 return False
             message = self._conn.recv()
         except (OSError, EOFError, ValueError):  # the zygote is gone (its ranks got a parent-death signal)
