@@ -98,6 +98,14 @@ def test_protocol_errors_and_urls_in_one_sentence() -> None:
                     pass
 
     asyncio.run(main())
+
+    async def endless_header() -> None:  # a line that never ends is refused, not buffered without bound
+        async with _scripted([b"HTTP/1.1 200 OK\r\nX-Long: " + b"a" * (100 << 10)]) as (client, _, _):
+            with pytest.raises(HTTPError, match="a line of over 65536 bytes"):
+                async with client.request("GET", "/health"):
+                    pass
+
+    asyncio.run(endless_header())
     for url in ("https://127.0.0.1:8000", "127.0.0.1:8000", "http://"):
         with pytest.raises(ValueError, match="plain http:// servers"):
             Client(url)
