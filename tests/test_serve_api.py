@@ -1,5 +1,5 @@
 """`afd serve`'s HTTP side without processes: the pure parts (protocol, router, tokenizer, metrics, SSE) and
-the real aiohttp app over in-process replicas — threads that each run the real replica loop
+the real HTTP server over in-process replicas — threads that each run the real replica loop
 (`afd.runtime.online.serve_replica`) over a real `Engine` on the tiny model — so greedy tokens can be
 compared with `afd.generate.generate` in seconds."""
 
