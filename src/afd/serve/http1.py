@@ -1,10 +1,11 @@
 """The HTTP/1.1 client of `afd bench serve`: keep-alive connections to one server, bodies read as they arrive.
 
-Why not aiohttp's client (the library `afd serve` was first built on): its request path (URL objects, cookies,
-tracing, timeouts) spent ~0.3 ms of Python per request before the request's first byte left, measured with its own trace hooks
-on a cold CPU at one request a second, and the benchmark counts that time in the front end's share of TTFT.
-This client writes one request and parses the status line, the headers and a chunked, sized or
-close-delimited body, nothing more. It speaks plain `http://` only; the caller bounds each request's time.
+Why not aiohttp's client (the library `afd serve` was first built on): its request path (URL objects,
+cookies, tracing, timeouts) spent ~0.3 ms of Python per request before the request's first byte left,
+measured with its own trace hooks on a cold CPU at one request a second, and the benchmark counts that time
+in the front end's share of TTFT. This client writes one request and parses the status line, the headers and
+a chunked, sized or close-delimited body, nothing more. It speaks plain `http://` only; the caller bounds
+each request's time.
 """
 
 from __future__ import annotations
