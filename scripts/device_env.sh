@@ -95,3 +95,16 @@ serve_start() {
   echo "$2 AFD_ZYGOTE=$z: healthy after $(python3 -c "import time; print(round(time.time() - $t0, 1))") s"
   kill -TERM $pid; wait $pid; echo "  exit status $?"
 }
+# front_end_ab PAIRS LIMIT NEW OLD: `front_end` on this tree (runs NEW_1, NEW_2, ...) and on an older one (OLD_1,
+# ...: .whl/old.tar, made by `git archive COMMIT -- src`), alternated PAIRS times, busy polling; no run starts
+# after LIMIT seconds of the script (the old one gets 60 s more)
+front_end_ab() {
+  local pairs=$1 limit=$2 new=$3 old=$4 i
+  mkdir -p /tmp/old_tree && tar -xf .whl/old.tar -C /tmp/old_tree
+  for ((i = 1; i <= pairs; i++)); do
+    (( SECONDS < limit )) || break
+    AFD_BUSY_POLL=1 front_end "${new}_$i"
+    (( SECONDS < limit + 60 )) || break
+    (cd /tmp/old_tree && PYTHONPATH=/tmp/old_tree/src:/tmp/site AFD_BUSY_POLL=1 front_end "${old}_$i")
+  done
+}

@@ -8,12 +8,4 @@ source "$(dirname "$0")/device_env.sh"
 log_run r22
 export CUDA_VISIBLE_DEVICES=0
 python3 --version
-NEW=$PWD
-mkdir -p /tmp/old_tree && tar -xf .whl/old.tar -C /tmp/old_tree && cp -r .whl /tmp/old_tree/
-for i in 1 2 3; do
-  (( SECONDS < 470 )) || break
-  AFD_BUSY_POLL=1 front_end front_own_http_$i
-  (( SECONDS < 520 )) || break
-  (cd /tmp/old_tree && PYTHONPATH=/tmp/old_tree/src:/tmp/site AFD_BUSY_POLL=1 front_end front_aiohttp_$i)
-done
-cd "$NEW"
+front_end_ab 3 470 front_own_http front_aiohttp

@@ -7,12 +7,4 @@ set -u
 source "$(dirname "$0")/device_env.sh"
 log_run r22b
 export CUDA_VISIBLE_DEVICES=0 FRONT_REQUESTS=32
-NEW=$PWD
-mkdir -p /tmp/old_tree && tar -xf .whl/old.tar -C /tmp/old_tree
-for i in 1 2 3; do
-  (( SECONDS < 440 )) || break
-  AFD_BUSY_POLL=1 front_end front_now_$i
-  (( SECONDS < 500 )) || break
-  (cd /tmp/old_tree && PYTHONPATH=/tmp/old_tree/src:/tmp/site AFD_BUSY_POLL=1 front_end front_aiohttp_$i)
-done
-cd "$NEW"
+front_end_ab 3 440 front_now front_aiohttp

@@ -5,12 +5,4 @@ set -u
 source "$(dirname "$0")/device_env.sh"
 log_run r22e
 export CUDA_VISIBLE_DEVICES=0 FRONT_REQUESTS=32
-NEW=$PWD
-mkdir -p /tmp/old_tree && tar -xf .whl/old.tar -C /tmp/old_tree
-for i in 1 2; do
-  (( SECONDS < 150 )) || break
-  AFD_BUSY_POLL=1 front_end front_now_$i
-  (( SECONDS < 190 )) || break
-  (cd /tmp/old_tree && PYTHONPATH=/tmp/old_tree/src:/tmp/site AFD_BUSY_POLL=1 front_end front_aiohttp_$i)
-done
-cd "$NEW"
+front_end_ab 2 150 front_now front_aiohttp
