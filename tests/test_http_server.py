@@ -240,6 +240,23 @@ def test_bodies_in_pieces_chunked_and_expect_continue(srv: LoopServer) -> None:
 
 
 @pytest.mark.timeout(30)
+def test_a_request_that_arrives_byte_by_byte(srv: LoopServer) -> None:
+    """The head's end split across reads, each chunk's size line and data in pieces: the parse goes on from where
+    it stopped (no read starts it over) and the request comes out whole."""
+    c = srv.client()
+    c.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    request = (
+        b"POST /echo HTTP/1.1\r\nX-Test: slow\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2;e=1\r\nde\r\n0\r\n\r\n"
+    )
+    for i in range(len(request)):
+        c.send(request[i : i + 1])
+        time.sleep(0.002)
+    assert json.loads(c.response()[2]) == {"length": 5, "x": "slow", "body": "abcde"}
+    c.send(GET_HELLO)  # the state of the slow request is gone: the next one parses from scratch
+    assert c.response()[2] == b"hello world"
+
+
+@pytest.mark.timeout(30)
 def test_head_on_get_routes_sends_headers_only(srv: LoopServer) -> None:
     """HEAD answers a GET route's head (its length too) and no body: the next response follows right after."""
     c = srv.client()

@@ -185,6 +185,22 @@ def _head_bytes(status: int, headers: dict[str, str]) -> bytes:
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
+@dataclass
+class _Head:
+    """A request whose head is parsed and whose body is still arriving."""
+
+    method: str
+    path: str
+    query: str
+    headers: dict[str, str]
+    version: str
+    body_start: int  # where the body begins in the connection's buffer
+    length: int | None  # its Content-Length; None: chunked
+    chunk_pos: int = 0  # chunked: where the next chunk's size line begins
+    chunks: list[bytes] = field(default_factory=list)
+    chunk_total: int = 0
+
+
 class _Connection(asyncio.BufferedProtocol):
     """One client connection: reads requests, runs one handler at a time, writes its response.
 
@@ -202,6 +218,8 @@ class _Connection(asyncio.BufferedProtocol):
         self._timer: asyncio.TimerHandle | None = None
         self._deadline: float | None = None  # when `_timed_out` acts (the loop's clock); None while busy
         self._request_started = False  # part of a request is in, the rest is awaited
+        self._head: _Head | None = None  # the request being read, once its head is in
+        self._head_scan = 0  # where the search for the end of the head goes on
         self._continued = False  # `100 Continue` sent for the request being read
         self._drain: asyncio.Future | None = None
         self._paused = False
@@ -273,18 +291,39 @@ class _Connection(asyncio.BufferedProtocol):
         self._task = _eager_task(self._loop, coro) if _eager_task else self._loop.create_task(coro)
 
     def _parse(self) -> Request | None:
-        """The next whole request off the buffer, None while incomplete."""
-        end = self.buffer.find(b"\r\n\r\n")
-        if end < 0:
-            if len(self.buffer) > MAX_HEAD_BYTES:
+        """The next whole request off the buffer, None while incomplete. Incremental: the head is parsed once,
+        and the search for its end and a chunked body's parsing go on from where they stopped, so a request that
+        trickles in costs time in its size, not in its size times its pieces."""
+        head = self._head
+        if head is None:
+            end = self.buffer.find(b"\r\n\r\n", self._head_scan)
+            if end < 0:
+                if len(self.buffer) > MAX_HEAD_BYTES:
+                    raise HTTPError(431, f"the request's head is over {MAX_HEAD_BYTES} bytes")
+                self._head_scan = max(0, len(self.buffer) - 3)
+                return None
+            if end > MAX_HEAD_BYTES:
                 raise HTTPError(431, f"the request's head is over {MAX_HEAD_BYTES} bytes")
+            head = self._head = self._parse_head(end)
+        if head.length is None:
+            parsed = self._chunked_body(head)
+        elif len(self.buffer) - head.body_start >= head.length:
+            parsed = bytes(self.buffer[head.body_start : head.body_start + head.length]), head.body_start + head.length
+        else:
+            parsed = None
+        if parsed is None:
+            self._expect_continue(head)
             return None
-        if end > MAX_HEAD_BYTES:
-            raise HTTPError(431, f"the request's head is over {MAX_HEAD_BYTES} bytes")
-        try:
-            head = bytes(self.buffer[:end]).decode("latin-1")
-        except UnicodeDecodeError:  # latin-1 decodes any byte; kept for clarity of intent
-            raise HTTPError(400, "the request's head is not text") from None
+        body, consumed = parsed
+        del self.buffer[:consumed]
+        self._head, self._head_scan = None, 0
+        connection = head.headers.get("connection", "").lower()
+        self.keep_alive = "close" not in connection and (head.version == "HTTP/1.1" or "keep-alive" in connection)
+        return Request(head.method, head.path, head.query, head.headers, body, head.version, self._arrived_at, self)
+
+    def _parse_head(self, end: int) -> _Head:
+        """The request line and headers that end at `end`, and how its body is framed."""
+        head = bytes(self.buffer[:end]).decode("latin-1")  # any byte decodes; the checks below refuse what is odd
         request_line, *header_lines = head.split("\r\n")
         parts = request_line.split(" ")
         if len(parts) != 3 or parts[2] not in ("HTTP/1.1", "HTTP/1.0") or not parts[0].isalpha():
@@ -300,7 +339,6 @@ class _Connection(asyncio.BufferedProtocol):
         if target.startswith(("http://", "https://")):  # absolute form: keep the path
             target = "/" + target.split("://", 1)[1].partition("/")[2]
         path, _, query = target.partition("?")
-        body_start = end + 4
         coding = headers.get("transfer-encoding")
         length = headers.get("content-length")
         if coding is not None:
@@ -308,33 +346,23 @@ class _Connection(asyncio.BufferedProtocol):
                 raise HTTPError(400, "a request may not carry both Content-Length and Transfer-Encoding")
             if coding.lower() != "chunked":
                 raise HTTPError(501, f"the transfer coding {coding!r} is not supported; send chunked or a length")
-            self._expect_continue(headers, version)
-            parsed = self._chunked_body(body_start)
-            if parsed is None:
-                return None
-            body, consumed = parsed
-        else:
-            if length is None:
-                size = 0
-            elif length.isascii() and length.isdigit():
-                size = int(length)
-            else:
-                raise HTTPError(400, f"Content-Length {length[:40]!r} is not a number")
+            size = None
+        elif length is None:
+            size = 0
+        elif length.isascii() and length.isdigit():
+            size = int(length)
             if size > self.server.max_body_bytes:
                 raise HTTPError(413, f"the request body is over {self.server.max_body_bytes} bytes")
-            if len(self.buffer) - body_start < size:
-                self._expect_continue(headers, version)
-                return None
-            body, consumed = bytes(self.buffer[body_start : body_start + size]), body_start + size
-        del self.buffer[:consumed]
-        connection = headers.get("connection", "").lower()
-        self.keep_alive = "close" not in connection and (version == "HTTP/1.1" or "keep-alive" in connection)
-        return Request(method, path, query, headers, body, version, self._arrived_at, self)
+        else:
+            raise HTTPError(400, f"Content-Length {length[:40]!r} is not a number")
+        return _Head(method, path, query, headers, version, end + 4, size, chunk_pos=end + 4)
 
-    def _chunked_body(self, start: int) -> tuple[bytes, int] | None:
-        """(body, bytes consumed) of a chunked body starting at `start`, or None while incomplete."""
-        buf, pos, parts, total = self.buffer, start, [], 0
+    def _chunked_body(self, head: _Head) -> tuple[bytes, int] | None:
+        """(body, bytes consumed) of a chunked body, or None while incomplete; the chunks read so far stay in
+        `head` for the next call."""
+        buf = self.buffer
         while True:
+            pos = head.chunk_pos
             line_end = buf.find(b"\r\n", pos)
             if line_end < 0:
                 if len(buf) - pos > MAX_HEAD_BYTES:
@@ -344,28 +372,32 @@ class _Connection(asyncio.BufferedProtocol):
             if not _CHUNK_SIZE.fullmatch(size_text):
                 raise HTTPError(400, f"the chunk size {size_text[:20]!r} is not a hexadecimal number")
             size = int(size_text, 16)
-            total += size
-            if total > self.server.max_body_bytes:
+            if head.chunk_total + size > self.server.max_body_bytes:
                 raise HTTPError(413, f"the request body is over {self.server.max_body_bytes} bytes")
             if size == 0:
-                trailer_end = buf.find(b"\r\n\r\n", line_end)  # trailers (ignored) end with an empty line
                 if buf[line_end : line_end + 4] == b"\r\n\r\n":
-                    return b"".join(parts), line_end + 4
+                    return b"".join(head.chunks), line_end + 4
+                trailer_end = buf.find(b"\r\n\r\n", line_end)  # trailers (ignored) end with an empty line
                 if trailer_end < 0:
                     if len(buf) - line_end > MAX_HEAD_BYTES:
                         raise HTTPError(431, f"the request's trailers are over {MAX_HEAD_BYTES} bytes")
                     return None
-                return b"".join(parts), trailer_end + 4
+                return b"".join(head.chunks), trailer_end + 4
             data_start = line_end + 2
             if len(buf) < data_start + size + 2:
                 return None
             if buf[data_start + size : data_start + size + 2] != b"\r\n":
                 raise HTTPError(400, "a chunk does not end where its size says")
-            parts.append(bytes(buf[data_start : data_start + size]))
-            pos = data_start + size + 2
+            head.chunks.append(bytes(buf[data_start : data_start + size]))
+            head.chunk_total += size
+            head.chunk_pos = data_start + size + 2
 
-    def _expect_continue(self, headers: dict[str, str], version: str) -> None:
-        if not self._continued and version == "HTTP/1.1" and headers.get("expect", "").lower() == "100-continue":
+    def _expect_continue(self, head: _Head) -> None:
+        if (
+            not self._continued
+            and head.version == "HTTP/1.1"
+            and head.headers.get("expect", "").lower() == "100-continue"
+        ):
             self._continued = True
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
@@ -406,6 +438,7 @@ class _Connection(asyncio.BufferedProtocol):
         lose the answer), then all of it when the client closes or after `LINGER_S`."""
         self.keep_alive = False
         self.buffer.clear()
+        self._head, self._head_scan = None, 0
         self._write_whole(self.server.error_response(err, None), head_only=False, close=False, connection_close=True)
         self._lingering = True
         if self.transport.can_write_eof():
