@@ -85,22 +85,19 @@ class Stream:
         self._conn, self._chunked, self._head_only = conn, chunked, head_only
         self.ended = False
 
+    def _framed(self, data: bytes) -> bytes:
+        return b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data
+
     async def write(self, data: bytes) -> None:
-        if not data or self._head_only:
-            return
-        if self._chunked:
-            data = b"%x\r\n%b\r\n" % (len(data), data)
-        await self._conn.send(data)
+        if data and not self._head_only:
+            await self._conn.send(self._framed(data))
 
     def write_nowait(self, data: bytes) -> None:
         """Write without waiting for the client to read (a token's chunk, from a callback): what it has not read
         yet waits in the transport's buffer, as much as the response itself at most. A no-op once the client left
         (its handler is being cancelled)."""
-        if not data or self._head_only:
-            return
-        if self._chunked:
-            data = b"%x\r\n%b\r\n" % (len(data), data)
-        self._conn.send_nowait(data)
+        if data and not self._head_only:
+            self._conn.send_nowait(self._framed(data))
 
     async def end(self) -> None:
         if self.ended:
