@@ -22,7 +22,7 @@ import socket
 import statistics
 import time
 
-from afd.serve.link import decode_frames, encode_frame
+from afd.runtime.link import decode_frames, encode_frame
 from afd.serve.protocol import parse_completion, parse_json
 
 BODY = json.dumps(

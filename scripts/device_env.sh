@@ -21,7 +21,7 @@ timelined() {
   local name=$1
   export AFD_TIMELINE=$B/$name.tl
   bench "$@"
-  python3 -m afd.timeline_report "$AFD_TIMELINE" --json "$OUT/${name}_timeline.json"
+  python3 -m afd.profiling.timeline_report "$AFD_TIMELINE" --json "$OUT/${name}_timeline.json"
   mkdir -p "$OUT/${name}_points" && cp "$AFD_TIMELINE"/*.json "$OUT/${name}_points/"
   unset AFD_TIMELINE
 }
@@ -69,7 +69,7 @@ print('  stages p50: ' + ', '.join('%s %.3f' % (k, v*1e3) for k, v in s['ttft_st
 # compiled_while_serving: the Triton compiles the rank logs under $AFD_LOG_DIR saw while serving, and the warm-ups'
 # times, into $OUT/compiled_while_serving.txt
 compiled_while_serving() {
-  grep -h "while serving" "$AFD_LOG_DIR"/*/*.log | sed 's/.*afd.profiling INFO //' | cut -c1-160 | sort | uniq -c \
+  grep -h "while serving" "$AFD_LOG_DIR"/*/*.log | sed 's/.*afd.profiling.profiler INFO //' | cut -c1-160 | sort | uniq -c \
     | sort -rn | head -n 20 | tee "$OUT/compiled_while_serving.txt"
   grep -h "warmed up" "$AFD_LOG_DIR"/*/*.log | sed 's/.*INFO //' | tee -a "$OUT/compiled_while_serving.txt"
 }

@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from gpu_timing import graph_ms  # noqa: E402
 
 from afd.connectors.expert_pass import WorkRows, expert_pass  # noqa: E402
-from afd.moe import select_experts  # noqa: E402
-from afd.weights import load_ffn_model  # noqa: E402
+from afd.model.moe import select_experts  # noqa: E402
+from afd.model.weights import load_ffn_model  # noqa: E402
 
 
 def item(ffn, num_tokens: int, gen: torch.Generator) -> WorkRows:  # noqa: ANN001

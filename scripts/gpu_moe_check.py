@@ -1,4 +1,4 @@
-"""Routed experts on the GPU: the fixed-shape, host-sync-free path (afd.moe.routed_experts) checked and timed.
+"""Routed experts on the GPU: the fixed-shape, host-sync-free path (afd.model.moe.routed_experts) checked and timed.
 
     PYTHONPATH=src python3 scripts/gpu_moe_check.py [--iters 20] [--device cuda]
 
@@ -26,9 +26,9 @@ import warnings
 
 import torch
 
-from afd.ffn_model import FFNModel
-from afd.moe import group_by_expert, grouped_expert_mlp, routed_experts, select_experts
-from afd.weights import load_model_config
+from afd.model.ffn_side import FFNModel
+from afd.model.moe import group_by_expert, grouped_expert_mlp, routed_experts, select_experts
+from afd.model.weights import load_model_config
 
 COPY_RATE = 4.27e12  # bytes/s, H200 device-to-device copy (DESIGN.md)
 TOLERANCE = 1e-2

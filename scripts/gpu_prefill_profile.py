@@ -18,8 +18,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from afd.engine import Engine, LocalExchange, Request
-from afd.weights import load_attention_model, load_ffn_model
+from afd.engine.engine import Engine, LocalExchange, Request
+from afd.model.weights import load_attention_model, load_ffn_model
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", default="deepseek-v2-lite")

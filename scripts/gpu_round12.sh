@@ -15,7 +15,7 @@ AFD_BENCH_PROFILE=$B/prof timeout 120 python3 -m afd bench exchange --model deep
   --device cuda --tokens 8 --iters 100 2>"$B/exchange_prof.err" | tail -n 4
 tar -czf "$OUT/probe.tar.gz" -C "$B" .
 elif [[ $PHASE == chain ]]; then
-# device-driven FFN passes (afd.connectors.ffn_chain): the exchange per layer inside a 26-layer pass, with the chain
+# device-driven FFN passes (afd.connectors.asynchronous.ffn_chain): the exchange per layer inside a 26-layer pass, with the chain
 # and without (AFD_FFN_CHAIN=0), single round trips beside; the ordering stress through the chain; afd bench 1A1F
 ex() {  # name, then afd bench exchange arguments
   local name=$1; shift

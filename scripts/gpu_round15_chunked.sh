@@ -13,7 +13,7 @@ chunked() {  # chunked NAME ARGS...: the prefill-only run of 64 x 512 with its t
   bench "$name" 90 --attention 1 --ffn 1 --requests 64 --long-len 512 --short-len 512 --max-new-tokens 1 \
     --no-score "$@"
   unset AFD_TIMELINE
-  python3 -m afd.timeline_report "$B/$name.tl" --json "$OUT/${name}_timeline.json"
+  python3 -m afd.profiling.timeline_report "$B/$name.tl" --json "$OUT/${name}_timeline.json"
   [[ $PHASE == e ]] && for f in "$B/$name.tl"/*.json; do cp "$f" "$OUT/${name}_points_$(basename "$f")"; done
 }
 chunked chunked_async_sa --connectors async --shared-experts attention

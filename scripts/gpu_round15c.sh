@@ -13,7 +13,7 @@ export AFD_TIMELINE=$B/tl
 bench prefill_sa_timelined 60 --attention 1 --ffn 1 --requests 8 --long-len 1024 --short-len 1024 \
   --max-new-tokens 1 --shared-experts attention --connectors async --max-num-batched-tokens 8192 --no-score
 unset AFD_TIMELINE
-python3 -m afd.timeline_report "$B/tl" --json "$OUT/prefill_sa_timeline.json" | grep -E "step|round trip|FFN pass"
+python3 -m afd.profiling.timeline_report "$B/tl" --json "$OUT/prefill_sa_timeline.json" | grep -E "step|round trip|FFN pass"
 bench decode_b64 100 --attention 1 --ffn 1 --requests 64 --long-len 512 --short-len 512 --max-new-tokens 32 \
   --shared-experts ffn,attention --connectors async,p2p --no-score
 CUDA_VISIBLE_DEVICES=0 timeout 90 python3 -m afd bench step --model deepseek-v2-lite --dtype bfloat16 --device cuda \

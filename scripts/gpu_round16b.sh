@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Round 16b: prefill CUDA graphs (afd.prefill_graph), one call of under 10 minutes on nvidia-h200-x2: their GPU tests,
+# Round 16b: prefill CUDA graphs (afd.engine.graphs.prefill), one call of under 10 minutes on nvidia-h200-x2: their GPU tests,
 # where the attention host's time goes with and without them (one GPU, scripts/host_profile.py), the fp32 oracle on
 # CUDA with them (none, async 1A1F with and without micro-batches and the shared experts on attention, p2p 1A1F and
 # 2A2F), then V2-Lite bf16: 1A1F prefill of 8 x 1024 with them on and off (1 and 2 micro-batches), and chunked
@@ -29,6 +29,6 @@ AFD_PREFILL_GRAPHS=0 bench prefill_eager 200 "${PREFILL[@]}"
 export AFD_TIMELINE=$B/chunked.tl
 bench chunked 120 --attention 1 --ffn 1 --requests 64 --long-len 512 --short-len 512 --max-new-tokens 1 --no-score \
   --shared-experts attention --connectors async,p2p
-python3 -m afd.timeline_report "$AFD_TIMELINE" --json "$OUT/chunked_timeline.json" | grep -E "^[a-z]|host|step |round"
+python3 -m afd.profiling.timeline_report "$AFD_TIMELINE" --json "$OUT/chunked_timeline.json" | grep -E "^[a-z]|host|step |round"
 unset AFD_TIMELINE
 echo "== leftover processes:"; pgrep -af "afd" | grep -v pgrep || echo none

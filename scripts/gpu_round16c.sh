@@ -15,7 +15,7 @@ bench decode_b64 110 --attention 1 --ffn 1 --requests 64 --long-len 512 --short-
 export AFD_TIMELINE=$B/chunked.tl
 bench chunked 110 --attention 1 --ffn 1 --requests 64 --long-len 512 --short-len 512 --max-new-tokens 1 --no-score \
   --shared-experts ffn,attention --connectors async,p2p
-python3 -m afd.timeline_report "$AFD_TIMELINE" --json "$OUT/chunked_timeline.json" | grep -E "^[a-z]|host|step |round"
+python3 -m afd.profiling.timeline_report "$AFD_TIMELINE" --json "$OUT/chunked_timeline.json" | grep -E "^[a-z]|host|step |round"
 unset AFD_TIMELINE
 serve_mixed serve_mixed_1a1f_sa 240 --compare none:R=2,p2p:A=1,F=1,async:A=1,F=1 --requests 64 --rates 64,inf \
   --warmups 8 --config '{"connector": "async", "connector_extra_config": {"shared_experts_on_attention": true}}'

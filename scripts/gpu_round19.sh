@@ -15,7 +15,7 @@ if [[ $PHASE == cold ]]; then
   CONNECTORS=async,p2p; [[ $(nvidia-smi -L | wc -l) -ge 2 ]] || CONNECTORS=async
   bench decode_1a1f_cold 200 --attention 1 --ffn 1 --requests 64 --long-len 512 --short-len 512 --max-new-tokens 32 \
     --connectors $CONNECTORS
-  grep -h "while serving" "$AFD_LOG_DIR"/*/*.log | sed 's/.*afd.profiling INFO //' | sort | uniq -c | sort -rn \
+  grep -h "while serving" "$AFD_LOG_DIR"/*/*.log | sed 's/.*afd.profiling.profiler INFO //' | sort | uniq -c | sort -rn \
     | head -n 40 | tee "$OUT/compiled_while_serving.txt"
   tail -q -n 200 "$AFD_LOG_DIR"/*/*.log | grep -h "Triton:" | tee -a "$OUT/compiled_while_serving.txt"
 elif [[ $PHASE == mps ]]; then

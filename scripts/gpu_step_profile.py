@@ -11,9 +11,9 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from afd.bench_step import _drop_all, _seed_decodes
-from afd.engine import Engine, LocalExchange
-from afd.weights import load_attention_model, load_ffn_model
+from afd.bench.step import _drop_all, _seed_decodes
+from afd.engine.engine import Engine, LocalExchange
+from afd.model.weights import load_attention_model, load_ffn_model
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", default="deepseek-v2-lite")

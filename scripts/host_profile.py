@@ -18,10 +18,11 @@ import time
 import torch
 import torch.nn.functional as F
 
-from afd.kv_cache import PagedLatentCache
-from afd.model import Batch, run_segments, zero_exchange
-from afd.prefill_graph import PrefillGraphRunner
-from afd.weights import load_attention_model
+from afd.engine.graphs.prefill import PrefillGraphRunner
+from afd.model.attention_side import run_segments, zero_exchange
+from afd.model.batch import Batch
+from afd.model.kv_cache import PagedLatentCache
+from afd.model.weights import load_attention_model
 
 
 def forward_times(model, cache, layout, iters=5, runner=None):

@@ -14,8 +14,8 @@ import threading
 import time
 from pathlib import Path
 
-from afd.engine import Output
-from afd.generate import generate
+from afd.engine.engine import Output
+from afd.engine.generate import generate
 
 MODEL = "tiny"
 # Ragged on purpose: long and short prompts, and (with 5 attention replicas) replicas that get nothing.
@@ -77,8 +77,9 @@ def launch_checked(
 ) -> tuple[list[Output], dict]:
     """`afd launch` of tiny fp32 with prompt logprobs, asserting it left no worker and no segment behind."""
     from afd.config import parse_config
-    from afd.kv_cache import CacheOptions
-    from afd.runtime.launch import RunSpec, free_port, launch
+    from afd.model.kv_cache import CacheOptions
+    from afd.runtime.launch import free_port, launch
+    from afd.runtime.spec import RunSpec
 
     config = parse_config(hand_config(connector, num_attention, num_ffn, port=free_port(), **extra_config))
     spec = RunSpec(
@@ -163,7 +164,7 @@ def zygote_pids() -> set[int]:
     return {
         int(entry.name)
         for entry in Path("/proc").iterdir()
-        if entry.name.isdigit() and b"afd.runtime.zygote" in _cmdline(int(entry.name)) and _tagged(int(entry.name), tag)
+        if entry.name.isdigit() and b"afd.cli.zygote" in _cmdline(int(entry.name)) and _tagged(int(entry.name), tag)
     }
 
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from afd.connectors.async_ffn import AsyncFFNServer, run_ffn_loop
-from afd.connectors.async_window import AsyncAttentionExchange, RingExhausted
+from afd.connectors.asynchronous.attention import AsyncAttentionExchange, RingExhausted
+from afd.connectors.asynchronous.ffn import AsyncFFNServer, run_ffn_loop
 from afd.connectors.expert_pass import WorkRows, expert_pass
 from afd.topology import AsyncTopology
 from afd.transport.shm import cleanup_segments, read_run_token

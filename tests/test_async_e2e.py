@@ -29,7 +29,7 @@ from e2e_util import (
     wait_until_mapped,
 )
 
-from afd.generate import generate
+from afd.engine.generate import generate
 from afd.runtime.launch import free_port
 
 VOCAB = 256  # the tiny preset
@@ -169,7 +169,7 @@ def test_killed_attention_rank_ends_the_run_and_cleans_up() -> None:
 def test_ffn_rank_gives_up_on_its_own_when_attention_dies(chain: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """No launcher to stop it: an FFN rank whose only attention peer is SIGKILLed mid-run exits non-zero
     by itself in bounded time, naming that rank, and unlinks its own window; also while it waits in a pass queued
-    for the device (AFD_FFN_CHAIN=1, afd.connectors.ffn_chain)."""
+    for the device (AFD_FFN_CHAIN=1, afd.connectors.asynchronous.ffn_chain)."""
     monkeypatch.setenv("AFD_FFN_CHAIN", chain)
     config = hand_config("async", 1, 1, port=free_port(), recv_poll_timeout_ms=100)
     leftovers = Leftovers()

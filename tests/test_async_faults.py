@@ -22,15 +22,16 @@ import torch.distributed as dist
 from e2e_util import Leftovers, afd_worker, hand_config, kill_all, wait_until_mapped
 from test_async_connector import HIDDEN, NUM_EXPERTS, TOPK, StandInFFN, dims, reference, routing
 
-import afd.connectors.async_window as async_window
-from afd.connectors.async_ffn import AsyncFFNServer
-from afd.connectors.async_window import AsyncAttentionExchange, ConnectorShutdown
-from afd.connectors.wire import WindowOverflow
+import afd.connectors.asynchronous.attention as async_window
+from afd.connectors.asynchronous.attention import AsyncAttentionExchange, ConnectorShutdown
+from afd.connectors.asynchronous.ffn import AsyncFFNServer
+from afd.connectors.asynchronous.wire import WindowOverflow
 from afd.runtime.launch import free_port
 from afd.topology import AsyncTopology
+from afd.transport.factory import default_heap_factory
 from afd.transport.nvshmem import exchange_placement
 from afd.transport.shm import RUN_TOKEN_KEY, ShmHeap, check_store_ordering, cleanup_segments
-from afd.transport.symm_heap import SymmetricHeap, default_heap_factory
+from afd.transport.symm_heap import SymmetricHeap
 
 
 def segments_of(token: str) -> list[str]:

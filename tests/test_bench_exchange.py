@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from afd.bench_exchange import row_bytes
+from afd.bench.exchange import row_bytes
 
 
 @pytest.mark.timeout(120)
@@ -77,7 +77,7 @@ def test_exchange_stress_checks_every_reply_against_its_request(tmp_path: Path) 
 def test_echo_ffn_answers_each_row_with_itself() -> None:
     import torch
 
-    from afd.bench_exchange import EchoFFN
+    from afd.bench.exchange import EchoFFN
     from afd.connectors.expert_pass import WorkRows, expert_pass
 
     x = torch.randn(5, 8)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from afd.bench_step import decode_step_bytes, expected_experts_touched, prefill_flops
-from afd.weights import load_model_config
+from afd.bench.step import decode_step_bytes, expected_experts_touched, prefill_flops
+from afd.model.weights import load_model_config
 
 
 def run_afd(*args: str, timeout: float) -> subprocess.CompletedProcess:
@@ -60,8 +60,8 @@ def test_floor_of_lite_matches_the_issue_estimate() -> None:
     assert expected_experts_touched(64, 6, 8) == pytest.approx(35.0, abs=1.0)
     assert expected_experts_touched(64, 6, 256) == pytest.approx(64.0, abs=1e-6)
     with torch.device("meta"):
-        from afd.ffn_model import FFNModel
-        from afd.model import AttentionModel
+        from afd.model.attention_side import AttentionModel
+        from afd.model.ffn_side import FFNModel
 
         attn = AttentionModel(config, dtype=torch.bfloat16).to(torch.bfloat16)
         ffn = FFNModel(config, dtype=torch.bfloat16).to(torch.bfloat16)

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from afd.cli import build_parser
-from afd.kv_cache import CacheOptions
+from afd.cli.main import build_parser
+from afd.model.kv_cache import CacheOptions
 from afd.runtime.launch import cache_flags
 
 # two prompts that each need 3 blocks of 4 tokens (5 prompt + 7 new - 1 = 11 tokens)
@@ -66,23 +66,23 @@ def test_a_pool_for_one_request_makes_the_next_wait_in_every_engine() -> None:
     assert "KV cache: 3 blocks x 4 tokens" in single.stderr, single.stderr[-2000:]
     launched = afd("-v", "generate", *COMMON, "--num-gpu-blocks-override", "3", "--connector", "p2p")
     assert tokens(launched) == want
-    assert "[attention rank 0 (world rank 1)] afd.engine INFO KV cache: 3 blocks x 4 tokens" in launched.stderr, (
-        launched.stderr[-3000:]
-    )
+    assert (
+        "[attention rank 0 (world rank 1)] afd.engine.engine INFO KV cache: 3 blocks x 4 tokens" in launched.stderr
+    ), launched.stderr[-3000:]
 
 
 def test_enforce_eager_reaches_the_single_process_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     """`--enforce-eager` is vLLM's switch; afd's CPU engine never captures, so check the plumbing."""
-    import afd.generate
-    from afd.cli import main
+    import afd.engine.generate
+    from afd.cli.main import main
 
     seen = {}
-    real = afd.generate.generate
+    real = afd.engine.generate.generate
 
     def spy(*args, **kwargs):
         seen.update(kwargs)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(afd.generate, "generate", spy)
+    monkeypatch.setattr(afd.engine.generate, "generate", spy)
     assert main(["generate", "--model", "tiny", "--prompt-ids", "1,2", "--max-new-tokens", "1", "--enforce-eager"]) == 0
     assert seen["enforce_eager"] is True

@@ -1,4 +1,4 @@
-"""The device-driven exchange's kernels (`afd.kernels.chain`) against their PyTorch steps and the wire.
+"""The device-driven exchange's kernels (`asynchronous.chain_kernels`) against their PyTorch steps and the wire.
 
 On a GPU they run as compiled; on CPU through Triton's interpreter (`TRITON_INTERPRET=1`, in a process of its own:
 the variable is read when the kernels are defined), so their flag and header logic is checked without a GPU.
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from afd.connectors import wire
+from afd.connectors.asynchronous import wire
 
 HERE = Path(__file__).resolve().parent
 
@@ -79,7 +79,7 @@ def test_pytorch_steps_serve_only_the_expected_request(case: str) -> None:
     """An item serves (flag reset to 0, reply flag = the request's seq, served + 1) only a request for its layer
     within its bucket whose header seq is the flag's, with nothing aborted before; otherwise it leaves the flag
     and the reply flag alone and sets the abort word. Rows past the count route nowhere."""
-    from afd.connectors.ffn_chain import _TorchSteps
+    from afd.connectors.asynchronous.ffn_chain import _TorchSteps
 
     ids, mask, ok, out, reply_header, flag, stats, reply_flag, _ = run_steps(_TorchSteps(), case, "cpu")
     header_args, flag_value, abort = CASES[case]
@@ -99,8 +99,8 @@ def test_pytorch_steps_serve_only_the_expected_request(case: str) -> None:
 def check_ffn_kernels(dev: str) -> None:
     """check_request / reply_item (Triton) leave every output and state word as the PyTorch steps (the CPU path)
     do, for a request served and for each reason not to serve one, with and without shared experts."""
-    from afd.connectors.ffn_chain import _TorchSteps
-    from afd.kernels import chain
+    from afd.connectors.asynchronous import chain_kernels as chain
+    from afd.connectors.asynchronous.ffn_chain import _TorchSteps
 
     for case in CASES:
         for with_shared in (True, False):
@@ -113,7 +113,7 @@ def check_ffn_kernels(dev: str) -> None:
 def check_send_kernel(dev: str) -> None:
     """send_request copies the rows (any row stride), ids (to int32) and weights into the slot, leaves the rows
     past T alone, takes the next seq and writes the header and the flag; its arrival count is 0 again after."""
-    from afd.kernels import chain
+    from afd.connectors.asynchronous import chain_kernels as chain
 
     hidden, k, cap = 40, 6, 12
     for num_tokens, shared_on_ffn, stride in ((1, True, hidden), (5, False, hidden), (7, True, hidden + 8)):

@@ -13,11 +13,11 @@ import random
 import pytest
 from e2e_util import MODEL, launch_checked
 
-from afd.cli import build_parser, run_spec
-from afd.engine import Engine, LocalExchange, Output, Request
-from afd.generate import generate
-from afd.sampling import SamplingParams
-from afd.weights import load_attention_model, load_ffn_model
+from afd.cli.main import build_parser, run_spec
+from afd.engine.engine import Engine, LocalExchange, Output, Request
+from afd.engine.generate import generate
+from afd.engine.sampling import SamplingParams
+from afd.model.weights import load_attention_model, load_ffn_model
 
 TOL = 1e-5
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from afd.generate import generate
+from afd.engine.generate import generate
 
 
 def run_afd(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -16,11 +16,14 @@ from pathlib import Path
 import pytest
 from e2e_util import Leftovers, afd_worker, kill_all, start_long_launch, wait_for_workers, wait_gone
 
-from afd import cli, cli_input, resources, signals
-from afd.cli import UsageError
+from afd.cli import input as cli_input
+from afd.cli import main as cli
+from afd.cli.main import UsageError
 from afd.config import ConfigError, parse_config
+from afd.distributed import signals
+from afd.model.weights import load_attention_model, load_ffn_model, load_model_config
+from afd.runtime import resources
 from afd.runtime.launch import free_port
-from afd.weights import load_attention_model, load_ffn_model, load_model_config
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -36,7 +39,7 @@ def assert_one_sentence(proc: subprocess.CompletedProcess, message: str, code: i
 
 
 def main_exit(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str]:
-    """`afd.cli.main` in this process (no interpreter start): its exit status and stderr."""
+    """`afd.cli.main.main` in this process (no interpreter start): its exit status and stderr."""
     try:
         code = cli.main(list(argv))
     except SystemExit as exc:  # argparse rejects a flag's value
@@ -446,7 +449,7 @@ def test_connector_list_refuses(text: str) -> None:
 
 def test_demo_runs_the_connectors_and_device_it_is_given(capsys: pytest.CaptureFixture, monkeypatch) -> None:
     """`afd demo --connectors` took four literal strings, and the demo ignored --connectors and --device."""
-    import afd.demo
+    import afd.bench.demo
 
     seen = {}
 
@@ -454,7 +457,7 @@ def test_demo_runs_the_connectors_and_device_it_is_given(capsys: pytest.CaptureF
         seen.update(kwargs)
         raise UsageError("stop here")
 
-    monkeypatch.setattr(afd.demo, "run_demo", fake_run_demo)
+    monkeypatch.setattr(afd.bench.demo, "run_demo", fake_run_demo)
     code, err = main_exit(capsys, "demo", "--connectors", "async, p2p,async")
     assert code == 2 and "stop here" in err
     assert seen["connectors"] == ("async", "p2p") and seen["device"] == "cpu"

@@ -1,4 +1,4 @@
-"""`afd.profiling.CompileWatch`: Triton compiles inside a rank's serving part are told apart from the warm-up's,
+"""`profiling.profiler.CompileWatch`: Triton compiles inside a rank's serving part are told apart from the warm-up's,
 logged one by one and counted at the end (a first use while serving is latency some request pays)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from afd import profiling
+from afd.profiling import profiler as profiling
 
 
 def compiled(hook, name: str) -> None:  # noqa: ANN001
@@ -22,7 +22,7 @@ def test_compiles_while_serving_are_named_and_counted_apart(caplog: pytest.LogCa
     compiled(watch, "_moe_kernel")
     compiled(watch, "_rope_kernel")
     watch.serving = True
-    with caplog.at_level(logging.INFO, logger="afd.profiling"):
+    with caplog.at_level(logging.INFO, logger="afd.profiling.profiler"):
         compiled(watch, "_mla_decode_kernel")
         compiled(watch, "_mla_decode_kernel")
     assert watch.before == 2 and len(watch.after) == 2
@@ -39,7 +39,7 @@ def test_watching_installs_the_hook_once_and_summarizes(monkeypatch, caplog: pyt
     assert watch is not None and profiling.watch_compiles() is watch
     assert knobs.runtime.jit_post_compile_hook is watch
     compiled(knobs.runtime.jit_post_compile_hook, "_norm_kernel")  # during the warm-up
-    with caplog.at_level(logging.INFO, logger="afd.profiling"), profiling.watching_compiles(True):
+    with caplog.at_level(logging.INFO, logger="afd.profiling.profiler"), profiling.watching_compiles(True):
         compiled(knobs.runtime.jit_post_compile_hook, "_swiglu_kernel")
     assert not watch.serving
     assert "1 kernel variants compiled before serving, 1 while serving: _swiglu_kernel" in caplog.text

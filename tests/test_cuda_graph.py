@@ -1,4 +1,4 @@
-"""Decode CUDA graphs (afd.cuda_graph): bucket choice and padding layout (pure, CPU), the padded batched
+"""Decode CUDA graphs (afd.engine.graphs.decode): bucket choice and padding layout (pure, CPU), the padded batched
 decode step equal to the unpadded one (CPU, fp32, graphs replaced by an eager run of the padded batch),
 and on the device graph replay equal to eager output for every bucket, across block boundaries."""
 
@@ -9,16 +9,10 @@ import random
 import pytest
 import torch
 
-from afd.cuda_graph import (
-    DecodeGraphRunner,
-    StaticInputs,
-    batch_buckets,
-    context_bucket,
-    fill_static_inputs,
-    pick_bucket,
-)
-from afd.engine import Engine, LocalExchange, Request
-from afd.weights import load_attention_model, load_ffn_model
+from afd.buckets import batch_buckets, context_bucket, pick_bucket
+from afd.engine.engine import Engine, LocalExchange, Request
+from afd.engine.graphs.decode import DecodeGraphRunner, StaticInputs, fill_static_inputs
+from afd.model.weights import load_attention_model, load_ffn_model
 
 BLOCK = 4
 # Lengths around multiples of the block size, and a one-token prompt.

@@ -112,8 +112,8 @@ def test_bench_refuses_a_micro_batch_count_the_async_config_refuses() -> None:
 
 def test_demo_times_a_warm_reference_and_says_what_the_numbers_mean(monkeypatch: pytest.MonkeyPatch) -> None:
     """The reference row was one cold run whose tok/s swung 14-311 across five runs."""
-    import afd.demo as demo
-    from afd.runtime.harness import RunResult
+    import afd.bench.demo as demo
+    from afd.bench.harness import RunResult
 
     runs = []
 
@@ -130,7 +130,7 @@ def test_demo_times_a_warm_reference_and_says_what_the_numbers_mean(monkeypatch:
 
 
 def test_bench_prompts_must_fit_the_models_positions(capsys: pytest.CaptureFixture) -> None:
-    from afd.cli import main
+    from afd.cli.main import main
 
     assert main(["bench", "--long-len", "4064", "--max-new-tokens", "32"]) == 2  # + 1 scored token: 4097 > 4096
     err = capsys.readouterr().err
@@ -143,8 +143,8 @@ def test_reference_run_hands_the_gpu_back_before_ranks_launch() -> None:
     `afd bench` run out of memory (nvidia-h200-x2, 2026-11-30)."""
     import torch
 
-    from afd.runtime.harness import run_reference
-    from afd.runtime.launch import RunSpec
+    from afd.bench.harness import run_reference
+    from afd.runtime.spec import RunSpec
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -155,7 +155,7 @@ def test_reference_run_hands_the_gpu_back_before_ranks_launch() -> None:
 
 
 def test_median_launch_and_the_micro_batching_gain_line() -> None:
-    from afd.bench import median_launch, ubatch_gains
+    from afd.bench.offline import median_launch, ubatch_gains
 
     launches = [{"elapsed_s": t, "id": i} for i, t in enumerate([0.30, 0.10, 0.20, 0.40])]
     assert median_launch(launches)["id"] == 2  # 0.20: the lower middle of four, a real launch
@@ -193,7 +193,7 @@ def test_bench_repeat_launches_every_configuration_in_rounds_and_keeps_the_media
 
 
 def test_bench_table_fits_its_longest_label_and_says_when_no_decode_step_was_timed() -> None:
-    from afd.bench import format_bench
+    from afd.bench.offline import format_bench
 
     run = {
         "tokens_per_s": 80.0,

@@ -7,8 +7,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from afd.connectors.dispatch import ExpertMap, combine_scatter, destinations, plan_dispatch, shared_owner
+from afd.connectors.asynchronous.dispatch import ExpertMap, combine_scatter, destinations, plan_dispatch, shared_owner
 from afd.connectors.expert_pass import WorkRows, expert_pass
+from afd.routing import Routing
 from afd.topology import expert_ranges
 
 
@@ -141,7 +142,7 @@ def test_combine_scatter_accumulates_in_fp32() -> None:
 
 
 def tiny_ffn(expert_range: range):
-    from afd.weights import load_ffn_model
+    from afd.model.weights import load_ffn_model
 
     return load_ffn_model("tiny", expert_range=expert_range, dtype="float32", device="cpu", seed=0)
 
@@ -173,8 +174,6 @@ def test_one_pass_over_items_of_one_layer_equals_each_alone() -> None:
 
 
 def _routing(item: WorkRows):
-    from afd.moe import Routing
-
     return Routing(item.topk_ids.long(), item.topk_weights)
 
 

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from afd.engine import Engine, LocalExchange, Request
-from afd.generate import generate
-from afd.weights import load_attention_model, load_ffn_model
+from afd.engine.engine import Engine, LocalExchange, Request
+from afd.engine.generate import generate
+from afd.model.weights import load_attention_model, load_ffn_model
 
 PROMPTS = [[1, 2, 3], [4, 5], [9, 8, 7, 6, 5, 4, 3, 2, 1], [200]]
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from afd.engine import Engine, LocalExchange, Output, Request
-from afd.sampling import SamplingParams
-from afd.weights import load_attention_model, load_ffn_model
+from afd.engine.engine import Engine, LocalExchange, Output, Request
+from afd.engine.sampling import SamplingParams
+from afd.model.weights import load_attention_model, load_ffn_model
 
 TOL = 1e-5  # only where a wasted row changes the batch (module docstring)
 

@@ -1,4 +1,4 @@
-"""Device-driven FFN passes (`afd.connectors.ffn_chain`) on CPU, where `AFD_FFN_CHAIN=1` runs the same items
+"""Device-driven FFN passes (`asynchronous.ffn_chain`) on CPU, where `AFD_FFN_CHAIN=1` runs the same items
 eagerly behind a host wait: real 1A1F async runs over shared memory equal the reference, serve most layers in
 whole passes, hand a pass back to the host when the prediction breaks, and end cleanly when the attention rank
 dies mid-pass (`tests/test_async_e2e.py`)."""
@@ -14,8 +14,9 @@ from e2e_util import MODEL, assert_matches_reference, hand_config, launch_checke
 from test_async_e2e import reference, run_async, tokens, uneven_prompts
 
 from afd.config import parse_config
-from afd.generate import generate
-from afd.runtime.launch import RunSpec, free_port, launch
+from afd.engine.generate import generate
+from afd.runtime.launch import free_port, launch
+from afd.runtime.spec import RunSpec
 
 DEVICE_LINE = re.compile(r"(\d+) work items served on the device in whole passes, (\d+) passes handed back")
 
@@ -99,8 +100,8 @@ def test_captured_steps_and_device_passes_equal_the_eager_exchange(tmp_path: Pat
 def test_pass_buckets_cover_every_row_count_up_to_the_slot() -> None:
     """Decode buckets, powers of two, and the slot's rows: every message up to the slot has a bucket of less than
     twice its rows."""
-    from afd.connectors.ffn_chain import pass_buckets
-    from afd.cuda_graph import pick_bucket
+    from afd.buckets import pick_bucket
+    from afd.connectors.asynchronous.ffn_chain import pass_buckets
 
     assert pass_buckets(1) == [1] and pass_buckets(300)[-2:] == [256, 300]
     assert pass_buckets(8192)[-5:] == [512, 1024, 2048, 4096, 8192]

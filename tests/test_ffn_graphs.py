@@ -1,4 +1,4 @@
-"""The FFN rank's replayed expert pass (`afd.ffn_graphs`): its padding and shared-row mask on CPU (run eagerly,
+"""The FFN rank's replayed expert pass (`afd.engine.graphs.ffn`): its padding and shared-row mask on CPU (run eagerly,
 `capture=False`), and on CUDA capture + replay against the eager expert pass."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from afd.connectors.expert_pass import WorkRows, expert_pass
-from afd.ffn_graphs import ExpertPassGraphs
-from afd.weights import load_ffn_model
+from afd.engine.graphs.ffn import ExpertPassGraphs
+from afd.model.weights import load_ffn_model
 
 
 def _items(config, sizes_shared, *, expert_range, device="cpu", dtype=torch.float32, seed=0):
@@ -126,8 +126,8 @@ def test_p2p_ffn_rank_sends_the_same_answers_through_the_graphed_pass(monkeypatc
     the eager MoE's."""
     from test_p2p_wiring import RecordingPG, fake_world
 
-    from afd.connectors.p2p import TAG_OUT, TAG_ROWS, RowPayload
-    from afd.connectors.p2p_ffn import P2pFFNLoop
+    from afd.connectors.p2p.attention import TAG_OUT, TAG_ROWS, RowPayload
+    from afd.connectors.p2p.ffn import P2pFFNLoop
     from afd.topology import SyncTopology
 
     ffn = load_ffn_model("tiny")

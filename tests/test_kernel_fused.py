@@ -1,4 +1,4 @@
-"""Fused RMSNorm / RoPE / SwiGLU Triton kernels against the eager PyTorch code they replace (afd.model).
+"""Fused RMSNorm / RoPE / SwiGLU Triton kernels against the eager PyTorch code they replace (afd.model.attention_side).
 
 Small tests: fp32, tiny shapes (edge cases: no rows, one row, rows and widths not multiple of a block, strided views,
 in-place into q, a whole two-layer forward) in Triton's interpreter on CPU, compiled where there is a GPU.
@@ -22,11 +22,11 @@ pytest.importorskip("triton")
 
 import torch.nn.functional as F  # noqa: E402
 
-import afd.layers  # noqa: E402
+import afd.model.layers  # noqa: E402
 from afd.kernels.norm import rms_norm  # noqa: E402
 from afd.kernels.rope import rope  # noqa: E402
 from afd.kernels.swiglu import silu_mul  # noqa: E402
-from afd.model import MLP, RMSNorm, apply_rope  # noqa: E402
+from afd.model.attention_side import MLP, RMSNorm, apply_rope  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
@@ -35,7 +35,7 @@ DEV = torch.device("cuda" if HAS_CUDA else "cpu")
 
 
 def _eager(fn, *args, **kwargs):
-    """`fn` (afd.model code) on the eager path whatever the device: the oracle."""
+    """`fn` (afd.model.attention_side code) on the eager path whatever the device: the oracle."""
     old = os.environ.get("AFD_DISABLE_TRITON")
     os.environ["AFD_DISABLE_TRITON"] = "1"
     try:
@@ -55,7 +55,7 @@ MINE = {"RMSNorm.forward", "apply_rope", "MLP.forward"}  # the call sites of the
 
 
 def _kernels_on(monkeypatch: pytest.MonkeyPatch, on: bool = True, calls: list | None = None) -> None:
-    """Make afd.layers' RMSNorm / apply_rope / MLP take (or skip) the kernels on any device, counting the calls.
+    """Make afd.model.layers' RMSNorm / apply_rope / MLP take (or skip) the kernels on any device, counting the calls.
 
     Other kernels dispatched through the same `kernels.enabled` (attention) stay eager: they have their own tests.
     """
@@ -67,7 +67,7 @@ def _kernels_on(monkeypatch: pytest.MonkeyPatch, on: bool = True, calls: list | 
             calls.append(device)
         return on
 
-    monkeypatch.setattr(afd.layers, "kernels", SimpleNamespace(enabled=enabled))
+    monkeypatch.setattr(afd.model.layers, "kernels", SimpleNamespace(enabled=enabled))
 
 
 def _norm(dim: int, dtype: torch.dtype, device: torch.device) -> RMSNorm:
@@ -171,7 +171,7 @@ def test_mlp_fuses_gate_up_into_views_of_one_weight(monkeypatch):
     assert mlp._gate_up is fused  # built once
     assert mlp(x[:0]).shape == (0, 24)
 
-    # A loader that replaces a parameter (afd.weights._assign) makes the next call rebuild from the new values.
+    # A loader that replaces a parameter (afd.model.weights._assign) makes the next call rebuild from the new values.
     mlp.up_proj.weight = torch.nn.Parameter(torch.randn(40, 24, device=DEV), requires_grad=False)
     _kernels_on(monkeypatch, False)
     want = mlp(x)
@@ -183,10 +183,11 @@ def test_mlp_fuses_gate_up_into_views_of_one_weight(monkeypatch):
 def test_tiny_model_with_kernels_matches_eager(monkeypatch):
     """The wiring: every RMSNorm, rope and MLP of a whole forward (two layers of the tiny preset: one dense, one MoE
     with shared experts) through the kernels."""
-    from afd.engine import LocalExchange
-    from afd.ffn_model import FFNModel
-    from afd.model import AttentionModel, Batch, ModelConfig
-    from afd.weights import PRESETS
+    from afd.engine.engine import LocalExchange
+    from afd.model.attention_side import AttentionModel, ModelConfig
+    from afd.model.batch import Batch
+    from afd.model.ffn_side import FFNModel
+    from afd.model.weights import PRESETS
 
     torch.manual_seed(7)
     config = ModelConfig.from_hf({**PRESETS["tiny"], "num_hidden_layers": 2})

@@ -25,7 +25,7 @@ pytest.importorskip("triton")
 
 
 from afd import kernels  # noqa: E402
-from afd.cuda_graph import StaticInputs, fill_static_inputs  # noqa: E402
+from afd.engine.graphs.decode import StaticInputs, fill_static_inputs  # noqa: E402
 from afd.kernels import mla_decode as mla_decode_module  # noqa: E402
 from afd.kernels.mla_decode import (  # noqa: E402
     MAX_SPLITS,
@@ -36,9 +36,10 @@ from afd.kernels.mla_decode import (  # noqa: E402
     split_rows,
     warm_up_shapes,
 )
-from afd.kv_cache import PagedLatentCache  # noqa: E402
-from afd.model import Batch, MLAttention, rope_parameters  # noqa: E402
-from afd.weights import load_model_config  # noqa: E402
+from afd.model.attention_side import MLAttention, rope_parameters  # noqa: E402
+from afd.model.batch import Batch
+from afd.model.kv_cache import PagedLatentCache  # noqa: E402
+from afd.model.weights import load_model_config  # noqa: E402
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

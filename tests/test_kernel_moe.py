@@ -1,4 +1,4 @@
-"""Decode-shaped MoE kernels (afd.kernels.moe) against the eager code they replace (afd.moe).
+"""Decode-shaped MoE kernels (afd.kernels.fused_moe) against the eager code they replace (afd.model.moe).
 
 CPU: Triton's interpreter, fp32, tiny shapes (H=64, I=48, E=8), within 1e-5 of `routed_experts(fixed_shape=False)`
 and of the eager grouped loop. GPU (`-m gpu`): DeepSeek-V2-Lite shapes in bf16 against an fp32 oracle and the
@@ -25,9 +25,9 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-import afd.moe as moe  # noqa: E402
-from afd.kernels import moe as kmoe  # noqa: E402
-from afd.moe import grouped_expert_mlp, routed_experts, select_experts, sort_pairs_by_expert  # noqa: E402
+import afd.model.moe as moe  # noqa: E402
+from afd.kernels import fused_moe as kmoe  # noqa: E402
+from afd.model.moe import grouped_expert_mlp, routed_experts, select_experts, sort_pairs_by_expert  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 

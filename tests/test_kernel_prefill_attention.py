@@ -31,9 +31,10 @@ pytest.importorskip("triton")
 
 from afd.kernels import prefill_attention as kernel_module  # noqa: E402
 from afd.kernels.prefill_attention import prefill_attention  # noqa: E402
-from afd.kv_cache import PagedLatentCache, blocks_needed  # noqa: E402
-from afd.model import Batch, MLAttention, rope_parameters  # noqa: E402
-from afd.weights import load_model_config  # noqa: E402
+from afd.model.attention_side import MLAttention, rope_parameters  # noqa: E402
+from afd.model.batch import Batch
+from afd.model.kv_cache import PagedLatentCache, blocks_needed  # noqa: E402
+from afd.model.weights import load_model_config  # noqa: E402
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 TOL_CPU = 1e-5

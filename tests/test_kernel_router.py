@@ -25,13 +25,14 @@ pytest.importorskip("triton")
 
 import torch.nn.functional as F  # noqa: E402
 
-import afd.layers  # noqa: E402
+import afd.model.layers  # noqa: E402
 from afd.kernels import router  # noqa: E402
 from afd.kernels.router import fused_router, supports  # noqa: E402
-from afd.layers import Gate  # noqa: E402
-from afd.model_config import ModelConfig  # noqa: E402
-from afd.moe import Routing, select_experts  # noqa: E402
-from afd.weights import PRESETS  # noqa: E402
+from afd.model.config import ModelConfig  # noqa: E402
+from afd.model.layers import Gate  # noqa: E402
+from afd.model.moe import select_experts  # noqa: E402
+from afd.model.weights import PRESETS  # noqa: E402
+from afd.routing import Routing
 
 HAS_CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
@@ -284,7 +285,7 @@ def _kernels_on(monkeypatch: pytest.MonkeyPatch, calls: list) -> None:
     def enabled(device: torch.device) -> bool:
         return sys._getframe(1).f_code.co_qualname == "Gate.forward"
 
-    monkeypatch.setattr(afd.layers, "kernels", SimpleNamespace(enabled=enabled))
+    monkeypatch.setattr(afd.model.layers, "kernels", SimpleNamespace(enabled=enabled))
     real = router.fused_router
 
     def counted(*args, **kwargs):
@@ -307,7 +308,7 @@ def test_gate_dispatch_and_fallback(name, is_supported, monkeypatch):
         if gate.e_score_correction_bias is not None:
             gate.e_score_correction_bias.copy_(bias)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(afd.layers, "kernels", SimpleNamespace(enabled=lambda device: False))
+        mp.setattr(afd.model.layers, "kernels", SimpleNamespace(enabled=lambda device: False))
         want = gate(x)
     calls: list = []
     _kernels_on(monkeypatch, calls)

@@ -9,9 +9,10 @@ import math
 import pytest
 import torch
 
-from afd.engine import Engine, LocalExchange, Request
-from afd.generate import generate
-from afd.kv_cache import (
+from afd.engine.engine import Engine, LocalExchange, Request
+from afd.engine.generate import generate
+from afd.model.batch import Batch
+from afd.model.kv_cache import (
     BlockPool,
     DeviceMemory,
     GiB,
@@ -20,8 +21,7 @@ from afd.kv_cache import (
     latent_bytes_per_token,
     num_cache_blocks,
 )
-from afd.model import Batch
-from afd.weights import load_attention_model, load_ffn_model, load_model_config
+from afd.model.weights import load_attention_model, load_ffn_model, load_model_config
 
 BLOCK = 4
 # Lengths around multiples of the block size: one short of, exactly at and one past a block boundary.
@@ -276,7 +276,7 @@ def test_sizing_turns_a_budget_into_blocks():
 def test_engine_logs_its_pool(models, caplog):
     """CPU default: enough for max_num_seqs sequences of the model's length, within 4 GiB; logged at INFO."""
     attn, ffn = models
-    with caplog.at_level(logging.INFO, logger="afd.engine"):
+    with caplog.at_level(logging.INFO, logger="afd.engine.engine"):
         engine = Engine(attn, LocalExchange(ffn), 64, max_num_seqs=2, block_size=16)
     cache = engine.kv_cache
     assert cache.num_tokens == 2 * attn.config.max_position_embeddings

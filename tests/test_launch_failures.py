@@ -32,8 +32,9 @@ from e2e_util import (
 )
 
 from afd.config import parse_config
-from afd.generate import generate
-from afd.runtime.launch import Interrupted, LaunchError, RunSpec, describe_exit, explain_failure, free_port, launch
+from afd.engine.generate import generate
+from afd.runtime.launch import Interrupted, LaunchError, describe_exit, explain_failure, free_port, launch
+from afd.runtime.spec import RunSpec
 
 
 @pytest.mark.timeout(120)
@@ -74,7 +75,7 @@ def test_multi_host_ranks_started_by_hand(tmp_path: Path) -> None:
         for p in procs:
             _, err = p.communicate(timeout=90)
             assert p.returncode == 0, err
-        from afd.engine import Output
+        from afd.engine.engine import Output
 
         replicas = [json.loads((tmp_path / f"attn{a}.json").read_text())["outputs"] for a in range(2)]
         outputs = [Output(**replicas[i % 2][i // 2]) for i in range(len(PROMPTS))]
@@ -253,11 +254,11 @@ def test_interrupted_carries_its_signal() -> None:
 
 
 def test_failure_explanation_quotes_only_lines_that_explain() -> None:
-    info = "2026-11-30 10:00:00,123 afd.weights INFO attention model loaded: 48 tensors, torch.float32 on cpu\n"
+    info = "2026-11-30 10:00:00,123 afd.model.weights INFO attention model loaded: 48 tensors, torch.float32 on cpu\n"
     assert explain_failure(info) == ""
     error = "2026-11-30 10:00:01,456 afd.worker ERROR ffn rank 0: error: the DP wave failed\n"
     assert explain_failure(error + info) == "ffn rank 0: error: the DP wave failed"
-    critical = "2026-11-30 10:00:02,000 afd.distributed CRITICAL world rank 1 (ffn 1): stopping because x\n"
+    critical = "2026-11-30 10:00:02,000 afd.distributed.world CRITICAL world rank 1 (ffn 1): stopping because x\n"
     assert explain_failure(info + critical + info) == "world rank 1 (ffn 1): stopping because x"
     traceback = 'Traceback (most recent call last):\n  File "x.py", line 1, in <module>\nValueError: bad\n'
     assert explain_failure(info + traceback + info) == "ValueError: bad"

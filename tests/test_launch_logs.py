@@ -9,7 +9,8 @@ import pytest
 from e2e_util import MODEL, hand_config
 
 from afd.config import parse_config
-from afd.runtime.launch import RunSpec, free_port, launch
+from afd.runtime.launch import free_port, launch
+from afd.runtime.spec import RunSpec
 
 
 @pytest.mark.timeout(120)

@@ -6,10 +6,10 @@ import pytest
 import torch
 from hf_util import spread_weights
 
-from afd.engine import LocalExchange
-from afd.generate import generate
-from afd.model import Batch
-from afd.weights import load_attention_model, load_ffn_model
+from afd.engine.engine import LocalExchange
+from afd.engine.generate import generate
+from afd.model.batch import Batch
+from afd.model.weights import load_attention_model, load_ffn_model
 
 transformers = pytest.importorskip("transformers")
 

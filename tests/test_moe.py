@@ -1,4 +1,4 @@
-"""Routed experts (afd.moe): the fixed-shape, host-sync-free path against the exact loop.
+"""Routed experts (afd.model.moe): the fixed-shape, host-sync-free path against the exact loop.
 
 On CPU the fixed-shape path runs through `torch._grouped_mm`'s CPU fallback (fp32) and, to prove it never
 reads device data on the host nor makes a shape depend on the routing, on the `meta` device (bf16, the dtype
@@ -16,10 +16,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import afd.moe as moe
-from afd.ffn_model import FFNModel
-from afd.moe import group_by_expert, grouped_expert_mlp, routed_experts, select_experts, sort_pairs_by_expert
-from afd.weights import load_ffn_model, load_model_config
+import afd.model.moe as moe
+from afd.model.ffn_side import FFNModel
+from afd.model.moe import group_by_expert, grouped_expert_mlp, routed_experts, select_experts, sort_pairs_by_expert
+from afd.model.weights import load_ffn_model, load_model_config
 
 
 def _experts(E: int, H: int, inter: int, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0):

@@ -14,14 +14,15 @@ import pytest
 from e2e_util import MODEL, PROMPTS, TEST_TAG_VAR, TOLERANCE, Leftovers, worker_pids
 
 from afd.config import parse_config
-from afd.engine import Engine, LocalExchange, Request
-from afd.generate import generate
-from afd.kv_cache import CacheOptions
-from afd.runtime.launch import RunSpec, free_port
+from afd.engine.engine import Engine, LocalExchange, Request
+from afd.engine.generate import generate
+from afd.model.kv_cache import CacheOptions
+from afd.model.weights import load_attention_model, load_ffn_model
+from afd.runtime.launch import free_port
+from afd.runtime.link import FrontLink
 from afd.runtime.online import serve_replica
 from afd.runtime.servers import ServerRanks, new_secret, start_server_ranks
-from afd.serve.link import FrontLink
-from afd.weights import load_attention_model, load_ffn_model
+from afd.runtime.spec import RunSpec
 
 LONG = [3, 1, 4, 1, 5, 9, 2, 6]  # the request that runs while the others arrive
 
@@ -223,7 +224,7 @@ def reference_tokens(prompt: list[int], max_tokens: int) -> list[tuple[int, floa
 
 
 def assert_same_tokens(got: list[tuple[int, float]], want: list[tuple[int, float]]) -> None:
-    assert [t for t, _ in got] == [t for t, _ in want], "greedy tokens differ from afd.generate.generate"
+    assert [t for t, _ in got] == [t for t, _ in want], "greedy tokens differ from afd.engine.generate.generate"
     assert all(abs(a - b) <= TOLERANCE for (_, a), (_, b) in zip(got, want, strict=True))
 
 

@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from afd.connectors.p2p import P2pAttentionExchange
-from afd.connectors.p2p_ffn import P2pFFNLoop
-from afd.distributed import init_world
+from afd.connectors.p2p.attention import P2pAttentionExchange
+from afd.connectors.p2p.ffn import P2pFFNLoop
+from afd.distributed.world import init_world
 from afd.topology import SyncTopology, expert_ranges
 
 H, E, K = 16, 7, 3  # hidden, routed experts (not divisible by 2, 3 or 4), top-k
@@ -209,7 +209,7 @@ def rank_main(spec: dict) -> None:
 
 # --- harness -----------------------------------------------------------------------------------
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "afd.distributed", "afd.connectors.p2p"])
+_CTX.set_forkserver_preload(["torch", "afd.distributed.world", "afd.connectors.p2p.attention"])
 
 
 def _free_port() -> int:

@@ -6,7 +6,8 @@ import pytest
 from e2e_util import MAX_NEW_TOKENS, MODEL, PROMPTS, assert_matches_reference, reference
 
 from afd.config import parse_config
-from afd.runtime.launch import RunSpec, free_port, launch
+from afd.runtime.launch import free_port, launch
+from afd.runtime.spec import RunSpec
 
 TOPOLOGIES = [(1, 1), (2, 2), (3, 2), (1, 2), (1, 4), (5, 2), (2, 3)]
 
@@ -40,7 +41,7 @@ def test_zero_share_ffn_rank() -> None:
     """1A4F with one single-token prompt: 1 token over 4 FFN members leaves three with nothing at all."""
     prompts = [[42]]
     outputs = run_p2p(1, 4, True, prompts)
-    from afd.generate import generate
+    from afd.engine.generate import generate
 
     ref = generate(MODEL, prompts, max_new_tokens=MAX_NEW_TOKENS, prompt_logprobs=True)
     assert_matches_reference(outputs, ref)

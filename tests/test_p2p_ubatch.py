@@ -18,9 +18,9 @@ from test_p2p_connector import StandInFFN
 from test_p2p_wiring import RecordingPG, fake_world
 
 from afd.config import ConfigError, parse_config
-from afd.connectors.p2p import TAG_CTRL, TAG_OUT, TAG_ROWS, P2pAttentionExchange, RowPayload
-from afd.connectors.p2p_ffn import P2pFFNLoop
-from afd.generate import generate
+from afd.connectors.p2p.attention import TAG_CTRL, TAG_OUT, TAG_ROWS, P2pAttentionExchange, RowPayload
+from afd.connectors.p2p.ffn import P2pFFNLoop
+from afd.engine.generate import generate
 from afd.topology import SyncTopology
 
 H, K = 16, 3  # the stand-in FFN's hidden size and top-k
@@ -195,7 +195,8 @@ def test_ffn_refuses_slots_that_do_not_add_up(monkeypatch: pytest.MonkeyPatch) -
 def test_launched_p2p_with_micro_batches_and_the_gate_on_ffn_equals_the_reference(tmp_path: Path) -> None:
     """The gate on FFN: every layer crosses (dense ones too) and the FFN ranks route each micro-batch's rows;
     2A2F with 3 micro-batches, replica 1 holding a single prompt (whole steps beside replica 0's split ones)."""
-    from afd.runtime.launch import RunSpec, free_port, launch
+    from afd.runtime.launch import free_port, launch
+    from afd.runtime.spec import RunSpec
 
     config = parse_config(
         {
@@ -246,7 +247,8 @@ def test_nccl_1a1f_with_micro_batches_equals_without(tmp_path: Path) -> None:
     """NCCL data plane (rows on `data`, answers on `back`), one GPU per rank, fp32, decode CUDA graphs on (their
     steps stay whole, in slot 0) beside split eager steps: 2 and 3 micro-batches give the tokens of the run without
     micro-batches and its logprobs within 1e-4; the gap to the CPU reference is printed."""
-    from afd.runtime.launch import RunSpec, free_port, launch
+    from afd.runtime.launch import free_port, launch
+    from afd.runtime.spec import RunSpec
 
     lens = [23, 2, 9, 1, 14, 5, 30, 3, 7]
     prompts = [tokens(n, i) for i, n in enumerate(lens)]

@@ -7,9 +7,9 @@ import pytest
 import torch
 from test_p2p_connector import StandInFFN
 
-import afd.connectors.p2p as p2p
-import afd.connectors.p2p_ffn as p2p_ffn
-from afd.connectors.p2p import (
+import afd.connectors.p2p.attention as p2p
+import afd.connectors.p2p.ffn as p2p_ffn
+from afd.connectors.p2p.attention import (
     TAG_OUT,
     TAG_ROWS,
     P2pAttentionExchange,
@@ -21,7 +21,7 @@ from afd.connectors.p2p import (
     plan_ep_dispatch,
     plan_layer,
 )
-from afd.connectors.p2p_ffn import P2pFFNLoop
+from afd.connectors.p2p.ffn import P2pFFNLoop
 from afd.topology import SyncTopology, expert_ranges
 
 

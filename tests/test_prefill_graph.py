@@ -1,4 +1,4 @@
-"""Prefill CUDA graphs (afd.prefill_graph): the token buckets (pure), and steps with prompt tokens run as the
+"""Prefill CUDA graphs (afd.engine.graphs.prefill): the token buckets (pure), and steps with prompt tokens run as the
 runner lays them out — padded to a bucket, row-wise pieces apart from the attention core and the exchange —
 equal to the unpadded engine's (CPU, fp32: the same pieces run eagerly, `capture=False`), with the exchange
 seeing only real rows, with and without micro-batches; on the device, replayed graphs against eager steps."""
@@ -13,11 +13,11 @@ from e2e_util import MODEL, assert_matches_reference
 from test_cuda_graph import RealRowsOnly
 from test_ubatch import IN_PROCESS_PROMPTS, endpoint_args, run_in_process
 
-from afd.engine import Engine, LocalExchange, Request
-from afd.generate import generate
-from afd.prefill_graph import PrefillGraphRunner, token_buckets
+from afd.engine.engine import Engine, LocalExchange, Request
+from afd.engine.generate import generate
+from afd.engine.graphs.prefill import PrefillGraphRunner, token_buckets
+from afd.model.weights import load_attention_model, load_ffn_model, load_model_config
 from afd.topology import AsyncTopology
-from afd.weights import load_attention_model, load_ffn_model, load_model_config
 
 BLOCK = 4
 
@@ -143,8 +143,8 @@ def test_replayed_prefill_graphs_equal_eager_steps(dtype: str) -> None:
 def test_memory_estimate_covers_the_static_buffers_and_grows_with_the_budget(tiny) -> None:
     """`graph_memory_estimate` (left free by the cache sizing) is above what one runner's static buffers take for the
     same budget (measured on a CPU runner after one padded pass), and linear in the budget."""
-    from afd.kv_cache import PagedLatentCache
-    from afd.prefill_graph import graph_memory_estimate
+    from afd.engine.graphs.prefill import graph_memory_estimate
+    from afd.model.kv_cache import PagedLatentCache
 
     attn = tiny[0]
     cache = PagedLatentCache(attn.config, num_blocks=64, block_size=BLOCK, dtype=torch.float32, device="cpu")

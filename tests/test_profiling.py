@@ -1,4 +1,4 @@
-"""`afd.profiling.profiled`: off without a folder, and with one the tables and the timeline of the block."""
+"""`afd.profiling.profiler.profiled`: off without a folder, and with one the tables and the timeline of the block."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from afd.profiling import profiled
+from afd.profiling.profiler import profiled
 
 
 def _work() -> torch.Tensor:

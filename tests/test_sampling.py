@@ -13,12 +13,12 @@ import pytest
 import torch
 from e2e_util import Leftovers
 
-from afd.cli import build_parser, sampling_params
-from afd.engine import Engine, LocalExchange, Request
-from afd.generate import generate
+from afd.cli.main import build_parser, sampling_params
+from afd.engine.engine import Engine, LocalExchange, Request
+from afd.engine.generate import generate
+from afd.engine.sampling import SamplingParams, mix32, sample
+from afd.model.weights import load_attention_model, load_ffn_model
 from afd.runtime.launch import sampling_flags
-from afd.sampling import SamplingParams, mix32, sample
-from afd.weights import load_attention_model, load_ffn_model
 
 PROMPTS = [[5, 17, 33, 2, 9, 41, 7], [4, 8], [100, 3, 77, 12]]
 NEW = 8

@@ -1,7 +1,7 @@
 """`afd serve`'s HTTP side without processes: the pure parts (protocol, router, tokenizer, metrics, SSE) and
 the real HTTP server over in-process replicas — threads that each run the real replica loop
 (`afd.runtime.online.serve_replica`) over a real `Engine` on the tiny model — so greedy tokens can be
-compared with `afd.generate.generate` in seconds."""
+compared with `afd.engine.generate.generate` in seconds."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import time
 import pytest
 
 from afd.serve import metrics
+from afd.serve.balancer import outstanding_tokens, pick_replica
 from afd.serve.output import OutputText
 from afd.serve.protocol import APIError, parse_chat, parse_completion, parse_json, sse
-from afd.serve.router import outstanding_tokens, pick_replica
 from afd.serve.tokenizer import ByteTokenizer, IncrementalDecoder
 
 MODEL = "tiny"
@@ -159,13 +159,13 @@ class InProcessServer:
     """`afd.serve.server.serve` on a free port in a thread, over `num_replicas` replica threads."""
 
     def __init__(self, num_replicas: int = 2, *, max_num_seqs: int = 8, **options) -> None:
-        from afd.engine import Engine, LocalExchange
+        from afd.engine.engine import Engine, LocalExchange
+        from afd.model.weights import load_attention_model, load_ffn_model, load_model_config
+        from afd.runtime.link import FrontLink, ReplicaLink
         from afd.runtime.online import serve_replica
         from afd.serve.frontend import ReplicaPool
-        from afd.serve.link import FrontLink, ReplicaLink
-        from afd.serve.server import ServeOptions, ServerState
+        from afd.serve.state import ServeOptions, ServerState
         from afd.serve.tokenizer import load_tokenizer
-        from afd.weights import load_attention_model, load_ffn_model, load_model_config
 
         link = FrontLink(SECRET)
         self.engines = []
@@ -282,7 +282,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def reference():
-    from afd.generate import generate
+    from afd.engine.generate import generate
 
     prompts = [[5, 17, 33, 2, 9, 41], [4, 8], [100, 3, 77, 12]]
     return prompts, generate(MODEL, prompts, max_new_tokens=6)
@@ -492,10 +492,10 @@ def test_a_dead_rank_fails_health_and_in_flight_requests_without_hanging():
 
 # ---------------------------------------------------------------- afd bench serve and the command line
 def test_bench_serve_pieces():
-    from afd.cli_serve import compare_list, rate_list
-    from afd.serve.bench import percentile
-    from afd.serve.report import slo_throughput
-    from afd.serve.workload import Workload
+    from afd.bench.report import slo_throughput
+    from afd.bench.serve_client import percentile
+    from afd.bench.workload import Workload
+    from afd.cli.serve import compare_list, rate_list
 
     assert compare_list("none:R=2,async:A=2,F=2") == [
         ("none R=2", ["--connector", "none", "--replicas", "2"]),
@@ -531,9 +531,9 @@ def test_bench_serve_pieces():
 
 @pytest.mark.timeout(120)
 def test_bench_url_measures_a_running_server(server):
-    from afd.serve.bench import bench_url
-    from afd.serve.report import format_table
-    from afd.serve.workload import Workload
+    from afd.bench.report import format_table
+    from afd.bench.serve_client import bench_url
+    from afd.bench.workload import Workload
 
     workload = Workload("uneven", requests=4, long_len=40, short_len=4, long_fraction=0.5, max_tokens=4)
     runs = bench_url(f"http://127.0.0.1:{server.port}", workload, [float("inf")], vocab_size=256)
@@ -548,7 +548,7 @@ def test_bench_url_measures_a_running_server(server):
 
 
 def test_cli_refuses_bad_serve_input_before_starting_anything(capsys):
-    from afd import cli
+    from afd.cli import main as cli
 
     taken = socket.create_server(("127.0.0.1", 0))
     try:
@@ -632,7 +632,7 @@ def test_a_request_whose_replica_answers_nothing_ends_with_504(monkeypatch):
     import asyncio
     from types import SimpleNamespace
 
-    from afd.sampling import SamplingParams
+    from afd.engine.sampling import SamplingParams
     from afd.serve import output, responses
     from afd.serve.protocol import APIError, GenerationParams
     from afd.serve.tokenizer import ByteTokenizer
@@ -672,7 +672,7 @@ def test_a_call_submits_all_its_prompts_or_none():
     submitted (no replica alive), the prompts already submitted are aborted and the error is the 503."""
     from types import SimpleNamespace
 
-    from afd.sampling import SamplingParams
+    from afd.engine.sampling import SamplingParams
     from afd.serve.output import Prepared
     from afd.serve.protocol import APIError, GenerationParams
     from afd.serve.responses import Call

@@ -18,11 +18,19 @@ import e2e_util
 import pytest
 from e2e_util import Leftovers
 
-from afd.engine import Request, StepToken
-from afd.serve.bench import TTFT_STAGES, RequestResult, is_this_host, percentile, run_rates, summarize, ttft_stages
-from afd.serve.progress import BarProgress, LineProgress, stderr_progress
-from afd.serve.report import format_table, slo_summary, slo_throughput
-from afd.serve.workload import TraceEntry, TraceError, Workload, load_trace
+from afd.bench.progress import BarProgress, LineProgress, stderr_progress
+from afd.bench.report import format_table, slo_summary, slo_throughput
+from afd.bench.serve_client import (
+    TTFT_STAGES,
+    RequestResult,
+    is_this_host,
+    percentile,
+    run_rates,
+    summarize,
+    ttft_stages,
+)
+from afd.bench.workload import TraceEntry, TraceError, Workload, load_trace
+from afd.engine.engine import Request, StepToken
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -187,7 +195,7 @@ class FakeEngine:
 def test_drive_arrivals_adds_each_request_at_its_arrival_and_times_tokens_from_it() -> None:
     import time
 
-    from afd.runtime.harness import drive_arrivals
+    from afd.bench.harness import drive_arrivals
 
     start = time.perf_counter()
     engine = FakeEngine(lambda: time.perf_counter() - start)
@@ -234,7 +242,7 @@ def test_progress_is_a_bar_on_a_terminal_and_milestone_lines_in_a_log(monkeypatc
 
 def test_plot_draws_latency_against_rate_per_server(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    from afd.serve.report import plot_results
+    from afd.bench.report import plot_results
 
     def run(rate: float, scale: float) -> dict:
         summary = {f"{n}_p{q}_s": scale * q / 50 for n in ("ttft", "tpot", "e2e") for q in (50, 90, 99)}
@@ -253,7 +261,7 @@ def test_plot_draws_latency_against_rate_per_server(tmp_path: Path) -> None:
 def test_bench_serve_refuses_bad_workload_flags_before_starting_anything(
     tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from afd import cli
+    from afd.cli import main as cli
 
     timed = write(tmp_path / "timed.jsonl", '{"prompt_len": 4, "max_tokens": 2, "arrival_s": 0}\n')
     long = write(tmp_path / "long.jsonl", '{"prompt_len": 4, "max_tokens": 2}\n{"prompt_len": 500, "max_tokens": 20}\n')
@@ -375,8 +383,8 @@ def test_the_runtimes_depend_one_way_and_import_alone() -> None:
         return any(n == goal or (n not in seen and reaches(n, goal, seen | {n})) for n in graph[start])
 
     assert not [n for n in RUNTIME if reaches(n, n)], f"an import cycle among the runtimes: {graph}"
-    for name in ("afd.demo", "afd.bench", "afd.serve.overhead"):
-        assert "afd.runtime.harness" in (SRC / Path(*name.split("."))).with_suffix(".py").read_text()
+    for name in ("afd.bench.demo", "afd.bench.offline", "afd.bench.overhead"):
+        assert "afd.bench.harness" in (SRC / Path(*name.split("."))).with_suffix(".py").read_text()
     # each module imported first, in a fresh interpreter's module table (torch loaded once to keep it fast)
     script = (
         "import importlib, sys, torch\n"

@@ -67,7 +67,7 @@ def served(request):
 
 @pytest.fixture(scope="module")
 def reference():
-    from afd.generate import generate
+    from afd.engine.generate import generate
 
     return generate(MODEL, PROMPTS, max_new_tokens=MAX_TOKENS)
 

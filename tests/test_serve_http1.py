@@ -1,4 +1,4 @@
-"""The benchmark's HTTP/1.1 client (`afd.serve.http1`) against a scripted local server: chunked, sized and
+"""The benchmark's HTTP/1.1 client (`afd.bench.http1`) against a scripted local server: chunked, sized and
 close-delimited bodies, line reassembly across chunks, connection reuse, a kept connection the server closed,
 and protocol errors in one sentence."""
 
@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from afd.serve.http1 import Client, HTTPError
+from afd.bench.http1 import Client, HTTPError
 
 CHUNKED = (
     b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n8\r\ndata: a\n\r\n5\r\n\ndata\r\n4\r\n: c\n\r\n0\r\n\r\n"

@@ -13,9 +13,8 @@ from multiprocessing.connection import Connection
 
 import pytest
 
-from afd.sampling import SamplingParams
-from afd.serve.frontend import Event, ReplicaPool
-from afd.serve.link import (
+from afd.engine.sampling import SamplingParams
+from afd.runtime.link import (
     FrameSender,
     FrontLink,
     LinkError,
@@ -25,6 +24,7 @@ from afd.serve.link import (
     format_address,
     parse_address,
 )
+from afd.serve.frontend import Event, ReplicaPool
 
 MESSAGES = [
     {"type": "add", "rid": "cmpl-1", "prompt_ids": list(range(300)), "max_tokens": 8},

@@ -17,12 +17,12 @@ from e2e_util import MODEL, assert_matches_reference
 from test_ubatch import IN_PROCESS_PROMPTS, endpoint_args, launch_mixed_lengths, run_in_process
 
 from afd.config import AsyncExtraConfig, ConfigError
-from afd.connectors.async_window import AsyncAttentionExchange
-from afd.connectors.dispatch import ExpertMap, plan_dispatch
-from afd.connectors.wire import SlotLayout
-from afd.generate import generate
+from afd.connectors.asynchronous.attention import AsyncAttentionExchange
+from afd.connectors.asynchronous.dispatch import ExpertMap, plan_dispatch
+from afd.connectors.asynchronous.wire import SlotLayout
+from afd.engine.generate import generate
+from afd.model.weights import attention_keys, ffn_keys, load_attention_model, load_ffn_model, load_model_config
 from afd.topology import AsyncTopology, expert_ranges
-from afd.weights import attention_keys, ffn_keys, load_attention_model, load_ffn_model, load_model_config
 
 KEY = "shared_experts_on_attention"
 
@@ -158,7 +158,7 @@ def test_command_line_default_is_the_attention_rank_for_async_unless_the_config_
     """`afd launch/generate/serve/bench` put async's shared experts on its attention ranks when neither the config
     nor `--shared-experts` says where; a config's own value and the flag win; other connectors keep them on the FFN
     side; the dataclass default (the Python API, the vLLM adapter) stays off."""
-    from afd.cli_args import launch_config
+    from afd.cli.args import launch_config
     from afd.config import AsyncExtraConfig, default_shared_experts, given_extra_keys
 
     def placed(source, connector="async", flag=None) -> bool:

@@ -18,10 +18,10 @@ import pytest
 import torch
 from e2e_util import MODEL, TOLERANCE, Leftovers, afd_worker, hand_config, kill_all
 
+from afd.engine.generate import generate
 from afd.env import SECRET_VAR
-from afd.generate import generate
 from afd.runtime.launch import free_port, new_secret
-from afd.serve.link import FrontLink, format_address
+from afd.runtime.link import FrontLink, format_address
 
 TIMEOUT_S = 5  # a few seconds; rank start-up on 2 busy cores needs about that for the window bootstrap
 LONG_PROMPTS = [[5, 6, 7], [8, 9]]

@@ -1,4 +1,4 @@
-"""`AFD_TIMELINE=DIR` (`afd.timeline`, `afd.timeline_report`): the points each async rank notes and what the
+"""`AFD_TIMELINE=DIR` (`profiling.timeline`, `profiling.timeline_report`): the points each async rank notes and what the
 report makes of them."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from afd.timeline_report import attention_phases, main, report, split_round_trip, step_phases
+from afd.profiling.timeline_report import attention_phases, main, report, split_round_trip, step_phases
 
 
 def _attention(times: list[tuple[int, float, float, float]]) -> list[list]:

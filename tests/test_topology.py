@@ -5,8 +5,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from afd.connectors.dispatch import shared_owner
-from afd.connectors.p2p import ffn_recvs
+from afd.connectors.asynchronous.dispatch import shared_owner
+from afd.connectors.p2p.attention import ffn_recvs
 from afd.topology import AsyncTopology, SyncTopology, even_split, expert_ranges
 
 sizes = st.integers(min_value=1, max_value=64)

@@ -18,14 +18,15 @@ from hypothesis import strategies as st
 from test_async_connector import HIDDEN, reference, routing
 from test_async_faults import endpoints, models
 
-from afd.connectors.async_ffn import AsyncFFNServer, run_ffn_loop
-from afd.connectors.async_window import AsyncAttentionExchange
-from afd.engine import Engine, LocalExchange, Request
-from afd.generate import generate
-from afd.model import Batch, run_segments, run_ubatches, split_ubatches
+from afd.connectors.asynchronous.attention import AsyncAttentionExchange
+from afd.connectors.asynchronous.ffn import AsyncFFNServer, run_ffn_loop
+from afd.engine.engine import Engine, LocalExchange, Request
+from afd.engine.generate import generate
+from afd.model.attention_side import run_segments, run_ubatches, split_ubatches
+from afd.model.batch import Batch
+from afd.model.weights import load_attention_model, load_ffn_model, load_model_config
 from afd.topology import AsyncTopology
 from afd.transport.shm import cleanup_segments
-from afd.weights import load_attention_model, load_ffn_model, load_model_config
 
 # fp32: a micro-batch's GEMMs see fewer rows than the whole step's and may block them differently (CPU: up to
 # 1.5e-6 seen); the driver itself adds nothing (bit-identical to each micro-batch run on its own)

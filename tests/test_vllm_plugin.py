@@ -28,8 +28,8 @@ from e2e_util import afd_worker, kill_all, mapped_windows
 from hf_util import spread_weights
 
 from afd.config import parse_config
-from afd.generate import generate
-from afd.model_config import ModelConfig
+from afd.engine.generate import generate
+from afd.model.config import ModelConfig
 from afd.runtime.launch import free_port
 from afd.vllm_plugin.checks import (
     AdapterError,

@@ -1,4 +1,4 @@
-"""The warm-up that compiles the CUDA step's kernels (afd.warm_up), run on CPU with `force`: it leaves no trace.
+"""The warm-up that compiles the CUDA step's kernels (afd.engine.warm_up), run on CPU with `force`: it leaves no trace.
 
 It must hand back every cache block, leave the null block zero, never cross to the FFN side of a disaggregated
 exchange (a p2p FFN rank would take it for a step), and change nothing the engine computes afterwards.
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from afd.engine import Engine, LocalExchange, Request
-from afd.warm_up import FULL_STEP_PROMPT_LEN, budget_prompt_lens, warm_up_engine, warm_up_ffn
-from afd.weights import load_attention_model, load_ffn_model
+from afd.engine.engine import Engine, LocalExchange, Request
+from afd.engine.warm_up import FULL_STEP_PROMPT_LEN, budget_prompt_lens, warm_up_engine, warm_up_ffn
+from afd.model.weights import load_attention_model, load_ffn_model
 
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9]]
 
@@ -50,7 +50,7 @@ def test_warm_up_leaves_no_trace_and_never_crosses_to_the_ffn_side() -> None:
 def test_warm_up_continues_a_prompt_beside_decodes_and_alone_as_a_server_does(monkeypatch) -> None:
     """After each prompt set's prefill and decode, the first prompt takes a chunk with cached context beside the
     others' decodes, then one alone: the prefill kernel's variants of a continued prompt compile here too."""
-    from afd.warm_up import CONTINUE_TOKENS, PROMPT_LENS
+    from afd.engine.warm_up import CONTINUE_TOKENS, PROMPT_LENS
 
     attn = load_attention_model("tiny")
     steps = []
@@ -76,7 +76,7 @@ def test_warm_up_continues_a_prompt_beside_decodes_and_alone_as_a_server_does(mo
 
 
 def test_a_whole_model_warms_up_its_experts_at_every_shape_and_a_disaggregated_one_does_not(monkeypatch) -> None:
-    from afd import warm_up
+    from afd.engine import warm_up
 
     calls = []
     monkeypatch.setattr(warm_up, "warm_up_ffn", lambda ffn, device, **kw: calls.append((ffn, kw)))
@@ -92,7 +92,7 @@ def test_warm_up_runs_the_shared_experts_held_here_and_the_sampling_path(monkeyp
     """With the shared experts on the attention side, the warm-up runs them at every shape (their GEMMs load too),
     still without crossing to the FFN side; every warm-up forward is followed by the sampling path (greedy and a
     sampled row, the pinned copy to the host)."""
-    from afd import warm_up
+    from afd.engine import warm_up
 
     attn = load_attention_model("tiny", shared_experts=True)
     shared_calls, sampled = [], []
@@ -161,7 +161,7 @@ class _Wave:
 
 
 def test_the_p2p_warm_up_step_crosses_every_boundary_layer_with_one_zero_row() -> None:
-    from afd.warm_up import warm_up_wave_exchange
+    from afd.engine.warm_up import warm_up_wave_exchange
 
     for gate_on_attention in (True, False):
         model = load_attention_model("tiny", gate_on_attention=gate_on_attention)

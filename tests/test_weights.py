@@ -5,16 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-import afd.weights as weights
-from afd.moe import Routing, group_by_expert
-from afd.topology import expert_ranges
-from afd.weights import (
+import afd.model.weights as weights
+from afd.model.moe import group_by_expert
+from afd.model.weights import (
     attention_keys,
     ffn_keys,
     load_attention_model,
     load_ffn_model,
     load_model_config,
 )
+from afd.routing import Routing
+from afd.topology import expert_ranges
 
 transformers = pytest.importorskip("transformers")
 
@@ -159,8 +160,8 @@ def test_grouped_experts_agree_with_topk_form():
 def test_presets_and_errors():
     lite = load_model_config("deepseek-v2-lite")
     with torch.device("meta"):
-        from afd.ffn_model import FFNModel
-        from afd.model import AttentionModel
+        from afd.model.attention_side import AttentionModel
+        from afd.model.ffn_side import FFNModel
 
         n = sum(p.numel() for m in (AttentionModel(lite), FFNModel(lite)) for p in m.parameters())
     assert abs(n - 15.7e9) / 15.7e9 < 0.01, n

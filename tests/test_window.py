@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from afd.connectors.window import Window
-from afd.connectors.wire import (
+from afd.connectors.asynchronous.window import Window
+from afd.connectors.asynchronous.wire import (
     ALIGN,
     FLAG_RESPONSE,
     FLAG_SHUTDOWN,
@@ -255,7 +255,7 @@ def test_window_size_logged_and_geometry_checked(caplog: pytest.LogCaptureFixtur
     def factory(nbytes: int) -> SymmetricHeap:
         return LoopbackHeap({0: torch.zeros(nbytes, dtype=torch.uint8)}, 0)
 
-    with caplog.at_level(logging.INFO, logger="afd.connectors.window"):
+    with caplog.at_level(logging.INFO, logger="afd.connectors.asynchronous.window"):
         Window.create(store, 0, 1, geom, factory, timeout_s=1.0)
     text = caplog.text
     assert str(geom.nbytes) in text and "rows" in text and "topk_weights" in text and "2 regions x 1 ring" in text

@@ -1,4 +1,4 @@
-"""The AFD world (afd.distributed): the store binds only its host, ranks prove they belong to the run,
+"""The AFD world (afd.distributed.world): the store binds only its host, ranks prove they belong to the run,
 records that do not verify are never trusted, and every wait stays bounded when a peer or the store
 host dies or freezes, even while no communication op is in flight.
 
@@ -24,10 +24,7 @@ import torch
 import torch.distributed as dist
 from e2e_util import MODEL, Leftovers, afd_worker, hand_config, kill_all
 
-from afd.distributed import init_world
-from afd.generate import generate
-from afd.runtime.launch import free_port
-from afd.store import (
+from afd.distributed.store import (
     RUN_TAG_KEY,
     ForeignRunError,
     PortInUseError,
@@ -36,7 +33,10 @@ from afd.store import (
     publish_failure,
     read_first_failure,
 )
-from afd.watchdog import MIN_PEER_SILENCE_S, peer_silence_bound
+from afd.distributed.watchdog import MIN_PEER_SILENCE_S, peer_silence_bound
+from afd.distributed.world import init_world
+from afd.engine.generate import generate
+from afd.runtime.launch import free_port
 
 
 class Drained:
@@ -168,8 +168,8 @@ def test_rank_with_another_secret_is_refused_at_once() -> None:
 RANK_SCRIPT = r"""
 import logging, sys
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-from afd.distributed import init_world
-from afd.store import wait_until
+from afd.distributed.world import init_world
+from afd.distributed.store import wait_until
 port, rank = int(sys.argv[1]), int(sys.argv[2])
 world = init_world("127.0.0.1", port, rank, 3, "gloo", 60.0, num_attention=1, num_ffn=2)
 print("joined", flush=True)

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from e2e_util import MODEL, PROMPTS, assert_matches_reference, hand_config, launch_checked, reference, zygote_pids
 
+from afd.distributed.watchdog import process_alive
 from afd.runtime import zygote as zygotes
 from afd.runtime.launch import free_port, new_secret, rank_environment
-from afd.watchdog import process_alive
 
 
 def _parent_of(pid: int) -> int:

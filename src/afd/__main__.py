@@ -1,3 +1,3 @@
-from afd.cli import main
+from afd.cli.main import main
 
 raise SystemExit(main())

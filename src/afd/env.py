@@ -7,14 +7,14 @@
   process that imported torch once (`afd.runtime.zygote`). `AFD_ZYGOTE_PID` is set in a forked rank (its parent).
 - `LOCAL_RANK`: torchrun's convention for which local GPU a hand-started rank uses.
 - `CUDA_VISIBLE_DEVICES`: which GPUs this process may see.
-- `AFD_PROFILE`: a folder; every rank profiles its serving part into it (`afd.profiling`). Keep such runs short.
+- `AFD_PROFILE`: a folder; every rank profiles its serving part into it (`profiling.profiler`). Keep such runs short.
 - `AFD_API_KEY`: the key `afd serve` requires from clients when `--api-key` is not given (keeps it off `ps`).
 - `AFD_DISABLE_TRITON`: set to 1 to run the CUDA step on eager PyTorch ops instead of afd's Triton kernels.
 - `AFD_FFN_GRAPHS`: set to 0 to run FFN ranks' expert passes eagerly instead of replaying CUDA graphs.
 - `AFD_PREFILL_GRAPHS`: set to 0 to run steps with prompt tokens eagerly instead of replaying their row-wise pieces
-  from CUDA graphs at padded token counts (`afd.prefill_graph`).
+  from CUDA graphs at padded token counts (`afd.engine.graphs.prefill`).
 - `AFD_FFN_CHAIN`: set to 0 to make a 1A1F async FFN rank on CUDA discover every request from the host instead of
-  enqueueing whole passes on the device (`afd.connectors.ffn_chain`); 1 runs those passes on CPU too (tests).
+  enqueueing whole passes on the device (`asynchronous.ffn_chain`); 1 runs those passes on CPU too (tests).
 - `AFD_EXCHANGE_GRAPHS`: set to 0 to keep a 1A1F async attention rank's decode graphs in pieces between exchanges
   (the exchange then runs eagerly) instead of capturing the whole step, exchanges included.
 - `AFD_STREAM_WAIT`: `memop` makes CUDA streams wait for async flags with the driver's stream memory operation
@@ -124,12 +124,12 @@ def async_host_wait() -> bool:
 
 
 def profile_dir() -> str | None:
-    """`AFD_PROFILE=DIR`: each rank writes a profile of its serving part to DIR (`afd.profiling.profiled`)."""
+    """`AFD_PROFILE=DIR`: each rank writes a profile of its serving part to DIR (`afd.profiling.profiler.profiled`)."""
     return os.environ.get("AFD_PROFILE") or None
 
 
 def timeline_dir() -> str | None:
-    """`AFD_TIMELINE=DIR`: each p2p and async rank notes a few points per exchange and step (`afd.timeline`)."""
+    """`AFD_TIMELINE=DIR`: each p2p and async rank notes a few points per exchange and step (`profiling.timeline`)."""
     return os.environ.get("AFD_TIMELINE") or None
 
 

@@ -6,7 +6,7 @@ instead of once per replica — the reason to give several replicas one FFN rank
 back per item.
 
 Every row's answer is a function of that row alone (its hidden state, its top-k): the routed sum
-runs over its own (row, k) pairs in a fixed order (`afd.moe.routed_experts`: by local expert on the
+runs over its own (row, k) pairs in a fixed order (`afd.model.moe.routed_experts`: by local expert on the
 exact path, over k on the fixed-shape one), and the shared experts are a row-wise MLP. So batching
 changes which rows share a matmul, never what is summed or in which order; a GEMM may still pick
 another tiling for another row count, which moves a row's result by float rounding at most.
@@ -20,11 +20,11 @@ from typing import Protocol
 
 import torch
 
-from afd.moe import Routing
+from afd.routing import Routing
 
 
 class FFNModelLike(Protocol):
-    """The part of `afd.ffn_model.FFNModel` an async FFN rank uses."""
+    """The part of `afd.model.ffn_side.FFNModel` an async FFN rank uses."""
 
     has_shared_experts: bool  # False: the attention ranks run them (`shared` is never needed)
 
@@ -48,7 +48,7 @@ def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
 
 
 class GraphedPass(Protocol):
-    """A replayed expert pass (`afd.ffn_graphs.ExpertPassGraphs`): None where it has no graph for the rows."""
+    """A replayed expert pass (`afd.engine.graphs.ffn.ExpertPassGraphs`): None where it has no graph for the rows."""
 
     def run(
         self,

@@ -1,7 +1,7 @@
 """RMSNorm in one pass: one program per row reads the row once, normalizes in fp32 and writes `weight * x̂`.
 
 Replaces the eager chain `x.float() -> pow -> mean -> add -> rsqrt -> mul -> to(dtype) -> mul weight` (7 kernels,
-each re-reading the row) with one launch. Numerics follow `afd.layers.RMSNorm` (the `transformers` contract):
+each re-reading the row) with one launch. Numerics follow `afd.model.layers.RMSNorm` (the `transformers` contract):
 the normalized row is cast to the input dtype *before* the multiply by the weight, and that product is taken
 in fp32 and rounded once, as PyTorch's bf16 multiply does. Only the order of the fp32 sum of squares differs
 from `torch.mean`, so a bf16 output may differ from eager by an ulp where the normalizer lands on a rounding

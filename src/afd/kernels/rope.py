@@ -1,6 +1,6 @@
 """Rotary embedding in one launch: reads x (any row/head strides) and cos/sin once, writes the rotated halves.
 
-Replaces the eager chain of `afd.layers.apply_rope` (to fp32, two strided slices, four multiplies, a subtract, an
+Replaces the eager chain of `afd.model.layers.apply_rope` (to fp32, two strided slices, four multiplies, a subtract, an
 add, a concatenate and a cast back: ~10 kernels per call) with one. The arithmetic is the eager one, op for op
 (`x1 * cos - x2 * sin`, `x2 * cos + x1 * sin` in fp32, no fused multiply-add, one rounding to x.dtype), so the
 result is bitwise equal to the eager path.

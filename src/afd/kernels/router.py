@@ -17,7 +17,7 @@ T*K ids and weights. Here one Triton kernel does all of it, with no host sync (c
 - The counters are one small int32 buffer per device that every launch leaves at zero. So two router launches
   must not run concurrently on one device (on two streams at once); the engine runs them in stream order.
 
-Numerics follow `afd.moe.select_experts` over `F.linear(x.float(), W.float())`; only the fp32 summation order of
+Numerics follow `afd.model.moe.select_experts` over `F.linear(x.float(), W.float())`; only the fp32 summation order of
 the logits differs from cuBLAS, so where two experts' scores are within ~1e-6 the kernel may pick the other.
 The eager code stays the CPU path and the oracle of `tests/test_kernel_router.py`.
 """
@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from afd.moe import Routing
+from afd.routing import Routing
 
 logger = logging.getLogger(__name__)
 

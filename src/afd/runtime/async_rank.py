@@ -15,11 +15,13 @@ from collections.abc import Callable
 
 import torch
 
-from afd.connectors.async_ffn import AsyncFFNServer, run_ffn_loop
-from afd.connectors.async_window import AsyncAttentionExchange
-from afd.cuda_graph import DEFAULT_BATCH_BUCKETS
-from afd.distributed import World, init_world
-from afd.ffn_graphs import ExpertPassGraphs
+from afd.buckets import DEFAULT_BATCH_BUCKETS
+from afd.connectors.asynchronous.attention import AsyncAttentionExchange
+from afd.connectors.asynchronous.ffn import AsyncFFNServer, run_ffn_loop
+from afd.distributed.world import World, init_world
+from afd.engine.graphs.ffn import ExpertPassGraphs
+from afd.engine.warm_up import warm_up_ffn
+from afd.model.weights import load_attention_model, load_ffn_model, load_model_config, resolve_dtype
 from afd.runtime.online import run_online, stop_on_signals
 from afd.runtime.rank import (
     RankJob,
@@ -33,10 +35,9 @@ from afd.runtime.rank import (
     write_outputs,
 )
 from afd.topology import AsyncTopology
+from afd.transport.factory import default_heap_factory
 from afd.transport.shm import ShmHeap
-from afd.transport.symm_heap import SymmetricHeap, default_heap_factory
-from afd.warm_up import warm_up_ffn
-from afd.weights import load_attention_model, load_ffn_model, load_model_config, resolve_dtype
+from afd.transport.symm_heap import SymmetricHeap
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +121,7 @@ def run_async_rank(job: RankJob) -> None:
             server = AsyncFFNServer(world.store, topo, job.role_rank, **endpoint_args)
             # 1A1F on CUDA: whole passes enqueued on the device at decode sizes; what the host serves (elsewhere
             # everything, there the rest) replays one graph per pass up to the token budget
-            chained = server.chain_to(ffn_model)
+            chained = server.chain_to(ffn_model, graphs_usable=ExpertPassGraphs.usable(ffn_model))
             if ExpertPassGraphs.usable(ffn_model):
                 server.expert_graphs = ExpertPassGraphs(
                     ffn_model, () if chained else DEFAULT_BATCH_BUCKETS, max_rows=job.spec.max_num_batched_tokens

@@ -36,14 +36,15 @@ from pathlib import Path
 
 from afd import env
 from afd.config import AFDConfig
-from afd.engine import Output
+from afd.distributed.signals import Interrupted
+from afd.distributed.store import RendezvousError, host_store
+from afd.engine.engine import Output
+from afd.engine.sampling import SamplingParams
 from afd.env import LAUNCHER_PID_VAR, SECRET_VAR
-from afd.kv_cache import CacheOptions
+from afd.model.kv_cache import CacheOptions
+from afd.runtime.link import LinkAddress, format_address
+from afd.runtime.spec import RunSpec
 from afd.runtime.zygote import RankHandle, Zygote, ZygoteError, zygote_for_launch
-from afd.sampling import SamplingParams
-from afd.serve.link import LinkAddress, format_address
-from afd.signals import Interrupted
-from afd.store import RendezvousError, host_store
 from afd.topology import Role, SyncTopology
 
 log = logging.getLogger(__name__)
@@ -63,23 +64,6 @@ class LaunchError(RuntimeError):
     def __init__(self, message: str, exit_status: int = 1) -> None:
         super().__init__(message)
         self.exit_status = exit_status
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    """What every rank of a run must agree on besides the AFD config."""
-
-    model: str = "tiny"
-    dtype: str = "float32"
-    device: str = "cpu"
-    seed: int = 0
-    max_new_tokens: int = 16
-    prompt_logprobs: bool = False
-    max_num_batched_tokens: int = 2048
-    timeout_s: float = 300.0  # the whole run, launcher side
-    cache: CacheOptions = CacheOptions()
-    sampling: SamplingParams = SamplingParams()  # every request's (greedy by default)
-    max_model_len: int | None = None  # positions a request may take (default: the model's)
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """A replica serving a front end: requests arrive at any time, tokens leave after every step.
 
 `serve_replica` is the loop of one attention replica (or one whole-model replica, connector `none`):
-between two steps it drains its link to the front end (`afd.serve.link`: add / abort / shutdown), then
+between two steps it drains its link to the front end (`afd.runtime.link`: add / abort / shutdown), then
 steps the engine and sends what the step made — one `tokens` message per step, a `finished` per ended
 request, `load` whenever running / waiting / cache usage changed.
 
@@ -23,11 +23,12 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from afd import env, signals
-from afd.engine import Engine, EngineLoad, Output, Request
+from afd import env
+from afd.distributed import signals
+from afd.engine.engine import Engine, EngineLoad, Output, Request
+from afd.engine.sampling import SAMPLING_FIELDS, SamplingParams
+from afd.runtime.link import LinkError, Message, ReplicaLink, format_address
 from afd.runtime.rank import RankJob, profile_rank
-from afd.sampling import SAMPLING_FIELDS, SamplingParams
-from afd.serve.link import LinkError, Message, ReplicaLink, format_address
 
 log = logging.getLogger(__name__)
 

@@ -29,13 +29,13 @@ import torch.distributed as dist
 
 from afd import env
 from afd.config import AFDConfig
-from afd.engine import Engine, Output, Request
-from afd.profiling import profiled, watching_compiles
-from afd.runtime.launch import RunSpec
-from afd.serve.link import LinkAddress
+from afd.distributed.watchdog import process_alive
+from afd.engine.engine import Engine, Output, Request
+from afd.profiling.profiler import profiled, watching_compiles
+from afd.runtime.link import LinkAddress
+from afd.runtime.spec import RunSpec
 from afd.topology import local_gpu_index
 from afd.transport.symm_heap import wait_keys
-from afd.watchdog import process_alive
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ class ReplicaStats:
 @contextlib.contextmanager
 def profile_rank(job: RankJob) -> Iterator[None]:
     """Around this rank's serving part: `AFD_PROFILE=DIR` profiles it into DIR/<connector>_<role><rank>.*, and on
-    CUDA the Triton kernels compiled inside it are logged (`afd.profiling`)."""
+    CUDA the Triton kernels compiled inside it are logged (`afd.profiling.profiler`)."""
     connector = "none" if job.role == "replica" else job.config.connector
     name = f"{connector}_{job.role}{job.role_rank}"
     with watching_compiles(job.spec.device == "cuda"), profiled(name, env.profile_dir()):
@@ -186,7 +186,7 @@ def write_outputs(job: RankJob, outputs: list[Output], stats: ReplicaStats) -> N
 
 def engine_for(job: RankJob, model, exchange) -> Engine:
     """The replica's engine with the run's token budget, cache options and model length."""
-    from afd.warm_up import warm_up_engine
+    from afd.engine.warm_up import warm_up_engine
 
     spec = job.spec
     engine = Engine(
@@ -199,8 +199,8 @@ def engine_for(job: RankJob, model, exchange) -> Engine:
 def local_replica_engine(job: RankJob) -> Engine:
     """A whole-model replica's engine in this process (attention model + FFN model + `LocalExchange`, as the
     reference engine is built), on the job's device, warmed up: connector `none`, and the bench's engine-alone run."""
-    from afd.engine import LocalExchange
-    from afd.weights import load_attention_model, load_ffn_model
+    from afd.engine.engine import LocalExchange
+    from afd.model.weights import load_attention_model, load_ffn_model
 
     load = dict(dtype=job.spec.dtype, device=select_device(job, job.role_rank), seed=job.spec.seed)
     attn, ffn = load_attention_model(job.spec.model, **load), load_ffn_model(job.spec.model, **load)

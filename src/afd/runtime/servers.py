@@ -22,7 +22,6 @@ from afd.runtime.launch import (
     STOP_GRACE_S,
     LaunchError,
     RankProcess,
-    RunSpec,
     clean_up_run,
     describe_exit,
     host_world_store,
@@ -36,8 +35,9 @@ from afd.runtime.launch import (
     worker_command,
     world_rank_of,
 )
+from afd.runtime.link import LinkAddress
+from afd.runtime.spec import RunSpec
 from afd.runtime.zygote import zygote_for_launch
-from afd.serve.link import LinkAddress
 
 __all__ = ["ServerRanks", "new_secret", "start_server_ranks"]
 

@@ -17,6 +17,7 @@ import logging
 import os
 
 from afd import env
+from afd.engine.warm_up import warm_up_ffn, warm_up_wave_exchange
 from afd.runtime.online import run_online, stop_on_signals
 from afd.runtime.rank import (  # noqa: F401 - RankJob and drive_replica are also imported from here
     RankJob,
@@ -32,18 +33,17 @@ from afd.runtime.rank import (  # noqa: F401 - RankJob and drive_replica are als
     write_outputs,
 )
 from afd.topology import SyncTopology, expert_ranges
-from afd.warm_up import warm_up_ffn, warm_up_wave_exchange
 
 log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------- p2p
 def run_p2p_rank(job: RankJob) -> None:
-    from afd.connectors.p2p import P2pAttentionExchange
-    from afd.connectors.p2p_ffn import P2pFFNLoop
-    from afd.distributed import init_world
-    from afd.ffn_graphs import ExpertPassGraphs
-    from afd.weights import load_attention_model, load_ffn_model, load_model_config, resolve_dtype
+    from afd.connectors.p2p.attention import P2pAttentionExchange
+    from afd.connectors.p2p.ffn import P2pFFNLoop
+    from afd.distributed.world import init_world
+    from afd.engine.graphs.ffn import ExpertPassGraphs
+    from afd.model.weights import load_attention_model, load_ffn_model, load_model_config, resolve_dtype
 
     cfg = job.config
     topo = SyncTopology(cfg.num_attention_ranks, cfg.num_ffn_ranks)

@@ -2,7 +2,7 @@
 
 `import torch` is most of a rank's start (2-3 s of CPU on a small host, against ~0.1 s for the rest), and a launch
 of A + F ranks paid it A + F times over, on top of the launcher's own. So the launcher starts one zygote per launch
-(`Zygote`): `python -m afd.runtime.zygote` imports torch and the rank runtime, then forks each rank on request. A
+(`Zygote`): `python -m afd.cli.zygote` imports torch and the rank runtime, then forks each rank on request. A
 forked rank becomes what `python -m afd worker ...` would have been: its own session (process group), its log as
 stdout and stderr, the environment and working directory the launcher gave it, and that command line and
 environment in /proc/PID/cmdline and /proc/PID/environ (the zygote starts with room for both), so `ps`, and the
@@ -34,6 +34,7 @@ import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -44,6 +45,7 @@ log = logging.getLogger(__name__)
 READY_S = 180.0  # the zygote's imports, at most (a loaded 2-core host took ~3 s)
 ROOM = 32768  # bytes of command line, and of environment, a forked rank can show beyond the zygote's own
 ROOM_VAR = "AFD_ZYGOTE_ROOM"  # the zygote's environment holds ROOM spaces in it
+ENTRY_MODULE = "afd.cli.zygote"  # its `python -m` entry: `main` here, with the CLI as what a rank runs
 REAP_S = 0.02  # how often an idle zygote looks for ranks that ended
 
 
@@ -105,7 +107,7 @@ class Zygote:
         self._poller.register(self._conn.fileno(), select.POLLIN)
         fd, name = tempfile.mkstemp(prefix="afd_zygote_", suffix=".log")
         self.log_path = Path(name)
-        cmd = [sys.executable, "-m", "afd.runtime.zygote", str(theirs.fileno()), str(os.getpid()), " " * ROOM]
+        cmd = [sys.executable, "-m", ENTRY_MODULE, str(theirs.fileno()), str(os.getpid()), " " * ROOM]
         try:
             self.proc = subprocess.Popen(
                 cmd,
@@ -152,7 +154,9 @@ class Zygote:
                 pass
             if pid in self._exited:
                 return self._exited[pid]
-            from afd.watchdog import process_alive  # here: this module is imported before torch (`prestart`)
+            from afd.distributed.watchdog import (
+                process_alive,  # here: this module is imported before torch (`prestart`)
+            )
 
             if self._lost and not process_alive(pid):  # its exit status went with the zygote
                 log.warning("the exit status of rank pid %d is unknown: the zygote that forked it is gone", pid)
@@ -302,7 +306,9 @@ def _report_ended(children: set[int], conn: Connection) -> None:
         conn.send(("exited", pid, os.waitstatus_to_exitcode(status)))
 
 
-def _become_rank(cmd: list[str], rank_env: dict[str, str], cwd: str, log_path: str) -> int:
+def _become_rank(
+    run_command: Callable[[list[str]], int], cmd: list[str], rank_env: dict[str, str], cwd: str, log_path: str
+) -> int:
     """In the forked child: turn into `cmd`, as `subprocess.Popen(cmd, start_new_session=True, ...)` would have."""
     os.setsid()
     out = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -319,25 +325,19 @@ def _become_rank(cmd: list[str], rank_env: dict[str, str], cwd: str, log_path: s
     set_cmdline(cmd)
     set_environ(dict(os.environ))
     sys.argv = [cmd[0], *cmd[3:]]
-    from afd.cli import main
-
-    return main(cmd[3:])
+    return run_command(cmd[3:])
 
 
-def main() -> None:
+def main(run_command: Callable[[list[str]], int]) -> None:
+    """The zygote process: `run_command` is what a forked rank runs on its `afd ...` arguments (the CLI's main,
+    which `afd.cli.zygote` passes in, having imported the rank runtime, so that this layer needs nothing above
+    it)."""
     conn = Connection(int(sys.argv[1]))
     if os.getppid() != int(sys.argv[2]):
         raise SystemExit(f"afd zygote: its launcher (pid {sys.argv[2]}) is gone")
-    set_cmdline([sys.executable, "-m", "afd.runtime.zygote"])
+    set_cmdline([sys.executable, "-m", ENTRY_MODULE])
     import torch  # noqa: F401 - the point of the zygote: imported once, before any fork
-
-    import afd.cli  # noqa: F401
-    import afd.runtime.worker  # noqa: F401 - the rank runtime (engine, model, connectors)
 
     job = _serve(conn)
     if job is not None:
-        raise SystemExit(_become_rank(*job))
-
-
-if __name__ == "__main__":
-    main()
+        raise SystemExit(_become_rank(run_command, *job))

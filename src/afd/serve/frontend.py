@@ -20,10 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
-from afd.sampling import SAMPLING_FIELDS, SamplingParams
-from afd.serve.link import RECV_BYTES, FrameSender, Message, decode_frames, encode_frame
+from afd.engine.sampling import SAMPLING_FIELDS, SamplingParams
+from afd.runtime.link import RECV_BYTES, FrameSender, Message, decode_frames, encode_frame
+from afd.serve.balancer import outstanding_tokens, pick_replica
 from afd.serve.metrics import ReplicaMetrics
-from afd.serve.router import outstanding_tokens, pick_replica
 
 logger = logging.getLogger(__name__)
 

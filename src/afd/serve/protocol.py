@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 
-from afd.sampling import SamplingParams
+from afd.engine.sampling import SamplingParams
 
 ERROR_TYPES = {
     400: "BadRequestError",

@@ -22,7 +22,7 @@ from afd.serve.output import REQUEST_STALL_S, Piece, Prepared, Run, prepare, run
 from afd.serve.protocol import DONE, APIError, GenerationParams, chat_logprobs, completion_logprobs, sse, usage
 
 if TYPE_CHECKING:
-    from afd.serve.server import ServerState
+    from afd.serve.state import ServerState
 
 
 _ID_PREFIX = secrets.token_hex(8)  # this process's; the ids of one server never repeat, nor across its restarts

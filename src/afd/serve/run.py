@@ -21,12 +21,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from afd import env, signals
+from afd import env
 from afd.config import AFDConfig
-from afd.runtime.launch import LaunchError, RunSpec
+from afd.distributed import signals
+from afd.runtime.launch import LaunchError
+from afd.runtime.link import FrontLink, LinkError
+from afd.runtime.spec import RunSpec
 from afd.serve.frontend import ReplicaPool
-from afd.serve.link import FrontLink, LinkError
-from afd.serve.server import DRAIN_S, ServeOptions, ServerState, serve
+from afd.serve.server import DRAIN_S, serve
+from afd.serve.state import ServeOptions, ServerState
 from afd.serve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

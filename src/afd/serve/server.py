@@ -16,15 +16,14 @@ import logging
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from afd import env
 from afd.serve import metrics
-from afd.serve.frontend import ReplicaPool
 from afd.serve.http_server import Handler, HTTPError, HTTPServer, Request, Response
 from afd.serve.protocol import APIError, parse_chat, parse_completion, parse_json
 from afd.serve.responses import Call, chat_response, completion_response, stream_chat, stream_completion
-from afd.serve.tokenizer import Tokenizer, TokenizerError
+from afd.serve.state import ServerState, rank_failure
+from afd.serve.tokenizer import TokenizerError
 
 logger = logging.getLogger(__name__)
 
@@ -33,78 +32,6 @@ DRAIN_S = 20.0  # SIGTERM: in-flight requests get this long to finish before the
 HEALTH_POLL_S = 0.25
 
 
-@dataclass
-class ServeOptions:
-    model_name: str  # what /v1/models lists and requests must name
-    api_key: str | None = None
-    max_waiting: int = 1024  # requests allowed to wait for a replica before new ones get 429
-
-
-class ServerState:
-    """What the handlers share: the replicas, the tokenizer, the options, and whether the server is healthy."""
-
-    def __init__(
-        self,
-        pool: ReplicaPool,
-        tokenizer: Tokenizer,
-        options: ServeOptions,
-        dead_ranks: Callable[[], list[str]] = list,
-    ) -> None:
-        self.pool, self.tokenizer, self.options = pool, tokenizer, options
-        self.dead_ranks = dead_ranks  # names of ranks that stopped (the rank supervisor's `.dead()`)
-        pool.cause_of_loss = lambda: rank_failure(dead) if (dead := self.dead_ranks()) else None
-        self.draining = False
-        self.failed_before_stop = False  # a rank or replica was gone when the stop came (the exit status says so)
-        self.created = int(time.time())
-
-    def problem(self) -> str | None:
-        """Why the server cannot serve now, or None when every rank and replica is up."""
-        dead = self.dead_ranks()
-        if dead:
-            return rank_failure(dead)
-        lost = [r for r, ok in enumerate(self.pool.alive) if not ok]
-        if lost:
-            return f"replica {lost[0]} stopped; the server cannot generate"
-        if self.draining:
-            return "the server is shutting down"
-        return None
-
-    def admit(self, model: str | None) -> None:
-        """Refuse a request for another model (404), while unhealthy or stopping (503), or when too many wait (429)."""
-        if model is not None and model != self.options.model_name:
-            raise APIError(
-                404,
-                f"the model {model!r} does not exist; this server serves {self.options.model_name!r}",
-                param="model",
-            )
-        problem = self.problem()
-        if problem:
-            raise APIError(503, problem)
-        waiting = self.pool.waiting()
-        if waiting >= self.options.max_waiting:
-            raise APIError(
-                429,
-                f"{waiting} requests are already waiting for a replica (--max-waiting {self.options.max_waiting}); "
-                "retry later",
-                headers={"Retry-After": "1"},
-            )
-
-    def encode(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, list):
-            return prompt
-        try:
-            return self.tokenizer.encode(prompt)
-        except TokenizerError as exc:
-            raise APIError(400, str(exc), param="prompt") from None
-
-
-def rank_failure(dead: list[str]) -> str:
-    """One sentence for ranks that stopped (the supervisor's lines, e.g. 'ffn rank 0 ... exited with status -9')."""
-    more = f" (and {len(dead) - 1} more)" if len(dead) > 1 else ""
-    return f"{dead[0]}{more}; the server cannot generate until it is restarted"
-
-
-# ---------------------------------------------------------------- responses
 def json_response(obj: object, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     return Response(status, json.dumps(obj).encode(), {"Content-Type": "application/json", **(headers or {})})
 

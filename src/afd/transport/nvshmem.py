@@ -17,7 +17,7 @@ Bootstrap (seen working, see shared/probes/nvshmem_bootstrap.py):
 
 `nvshmem.init` itself is collective and has no timeout of ours: a peer killed after publishing its
 placement but before init leaves the others inside init. That wait is bounded by the AFD world's
-heartbeat watchdog (afd.distributed), which ends a rank whose peer went silent and names that peer;
+heartbeat watchdog (afd.distributed.world), which ends a rank whose peer went silent and names that peer;
 nothing here can interrupt init.
 
 close() never frees or finalizes: `nvshmem free` and `finalize` are collective, so a rank that

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from afd.config import AFDConfig, ConfigError, parse_config
-from afd.model_config import ModelConfig
+from afd.model.config import ModelConfig
 
 # vLLM versions the adapter was run against (it subclasses vLLM's DeepSeek model and swaps one of its classes
 # while that model is built, so another version may differ in exactly those places).

@@ -15,7 +15,7 @@ from vllm.model_executor.models.config import VerifyAndUpdateConfig
 from vllm.platforms import current_platform
 
 from afd.config import AFDConfig
-from afd.model_config import ModelConfig
+from afd.model.config import ModelConfig
 from afd.vllm_plugin.checks import (
     EngineSettings,
     afd_config_from,

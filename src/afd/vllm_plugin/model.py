@@ -24,8 +24,8 @@ from vllm.config import VllmConfig
 from vllm.model_executor.models import deepseek_v2
 from vllm.platforms import current_platform
 
-from afd.layers import Gate
-from afd.model_config import ModelConfig
+from afd.model.config import ModelConfig
+from afd.model.layers import Gate
 from afd.vllm_plugin.hook import prepare
 from afd.vllm_plugin.session import AFDSession
 

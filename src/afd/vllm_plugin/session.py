@@ -25,9 +25,9 @@ from typing import TypeVar
 import torch
 
 from afd.config import AFDConfig
-from afd.distributed import World, init_world
-from afd.model_config import ModelConfig
-from afd.moe import Routing
+from afd.distributed.world import World, init_world
+from afd.model.config import ModelConfig
+from afd.routing import Routing
 from afd.topology import AsyncTopology, SyncTopology
 
 logger = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ class AFDSession:
         self._stop = threading.Event()
         A, F = cfg.num_attention_ranks, cfg.num_ffn_ranks
         if cfg.connector == "async":
-            from afd.connectors.async_window import AsyncAttentionExchange
+            from afd.connectors.asynchronous.attention import AsyncAttentionExchange
 
             topo = AsyncTopology(A, F, model.n_routed_experts)
             self.world = self._join(topo.world_rank("attention", attn_rank), topo.world_size, "gloo", "attention_first")
@@ -86,7 +86,7 @@ class AFDSession:
                 )
             )
         else:
-            from afd.connectors.p2p import P2pAttentionExchange
+            from afd.connectors.p2p.attention import P2pAttentionExchange
 
             topo = SyncTopology(A, F)
             backend = "nccl" if device.type == "cuda" else "gloo"

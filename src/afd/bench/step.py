@@ -1,0 +1,379 @@
+"""`afd bench step`: the reference engine's step time beside the memory-bound floor, measured in one run.
+
+Decode: `batch` sequences of `context` cached tokens each take one step; timed eager and (CUDA) replayed
+from CUDA graphs, two ways:
+- `{eager,graph}_ms`, the figure held against the targets: steady state, what a serving loop sees — on CUDA
+  the time between CUDA events recorded after the first and the last of `steps` + 1 consecutive
+  `engine.step()` calls, divided by `steps` (device time plus every gap the host leaves; on CPU the wall
+  time of `steps` calls). With overlapped steps (`Engine.overlap_steps`, on by default on CUDA) the host's
+  work for the next step hides behind the GPU's work on this one, which a sync around every step would not
+  let happen.
+- `{eager,graph}_isolated_ms`: the median of `steps` steps with overlap off and the device drained around
+  each (sync, step, sync): how `*_ms` was measured before overlapped steps, kept to compare old numbers.
+The floor is the bytes a step must read at the bandwidth measured in the same run (a
+large device-to-device copy): every non-expert weight (attention, norms, dense MLPs, shared experts, gate,
+lm_head), the routed experts a batch touches in expectation under uniform top-k routing
+(`E * (1 - (1 - K/E)^batch)` per MoE layer), and the latent cache the batch reads.
+
+Prefill: `batch x context` prompt tokens in one step (on CUDA through the prefill graphs, as served steps run; the
+eager decode rows use neither kind of graph), beside the larger of its compute floor (FLOPs at the
+matmul rate measured in the same run) and its weight-read floor.
+
+The decode sequences are admitted without running their prompts: their cache blocks are filled with
+random latents (a step's time does not depend on the values), so a large batch at a long context costs
+no prefill.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from afd.bench.offline import device_name
+from afd.engine.engine import Engine, LocalExchange, Request
+from afd.model.attention_side import AttentionModel, ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepBytes:
+    """Bytes one decode step reads, by part."""
+
+    dense_weights: int  # everything but the routed experts
+    routed_experts: float  # expected, uniform top-k routing
+    latent_cache: int
+
+    @property
+    def total(self) -> float:
+        return self.dense_weights + self.routed_experts + self.latent_cache
+
+
+def expected_experts_touched(num_experts: int, top_k: int, num_tokens: int) -> float:
+    """Distinct experts `num_tokens` tokens touch in expectation, each picking `top_k` of `num_experts`
+    uniformly: an expert is missed by one token with probability `1 - top_k / num_experts`."""
+    if num_experts == 0:
+        return 0.0
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** num_tokens)
+
+
+def _numel(module: torch.nn.Module | None) -> int:
+    return 0 if module is None else sum(p.numel() for p in module.parameters())
+
+
+def decode_step_bytes(config: ModelConfig, attn: AttentionModel, ffn: torch.nn.Module, batch: int, context: int):
+    """What one decode step of `batch` sequences, `context` cached tokens each, reads at the least."""
+    item = attn.embed_tokens.weight.element_size()
+    # attention side: everything but the embedding table (it reads `batch` rows of it)
+    dense = _numel(attn) - attn.embed_tokens.weight.numel() + batch * config.hidden_size
+    expert = 3 * config.hidden_size * config.moe_intermediate_size
+    for layer in ffn.layers.values():
+        dense += _numel(layer.mlp) + _numel(layer.gate) + _numel(layer.shared_experts)
+    touched = expected_experts_touched(config.n_routed_experts, config.num_experts_per_tok, batch)
+    routed = len(config.moe_layers) * touched * expert * item
+    width = config.kv_lora_rank + config.qk_rope_head_dim
+    cache = batch * (context + 1) * config.num_hidden_layers * width * item
+    return StepBytes(dense_weights=dense * item, routed_experts=routed, latent_cache=cache)
+
+
+def prefill_flops(config: ModelConfig, batch: int, context: int) -> float:
+    """Matmul FLOPs of a prefill of `batch` prompts of `context` tokens (logits of the last token only)."""
+    c = config
+    H, nh = c.hidden_size, c.num_attention_heads
+    q = H * nh * c.qk_head_dim if c.q_lora_rank is None else c.q_lora_rank * (H + nh * c.qk_head_dim)
+    attn = q + H * (c.kv_lora_rank + c.qk_rope_head_dim) + c.kv_lora_rank * nh * (c.qk_nope_head_dim + c.v_head_dim)
+    attn += nh * c.v_head_dim * H
+    per_token = 0
+    for i in range(c.num_hidden_layers):
+        if c.is_moe_layer(i):
+            mlp = 3 * H * c.moe_intermediate_size * (c.num_experts_per_tok + c.n_shared_experts)
+            mlp += H * c.n_routed_experts
+        else:
+            mlp = 3 * H * c.intermediate_size
+        per_token += attn + mlp
+    linear = 2.0 * per_token * batch * context + 2.0 * batch * H * c.vocab_size
+    # causal scores and values: half of context x context per head and layer
+    scores = 2.0 * batch * nh * (c.qk_head_dim + c.v_head_dim) * context * context / 2 * c.num_hidden_layers
+    return linear + scores
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_bandwidth(device: torch.device, nbytes: int, iters: int = 10) -> float:
+    """Bytes/s of a large copy on `device`, counting the read and the write (2 x nbytes per copy)."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        dst.copy_(src)
+    _sync(device)
+    return 2 * src.numel() * 4 * iters / (time.perf_counter() - start)
+
+
+def measure_matmul(device: torch.device, dtype: torch.dtype, n: int, iters: int = 10) -> float:
+    """FLOP/s of an n x n x n matmul in `dtype` on `device`."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    a @ b
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        a @ b
+    _sync(device)
+    return 2.0 * n**3 * iters / (time.perf_counter() - start)
+
+
+def _timed_steps(engine: Engine, steps: int) -> float:
+    """Median seconds of `steps` engine steps, the device drained around each."""
+    times = []
+    for _ in range(steps):
+        _sync(engine.device)
+        start = time.perf_counter()
+        engine.step()
+        _sync(engine.device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _steady_steps(engine: Engine, steps: int) -> float:
+    """Seconds per step of a serving loop. On CUDA: `steps + 1` consecutive engine steps, a CUDA event recorded
+    on the stream after each call (so it fires when that call's launched step ends), and the time between the
+    first and the last event over `steps`: the device time per step plus any idle gap the host leaves between
+    steps, without the launch of the first step or a final drain (an overlapped step's host work hides behind
+    the previous step; a one-off start-up launch would otherwise add ~1/steps of a launch to every step).
+    On CPU (nothing runs ahead): the wall time of `steps` steps."""
+    if engine.device.type != "cuda":
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        return (time.perf_counter() - start) / steps
+    marks = []
+    for _ in range(steps + 1):
+        engine.step()
+        mark = torch.cuda.Event(enable_timing=True)
+        mark.record()
+        marks.append(mark)
+    marks[-1].synchronize()
+    return marks[0].elapsed_time(marks[-1]) / 1e3 / steps
+
+
+def _seed_decodes(engine: Engine, batch: int, context: int, max_new_tokens: int, gen: torch.Generator) -> None:
+    """Admit `batch` sequences as if their `context`-token prompts had run: random cached latents, one
+    sampled token each; the next step is a pure decode step."""
+    vocab = engine.model.config.vocab_size
+    for _ in range(batch):
+        prompt = torch.randint(0, vocab, (context,), generator=gen).tolist()
+        engine.add(Request(prompt, max_new_tokens))
+    budget = engine.max_num_batched_tokens
+    engine.max_num_batched_tokens = batch * context  # admit them all at once, without running them
+    try:
+        scheduled = engine.schedule()
+    finally:
+        engine.max_num_batched_tokens = budget
+    if len(scheduled) != batch:
+        raise RuntimeError(f"only {len(scheduled)} of {batch} sequences fit the cache")
+    for s in scheduled:
+        s.seq.num_cached = context
+        s.seq.token_ids.append(int(torch.randint(0, vocab, (1,), generator=gen)))
+        s.seq.logprobs.append(0.0)
+
+
+def _drop_all(engine: Engine) -> None:
+    engine.drain()  # the step in flight, if any, before its sequences are dropped
+    for seq in list(engine.running):
+        engine.running.remove(seq)
+        engine.free(seq)
+
+
+def run_bench_step(
+    *,
+    model: str,
+    dtype: str,
+    device: str,
+    batches: list[int],
+    contexts: list[int],
+    prefills: list[tuple[int, int]],
+    steps: int = 10,
+    seed: int = 0,
+    progress=None,
+) -> dict:
+    """Decode steps for every (batch, context), eager and graphed; prefills; floors; one result dict."""
+    from afd.model.weights import load_attention_model, load_ffn_model
+
+    say = progress or logger.info
+    dev = torch.device(device)
+    attn = load_attention_model(model, dtype=dtype, device=device, seed=seed)
+    ffn = load_ffn_model(model, dtype=dtype, device=device, seed=seed)
+    config = attn.config
+    torch_dtype = attn.embed_tokens.weight.dtype
+    cuda = dev.type == "cuda"
+    say("measuring copy bandwidth and matmul rate ...")
+    bandwidth = measure_bandwidth(dev, (2 << 30) if cuda else (256 << 20))
+    matmul = measure_matmul(dev, torch_dtype, 8192 if cuda else 512)
+    warmup = 2
+    # the drained steps, then the steady ones: no sequence may end inside a timed run (an overlapped step is
+    # launched only while every sequence goes on after the one in flight)
+    max_new = warmup + 2 * steps + 4
+    max_batch = max([*batches, *(b for b, _ in prefills), 1])
+    longest = max([*contexts, *(c for _, c in prefills), 1]) + max_new
+    block_size = 16
+    num_blocks = max(max(batches, default=1) * -(-(max(contexts, default=1) + max_new) // block_size), 1)
+    num_blocks = max(num_blocks, max((b * -(-(c + 1) // block_size) for b, c in prefills), default=1))
+    engine = Engine(
+        attn,
+        LocalExchange(ffn),
+        max(max((b * c for b, c in prefills), default=1), max(contexts, default=1) + 1, max_batch),
+        max_num_seqs=max_batch,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_model_len=longest,
+    )
+    graphs = engine.cuda_graphs
+    prefill_graphs = engine.prefill_graphs  # an eager decode row must not replay their pieces either
+    pool = engine.kv_cache.cache
+    gen = torch.Generator().manual_seed(seed)
+    pool[:, block_size : pool.shape[1] - 1].normal_(0.0, 1.0)  # random latents; the null block stays zero
+    result: dict = {
+        "date": datetime.date.today().isoformat(),
+        "device": device_name(device),
+        "model": model,
+        "dtype": dtype,
+        "torch": torch.__version__,
+        "copy_bandwidth_GBps": bandwidth / 1e9,
+        "matmul_TFLOPs": matmul / 1e12,
+        "steps": steps,
+        "overlap_steps": engine.overlap_steps,
+        "timing": (
+            "*_ms: steady state, per step: on CUDA the time between CUDA events recorded after the first and the "
+            "last of `steps` + 1 consecutive engine.step() calls, / steps (device time plus host gaps; overlap_steps "
+            "as in that field); on CPU the wall time of `steps` calls / steps; *_isolated_ms: median of `steps` "
+            "steps, overlap off, device synced around each"
+        ),
+        "decode": [],
+        "prefill": [],
+    }
+    for context in contexts:
+        for batch in batches:
+            say(f"decode: batch {batch}, context {context} ...")
+            floor = decode_step_bytes(config, attn, ffn, batch, context)
+            row = {
+                "batch": batch,
+                "context": context,
+                "floor_bytes": floor.total,
+                "floor_ms": floor.total / bandwidth * 1e3,
+                "floor_parts_GB": {
+                    "weights": floor.dense_weights / 1e9,
+                    "routed_experts": floor.routed_experts / 1e9,
+                    "latent_cache": floor.latent_cache / 1e9,
+                },
+            }
+            for mode in ("eager", "graph"):
+                if mode == "graph" and graphs is None:
+                    row["graph_ms"] = row["graph_isolated_ms"] = None
+                    continue
+                engine.cuda_graphs = graphs if mode == "graph" else None
+                engine.prefill_graphs = prefill_graphs if mode == "graph" else []
+                _seed_decodes(engine, batch, context, max_new, gen)
+                if mode == "graph":  # capture before timing: every length the timed steps reach
+                    graphs.capture_for(batch, context + 1)
+                    graphs.capture_for(batch, context + 1 + warmup + 2 * steps)
+                overlap, engine.overlap_steps = engine.overlap_steps, False
+                for _ in range(warmup):
+                    engine.step()
+                row[f"{mode}_isolated_ms"] = _timed_steps(engine, steps) * 1e3
+                engine.overlap_steps = overlap
+                launched_ahead = engine.overlapped_steps
+                row[f"{mode}_ms"] = _steady_steps(engine, steps) * 1e3
+                launched_ahead = engine.overlapped_steps - launched_ahead
+                calls = steps + 1 if cuda else steps  # `_steady_steps`
+                if overlap and launched_ahead != calls - 1:  # the first step of the run is never launched ahead
+                    logger.warning("only %d of %d %s steps were launched ahead", launched_ahead, calls - 1, mode)
+                row[f"{mode}_launched_ahead"] = launched_ahead
+                _drop_all(engine)
+            for mode in ("eager", "graph"):
+                ms = row.get(f"{mode}_ms")
+                row[f"{mode}_over_floor"] = ms / row["floor_ms"] if ms else None
+            result["decode"].append(row)
+    engine.cuda_graphs, engine.prefill_graphs = graphs, prefill_graphs
+    for batch, context in prefills:
+        say(f"prefill: {batch} x {context} tokens ...")
+        times = []
+        for _ in range(1 + max(1, steps // 4)):  # the first one warms up
+            for _ in range(batch):
+                engine.add(Request(torch.randint(0, config.vocab_size, (context,), generator=gen).tolist(), 1))
+            _sync(dev)
+            start = time.perf_counter()
+            engine.step()  # every prompt in one step; max_new_tokens=1 finishes them all
+            _sync(dev)
+            times.append(time.perf_counter() - start)
+            if engine.has_work():
+                raise RuntimeError(f"a prefill of {batch} x {context} tokens did not finish in one step")
+        flops = prefill_flops(config, batch, context)
+        weights = (
+            decode_step_bytes(config, attn, ffn, batch * context, 0).dense_weights
+            + (len(config.moe_layers) * config.n_routed_experts * 3 * config.hidden_size * config.moe_intermediate_size)
+            * attn.embed_tokens.weight.element_size()
+        )
+        floor_ms = max(flops / matmul, weights / bandwidth) * 1e3
+        ms = statistics.median(times[1:]) * 1e3
+        result["prefill"].append(
+            {
+                "batch": batch,
+                "context": context,
+                "tokens": batch * context,
+                "ms": ms,
+                "flops": flops,
+                "floor_ms": floor_ms,
+                "over_floor": ms / floor_ms,
+            }
+        )
+    if graphs is not None:
+        result["graphs_captured"] = [list(k) for k in graphs.captured]
+    if prefill_graphs:  # the prefill rows replay their row-wise pieces (afd.engine.graphs.prefill), as served steps do
+        result["prefill_graph_buckets"] = prefill_graphs[0].captured
+    return result
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def format_bench_step(result: dict) -> str:
+    """The result as a table: one line per decode (batch, context), then one per prefill."""
+    lines = [
+        f"{result['model']} {result['dtype']} on {result['device']} (torch {result['torch']}): copy "
+        f"{result['copy_bandwidth_GBps']:.0f} GB/s, matmul {result['matmul_TFLOPs']:.3g} TFLOP/s",
+        f"ms: steady state, per step over {result['steps']} consecutive steps, CUDA events (overlapped steps "
+        f"{'on' if result['overlap_steps'] else 'off'}); iso: median of {result['steps']} steps, overlap off, "
+        "synced around each",
+        f"{'decode':<8} {'batch':>5} {'context':>7} {'eager ms':>9} {'graph ms':>9} {'eager iso':>9} "
+        f"{'graph iso':>9} {'floor ms':>9} {'eager/floor':>11} {'graph/floor':>11}",
+    ]
+    for r in result["decode"]:
+        ratio_e = "-" if r["eager_over_floor"] is None else f"{r['eager_over_floor']:.1f}x"
+        ratio_g = "-" if r["graph_over_floor"] is None else f"{r['graph_over_floor']:.1f}x"
+        lines.append(
+            f"{'':<8} {r['batch']:>5} {r['context']:>7} {_ms(r['eager_ms']):>9} {_ms(r['graph_ms']):>9} "
+            f"{_ms(r['eager_isolated_ms']):>9} {_ms(r['graph_isolated_ms']):>9} "
+            f"{_ms(r['floor_ms']):>9} {ratio_e:>11} {ratio_g:>11}"
+        )
+    if result["prefill"]:
+        lines.append(
+            f"{'prefill':<8} {'batch':>5} {'context':>7} {'ms':>9} {'TFLOP':>9} {'floor ms':>9} {'ms/floor':>11}"
+        )
+        for r in result["prefill"]:
+            lines.append(
+                f"{'':<8} {r['batch']:>5} {r['context']:>7} {r['ms']:>9.2f} {r['flops'] / 1e12:>9.2f} "
+                f"{r['floor_ms']:>9.2f} {r['over_floor']:>10.1f}x"
+            )
+    return "\n".join(lines)

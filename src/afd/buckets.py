@@ -1,0 +1,51 @@
+"""The sizes CUDA graphs are captured for and how a step picks one: pure arithmetic, shared by the engine's
+graph runners and the async connector's FFN pass chains."""
+
+from __future__ import annotations
+
+DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def batch_buckets(max_num_seqs: int, candidates: tuple[int, ...] = DEFAULT_BATCH_BUCKETS) -> list[int]:
+    """The batch sizes graphs are captured for: the candidates below `max_num_seqs`, then the cap itself
+    (at most the largest candidate), so every batch up to that cap has a bucket."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
+    cap = min(max_num_seqs, candidates[-1])
+    return sorted({b for b in candidates if b < cap} | {cap})
+
+
+SMALLEST_BUCKET = 128
+
+
+def token_buckets(max_tokens: int, smallest: int = SMALLEST_BUCKET) -> list[int]:
+    """Token counts prefill graphs are captured for, up to `max_tokens` (which is always one).
+
+    Multiples of `smallest` up to 8 of them, then a quarter of each power of two (so padding adds at most 25%
+    of the row-wise work above 8 x `smallest`, and fewer than `smallest` rows below).
+    """
+    if max_tokens < 1 or smallest < 1:
+        raise ValueError(f"max_tokens and smallest must be at least 1, got {max_tokens} and {smallest}")
+    buckets, size = set(), smallest
+    while size < max_tokens:
+        buckets.add(size)
+        step = smallest if size < 8 * smallest else 1 << (size.bit_length() - 3)
+        size += step
+    return sorted(buckets | {max_tokens})
+
+
+def pick_bucket(num_seqs: int, buckets: list[int]) -> int | None:
+    """The smallest bucket that holds `num_seqs`, or None when none does (the step runs eager)."""
+    return next((b for b in buckets if b >= num_seqs), None) if num_seqs > 0 else None
+
+
+def context_bucket(num_blocks: int, max_blocks: int) -> int:
+    """Blocks of context a graph gathers for a step whose longest context needs `num_blocks` blocks.
+
+    Rounded up to a quarter of its power of two (1-7 exact, then 8, 10, 12, 14, 16, 20, ...), capped at
+    the block-table width but never below `num_blocks`.
+    """
+    if num_blocks < 1:
+        raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
+    step = 1 << max(0, num_blocks.bit_length() - 3)
+    return max(num_blocks, min(-(-num_blocks // step) * step, max_blocks))

@@ -1,0 +1,120 @@
+"""`afd bench step` and `afd bench exchange`: the engine step and one layer's exchange, each beside its floor."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from afd.cli.input import UsageError, check_prompts, connector_list, positive_int, prefill_list, size_list
+
+
+def add_bench_parsers(steps) -> None:
+    """Register `step` and `exchange` under `afd bench`'s sub-commands."""
+    s = steps.add_parser("step", help="the reference engine's step time beside its memory-bound floor")
+    s.add_argument("--model", default="tiny", help="checkpoint directory or preset")
+    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights dtype")
+    s.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the engine computes")
+    s.add_argument("--batch", type=size_list("--batch"), default="1,8", help="decode batch sizes, comma-separated")
+    s.add_argument("--context", type=size_list("--context"), default="512", help="cached tokens per sequence")
+    s.add_argument(
+        "--prefill", type=prefill_list, default="8x1024", help="prefills BxC (B prompts of C tokens), comma-separated"
+    )
+    s.add_argument(
+        "--steps", type=positive_int, default=10, help="timed steps per point (their mean; isolated: their median)"
+    )
+    s.add_argument("--json", help="also write the raw result (JSON) to this file")
+    s.set_defaults(func=cmd_bench_step, starts_ranks=False)
+    s = steps.add_parser("exchange", help="one layer's exchange round trip (no-op FFN) beside a copy of its bytes")
+    s.add_argument("--model", default="tiny", help="checkpoint directory or preset (only its shapes are used)")
+    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="hidden dtype")
+    s.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the two ranks run")
+    s.add_argument("--tokens", type=size_list("--tokens"), default="1,8,64,512,4096", help="tokens, comma-separated")
+    s.add_argument("--connectors", type=connector_list, default="p2p,async", help="connectors to run, in order")
+    s.add_argument("--iters", type=positive_int, default=50, help="timed round trips per point")
+    s.add_argument(
+        "--layers",
+        type=positive_int,
+        default=1,
+        help="exchanges per timed pass, layers 0..N-1 in order as in a forward pass (times are per layer); the "
+        "model's MoE layer count shows what a decode step pays",
+    )
+    s.add_argument(
+        "--graph",
+        action="store_true",
+        help="CUDA: capture each async pass in one CUDA graph, exchanges included, as async 1A1F decode steps are "
+        "captured, and time its replays (p2p rows stay eager)",
+    )
+    s.add_argument(
+        "--stress",
+        type=positive_int,
+        metavar="N",
+        help="instead: N async round trips of random sizes (up to the largest --tokens) through an echo FFN, "
+        "failing unless every reply equals its request (ordering under load); with --graph through captured passes",
+    )
+    s.add_argument("--json", help="also write the raw result (JSON) to this file")
+    s.set_defaults(func=cmd_bench_exchange, starts_ranks=False)
+
+
+def cmd_bench_step(args: argparse.Namespace) -> int:
+    from afd.bench.step import format_bench_step, run_bench_step
+
+    longest = max([*args.context, *(c for _, c in args.prefill)])
+    check_prompts(args.model, [[0] * longest], args.device, args.steps + 4)  # the decode steps go past the context
+    result = run_bench_step(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        batches=args.batch,
+        contexts=args.context,
+        prefills=args.prefill,
+        steps=args.steps,
+        progress=lambda msg: print(f"[afd bench step] {msg}", file=sys.stderr, flush=True),
+    )
+    return _report(format_bench_step(result), result, args.json)
+
+
+def cmd_bench_exchange(args: argparse.Namespace) -> int:
+    from afd.bench.exchange import format_bench_exchange, run_bench_exchange
+
+    check_prompts(args.model, [[0]], args.device)  # a known model; CUDA where asked
+    if args.graph and args.device != "cuda":
+        raise UsageError("--graph captures CUDA graphs: it needs --device cuda")
+    if args.stress:
+        from afd.bench.exchange import run_exchange_stress
+
+        result = run_exchange_stress(
+            model=args.model,
+            dtype=args.dtype,
+            device=args.device,
+            round_trips=args.stress,
+            max_tokens=max(args.tokens),
+            graph=args.graph,
+        )
+        how = ", captured passes" if args.graph else ""
+        summary = (
+            f"async ordering stress{how}: {result['round_trips']} round trips ({result['messages']} messages, T up to "
+            f"{result['max_tokens']}) in {result['seconds']:.1f}s, {result['mismatches']} mismatches"
+        )
+        return _report(summary, result, args.json)
+    result = run_bench_exchange(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        tokens=args.tokens,
+        connectors=args.connectors,
+        iters=args.iters,
+        layers=args.layers,
+        graph=args.graph,
+        progress=lambda msg: print(f"[afd bench exchange] {msg}", file=sys.stderr, flush=True),
+    )
+    return _report(format_bench_exchange(result), result, args.json)
+
+
+def _report(text: str, result: dict, json_path: str | None) -> int:
+    """Print a bench's table; write its raw result where `--json` asks."""
+    print(text)
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=2))
+    return 0

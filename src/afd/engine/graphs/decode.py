@@ -1,0 +1,345 @@
+"""CUDA graphs for decode steps of the single-process reference engine.
+
+Why: an eager decode step of DeepSeek-V2-Lite launches thousands of small kernels and is bound by
+launch overhead, not by memory bandwidth. A step whose batch is all single-token decodes is replayed
+instead from a graph captured for its layout, with the inputs copied into static buffers first.
+
+Layout key: `(batch bucket, context bucket)`. The batch is padded up to the smallest bucket of
+`batch_buckets(max_num_seqs)`; the context rows every decode token gathers are padded up to
+`context_bucket(...)` blocks (a quarter-octave grid, so at most ~25% more rows are read). Keying by the
+token count alone would alias layouts (DESIGN.md §1.3), so only all-decode steps are graphed and the
+context width is part of the key. Graphs are captured lazily, once per key, logged at INFO with their
+duration; a caller that times steps captures first (`capture_for`).
+
+Padding rows never touch real data: their token id and position are 0, their cache write goes to the
+cache's scratch row (`PagedLatentCache.scratch_row`, never read), their context is the zero row of the
+null block with length 1 (a finite, all-zero attention), and every op of the step is row-wise in the
+batch, so real rows come out as an unpadded batched step computes them.
+
+With the in-process `LocalExchange` the whole step is one graph, and so it is with an exchange that can be
+captured (`capturable`: async 1A1F on CUDA; its sends and waits are device work with a device seq counter, the
+host sets the counter before a replay and advances its own after: `before_replay` / `after_replay`). Another
+disaggregated exchange (p2p, async)
+crosses processes at every boundary layer, so there the step is captured piecewise (`segmented=True`):
+one graph from the input to the first boundary, one between each two boundaries, one to the output
+(`AttentionModel.forward_segments`), and the exchange runs eagerly between replays on the real rows only
+(padding rows get a zero answer), so the FFN side sees exactly the step the engine announced. Capture
+never calls the exchange (a p2p FFN rank would take it for a step). CPU never captures.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from afd.buckets import batch_buckets, context_bucket, pick_bucket
+from afd.model.attention_side import (
+    AttentionCore,
+    AttentionModel,
+    Boundary,
+    Exchange,
+    Segments,
+    run_segments,
+    zero_exchange,
+)
+from afd.model.batch import Batch
+from afd.model.kv_cache import NULL_BLOCK, PagedLatentCache
+from afd.model.moe import _grouped_mm_supported
+from afd.routing import Routing
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StaticInputs:
+    """The device buffers a graph reads, views of the runner's buffers: `n` = batch bucket, `L` = context rows."""
+
+    input_ids: torch.Tensor  # [n] int64
+    positions: torch.Tensor  # [n] int64
+    slot_mapping: torch.Tensor  # [n] int64, padding rows: the scratch row
+    token_rows: torch.Tensor  # [n] int64, arange(n)
+    rows: torch.Tensor  # [n, L] int64 cache rows of each context, padding: the null block's first row
+    valid: torch.Tensor  # [n, L] bool, padding rows: only column 0
+
+    def batch(self) -> Batch:
+        """The batch description a captured forward sees: `n` single-token sequences, all batched."""
+        n = self.input_ids.shape[0]
+        return Batch(
+            slots=[0] * n,
+            query_lens=[1] * n,
+            context_lens=[1] * n,
+            slot_mapping=self.slot_mapping,
+            decode_token_rows=self.token_rows,
+            decode_rows=self.rows,
+            decode_valid=self.valid,
+            batch_decodes=True,
+        )
+
+
+def fill_static_inputs(
+    static: StaticInputs,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    rows: torch.Tensor,
+    valid: torch.Tensor,
+    *,
+    scratch_row: int,
+    null_row: int = NULL_BLOCK,
+) -> None:
+    """Copy a step of `B` decodes (`rows`/`valid`: [B, L0], L0 <= L) into `static`, padding the rest.
+
+    Device-side copies and fills only (no host sync); pure in the sense that it depends on nothing but
+    its arguments, so the padding layout can be checked on CPU.
+    """
+    B, L0 = rows.shape
+    n, L = static.rows.shape
+    if B > n or L0 > L:
+        raise ValueError(f"a step of {B} sequences x {L0} context rows does not fit a graph of {n} x {L}")
+    static.input_ids.zero_()
+    static.input_ids[:B].copy_(input_ids)
+    static.positions.zero_()
+    static.positions[:B].copy_(positions)
+    static.slot_mapping.fill_(scratch_row)
+    static.slot_mapping[:B].copy_(slot_mapping)
+    static.rows.fill_(null_row)
+    static.rows[:B, :L0].copy_(rows)
+    static.valid.zero_()
+    static.valid[:B, :L0].copy_(valid)
+    static.valid[B:, 0] = True
+
+
+@dataclass
+class _Graph:
+    static: StaticInputs
+    batch: Batch
+    graphs: list[torch.cuda.CUDAGraph]  # empty: run the padded batch eagerly (`capture=False`)
+    output: torch.Tensor | None  # [n, H] the last graph's output buffer
+    boundaries: list[Boundary] = field(default_factory=list)  # segmented: what graph i leaves for the exchange
+    sends: int = 0  # exchanges captured inside the graph (a whole step with a capturable remote exchange)
+    answers: list[torch.Tensor] = field(default_factory=list)  # segmented: [n, H] what graph i + 1 reads
+
+
+def resume(
+    segments: Segments, answer: torch.Tensor | None
+) -> tuple[Boundary | AttentionCore | None, torch.Tensor | None]:
+    """One piece of a `forward_segments` generator: (next pause, None) or (None, final output)."""
+    try:
+        return (next(segments) if answer is None else segments.send(answer)), None
+    except StopIteration as end:
+        return None, end.value
+
+
+def _head(routing: Routing | None, n: int) -> Routing | None:
+    return None if routing is None else Routing(routing.topk_ids[:n], routing.topk_weights[:n])
+
+
+def capture_safe_moe(ffn_model: torch.nn.Module) -> bool:
+    """Whether the FFN's routed experts take the fixed-shape, host-sync-free path (afd.model.moe) on its device."""
+    fixed = getattr(ffn_model, "fixed_shape_moe", None)
+    if fixed is not None:
+        return bool(fixed)
+    param = next(ffn_model.parameters(), None)
+    return param is None or _grouped_mm_supported(param.device, param.dtype)
+
+
+class DecodeGraphRunner:
+    """Captures and replays decode steps of one `AttentionModel` + in-process exchange over one paged cache.
+
+    Owns the static input buffers (sized for the largest bucket; context-row buffers one per context
+    width, shared by every batch bucket) and one graph per layout key, all captured into one memory pool:
+    graphs never replay concurrently (one engine, one stream). `capture=False` runs the padded batch
+    eagerly instead (CPU tests of the padding; the engine never uses it).
+    """
+
+    def __init__(
+        self,
+        model: AttentionModel,
+        exchange: Exchange,
+        kv_cache: PagedLatentCache,
+        max_num_seqs: int,
+        *,
+        capture: bool = True,
+        segmented: bool = False,
+    ) -> None:
+        self.model, self.exchange, self.kv_cache = model, exchange, kv_cache
+        self.segmented = segmented
+        # a remote exchange captured whole (afd.connectors.asynchronous.attention: `capturable`): the host keeps its seq
+        self.remote = hasattr(exchange, "before_replay")
+        if self.remote and not segmented and capture:
+            exchange.warm_up_graph_kernels()
+        self.buckets = batch_buckets(max_num_seqs)
+        self.capture = capture
+        self.disabled = False
+        device, n = kv_cache.device, self.buckets[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slot_mapping = torch.zeros(n, dtype=torch.long, device=device)
+        self.token_rows = torch.arange(n, device=device)
+        self._rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # context rows L -> ([n, L], [n, L])
+        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+
+    @property
+    def max_batch(self) -> int:
+        return self.buckets[-1]
+
+    def handles(self, query_lens: list[int], context_lens: list[int]) -> bool:
+        """Whether a step of this layout replays a graph: only single-token decodes after cached context."""
+        return (
+            not self.disabled
+            and 0 < len(query_lens) <= self.max_batch
+            and all(n == 1 for n in query_lens)
+            and all(c > 0 for c in context_lens)
+        )
+
+    def key(self, num_seqs: int, max_len: int) -> tuple[int, int]:
+        """(batch bucket, context rows) of a step of `num_seqs` decodes whose longest context is `max_len`."""
+        bucket = pick_bucket(num_seqs, self.buckets)
+        if bucket is None:
+            raise ValueError(f"{num_seqs} sequences exceed the largest graph bucket {self.max_batch}")
+        bs = self.kv_cache.block_size
+        nblk = -(-max_len // bs)
+        return bucket, context_bucket(nblk, max(nblk, self.kv_cache.block_tables.shape[1])) * bs
+
+    @property
+    def captured(self) -> list[tuple[int, int]]:
+        return sorted(self._graphs)
+
+    def _static(self, n: int, L: int) -> StaticInputs:
+        if L not in self._rows:
+            full = self.max_batch
+            rows = torch.full((full, L), NULL_BLOCK, dtype=torch.long, device=self.kv_cache.device)
+            self._rows[L] = (rows, torch.zeros(full, L, dtype=torch.bool, device=self.kv_cache.device))
+        rows, valid = self._rows[L]
+        return StaticInputs(
+            self.input_ids[:n], self.positions[:n], self.slot_mapping[:n], self.token_rows[:n], rows[:n], valid[:n]
+        )
+
+    def capture_for(self, num_seqs: int, max_len: int) -> None:
+        """Capture the graph a step of `num_seqs` decodes up to context `max_len` will replay (before timing)."""
+        key = self.key(num_seqs, max_len)
+        if key not in self._graphs and not self.disabled:
+            self._capture(key)
+
+    def _capture(self, key: tuple[int, int]) -> _Graph | None:
+        n, L = key
+        static = self._static(n, L)
+        empty = torch.empty(0, dtype=torch.long, device=self.kv_cache.device)
+        fill_static_inputs(
+            static,
+            empty,
+            empty,
+            empty,
+            empty.view(0, 0),
+            empty.view(0, 0).bool(),
+            scratch_row=self.kv_cache.scratch_row,
+        )
+        batch = static.batch()
+        if not self.capture:
+            self._graphs[key] = _Graph(static, batch, [], None)
+            return self._graphs[key]
+        start = time.perf_counter()
+        exchange = zero_exchange if self.segmented or self.remote else self.exchange  # nothing crosses processes
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up: lazy initialisation, library workspaces, autotuning
+                for _ in range(2):
+                    self._forward(static, batch, exchange)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = self._capture_segments(static, batch) if self.segmented else self._capture_whole(static, batch)
+            torch.cuda.synchronize()
+        except RuntimeError:
+            logger.exception(
+                "capturing the decode CUDA graph of %d sequences x %d context rows failed; decode runs eager", n, L
+            )
+            self.disabled = True
+            return None
+        self._graphs[key] = graph
+        logger.info(
+            "captured the decode CUDA graph%s of %d sequences x %d context rows in %.0f ms (%d layouts)",
+            f"s ({len(graph.graphs)} pieces)" if self.segmented else "",
+            n,
+            L,
+            (time.perf_counter() - start) * 1e3,
+            len(self._graphs),
+        )
+        return graph
+
+    def _capture_whole(self, static: StaticInputs, batch: Batch) -> _Graph:
+        graph = torch.cuda.CUDAGraph()
+        sends = getattr(self.exchange, "captured_sends", 0)
+        with torch.cuda.graph(graph, pool=self._pool):
+            output = self._forward(static, batch, self.exchange)
+        captured = _Graph(static, batch, [graph], output)
+        captured.sends = getattr(self.exchange, "captured_sends", 0) - sends
+        return captured
+
+    def _capture_segments(self, static: StaticInputs, batch: Batch) -> _Graph:
+        """One graph per piece between exchanges; each answer buffer is allocated before the piece reading it."""
+        segments = self.model.forward_segments(static.input_ids, static.positions, batch, self.kv_cache)
+        captured = _Graph(static, batch, [], None)
+        answer = None
+        while True:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                boundary, output = resume(segments, answer)
+            captured.graphs.append(graph)
+            if boundary is None:
+                captured.output = output
+                return captured
+            answer = torch.zeros_like(boundary.hidden)  # [n, H], padding rows stay zero
+            captured.boundaries.append(boundary)
+            captured.answers.append(answer)
+
+    def _real_rows_exchange(self, num_real: int) -> Exchange:
+        """Segmented: the exchange sees only the step's real rows, padding rows get zeros (as in replay)."""
+        if not self.segmented:
+            return self.exchange
+
+        def exchange(layer_idx: int, x: torch.Tensor, routing: Routing | None) -> torch.Tensor:
+            answer = torch.zeros_like(x)
+            answer[:num_real] = self.exchange(layer_idx, x[:num_real], _head(routing, num_real))
+            return answer
+
+        return exchange
+
+    def _forward(self, static: StaticInputs, batch: Batch, exchange: Exchange) -> torch.Tensor:
+        segments = self.model.forward_segments(static.input_ids, static.positions, batch, self.kv_cache)
+        return run_segments(segments, exchange)
+
+    def forward(self, batch: Batch, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """Hidden states [B, H] of a prepared all-decode step (`batch.batch_decodes`), from its graph; None
+        when no graph could be captured (the caller runs the step eagerly)."""
+        if batch.decode_rows is None or len(batch.decode_seqs) != len(batch.query_lens):
+            raise ValueError("a graphed step must be all single-token decodes, prepared with batch_decodes=True")
+        B = len(batch.query_lens)
+        key = self.key(B, batch.decode_rows.shape[1])
+        graph = self._graphs.get(key) or self._capture(key)
+        if graph is None:
+            return None
+        fill_static_inputs(
+            graph.static,
+            input_ids,
+            positions,
+            batch.slot_mapping,
+            batch.decode_rows,
+            batch.decode_valid,
+            scratch_row=self.kv_cache.scratch_row,
+        )
+        if not graph.graphs:  # `capture=False`: the same padded step, eagerly
+            return self._forward(graph.static, graph.batch, self._real_rows_exchange(B))[:B]
+        if self.remote and not self.segmented:  # the exchanges are inside: the device stamps their seqs
+            self.exchange.before_replay()
+            graph.graphs[0].replay()
+            self.exchange.after_replay(graph.sends)
+            return graph.output[:B]
+        graph.graphs[0].replay()
+        for boundary, answer, piece in zip(graph.boundaries, graph.answers, graph.graphs[1:], strict=True):
+            answer[:B].copy_(self.exchange(boundary.layer_idx, boundary.hidden[:B], _head(boundary.routing, B)))
+            piece.replay()
+        return graph.output[:B]

@@ -1,0 +1,301 @@
+"""CUDA graphs for steps with prompt tokens, in pieces around what depends on the step's layout.
+
+Why: at a few thousand tokens per step the attention rank's host spends about as long enqueueing a layer's
+kernels (norms, projections, rope, router: some twenty launches) as the GPU spends running them, so its
+stream waits for the host (docs/performance.md, round 15). Decode steps already replay graphs
+(afd.engine.graphs.decode), but a prefill step's layout (how many sequences, their lengths and cached context) varies
+from step to step. Most of a layer does not care: everything but the attention core is row-wise, so it
+depends on the token count alone.
+
+So a step of T tokens is padded to a token bucket Tp (`token_buckets`) and replayed from one graph per
+piece of `AttentionModel.forward_segments(pause_at_attention=True)`: from the input to layer 0's attention
+core, from each core to the next pause (a boundary layer's exchange or the next core), and from the last
+exchange to the output. Between pieces, on the step's T real rows only, the attention core
+(`MLAttention.attend`: varlen prefill, batched decodes) and the exchange run eagerly, so the kernels that
+read the layout and the FFN side see exactly the step the engine scheduled.
+
+Every tensor that crosses a pause lives in one set of static buffers per runner, sized for the largest
+bucket and shared by every bucket and layer (the pieces copy into them), so the graphs' memory does not
+grow with layers x buckets. Padding rows never touch real data: token id and position 0, cache writes to
+the scratch row, a zero-or-stale (finite) attention output, and no row of them reaches the exchange. Two
+micro-batches in flight at once need two runners (their buffers would collide). CPU never captures;
+`capture=False` runs the same padded pieces eagerly (the CPU tests of this module).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Generator
+from dataclasses import dataclass, field
+
+import torch
+
+from afd.buckets import token_buckets
+from afd.engine.graphs.decode import resume
+from afd.model.attention_side import AttentionCore, AttentionModel, Boundary, Segments
+from afd.model.batch import Batch
+from afd.model.config import ModelConfig
+from afd.model.kv_cache import PagedLatentCache
+from afd.routing import Routing
+
+logger = logging.getLogger(__name__)
+
+
+def graph_memory_estimate(config: ModelConfig, dtype: torch.dtype, max_tokens: int) -> int:
+    """An upper estimate of one runner's device memory (bytes), which the KV cache must leave free.
+
+    Per token of the largest bucket: the static buffers (q, the latents, the attention output, the boundary rows,
+    the answer, the routing, the inputs), about eight hidden-size temporaries in the graphs' pool, and each
+    bucket's output (the buckets sum to under seven times the largest).
+    """
+    c = config
+    rows = c.num_attention_heads * (c.qk_head_dim + c.v_head_dim) + c.kv_lora_rank + c.qk_rope_head_dim
+    per_token = dtype.itemsize * (rows + 18 * c.hidden_size) + 12 * c.num_experts_per_tok + 24
+    return max_tokens * per_token
+
+
+@dataclass
+class _Buffers:
+    """The static tensors around the pauses, [Tmax, ...]: views [:Tp] go into the graphs of bucket Tp."""
+
+    input_ids: torch.Tensor  # [Tmax] int64
+    positions: torch.Tensor  # [Tmax] int64
+    slot_mapping: torch.Tensor  # [Tmax] int64, padding rows: the cache's scratch row
+    q: torch.Tensor  # [Tmax, nh, D]
+    kv_c: torch.Tensor  # [Tmax, C]
+    k_pe: torch.Tensor  # [Tmax, R]
+    attention: torch.Tensor  # [Tmax, nh, Dv] what each core wrote
+    hidden: torch.Tensor  # [Tmax, H] what each boundary hands over
+    topk_ids: torch.Tensor | None  # [Tmax, K] int64 (None: the gate is on the FFN side)
+    topk_weights: torch.Tensor | None  # [Tmax, K] fp32
+    answer: torch.Tensor  # [Tmax, H] the exchange's answer
+
+
+@dataclass
+class _Graph:
+    """The pieces of one token bucket: graph i runs up to pause i (the last one to the output)."""
+
+    tokens: int
+    graphs: list[torch.cuda.CUDAGraph]  # empty with capture=False
+    pauses: list[tuple[str, int]] = field(default_factory=list)  # ("core" | "boundary", layer)
+    output: torch.Tensor | None = None  # [Tp, H]
+
+
+class PrefillGraphRunner:
+    """Replays the row-wise pieces of steps of up to `max_tokens` tokens from graphs, one set per token bucket
+    (captured lazily or by `capture_all`, into one memory pool); the caller drives `segments` as it drives
+    `AttentionModel.forward_segments`."""
+
+    def __init__(
+        self, model: AttentionModel, kv_cache: PagedLatentCache, max_tokens: int, *, capture: bool = True
+    ) -> None:
+        self.model, self.kv_cache = model, kv_cache
+        self.buckets = token_buckets(max_tokens)
+        self.capture = capture
+        self.disabled = False
+        self._graphs: dict[int, _Graph] = {}
+        self._buffers: _Buffers | None = None
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+
+    @property
+    def max_tokens(self) -> int:
+        return self.buckets[-1]
+
+    @property
+    def captured(self) -> list[int]:
+        return sorted(self._graphs)
+
+    def handles(self, num_tokens: int) -> bool:
+        return not self.disabled and 0 < num_tokens <= self.max_tokens
+
+    def bucket(self, num_tokens: int) -> int:
+        bucket = next((b for b in self.buckets if b >= num_tokens), None)
+        if bucket is None or num_tokens < 1:
+            raise ValueError(f"a step of {num_tokens} tokens has no prefill graph bucket (largest {self.max_tokens})")
+        return bucket
+
+    def capture_all(self) -> None:
+        """Capture every bucket now (the warm-up), largest first: later buckets reuse its pool's memory."""
+        for tokens in reversed(self.buckets):
+            if self.disabled:
+                return
+            if tokens not in self._graphs:
+                self._capture(tokens)
+
+    # --- capture ---
+
+    def _allocate(self, pauses: list[AttentionCore | Boundary]) -> _Buffers:
+        """Static buffers shaped after one eager pass's pauses, for `max_tokens` rows."""
+        n, device = self.max_tokens, self.kv_cache.device
+        core = next(p for p in pauses if isinstance(p, AttentionCore))
+        boundary = next((p for p in pauses if isinstance(p, Boundary)), None)
+        routing = boundary.routing if boundary is not None else None
+        hidden_size = self.model.config.hidden_size
+        attention_shape = (n, core.q.shape[1], self.model.config.v_head_dim)
+
+        def like(t: torch.Tensor) -> torch.Tensor:
+            return torch.zeros((n, *t.shape[1:]), dtype=t.dtype, device=device)
+
+        return _Buffers(
+            input_ids=torch.zeros(n, dtype=torch.long, device=device),
+            positions=torch.zeros(n, dtype=torch.long, device=device),
+            slot_mapping=torch.full((n,), self.kv_cache.scratch_row, dtype=torch.long, device=device),
+            q=like(core.q),
+            kv_c=like(core.kv_c),
+            k_pe=like(core.k_pe),
+            attention=torch.zeros(attention_shape, dtype=core.q.dtype, device=device),
+            hidden=torch.zeros(n, hidden_size, dtype=core.q.dtype, device=device),
+            topk_ids=None if routing is None else like(routing.topk_ids),
+            topk_weights=None if routing is None else like(routing.topk_weights),
+            answer=torch.zeros(n, hidden_size, dtype=core.q.dtype, device=device),
+        )
+
+    def _pieces(self, tokens: int) -> Segments:
+        buf = self._buffers
+        batch = Batch(slot_mapping=buf.slot_mapping[:tokens])  # the row-wise pieces read nothing else of it
+        return self.model.forward_segments(
+            buf.input_ids[:tokens], buf.positions[:tokens], batch, self.kv_cache, pause_at_attention=True
+        )
+
+    def _stash(self, pause: AttentionCore | Boundary, tokens: int) -> tuple[str, int]:
+        """Copy what crosses `pause` into the static buffers (recorded into the piece being captured)."""
+        buf = self._buffers
+        if isinstance(pause, AttentionCore):
+            buf.q[:tokens].copy_(pause.q)
+            buf.kv_c[:tokens].copy_(pause.kv_c)
+            buf.k_pe[:tokens].copy_(pause.k_pe)
+            return "core", pause.layer_idx
+        buf.hidden[:tokens].copy_(pause.hidden)
+        if pause.routing is not None:
+            buf.topk_ids[:tokens].copy_(pause.routing.topk_ids)
+            buf.topk_weights[:tokens].copy_(pause.routing.topk_weights)
+        return "boundary", pause.layer_idx
+
+    def _resume_value(self, kind: str, tokens: int) -> torch.Tensor:
+        return self._buffers.attention[:tokens] if kind == "core" else self._buffers.answer[:tokens]
+
+    def _eager_pass(self, tokens: int) -> list[AttentionCore | Boundary]:
+        """One pass of the pieces at `tokens` rows, pauses answered with the static buffers (lazy initialisation,
+        autotuning, the fused weights); returns its pauses."""
+        if self._buffers is None:  # shapes from a pass that answers with fresh zeros
+            pauses, pieces = (
+                [],
+                self.model.forward_segments(
+                    torch.zeros(tokens, dtype=torch.long, device=self.kv_cache.device),
+                    torch.zeros(tokens, dtype=torch.long, device=self.kv_cache.device),
+                    Batch(slot_mapping=torch.full((tokens,), self.kv_cache.scratch_row, device=self.kv_cache.device)),
+                    self.kv_cache,
+                    pause_at_attention=True,
+                ),
+            )
+            pause, _ = resume(pieces, None)
+            while pause is not None:
+                pauses.append(pause)
+                answer = (
+                    pause.q.new_zeros(tokens, pause.q.shape[1], self.model.config.v_head_dim)
+                    if isinstance(pause, AttentionCore)
+                    else torch.zeros_like(pause.hidden)
+                )
+                pause, _ = resume(pieces, answer)
+            self._buffers = self._allocate(pauses)
+        pauses, pieces = [], self._pieces(tokens)
+        pause, _ = resume(pieces, None)
+        while pause is not None:
+            pauses.append(pause)
+            pause, _ = resume(pieces, self._resume_value(self._stash(pause, tokens)[0], tokens))
+        return pauses
+
+    def _capture(self, tokens: int) -> _Graph | None:
+        start = time.perf_counter()
+        if self._buffers is not None:  # the passes below write the cache: only ever the scratch row
+            self._buffers.input_ids.zero_()
+            self._buffers.positions.zero_()
+            self._buffers.slot_mapping.fill_(self.kv_cache.scratch_row)
+        try:
+            if not self.capture:
+                self._eager_pass(tokens)
+                self._graphs[tokens] = _Graph(tokens, [])
+                return self._graphs[tokens]
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._eager_pass(tokens)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = _Graph(tokens, [])
+            pieces, answer = self._pieces(tokens), None
+            while True:
+                piece = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(piece, pool=self._pool):
+                    pause, graph.output = resume(pieces, answer)
+                    if pause is not None:
+                        kind = self._stash(pause, tokens)
+                        del pause  # its tensors go back to the pool once the generator moves on
+                graph.graphs.append(piece)
+                if graph.output is not None:
+                    break
+                graph.pauses.append(kind)
+                answer = self._resume_value(kind[0], tokens)
+            torch.cuda.synchronize()
+        except RuntimeError:
+            logger.exception("capturing the prefill CUDA graphs of %d tokens failed; prompt steps run eager", tokens)
+            self.disabled = True
+            return None
+        self._graphs[tokens] = graph
+        logger.info(
+            "captured the prefill CUDA graphs (%d pieces) of %d tokens in %.0f ms (%d buckets)",
+            len(graph.graphs),
+            tokens,
+            (time.perf_counter() - start) * 1e3,
+            len(self._graphs),
+        )
+        return graph
+
+    # --- replay ---
+
+    def segments(self, batch: Batch, input_ids: torch.Tensor, positions: torch.Tensor) -> Segments | None:
+        """The step's forward as `forward_segments` gives it (boundaries of its T rows, answers [T, H], output
+        [T, H]), replayed from the graphs of its bucket; None when they could not be captured (run it eagerly).
+        `batch` is prepared (`PagedLatentCache.prepare`): its slot mapping and decode rows are read here."""
+        tokens = input_ids.shape[0]
+        graph = self._graphs.get(self.bucket(tokens)) or self._capture(self.bucket(tokens))
+        if graph is None:
+            return None
+        buf = self._buffers
+        buf.input_ids[:tokens].copy_(input_ids)
+        buf.positions[:tokens].copy_(positions)
+        buf.slot_mapping[:tokens].copy_(batch.slot_mapping)
+        padded = graph.tokens
+        if padded > tokens:  # rows a larger step left: token 0 at position 0, written to the scratch row
+            buf.input_ids[tokens:padded].zero_()
+            buf.positions[tokens:padded].zero_()
+            buf.slot_mapping[tokens:padded].fill_(self.kv_cache.scratch_row)
+        return self._replay(graph, batch, tokens)
+
+    def _replay(self, graph: _Graph, batch: Batch, tokens: int) -> Generator[Boundary, torch.Tensor, torch.Tensor]:
+        if not graph.graphs:  # capture=False: the same padded pieces, eagerly
+            pieces = self._pieces(graph.tokens)
+            pause, output = resume(pieces, None)
+            while pause is not None:
+                kind, layer_idx = self._stash(pause, graph.tokens)
+                yield from self._between(kind, layer_idx, batch, tokens)
+                pause, output = resume(pieces, self._resume_value(kind, graph.tokens))
+            return output[:tokens]
+        for piece, (kind, layer_idx) in zip(graph.graphs, graph.pauses, strict=False):
+            piece.replay()
+            yield from self._between(kind, layer_idx, batch, tokens)
+        graph.graphs[-1].replay()
+        return graph.output[:tokens]
+
+    def _between(self, kind: str, layer_idx: int, batch: Batch, tokens: int) -> Generator[Boundary, torch.Tensor, None]:
+        """What runs eagerly at a pause, on the real rows: the attention core, or the exchange (yielded)."""
+        buf = self._buffers
+        if kind == "core":
+            self.model.layers[layer_idx].self_attn.attend(
+                buf.q[:tokens], buf.kv_c[:tokens], buf.k_pe[:tokens], batch, self.kv_cache, out=buf.attention[:tokens]
+            )
+            return
+        routing = None if buf.topk_ids is None else Routing(buf.topk_ids[:tokens], buf.topk_weights[:tokens])
+        answer = yield Boundary(layer_idx, buf.hidden[:tokens], routing)
+        buf.answer[:tokens].copy_(answer)

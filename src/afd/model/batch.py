@@ -1,0 +1,46 @@
+"""`Batch`: where each sequence of a flattened step sits, the one description of a step that the engine fills
+and every attention layer and the paged cache read."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Batch:
+    """Where each sequence of a flattened step sits: `query_lens[i]` consecutive rows, cache `slots[i]`,
+    `context_lens[i]` tokens already cached before this step.
+
+    The device fields are filled once per step by `PagedLatentCache.prepare` and read by every layer.
+    """
+
+    slots: list[int] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)
+    context_lens: list[int] = field(default_factory=list)
+    slot_mapping: torch.Tensor | None = None  # [T] flat cache row of every token of the step
+    decode_token_rows: torch.Tensor | None = None  # [Bd] rows of the step that `decode_seqs` sit at
+    decode_rows: torch.Tensor | None = None  # [Bd, L] cache rows of their contexts (padding: the zero row)
+    decode_valid: torch.Tensor | None = None  # [Bd, L] which of those are real
+    context_rows: dict[int, torch.Tensor] = field(default_factory=dict)  # i -> [ctx + n] rows, other cached seqs
+    # Batch even a lone decode token: a CUDA graph (graphs.decode) needs the fixed-shape batched path at size 1.
+    batch_decodes: bool = False
+    varlen_meta: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)  # prefill kernel's, built once
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+    @property
+    def starts(self) -> list[int]:
+        """First row of each sequence in the flattened step."""
+        return [0, *itertools.accumulate(self.query_lens)][:-1]
+
+    @property
+    def decode_seqs(self) -> list[int]:
+        """Single-token sequences attended in one batched pass (absorbed MLA); only worth it for two or more
+        (or one, when `batch_decodes` asks for the fixed-shape path)."""
+        decode = [i for i, n in enumerate(self.query_lens) if n == 1]
+        return decode if len(decode) > 1 or (self.batch_decodes and decode) else []

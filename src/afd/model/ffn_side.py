@@ -1,0 +1,127 @@
+"""The FFN side of the split: routed experts of one expert range, shared experts, and (gate on FFN)
+the gate and dense MLPs. Every method is a function of (layer, rows, routing) a connector can call."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from afd.model.config import ModelConfig, scaled
+from afd.model.layers import MLP, Gate
+from afd.model.moe import grouped_expert_mlp, grouped_expert_mlp_offsets, routed_experts
+from afd.routing import Routing
+
+
+class Experts(nn.Module):
+    """Routed experts `[expert_start, expert_start + num_local_experts)` of one layer, stacked."""
+
+    def __init__(self, config: ModelConfig, num_local_experts: int) -> None:
+        super().__init__()
+        H, inter = config.hidden_size, config.moe_intermediate_size
+        self.w13 = nn.Parameter(torch.empty(num_local_experts, 2 * inter, H))  # gate rows, then up rows
+        self.w2 = nn.Parameter(torch.empty(num_local_experts, H, inter))
+
+
+class FFNLayer(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        num_local_experts: int,
+        gate_on_attention: bool,
+        dtype: torch.dtype,
+        shared_experts: bool = True,
+    ) -> None:
+        super().__init__()
+        is_moe = config.is_moe_layer(layer_idx)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size) if not is_moe else None
+        rsf = 1.0 if dtype == torch.float16 else config.routed_scaling_factor
+        self.gate = Gate(config, rsf) if is_moe and not gate_on_attention else None
+        self.experts = Experts(config, num_local_experts) if is_moe else None
+        shared_size = config.moe_intermediate_size * config.n_shared_experts
+        has_shared = shared_experts and is_moe and shared_size > 0
+        self.shared_experts = MLP(config.hidden_size, shared_size) if has_shared else None
+
+
+class FFNModel(nn.Module):
+    """Routed experts `[expert_start, expert_stop)`, shared experts, and gate/dense MLPs when the gate is on FFN."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        expert_range: range | tuple[int, int] | None = None,
+        gate_on_attention: bool = True,
+        dtype: torch.dtype = torch.float32,
+        shared_experts: bool = True,
+    ) -> None:
+        """shared_experts=False: the attention side runs them (the async connector's `shared_experts_on_attention`);
+        `shared` then answers zeros."""
+        super().__init__()
+        if expert_range is None:
+            expert_range = range(config.n_routed_experts)
+        start, stop = (expert_range.start, expert_range.stop) if isinstance(expert_range, range) else expert_range
+        if not 0 <= start <= stop <= config.n_routed_experts:
+            raise ValueError(f"expert range [{start}, {stop}) is outside [0, {config.n_routed_experts})")
+        self.config, self.gate_on_attention, self.dtype = config, gate_on_attention, dtype
+        self.expert_start, self.expert_stop = start, stop
+        self.num_local_experts = stop - start
+        self.has_shared_experts = shared_experts and config.n_shared_experts > 0
+        self.scale = config.residual_scale(dtype)
+        # Routed-expert path of `experts_topk`: None picks the fixed-shape, host-sync-free one where
+        # `torch._grouped_mm` runs natively (CUDA sm90+, bf16) and the exact loop elsewhere (afd.model.moe).
+        self.fixed_shape_moe: bool | None = None
+        layer_ids = [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i) or not gate_on_attention]
+        self.layers = nn.ModuleDict(
+            {
+                str(i): FFNLayer(config, i, self.num_local_experts, gate_on_attention, dtype, shared_experts)
+                for i in layer_ids
+            }
+        )
+
+    def _layer(self, layer_idx: int) -> FFNLayer:
+        return self.layers[str(layer_idx)]  # type: ignore[return-value]
+
+    def route(self, layer_idx: int, x: torch.Tensor) -> Routing:
+        """x [T, H] -> Routing (gate on FFN only)."""
+        gate = self._layer(layer_idx).gate
+        if gate is None:
+            raise ValueError(f"layer {layer_idx} has no gate on the FFN side")
+        return gate(x)
+
+    def dense(self, layer_idx: int, x: torch.Tensor) -> torch.Tensor:
+        """Dense MLP of a non-MoE layer (gate on FFN only): [T, H] -> [T, H]."""
+        return scaled(self._layer(layer_idx).mlp(x), self.scale)
+
+    def experts(self, layer_idx: int, x_grouped: torch.Tensor, group_sizes: list[int]) -> torch.Tensor:
+        """Rows grouped by local expert [N, H] -> unweighted expert outputs [N, H] (the async form)."""
+        e = self._layer(layer_idx).experts
+        return grouped_expert_mlp(x_grouped, group_sizes, e.w13, e.w2)
+
+    def experts_offsets(self, layer_idx: int, x_grouped: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """Like `experts` with the groups given as cumulative ends `offs [E_local] int32` on x's device, so
+        the sizes never go through the host; rows at and past `offs[-1]` come back undefined.
+        Needs `torch._grouped_mm` (native on CUDA sm90+ in bf16)."""
+        e = self._layer(layer_idx).experts
+        return grouped_expert_mlp_offsets(x_grouped, offs, e.w13, e.w2)
+
+    def experts_topk(self, layer_idx: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """x [T, H] -> fp32 [T, H]: weighted sum over the (t, k) pairs whose expert is local (the p2p form)."""
+        e = self._layer(layer_idx).experts
+        return routed_experts(
+            x, routing.topk_ids, routing.topk_weights, e.w13, e.w2, self.expert_start, fixed_shape=self.fixed_shape_moe
+        )
+
+    def shared(self, layer_idx: int, x: torch.Tensor) -> torch.Tensor:
+        """Shared experts: [T, H] -> [T, H] (zeros when the model has none)."""
+        mlp = self._layer(layer_idx).shared_experts
+        return scaled(mlp(x), self.scale) if mlp is not None else torch.zeros_like(x)
+
+    def forward(self, layer_idx: int, x: torch.Tensor, routing: Routing | None) -> torch.Tensor:
+        """The whole MLP of one layer with the local experts: [T, H] -> [T, H] model dtype."""
+        if not self.config.is_moe_layer(layer_idx):
+            return self.dense(layer_idx, x)
+        if routing is None:
+            routing = self.route(layer_idx, x)
+        out = self.experts_topk(layer_idx, x, routing)  # [T, H] fp32
+        return (out + self.shared(layer_idx, x).float()).to(x.dtype)

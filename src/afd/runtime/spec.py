@@ -1,0 +1,26 @@
+"""`RunSpec`: what every rank of a run must agree on besides the AFD config (the launcher writes it into each
+rank's command line; the rank reads it back)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from afd.engine.sampling import SamplingParams
+from afd.model.kv_cache import CacheOptions
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What every rank of a run must agree on besides the AFD config."""
+
+    model: str = "tiny"
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    max_new_tokens: int = 16
+    prompt_logprobs: bool = False
+    max_num_batched_tokens: int = 2048
+    timeout_s: float = 300.0  # the whole run, launcher side
+    cache: CacheOptions = CacheOptions()
+    sampling: SamplingParams = SamplingParams()  # every request's (greedy by default)
+    max_model_len: int | None = None  # positions a request may take (default: the model's)
