@@ -1,9 +1,17 @@
 import os
+import sys
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import settings
+
+# Both tiers (tests/unit, tests/e2e) import their shared helpers as `helpers.<module>` from tests/helpers, whichever
+# folder or file pytest is given.
+TESTS_DIR = str(Path(__file__).resolve().parent)
+if TESTS_DIR not in sys.path:
+    sys.path.insert(0, TESTS_DIR)
 
 # CI has 2 slow cores: judge hypothesis tests on their examples, not on wall time.
 settings.register_profile("afd", deadline=None, max_examples=200)

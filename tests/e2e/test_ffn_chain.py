@@ -1,0 +1,113 @@
+"""Device-driven FFN passes (`asynchronous.ffn_chain`) on CPU, where `AFD_FFN_CHAIN=1` runs the same items
+eagerly behind a host wait: real 1A1F async runs over shared memory equal the reference, serve most layers in
+whole passes, hand a pass back to the host when the prediction breaks, and end cleanly when the attention rank
+dies mid-pass (`tests/test_async_e2e.py`)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.e2e import MODEL, assert_matches_reference, hand_config, launch_checked
+from test_async_e2e import reference, run_async, tokens, uneven_prompts
+
+from afd.config import parse_config
+from afd.engine.generate import generate
+from afd.runtime.launch import free_port, launch
+from afd.runtime.spec import RunSpec
+
+DEVICE_LINE = re.compile(r"(\d+) work items served on the device in whole passes, (\d+) passes handed back")
+
+
+def chain_counts(run_dir: Path) -> tuple[int, int]:
+    """(items served on the device, passes handed back to the host) from the FFN rank's log."""
+    found = DEVICE_LINE.search((run_dir / "ffn0.log").read_text())
+    assert found, "the FFN rank did not serve passes on the device"
+    return int(found[1]), int(found[2])
+
+
+@pytest.mark.timeout(120)
+def test_one_sequence_at_a_time_grows_and_shrinks_the_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """max_num_seqs=1: each prompt's prefill (20-30 rows) follows decode steps of 1 row, so a pass queued at the
+    decode bucket meets a prefill it cannot hold: it is handed back, the host serves that request and starts over.
+    Every token and logprob still equals the single-process reference."""
+    monkeypatch.setenv("AFD_FFN_CHAIN", "1")
+    prompts = [tokens(30, 1), tokens(20, 2), [5, 9]]
+    outputs, _ = launch_checked(
+        "async", 1, 1, prompts, max_new_tokens=6, max_num_batched_tokens=2048, run_dir=tmp_path, max_num_seqs=1,
+        recv_poll_timeout_ms=100,
+    )  # fmt: skip
+    assert_matches_reference(outputs, generate(MODEL, prompts, max_new_tokens=6, prompt_logprobs=True))
+    on_device, handed_back = chain_counts(tmp_path)
+    assert handed_back >= 2, "the prefills after 1-row decode steps must break the predicted bucket"
+    assert on_device >= 30, f"only {on_device} items were served on the device"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("num_attn", [2, 3])
+def test_several_replicas_each_get_their_passes(num_attn: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """nA1F, uneven replicas (one gets long prompts, one short ones, the third none): every replica's requests are
+    served in passes of its own (on CUDA each on its own stream), and the outputs equal the reference."""
+    monkeypatch.setenv("AFD_FFN_CHAIN", "1")
+    prompts = uneven_prompts(num_attn)
+    outputs, stats = run_async(num_attn, 1, prompts, run_dir=tmp_path)
+    assert_matches_reference(outputs, reference(prompts))
+    on_device, _ = chain_counts(tmp_path)
+    busy = sum(1 for r in stats["replicas"] if r["num_steps"])
+    assert on_device >= busy, f"only {on_device} items were served on the device for {busy} busy replicas"
+
+
+@pytest.mark.timeout(120)
+def test_off_by_default_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without AFD_FFN_CHAIN=1 a CPU FFN rank discovers every request from the host (the chain is a CUDA path)."""
+    monkeypatch.delenv("AFD_FFN_CHAIN", raising=False)
+    config = parse_config(hand_config("async", 1, 1, port=free_port(), recv_poll_timeout_ms=100))
+    prompts = [[3, 1, 4], [1, 5]]
+    outputs, _ = launch(config, RunSpec(model=MODEL, max_new_tokens=3, timeout_s=90), prompts, run_dir=tmp_path)
+    assert len(outputs) == 2
+    assert not DEVICE_LINE.search((tmp_path / "ffn0.log").read_text())
+
+
+# ---------------------------------------------------------------- on two GPUs: whole captured steps + device passes
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_captured_steps_and_device_passes_equal_the_eager_exchange(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """async 1A1F on CUDA, fp32: decode steps captured whole (exchanges included) give the tokens and logprobs
+    (within 1e-4) of the same run with pieces between eager exchanges (AFD_EXCHANGE_GRAPHS=0). The FFN rank serves
+    from the host here: fp32 experts have no capture-safe path, so no device passes (bf16 runs them: `afd bench`)."""
+    lens = [23, 2, 9, 1, 14, 5, 30, 3, 7]
+    prompts = [tokens(n, i) for i, n in enumerate(lens)]
+    spec = RunSpec(model=MODEL, dtype="float32", device="cuda", max_new_tokens=12, prompt_logprobs=True, timeout_s=300)
+    runs = {}
+    for mode in ("eager", "device"):
+        for var in ("AFD_EXCHANGE_GRAPHS", "AFD_FFN_CHAIN"):
+            if mode == "eager":
+                monkeypatch.setenv(var, "0")
+            else:
+                monkeypatch.delenv(var, raising=False)
+        config = parse_config(hand_config("async", 1, 1, port=free_port(), timeout_s=120))
+        run_dir = tmp_path / mode
+        runs[mode], _ = launch(config, spec, prompts, run_dir=run_dir)
+        attention_log = (run_dir / "attention0.log").read_text()
+        assert ("exchanges included" in attention_log) == (mode == "device"), attention_log[-2000:]
+        assert "captured the decode CUDA graph" in attention_log and "decode runs eager" not in attention_log
+    assert_matches_reference(runs["device"], runs["eager"])
+
+
+def test_pass_buckets_cover_every_row_count_up_to_the_slot() -> None:
+    """Decode buckets, powers of two, and the slot's rows: every message up to the slot has a bucket of less than
+    twice its rows."""
+    from afd.buckets import pick_bucket
+    from afd.connectors.asynchronous.ffn_chain import pass_buckets
+
+    assert pass_buckets(1) == [1] and pass_buckets(300)[-2:] == [256, 300]
+    assert pass_buckets(8192)[-5:] == [512, 1024, 2048, 4096, 8192]
+    for cap in (1, 7, 256, 1000, 6000):
+        buckets = pass_buckets(cap)
+        assert buckets == sorted(set(buckets)) and buckets[-1] == cap
+        for rows in range(1, cap + 1):
+            bucket = pick_bucket(rows, buckets)
+            assert bucket is not None and rows <= bucket < 2 * rows, (cap, rows, bucket)

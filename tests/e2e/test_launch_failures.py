@@ -1,0 +1,280 @@
+"""Processes as a user runs them: ranks started by hand on separate addresses, and every way a run can fail.
+
+Each test starts real `afd` processes, bounds every wait, and kills whatever is left on the way out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.e2e import (
+    MAX_NEW_TOKENS,
+    MODEL,
+    PROMPTS,
+    Leftovers,
+    afd_worker,
+    assert_matches_reference,
+    hand_config,
+    kill_all,
+    reference,
+    start_long_launch,
+    wait_for_workers,
+    wait_gone,
+    worker_pids,
+)
+
+from afd.config import parse_config
+from afd.engine.generate import generate
+from afd.runtime.launch import Interrupted, LaunchError, describe_exit, explain_failure, free_port, launch
+from afd.runtime.spec import RunSpec
+
+
+@pytest.mark.timeout(120)
+def test_multi_host_ranks_started_by_hand(tmp_path: Path) -> None:
+    """FFN ranks on 127.0.0.2 / 127.0.0.3, attention on 127.0.0.1; only the world store has a port."""
+    port = free_port("127.0.0.2")
+    config = {
+        "connector": "p2p",
+        "host": "127.0.0.2",
+        "port": port,
+        "num_attention_ranks": 2,
+        "num_ffn_ranks": 2,
+        "connector_extra_config": {"timeout_s": 60},
+    }
+    procs = []
+    try:
+        for a in range(2):  # attention first: ranks may start in any order
+            prompts = ";".join(",".join(map(str, p)) for p in PROMPTS[a::2])
+            out = tmp_path / f"attn{a}.json"
+            procs.append(
+                afd_worker(
+                    config,
+                    "attention",
+                    a,
+                    "--prompt-ids",
+                    prompts,
+                    "--output",
+                    str(out),
+                    "--prompt-logprobs",
+                    "--max-new-tokens",
+                    str(MAX_NEW_TOKENS),
+                    bind_host="127.0.0.1",
+                )
+            )
+            time.sleep(0.5)
+        for f, host in enumerate(["127.0.0.2", "127.0.0.3"]):
+            procs.append(afd_worker(config, "ffn", f, bind_host=host))
+        for p in procs:
+            _, err = p.communicate(timeout=90)
+            assert p.returncode == 0, err
+        from afd.engine.engine import Output
+
+        replicas = [json.loads((tmp_path / f"attn{a}.json").read_text())["outputs"] for a in range(2)]
+        outputs = [Output(**replicas[i % 2][i // 2]) for i in range(len(PROMPTS))]
+        assert_matches_reference(outputs, reference(True))
+    finally:
+        kill_all(procs)
+
+
+@pytest.mark.timeout(60)
+def test_missing_rank_times_out_naming_it() -> None:
+    config = hand_config("p2p", 1, 2, port=free_port(), timeout_s=4)
+    procs = [afd_worker(config, "ffn", 0), afd_worker(config, "attention", 0, "--prompt-ids", "1,2")]
+    try:
+        start = time.monotonic()
+        for p in procs:
+            _, err = p.communicate(timeout=45)
+            assert p.returncode != 0
+            assert "world rank 1" in err and "ffn 1" in err, err
+            assert "Traceback" not in err
+        assert time.monotonic() - start < 45
+    finally:
+        kill_all(procs)
+
+
+@pytest.mark.timeout(60)
+def test_wrong_port_times_out_with_clear_message() -> None:
+    """An attention rank pointed at a port where no store listens gives up in bounded time, saying why."""
+    config = hand_config("p2p", 1, 1, port=free_port(), timeout_s=4)
+    proc = afd_worker(config, "attention", 0, "--prompt-ids", "1,2")
+    try:
+        _, err = proc.communicate(timeout=45)
+        assert proc.returncode != 0
+        assert "world rank 0" in err and "Traceback" not in err, err
+    finally:
+        kill_all([proc])
+
+
+@pytest.mark.timeout(60)
+def test_mismatched_rank_counts_are_named() -> None:
+    port = free_port()
+    base = {"connector": "p2p", "port": port, "num_ffn_ranks": 1, "connector_extra_config": {"timeout_s": 10}}
+    procs = [
+        afd_worker({**base, "num_attention_ranks": 1}, "ffn", 0),
+        afd_worker({**base, "num_attention_ranks": 2}, "attention", 0, "--prompt-ids", "1,2"),
+    ]
+    try:
+        errs = []
+        for p in procs:
+            _, err = p.communicate(timeout=45)
+            assert p.returncode != 0
+            errs.append(err)
+        assert any("num_attention" in e or "A=" in e or "attention ranks" in e for e in errs), errs
+    finally:
+        kill_all(procs)
+
+
+@pytest.mark.timeout(90)
+def test_sigterm_to_launch_ends_the_whole_tree() -> None:
+    before = worker_pids()
+    launcher = start_long_launch(free_port(), "p2p")
+    try:
+        pids = wait_for_workers(len(before) + 4) - before
+        time.sleep(3)  # let the run get going
+        sent = time.monotonic()
+        launcher.send_signal(signal.SIGTERM)
+        launcher.wait(timeout=20)
+        assert not wait_gone(pids, max(0.0, 20 - (time.monotonic() - sent)))
+        assert time.monotonic() - sent < 20
+    finally:
+        kill_all([launcher])
+
+
+@pytest.mark.timeout(90)
+def test_killed_rank_fails_the_run_naming_it() -> None:
+    before = worker_pids()
+    launcher = start_long_launch(free_port(), "p2p")
+    try:
+        pids = wait_for_workers(len(before) + 4) - before
+        time.sleep(3)
+        victim = next(p for p in pids if b"\0--role\0ffn\0" in Path(f"/proc/{p}/cmdline").read_bytes())
+        os.kill(victim, signal.SIGKILL)
+        _, err = launcher.communicate(timeout=45)
+        assert launcher.returncode == 1
+        assert "ffn rank" in err and "Traceback" not in err, err
+        assert not wait_gone(pids, 10)
+        # only lines that explain the failure are quoted (no "model loaded"), and the kept logs are named
+        assert "exited with status -9 (killed by SIGKILL); logs: " in err, err
+        run_dir = Path(err.rsplit("logs: ", 1)[1].split()[0])
+        assert (run_dir / "ffn0.log").exists(), err
+        shutil.rmtree(run_dir)
+    finally:
+        kill_all([launcher])
+
+
+# ---------------------------------------------------------------- issue 9: store, launcher, failure messages
+def _decoded(stdout: str) -> list[list[int]]:
+    """The token ids `afd launch` printed, one `[i] prompt -> tokens` line per prompt."""
+    return [json.loads(m) for m in re.findall(r"-> (\[[^\]]*\])", stdout)]
+
+
+def _reference_tokens(prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # other tests' ranks share the cores: oversubscribed threads are much slower
+    try:
+        return [o.token_ids for o in generate(MODEL, prompts, max_new_tokens=max_new_tokens)]
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.timeout(150)
+def test_second_run_on_the_same_port_fails_alone() -> None:
+    """The launcher hosts the store: a second launcher cannot bind the port, says so before starting any
+    rank, and the first run never notices."""
+    port, new_tokens = free_port(), 300
+    leftovers = Leftovers()
+    first = start_long_launch(port, "p2p", max_new_tokens=new_tokens)
+    second = None
+    try:
+        first_ranks = wait_for_workers(4)
+        second = start_long_launch(port, "async", max_new_tokens=5)
+        started = time.monotonic()
+        _, err = second.communicate(timeout=30)
+        assert second.returncode == 2, "a refused launch is bad input: exit status 2"
+        assert time.monotonic() - started < 30
+        assert f"port {port} on 127.0.0.1 is already in use" in err and "Traceback" not in err, err
+        assert len(err.strip().splitlines()) == 1, err
+        assert worker_pids() <= first_ranks, "the second launcher started ranks"
+        assert first.poll() is None, "the first run ended before the second one was refused"
+        out, err = first.communicate(timeout=100)
+        assert first.returncode == 0, err
+        assert _decoded(out) == _reference_tokens([[1, 2, 3], [4, 5]], new_tokens)
+        leftovers.check()
+    finally:
+        kill_all([p for p in (first, second) if p is not None])
+        leftovers.cleanup()
+
+
+@pytest.mark.timeout(90)
+def test_killed_launcher_takes_its_ranks_with_it() -> None:
+    """`kill -9` of `afd launch`: its ranks (parent-death signal, watchdog) are all gone within seconds."""
+    leftovers = Leftovers()
+    launcher = start_long_launch(free_port(), "p2p")
+    try:
+        pids = wait_for_workers(4)
+        time.sleep(3)  # let the run get going
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait(10)
+        assert not wait_gone(pids, 10), "ranks outlived their launcher"
+    finally:
+        kill_all([launcher])
+        leftovers.cleanup()
+
+
+@pytest.mark.timeout(90)
+def test_sighup_to_launch_ends_the_whole_tree() -> None:
+    """A closed terminal or SSH session (SIGHUP) stops the run like SIGTERM does."""
+    leftovers = Leftovers()
+    launcher = start_long_launch(free_port(), "p2p")
+    try:
+        pids = wait_for_workers(4)
+        time.sleep(3)
+        sent = time.monotonic()
+        launcher.send_signal(signal.SIGHUP)
+        launcher.wait(timeout=20)
+        assert launcher.returncode != 0
+        assert not wait_gone(pids, max(0.0, 20 - (time.monotonic() - sent)))
+    finally:
+        kill_all([launcher])
+        leftovers.cleanup()
+
+
+def test_interrupted_carries_its_signal() -> None:
+    exc = Interrupted(signal.SIGHUP)
+    assert isinstance(exc, KeyboardInterrupt) and exc.signum == signal.SIGHUP
+    assert "SIGHUP" in str(exc)
+
+
+def test_failure_explanation_quotes_only_lines_that_explain() -> None:
+    info = "2026-11-30 10:00:00,123 afd.model.weights INFO attention model loaded: 48 tensors, torch.float32 on cpu\n"
+    assert explain_failure(info) == ""
+    error = "2026-11-30 10:00:01,456 afd.worker ERROR ffn rank 0: error: the DP wave failed\n"
+    assert explain_failure(error + info) == "ffn rank 0: error: the DP wave failed"
+    critical = "2026-11-30 10:00:02,000 afd.distributed.world CRITICAL world rank 1 (ffn 1): stopping because x\n"
+    assert explain_failure(info + critical + info) == "world rank 1 (ffn 1): stopping because x"
+    traceback = 'Traceback (most recent call last):\n  File "x.py", line 1, in <module>\nValueError: bad\n'
+    assert explain_failure(info + traceback + info) == "ValueError: bad"
+    assert explain_failure("afd: error: unknown model 'nope'\n") == "error: unknown model 'nope'"
+    assert describe_exit(-9) == "status -9 (killed by SIGKILL)" and describe_exit(1) == "status 1"
+
+
+@pytest.mark.timeout(60)
+def test_failed_launch_keeps_and_names_its_run_directory() -> None:
+    config = parse_config({"connector": "p2p", "port": free_port(), "num_attention_ranks": 1, "num_ffn_ranks": 1})
+    with pytest.raises(LaunchError) as info:
+        launch(config, RunSpec(model="no-such-model", max_new_tokens=2, timeout_s=45), [[1, 2, 3]])
+    msg = str(info.value)
+    assert re.search(r"rank 0 \(world rank \d\) exited with status 2: error: .*no-such-model", msg), msg
+    run_dir = Path(msg.rsplit("logs: ", 1)[1])
+    try:
+        assert run_dir.is_dir() and (run_dir / "prompts_attn0.jsonl").exists() and (run_dir / "ffn0.log").exists()
+    finally:
+        shutil.rmtree(run_dir)

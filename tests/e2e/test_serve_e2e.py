@@ -1,0 +1,226 @@
+"""The real `afd serve --model tiny` as a subprocess on a free port, one server per connector config for the
+module (none R=2, async 1A1F; p2p 1A1F in the killed-rank test): greedy completions equal the reference
+engine (`afd generate`'s), streams equal whole answers, concurrent streams all finish, SIGTERM ends
+everything (exit 0, no rank, no shared-memory segment), and a killed rank turns /health to 503 and ends
+in-flight requests with an error instead of a hang."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from helpers.e2e import TEST_TAG_VAR, Leftovers, kill_pids, role_of, worker_pids
+from helpers.http_client import http_request, sse_events, token_ids
+
+from afd.runtime.launch import free_port
+from afd.serve.run import ServerProcess
+
+MODEL = "tiny"
+PROMPTS = [[5, 17, 33, 2, 9, 41, 7, 3, 19, 23, 11], [4, 8], [100, 3, 77, 12, 9, 250]]
+MAX_TOKENS = 5
+CONFIGS = {  # a module-scoped server each; p2p 1A1F is served by the killed-rank test (CI time: ~20 s per server)
+    "none-R2": ["--connector", "none", "--replicas", "2"],
+    "async-1A1F": ["--connector", "async", "--attention", "1", "--ffn", "1"],
+}
+P2P = ["--connector", "p2p", "--attention", "1", "--ffn", "1"]
+SMALL = ["--max-num-seqs", "16", "--max-model-len", "512", "--max-num-batched-tokens", "512"]
+
+
+class Served:
+    """One `afd serve` under its own test tag, with the bookkeeping that proves it left nothing behind."""
+
+    def __init__(self, flags: list[str], tag: str) -> None:
+        self.tag, self._previous_tag = tag, os.environ.get(TEST_TAG_VAR)
+        os.environ[TEST_TAG_VAR] = tag  # the ranks inherit it: Leftovers sees exactly this server's processes
+        self.leftovers = Leftovers()
+        self.port = free_port()
+        self.server = ServerProcess(["--model", MODEL, "--port", str(self.port), *SMALL, *flags], timeout_s=120)
+        self.workers = worker_pids()  # also records their shared-memory run tokens
+
+    def close(self) -> None:
+        os.environ[TEST_TAG_VAR] = self.tag
+        try:
+            self.server.stop(timeout_s=5)
+        finally:
+            self.leftovers.cleanup()
+            if self._previous_tag is None:
+                os.environ.pop(TEST_TAG_VAR, None)
+            else:
+                os.environ[TEST_TAG_VAR] = self._previous_tag
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def served(request):
+    srv = Served(CONFIGS[request.param], f"serve{request.param}{os.getpid()}")
+    try:
+        yield srv
+    finally:
+        srv.close()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from afd.engine.generate import generate
+
+    return generate(MODEL, PROMPTS, max_new_tokens=MAX_TOKENS)
+
+
+@pytest.mark.timeout(180)
+def test_completions_equal_generate_and_streams_equal_whole_answers(served, reference):
+    body = {
+        "model": MODEL,
+        "prompt": PROMPTS,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "logprobs": 0,
+        "return_tokens_as_token_ids": True,
+    }
+    status, got, _ = http_request(served.port, "POST", "/v1/completions", body)
+    assert status == 200, got
+    for choice, out in zip(got["choices"], reference, strict=True):
+        assert token_ids(choice) == out.token_ids
+        assert choice["logprobs"]["token_logprobs"] == pytest.approx(out.logprobs, abs=1e-4)
+    events = sse_events(served.port, "/v1/completions", body)
+    assert events[-1] == "[DONE]"
+    for i, out in enumerate(reference):
+        ids = [
+            int(e["choices"][0]["logprobs"]["tokens"][0].split(":")[1])
+            for e in events[:-1]
+            if e["choices"][0]["index"] == i and e["choices"][0]["logprobs"]
+        ]
+        assert ids == out.token_ids
+    chat = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 6, "temperature": 0}
+    status, whole, _ = http_request(served.port, "POST", "/v1/chat/completions", chat)
+    streamed = sse_events(served.port, "/v1/chat/completions", chat)
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in streamed[:-1])
+    assert status == 200 and text == whole["choices"][0]["message"]["content"]
+
+
+@pytest.mark.timeout(180)
+def test_concurrent_streams_all_finish(served):
+    results: list[list] = []
+
+    def one(i: int) -> None:
+        body = {
+            "prompt": [i + 1] * (3 + 7 * (i % 3)),
+            "max_tokens": 8,
+            "temperature": 0.8,
+            "seed": i,
+            "stream_options": {"include_usage": True},
+        }
+        results.append(sse_events(served.port, "/v1/completions", body))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(results) == 16
+    for events in results:
+        assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 8
+    assert http_request(served.port, "GET", "/health")[0] == 200
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_stops_the_server_and_every_rank(served, monkeypatch):
+    monkeypatch.setenv(TEST_TAG_VAR, served.tag)
+    assert served.workers, "the server's ranks were not seen"
+    started = time.monotonic()
+    served.server.proc.send_signal(signal.SIGTERM)
+    code = served.server.proc.wait(25)
+    assert code == 0 and time.monotonic() - started < 20
+    served.leftovers.check()
+
+
+@pytest.mark.timeout(180)
+def test_p2p_serves_and_a_killed_rank_fails_health_and_ends_in_flight_requests(monkeypatch, reference):
+    srv = Served(P2P, f"servekill{os.getpid()}")
+    try:
+        monkeypatch.setenv(TEST_TAG_VAR, srv.tag)
+        body = {
+            "prompt": PROMPTS[0],
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+        }
+        status, got, _ = http_request(srv.port, "POST", "/v1/completions", body)
+        assert status == 200 and token_ids(got["choices"][0]) == reference[0].token_ids
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
+        body = {"prompt": [1, 2, 3], "max_tokens": 500, "ignore_eos": True, "temperature": 0, "stream": True}
+        conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.readline().startswith(b"data: ")
+        ffn = {p for p in srv.workers if role_of(p) == "ffn"}
+        kill_pids(ffn)
+        started = time.monotonic()
+        events = [e[len("data: ") :] for e in resp.read().decode().split("\n\n") if e.strip()]
+        assert time.monotonic() - started < 15, "the in-flight stream did not end promptly"
+        assert events[-1] == "[DONE]" and "ffn rank 0" in json.loads(events[-2])["error"]["message"]
+        status, got, _ = http_request(srv.port, "GET", "/health")
+        assert status == 503 and "ffn rank 0" in got["error"]["message"]
+        assert http_request(srv.port, "POST", "/v1/completions", {"prompt": "a", "max_tokens": 2})[0] == 503
+        srv.server.proc.send_signal(signal.SIGTERM)
+        assert srv.server.proc.wait(25) == 1  # a rank had died: not a clean stop
+        srv.leftovers.check()
+    finally:
+        srv.close()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a live process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.timeout(180)
+def test_busy_poll_serves_the_same_answers_and_spins_while_idle(monkeypatch, reference):
+    """AFD_BUSY_POLL=1: an idle replica polls its link without sleeping (its CPU time grows while nothing is asked;
+    without the variable it would block), answers stay the reference's, and SIGTERM still leaves nothing behind."""
+    monkeypatch.setenv("AFD_BUSY_POLL", "1")
+    srv = Served(["--connector", "none"], f"servebusy{os.getpid()}")
+    try:
+        monkeypatch.setenv(TEST_TAG_VAR, srv.tag)
+        (replica,) = srv.workers
+        before, started = cpu_seconds(replica), time.monotonic()
+        time.sleep(1.0)
+        spun = (cpu_seconds(replica) - before) / (time.monotonic() - started)
+        assert spun > 0.3, f"an idle busy-polling replica used only {spun:.0%} of a core"
+        body = {"prompt": PROMPTS[2], "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 0,
+                "return_tokens_as_token_ids": True}  # fmt: skip
+        status, got, _ = http_request(srv.port, "POST", "/v1/completions", body)
+        assert status == 200 and token_ids(got["choices"][0]) == reference[2].token_ids
+        srv.server.proc.send_signal(signal.SIGTERM)
+        assert srv.server.proc.wait(25) == 0
+        srv.leftovers.check()
+    finally:
+        srv.close()
+
+
+@pytest.mark.timeout(180)
+def test_micro_batched_async_serves_the_reference_answers(monkeypatch, tmp_path, reference):
+    """`--ubatches 2`: a step of several prompts runs as two micro-batches in ping-pong on the attention rank, the
+    answers stay the reference's, and the rank says how many of its steps were split."""
+    monkeypatch.setenv("AFD_LOG_DIR", str(tmp_path))  # the rank logs stay for the count below
+    flags = ["--connector", "async", "--attention", "1", "--ffn", "1", "--ubatches", "2"]
+    srv = Served(flags, f"serveubatch{os.getpid()}")
+    try:
+        body = {"model": MODEL, "prompt": PROMPTS, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 0,
+                "return_tokens_as_token_ids": True}  # fmt: skip
+        status, got, _ = http_request(srv.port, "POST", "/v1/completions", body)
+        assert status == 200, got
+        assert [token_ids(c) for c in got["choices"]] == [out.token_ids for out in reference]
+        srv.server.proc.send_signal(signal.SIGTERM)
+        assert srv.server.proc.wait(25) == 0
+    finally:
+        srv.close()
+    logs = "".join(p.read_text() for p in tmp_path.rglob("*.log"))
+    split = re.search(r"attention rank 0: (\d+) steps ran as micro-batches while serving", logs)
+    assert split and int(split.group(1)) >= 1, logs[-2000:]
