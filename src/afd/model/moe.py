@@ -277,7 +277,7 @@ def routed_experts(
     pairs = sort_pairs_by_expert(topk_ids, expert_start, expert_start + num_local)
     y = grouped_expert_mlp_offsets(x[pairs.token_idx], pairs.offs, w13, w2)  # [T*K, H]
     if kernels.enabled(x.device):  # prefill sizes: one pass from the sorted outputs to the fp32 sum
-        from afd.kernels.fused_moe import combine_sorted_pairs
+        from afd.kernels.moe_combine import combine_sorted_pairs
 
         return combine_sorted_pairs(y, pairs.pair_idx, topk_weights, pairs.offs)
     w = topk_weights.reshape(-1)[pairs.pair_idx].float()  # [T*K]

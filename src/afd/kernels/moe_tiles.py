@@ -1,0 +1,95 @@
+"""Tile shapes of the decode MoE GEMMs (`moe_gate_up`, `moe_down`) and the Triton helper both share.
+
+Block sizes come from a small fixed table by rows per expert: no autotuning at run time, so every run is
+deterministic and capturable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Launch shape of `expert_gate_up` / `expert_down`: rows per chunk (block_m), weight rows per program
+    (block_n), reduction step (block_k), warps and software-pipeline stages."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+# By rows per expert (upper bound of the usual count, see `rows_per_expert_hint`). Chosen on one H200
+# (2026-11-30, bf16, V2-Lite shapes, 26 layers of distinct weights in a CUDA graph, the device-to-device copy
+# at 4.27 TB/s in the same run; `python test_kernel_moe.py --sweep`): the best of 9 tile shapes per row,
+# within ~3% of each other except where noted. Alone, gate/up streamed 3.39 / 4.35 / 4.29 / 3.98 TB/s and down
+# 2.85 / 4.06 / 3.95 / 3.51 TB/s at T = 1 / 8 / 64 / 256. A gate/up stage holds two 64x128 weight tiles (gate
+# and up, 32 KiB) plus the rows. At block_m 64 the down projection wants 128x64 tiles (3.51 TB/s; 64x128 with
+# 4 stages: 2.64).
+_GATE_UP_CONFIGS = {
+    16: TileConfig(16, 64, 128, num_warps=4, num_stages=3),
+    32: TileConfig(32, 64, 128, num_warps=4, num_stages=4),
+    64: TileConfig(64, 64, 128, num_warps=4, num_stages=4),
+}
+_DOWN_CONFIGS = {
+    16: TileConfig(16, 64, 128, num_warps=4, num_stages=3),
+    32: TileConfig(32, 64, 128, num_warps=4, num_stages=4),
+    64: TileConfig(64, 128, 64, num_warps=4, num_stages=4),
+}
+
+
+def tile_bucket(rows: int) -> int:
+    """Smallest block_m of the tables (16, 32, 64) that covers `rows` (64 above: larger groups loop)."""
+    return 16 if rows <= 16 else 32 if rows <= 32 else 64
+
+
+def rows_per_expert_hint(num_tokens: int, top_k: int, num_local_experts: int) -> int:
+    """A host-side guess of the largest group, from shapes only: a token picks an expert at most once, so never
+    more than `num_tokens`; under even routing the mean is `T*K/E` (E counts local experts only, so a shard
+    overestimates it, the safe side), and twice the mean plus 8 covers the usual maximum."""
+    mean = -(-num_tokens * top_k // max(num_local_experts, 1))
+    return max(1, min(num_tokens, 2 * mean + 8))
+
+
+def gate_up_config(rows_hint: int) -> TileConfig:
+    return _GATE_UP_CONFIGS[tile_bucket(rows_hint)]
+
+
+def down_config(rows_hint: int) -> TileConfig:
+    return _DOWN_CONFIGS[tile_bucket(rows_hint)]
+
+
+def fit_dtype(cfg: TileConfig, dtype: torch.dtype) -> TileConfig:
+    """The table is sized for 2-byte weights; fp32 tiles take half the reduction step, so the stages keep the
+    same bytes of shared memory (the bf16 gate/up rows would not fit an SM's shared memory in fp32)."""
+    if dtype.itemsize <= 2:
+        return cfg
+    return TileConfig(cfg.block_m, cfg.block_n, max(16, cfg.block_k // 2), cfg.num_warps, cfg.num_stages)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs: full fp32 products (tl.dot would otherwise round them to tf32); bf16/fp16: the default.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def load_2d(ptrs, row_mask, col_mask, EVEN_ROWS: tl.constexpr, EVEN_COLS: tl.constexpr):
+    """A [R, C] tile, masked only along the dimensions that do not divide evenly (zeros outside)."""
+    if EVEN_ROWS:
+        if EVEN_COLS:
+            return tl.load(ptrs)
+        else:
+            return tl.load(ptrs, mask=col_mask[None, :], other=0.0)
+    else:
+        if EVEN_COLS:
+            return tl.load(ptrs, mask=row_mask[:, None], other=0.0)
+        else:
+            return tl.load(ptrs, mask=row_mask[:, None] & col_mask[None, :], other=0.0)
