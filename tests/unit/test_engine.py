@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from afd.connectors.base import Exchange
 from afd.engine.engine import Engine, LocalExchange, Request
 from afd.engine.generate import generate
 from afd.model.weights import load_attention_model, load_ffn_model
@@ -47,7 +48,7 @@ def test_batching_does_not_change_results():
     assert engine.kv_cache.pool.num_free == engine.kv_cache.num_blocks
 
 
-class _Recorder:
+class _Recorder(Exchange):
     def __init__(self, inner):
         self.inner, self.calls, self.steps = inner, [], []
 

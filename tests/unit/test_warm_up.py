@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from afd.connectors.base import Exchange
 from afd.engine.engine import Engine, LocalExchange, Request
 from afd.engine.warm_up import FULL_STEP_PROMPT_LEN, budget_prompt_lens, warm_up_engine, warm_up_ffn
 from afd.model.weights import load_attention_model, load_ffn_model
@@ -15,7 +16,7 @@ from afd.model.weights import load_attention_model, load_ffn_model
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9]]
 
 
-class _Remote:
+class _Remote(Exchange):
     """Stands in for a disaggregated exchange: answers as the local one, counts its calls."""
 
     def __init__(self, local: LocalExchange) -> None:

@@ -25,12 +25,13 @@ from collections import deque
 import torch
 
 from afd import env
+from afd.connectors.base import Exchange
 from afd.engine.graphs.decode import DecodeGraphRunner, capture_safe_moe
 from afd.engine.graphs.prefill import PrefillGraphRunner, graph_memory_estimate
 from afd.engine.request import EngineLoad, Output, Request, StepToken
 from afd.engine.sampling import sample
 from afd.engine.sequence import ON_DEVICE, LaunchedStep, Scheduled, SequenceState
-from afd.model.attention_side import AttentionModel, Exchange, Segments, run_segments, run_ubatches, split_ubatches
+from afd.model.attention_side import AttentionModel, Segments, run_segments, run_ubatches, split_ubatches
 from afd.model.batch import Batch
 from afd.model.ffn_side import FFNModel
 from afd.model.kv_cache import (
@@ -48,13 +49,14 @@ from afd.routing import Routing
 logger = logging.getLogger(__name__)
 
 
-class LocalExchange:
+class LocalExchange(Exchange):
     """The reference exchange: the MLP of a boundary layer runs on an in-process FFNModel."""
 
     def __init__(self, ffn_model: FFNModel) -> None:
         self.ffn_model = ffn_model
 
     def __call__(self, layer_idx: int, x: torch.Tensor, routing: Routing | None) -> torch.Tensor:
+        """x: [T, H] model dtype, routing or None (gate on the FFN side) -> the MoE output [T, H] model dtype."""
         return self.ffn_model(layer_idx, x, routing)
 
 
@@ -162,7 +164,7 @@ class Engine:
             if local and not capture_safe_moe(exchange.ffn_model):
                 logger.info("decode CUDA graphs off: the routed experts of %s have no fixed-shape path", dtype)
             else:
-                whole = local or getattr(exchange, "capturable", False)  # the async 1A1F exchange captures whole
+                whole = local or exchange.capturable  # the async 1A1F exchange captures whole
                 self.cuda_graphs = DecodeGraphRunner(model, exchange, self.kv_cache, max_num_seqs, segmented=not whole)
                 logger.info(
                     "decode CUDA graphs on (%s), batch buckets %s",
@@ -371,7 +373,7 @@ class Engine:
     ) -> LaunchedStep:
         """Queue the forward and the sampling of `scheduled` on the device. `after`: the step in flight whose
         sampled tokens (rows `after_rows`) are this all-decode step's input ids."""
-        timeline = getattr(self.exchange, "timeline", None)  # AFD_TIMELINE (afd.profiling.timeline): the step's ends
+        timeline = self.exchange.timeline  # AFD_TIMELINE (afd.profiling.timeline): the step's ends
         if timeline is not None:
             timeline.mark("launch", on_device=False)
         query_lens = [len(s.input_ids) for s in scheduled]
@@ -407,8 +409,7 @@ class Engine:
         )
         if after is not None:
             ids = after.tokens.index_select(0, ids)  # [T]: the tokens the step in flight sampled, never on the host
-        if hasattr(self.exchange, "begin_step"):
-            self.exchange.begin_step(len(positions))
+        self.exchange.begin_step(len(positions))
         hidden = graphs.forward(batch, ids, pos) if graphs is not None else None  # [T, H] replayed
         if hidden is None:
             hidden = run_segments(self._segments(0, batch, ids, pos), self.exchange)  # [T, H]
@@ -435,7 +436,7 @@ class Engine:
         """Micro-batches a step is split into: the exchange's (`async_moe_ubatching`, `p2p_ubatching`), else 1. An
         exchange with more than one must have `send`/`recv` (`afd.model.attention_side.SendRecv`); a split step calls
         `begin_step(T, tokens per micro-batch)` where the exchange has one (p2p: the FFN ranks must know them)."""
-        return int(getattr(self.exchange, "num_ubatches", 1))
+        return self.exchange.num_ubatches
 
     def _forward_ubatches(
         self, batch: Batch, ubatches: list[range], input_ids: list[int], positions: list[int], last_rows: list[int]
@@ -460,8 +461,8 @@ class Engine:
             ids, pos, *sampled = self.kv_cache.prepare(part, *host)
             last = sampled[0] if sampled else last
             segments.append(self._segments(len(segments), part, ids, pos))
-        if hasattr(self.exchange, "begin_step"):  # p2p: the control plane announces every micro-batch's rows
-            self.exchange.begin_step(batch.num_tokens, [starts[g.stop] - starts[g.start] for g in ubatches])
+        # p2p: the control plane announces every micro-batch's rows
+        self.exchange.begin_step(batch.num_tokens, [starts[g.stop] - starts[g.start] for g in ubatches])
         self.ubatched_steps += 1
         return torch.cat(run_ubatches(segments, self.exchange)), last
 
@@ -470,8 +471,7 @@ class Engine:
         layer with `[0, H]` rows (the p2p DP wave needs each layer from every replica) — without the forward
         itself, whose Python cost (~4 ms of CPU on tiny) an idle p2p server would pay on every wave."""
         model = self.model
-        if hasattr(self.exchange, "begin_step"):
-            self.exchange.begin_step(0)
+        self.exchange.begin_step(0)
         x = torch.empty(0, model.config.hidden_size, dtype=model.dtype, device=self.device)  # [0, H]
         routing = None
         if model.gate_on_attention:
@@ -516,7 +516,7 @@ class Engine:
         the step before, or an abort) is skipped: its row was computed in vain."""
         if step.ready is not None:
             step.ready.synchronize()
-        timeline = getattr(self.exchange, "timeline", None)
+        timeline = self.exchange.timeline
         if timeline is not None:
             timeline.mark("tokens", on_device=False)
         tokens, token_logprobs = step.host.tolist() if step.host is not None else ([], [])

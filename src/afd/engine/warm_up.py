@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 
 from afd import kernels
+from afd.connectors.base import Exchange
 from afd.engine.engine import Engine, LocalExchange, launch_sampling
 from afd.engine.sampling import SamplingParams
 from afd.model.attention_side import AttentionModel, zero_exchange
@@ -66,10 +67,11 @@ def warm_up_engine(engine: Engine, *, force: bool = False) -> None:
         return
     start = time.perf_counter()
     model, cache = engine.model, engine.kv_cache
+    exchange: Exchange
     if isinstance(engine.exchange, LocalExchange):
         exchange = engine.exchange
     elif model.has_shared_experts:  # the connector runs them here: their GEMMs at every warm-up shape too
-        exchange = lambda layer_idx, x, routing: model.shared(layer_idx, x)  # noqa: E731
+        exchange = SharedExpertsOnly(model)
     else:
         exchange = zero_exchange
     free_tokens = cache.pool.num_free * cache.block_size
@@ -106,8 +108,20 @@ def warm_up_engine(engine: Engine, *, force: bool = False) -> None:
     logger.info("warmed up the attention step (kernels compiled) in %.1f s", time.perf_counter() - start)
 
 
+class SharedExpertsOnly(Exchange):
+    """Answers a boundary with the attention model's own shared experts only: what a connector that runs them on
+    this rank computes here, without crossing to the FFN side."""
+
+    def __init__(self, model: AttentionModel) -> None:
+        self.model = model
+
+    def __call__(self, layer_idx: int, x: torch.Tensor, routing: Routing | None) -> torch.Tensor:
+        """x: [T, H] -> the shared experts' output [T, H] model dtype."""
+        return self.model.shared(layer_idx, x)
+
+
 def _continue_first_prompt(
-    model: AttentionModel, cache, exchange, slots: list[int], cached: list[int], device: torch.device
+    model: AttentionModel, cache, exchange: Exchange, slots: list[int], cached: list[int], device: torch.device
 ) -> None:
     """Two steps after the decode: the first prompt's next chunk with the others' decodes, then a chunk alone."""
     n, first = CONTINUE_TOKENS, cached[0]

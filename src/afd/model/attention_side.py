@@ -13,13 +13,13 @@ import bisect
 import itertools
 import logging
 from collections import deque
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 from torch import nn
 
+from afd.connectors.base import Exchange, ZeroExchange
 from afd.model.attention import MLAttention
 from afd.model.batch import Batch
 from afd.model.config import MODEL_TYPES, ModelConfig, rope_parameters, scaled, softmax_scale
@@ -29,7 +29,6 @@ from afd.routing import Routing
 
 logger = logging.getLogger(__name__)
 
-Exchange = Callable[[int, torch.Tensor, Routing | None], torch.Tensor]
 # The model's public names, wherever they are defined (callers import them from here).
 __all__ = [
     "MODEL_TYPES",
@@ -44,7 +43,6 @@ __all__ = [
     "MLAttention",
     "ModelConfig",
     "RMSNorm",
-    "SendRecv",
     "apply_rope",
     "rope_parameters",
     "run_segments",
@@ -80,9 +78,8 @@ class AttentionCore:
 Segments = Generator[Boundary | AttentionCore, torch.Tensor, torch.Tensor]
 
 
-def zero_exchange(layer_idx: int, x: torch.Tensor, routing: Routing | None) -> torch.Tensor:
-    """An exchange that never crosses to the FFN side (graph capture, warm-up): answers zeros [T, H]."""
-    return torch.zeros_like(x)
+# An exchange that never crosses to the FFN side (graph capture, warm-up): answers zeros [T, H].
+zero_exchange = ZeroExchange()
 
 
 def run_segments(segments: Segments, exchange: Exchange) -> torch.Tensor:
@@ -93,15 +90,6 @@ def run_segments(segments: Segments, exchange: Exchange) -> torch.Tensor:
             boundary = segments.send(exchange(boundary.layer_idx, boundary.hidden, boundary.routing))
     except StopIteration as end:
         return end.value
-
-
-class SendRecv(Protocol):
-    """An exchange split in its two halves (the async connector): `send` hands a boundary's rows to the FFN
-    side and returns at once; `recv` waits for the answer [T, H] of the oldest send not yet received (FIFO)."""
-
-    def send(self, layer_idx: int, x: torch.Tensor, routing: Routing | None) -> object: ...
-
-    def recv(self) -> torch.Tensor: ...
 
 
 def split_ubatches(query_lens: Sequence[int], num_ubatches: int) -> list[range]:
@@ -131,9 +119,9 @@ def split_ubatches(query_lens: Sequence[int], num_ubatches: int) -> list[range]:
     return [range(a, b) for a, b in itertools.pairwise(cuts)]
 
 
-def run_ubatches(segments: Sequence[Segments], exchange: SendRecv) -> list[torch.Tensor]:
+def run_ubatches(segments: Sequence[Segments], exchange: Exchange) -> list[torch.Tensor]:
     """Drive the `forward_segments` generators of a step's micro-batches in ping-pong; returns each one's
-    final hidden states, in the order given.
+    final hidden states, in the order given. `exchange` splits its boundaries (`Exchange.send` / `recv`).
 
     Every micro-batch runs to its first boundary and is sent; then the oldest send is received, its
     micro-batch resumes up to its next boundary and is sent again, and so on. While one micro-batch

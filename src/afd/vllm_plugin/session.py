@@ -18,17 +18,21 @@ import logging
 import multiprocessing.util
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
 from afd.config import AFDConfig
+from afd.connectors.base import Exchange
 from afd.distributed.world import World, init_world
 from afd.model.config import ModelConfig
 from afd.routing import Routing
 from afd.topology import AsyncTopology, SyncTopology
+
+if TYPE_CHECKING:
+    from afd.connectors.p2p.attention import P2pAttentionExchange
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +42,8 @@ CLOSE_WAIT_S = 10.0  # at exit, how long to wait for a keep-alive step in flight
 _T = TypeVar("_T")
 
 
-class AFDSession:
-    """The attention side of one afd connector inside vLLM; usable as `exchange(layer_idx, x, routing)`."""
+class AFDSession(Exchange):
+    """The attention side of one afd connector inside vLLM: the `Exchange` its MoE layers call."""
 
     def __init__(
         self,
@@ -64,6 +68,8 @@ class AFDSession:
         self._closed = False
         self._last_step = time.monotonic()
         self._stop = threading.Event()
+        self.exchange: Exchange
+        self._wave: P2pAttentionExchange | None = None  # p2p: the exchange whose DP wave `close` ends
         A, F = cfg.num_attention_ranks, cfg.num_ffn_ranks
         if cfg.connector == "async":
             from afd.connectors.asynchronous.attention import AsyncAttentionExchange
@@ -91,7 +97,7 @@ class AFDSession:
             topo = SyncTopology(A, F)
             backend = "nccl" if device.type == "cuda" else "gloo"
             self.world = self._join(topo.world_rank("attention", attn_rank), topo.world_size, backend, "ffn_first")
-            self.exchange = self._build(
+            self.exchange = self._wave = self._build(
                 lambda: P2pAttentionExchange(
                     self.world,
                     topo,
@@ -144,14 +150,17 @@ class AFDSession:
         """One vLLM forward pass over `num_tokens` rows: p2p announces it to the FFN ranks first."""
         with self._lock:
             self._in_step = True
-            if self.cfg.connector == "p2p":
-                self.exchange.begin_step(num_tokens)
+            self.begin_step(num_tokens)
             yield
             self._in_step = False  # not reached when the forward raised: `close` then reports the cut
             self._last_step = time.monotonic()
             self.num_forwards += 1
 
-    def __call__(self, layer_idx: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+    def begin_step(self, num_tokens: int, ubatch_tokens: Sequence[int] | None = None) -> None:
+        """p2p: announce the forward pass's rows to the FFN ranks; async needs nothing (its exchange's no-op)."""
+        self.exchange.begin_step(num_tokens, ubatch_tokens)
+
+    def __call__(self, layer_idx: int, x: torch.Tensor, routing: Routing | None) -> torch.Tensor:
         """x: [T, H] model dtype, routing from afd's gate -> the layer's MoE output [T, H] (routed + shared)."""
         self.num_exchanges += 1
         return self.exchange(layer_idx, x, routing)
@@ -202,8 +211,8 @@ class AFDSession:
         try:
             if self.cfg.connector == "async":
                 self.exchange.close()  # the shutdown flag to every FFN rank
-            elif error is None:
-                self.exchange.step_wave(False)  # the end of the wave: the FFN loops return
+            elif error is None and self._wave is not None:
+                self._wave.step_wave(False)  # the end of the wave: the FFN loops return
         except Exception as exc:  # noqa: BLE001 - reported through the world below
             error = error or exc
         logger.info(

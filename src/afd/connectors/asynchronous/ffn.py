@@ -1,7 +1,8 @@
 """The `async` connector's FFN side: a self-driven loop that pulls work items from its window (any layer, any
 attention replica, any order), runs the items of one layer that wait together through one expert pass
 (replayed from CUDA graphs at decode sizes when given them), and writes each answer back into its sender's
-window. The protocol is in `afd.connectors.asynchronous.attention`.
+window. The protocol is in `afd.connectors.asynchronous.attention`; the endpoint both roles share in
+`afd.connectors.asynchronous.endpoint`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from afd import env
-from afd.connectors.asynchronous.attention import AsyncEndpoint, ConnectorShutdown
+from afd.connectors.asynchronous.endpoint import AsyncEndpoint, ConnectorShutdown
 from afd.connectors.asynchronous.ffn_chain import PassChain
 from afd.connectors.asynchronous.window import Message
 from afd.connectors.asynchronous.wire import FLAG_RESPONSE, SlotHeader, WindowProtocolError

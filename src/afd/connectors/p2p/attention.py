@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from afd.connectors.base import Exchange
 from afd.connectors.p2p.wire import (  # noqa: F401 - the wiring is part of this connector's API
     EpDispatch,
     RowPayload,
@@ -45,6 +46,7 @@ from afd.connectors.p2p.wire import (  # noqa: F401 - the wiring is part of this
 )
 from afd.distributed.world import Group, World, device_for
 from afd.profiling.timeline import Timeline
+from afd.routing import Routing
 from afd.topology import SyncTopology
 
 logger = logging.getLogger(__name__)
@@ -118,8 +120,8 @@ class PendingRows:
     payloads: list[torch.Tensor]
 
 
-class P2pAttentionExchange:
-    """The model's `exchange(layer_idx, x, routing)` for one attention replica, over p2p.
+class P2pAttentionExchange(Exchange):
+    """The model's `Exchange` for one attention replica, over p2p.
 
     Drive it per step: `while ex.step_wave(engine.has_work()): engine.step()` — the engine calls
     `begin_step(T)` then the exchange once per boundary layer (with `[0, H]` when idle). With
@@ -223,16 +225,16 @@ class P2pAttentionExchange:
                     f"({len(self.pending)} answers not taken)"
                 )
 
-    def __call__(self, layer_idx: int, x: torch.Tensor, routing: Any | None) -> torch.Tensor:
+    def __call__(self, layer_idx: int, x: torch.Tensor, routing: Routing | None) -> torch.Tensor:
         """x: [T, H] model dtype; routing: Routing (gate on attention) or None -> [T, H] model dtype."""
         if self.num_split != 1:
             raise RuntimeError(f"{self.world.me.name}: a step split into micro-batches exchanges through send/recv")
         self.send(layer_idx, x, routing)
         return self.recv()
 
-    def send(self, layer_idx: int, x: torch.Tensor, routing: Any | None) -> PendingRows:
+    def send(self, layer_idx: int, x: torch.Tensor, routing: Routing | None) -> PendingRows:
         """Post one boundary of the next micro-batch (slot `num_sends % num_split`): its fused rows to each FFN
-        peer, and the receives of the answers; returns at once (`afd.model.attention_side.SendRecv`).
+        peer, and the receives of the answers; returns at once (`Exchange.send`).
         x: [n, H] model dtype; routing: Routing (gate on attention) or None."""
         self._check_layer(layer_idx, x, routing)
         if self.timeline is not None:
@@ -269,7 +271,7 @@ class P2pAttentionExchange:
         return pending
 
     def recv(self) -> torch.Tensor:
-        """Wait for the oldest send's transfers -> its answer [n, H] model dtype (`attention_side.SendRecv`)."""
+        """Wait for the oldest send's transfers -> its answer [n, H] model dtype (`Exchange.recv`)."""
         if not self.pending:
             raise RuntimeError(f"{self.world.me.name}: recv without a send in flight")
         pending = self.pending.popleft()
@@ -279,7 +281,7 @@ class P2pAttentionExchange:
         outs = pending.outs
         return torch.cat(outs) if len(outs) > 1 else outs[0]  # [n, H]
 
-    def _check_layer(self, layer_idx: int, x: torch.Tensor, routing: Any | None) -> None:
+    def _check_layer(self, layer_idx: int, x: torch.Tensor, routing: Routing | None) -> None:
         if self.num_tokens is None:
             raise RuntimeError(f"{self.world.me.name}: exchange called before begin_step")
         slot, index = self.num_sends % self.num_split, self.num_sends // self.num_split

@@ -36,11 +36,11 @@ from dataclasses import dataclass, field
 import torch
 
 from afd.buckets import batch_buckets, context_bucket, pick_bucket
+from afd.connectors.base import Exchange
 from afd.model.attention_side import (
     AttentionCore,
     AttentionModel,
     Boundary,
-    Exchange,
     Segments,
     run_segments,
     zero_exchange,
@@ -137,6 +137,19 @@ def _head(routing: Routing | None, n: int) -> Routing | None:
     return None if routing is None else Routing(routing.topk_ids[:n], routing.topk_weights[:n])
 
 
+class RealRowsExchange(Exchange):
+    """`exchange` on the first `num_real` rows of a padded batch; the padding rows' answers are zeros."""
+
+    def __init__(self, exchange: Exchange, num_real: int) -> None:
+        self.exchange, self.num_real = exchange, num_real
+
+    def __call__(self, layer_idx: int, x: torch.Tensor, routing: Routing | None) -> torch.Tensor:
+        """x: [n, H] padded -> [n, H], rows past `num_real` zero."""
+        answer = torch.zeros_like(x)
+        answer[: self.num_real] = self.exchange(layer_idx, x[: self.num_real], _head(routing, self.num_real))
+        return answer
+
+
 def capture_safe_moe(ffn_model: torch.nn.Module) -> bool:
     """Whether the FFN's routed experts take the fixed-shape, host-sync-free path (afd.model.moe) on its device."""
     fixed = getattr(ffn_model, "fixed_shape_moe", None)
@@ -167,8 +180,8 @@ class DecodeGraphRunner:
     ) -> None:
         self.model, self.exchange, self.kv_cache = model, exchange, kv_cache
         self.segmented = segmented
-        # a remote exchange captured whole (afd.connectors.asynchronous.attention: `capturable`): the host keeps its seq
-        self.remote = hasattr(exchange, "before_replay")
+        # a remote exchange captured whole (`Exchange.capturable`: async 1A1F): the host keeps its seq
+        self.remote = exchange.capturable
         if self.remote and not segmented and capture:
             exchange.warm_up_graph_kernels()
         self.buckets = batch_buckets(max_num_seqs)
@@ -272,11 +285,11 @@ class DecodeGraphRunner:
 
     def _capture_whole(self, static: StaticInputs, batch: Batch) -> _Graph:
         graph = torch.cuda.CUDAGraph()
-        sends = getattr(self.exchange, "captured_sends", 0)
+        sends = self.exchange.captured_sends
         with torch.cuda.graph(graph, pool=self._pool):
             output = self._forward(static, batch, self.exchange)
         captured = _Graph(static, batch, [graph], output)
-        captured.sends = getattr(self.exchange, "captured_sends", 0) - sends
+        captured.sends = self.exchange.captured_sends - sends
         return captured
 
     def _capture_segments(self, static: StaticInputs, batch: Batch) -> _Graph:
@@ -298,15 +311,7 @@ class DecodeGraphRunner:
 
     def _real_rows_exchange(self, num_real: int) -> Exchange:
         """Segmented: the exchange sees only the step's real rows, padding rows get zeros (as in replay)."""
-        if not self.segmented:
-            return self.exchange
-
-        def exchange(layer_idx: int, x: torch.Tensor, routing: Routing | None) -> torch.Tensor:
-            answer = torch.zeros_like(x)
-            answer[:num_real] = self.exchange(layer_idx, x[:num_real], _head(routing, num_real))
-            return answer
-
-        return exchange
+        return RealRowsExchange(self.exchange, num_real) if self.segmented else self.exchange
 
     def _forward(self, static: StaticInputs, batch: Batch, exchange: Exchange) -> torch.Tensor:
         segments = self.model.forward_segments(static.input_ids, static.positions, batch, self.kv_cache)
