@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from afd.buckets import batch_buckets, context_bucket, pick_bucket
+from afd.connectors.base import Exchange
 from afd.engine.engine import Engine, LocalExchange, Request
 from afd.engine.graphs.decode import DecodeGraphRunner, StaticInputs, fill_static_inputs
 from afd.model.weights import load_attention_model, load_ffn_model
@@ -106,7 +107,7 @@ def test_padded_decode_steps_equal_unpadded_ones_across_block_boundaries(tiny) -
     assert got1[0].logprobs == pytest.approx(want1[0].logprobs, abs=1e-5)
 
 
-class RealRowsOnly:
+class RealRowsOnly(Exchange):
     """A disaggregated exchange's view: records the rows it was asked for, answers as the local one does."""
 
     def __init__(self, local: LocalExchange) -> None:

@@ -20,6 +20,7 @@ from test_async_faults import endpoints, models
 
 from afd.connectors.asynchronous.attention import AsyncAttentionExchange
 from afd.connectors.asynchronous.ffn import AsyncFFNServer, run_ffn_loop
+from afd.connectors.base import Exchange
 from afd.engine.engine import Engine, LocalExchange, Request
 from afd.engine.generate import generate
 from afd.model.attention_side import run_segments, run_ubatches, split_ubatches
@@ -43,7 +44,7 @@ def tiny():
     return load_attention_model(MODEL), load_ffn_model(MODEL)
 
 
-class FifoExchange:
+class FifoExchange(Exchange):
     """send/recv over an in-process FFN model: each answer is computed at send and returned in send order."""
 
     def __init__(self, local: LocalExchange, num_ubatches: int) -> None:
