@@ -55,3 +55,11 @@ def afd_test_tag(monkeypatch: pytest.MonkeyPatch) -> str:
     tag = uuid.uuid4().hex[:12]
     monkeypatch.setenv("AFD_TEST_TAG", tag)
     return tag
+
+
+@pytest.fixture(scope="module")
+def models():
+    """The tiny preset's attention and FFN sides (fp32, CPU), loaded once per module."""
+    from afd.model.weights import load_attention_model, load_ffn_model
+
+    return load_attention_model("tiny"), load_ffn_model("tiny")

@@ -8,10 +8,6 @@ import sys
 
 import pytest
 
-from afd.cli.main import build_parser
-from afd.model.kv_cache import CacheOptions
-from afd.runtime.launch import cache_flags
-
 # two prompts that each need 3 blocks of 4 tokens (5 prompt + 7 new - 1 = 11 tokens)
 PROMPTS = "5,17,33,2,9;4,8,100,3,77"
 COMMON = ["--model", "tiny", "--prompt-ids", PROMPTS, "--max-new-tokens", "7", "--json", "--block-size", "4"]
@@ -24,23 +20,6 @@ def afd(*args: str) -> subprocess.CompletedProcess:
 def tokens(result: subprocess.CompletedProcess) -> list[list[int]]:
     assert result.returncode == 0, result.stderr[-2000:]
     return [o["token_ids"] for o in json.loads(result.stdout)["outputs"]]
-
-
-def test_co_located_ranks_split_the_gpu_memory_fraction() -> None:
-    assert CacheOptions(gpu_memory_utilization=0.9).shared_by(2).gpu_memory_utilization == pytest.approx(0.45)
-    assert CacheOptions(gpu_memory_utilization=0.9).shared_by(1).gpu_memory_utilization == pytest.approx(0.9)
-
-
-def test_the_launcher_hands_a_rank_the_same_options() -> None:
-    options = CacheOptions(block_size=8, gpu_memory_utilization=0.45, num_blocks=12, max_num_seqs=3)
-    argv = ["worker", "--rank", "0", "--model", "tiny", *cache_flags(options)]
-    args = build_parser().parse_args(argv)
-    assert (args.block_size, args.gpu_memory_utilization, args.num_gpu_blocks_override, args.max_num_seqs) == (
-        8,
-        0.45,
-        12,
-        3,
-    )
 
 
 @pytest.mark.parametrize("bad", ["0", "1.5", "nan", "x"])
@@ -69,20 +48,3 @@ def test_a_pool_for_one_request_makes_the_next_wait_in_every_engine() -> None:
     assert (
         "[attention rank 0 (world rank 1)] afd.engine.engine INFO KV cache: 3 blocks x 4 tokens" in launched.stderr
     ), launched.stderr[-3000:]
-
-
-def test_enforce_eager_reaches_the_single_process_engine(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`--enforce-eager` is vLLM's switch; afd's CPU engine never captures, so check the plumbing."""
-    import afd.engine.generate
-    from afd.cli.main import main
-
-    seen = {}
-    real = afd.engine.generate.generate
-
-    def spy(*args, **kwargs):
-        seen.update(kwargs)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(afd.engine.generate, "generate", spy)
-    assert main(["generate", "--model", "tiny", "--prompt-ids", "1,2", "--max-new-tokens", "1", "--enforce-eager"]) == 0
-    assert seen["enforce_eager"] is True

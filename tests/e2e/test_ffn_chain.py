@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.async_runs import reference, run_async, tokens, uneven_prompts
 from helpers.e2e import MODEL, assert_matches_reference, hand_config, launch_checked
-from test_async_e2e import reference, run_async, tokens, uneven_prompts
 
 from afd.config import parse_config
 from afd.engine.generate import generate
@@ -95,19 +95,3 @@ def test_captured_steps_and_device_passes_equal_the_eager_exchange(tmp_path: Pat
         assert ("exchanges included" in attention_log) == (mode == "device"), attention_log[-2000:]
         assert "captured the decode CUDA graph" in attention_log and "decode runs eager" not in attention_log
     assert_matches_reference(runs["device"], runs["eager"])
-
-
-def test_pass_buckets_cover_every_row_count_up_to_the_slot() -> None:
-    """Decode buckets, powers of two, and the slot's rows: every message up to the slot has a bucket of less than
-    twice its rows."""
-    from afd.buckets import pick_bucket
-    from afd.connectors.asynchronous.ffn_chain import pass_buckets
-
-    assert pass_buckets(1) == [1] and pass_buckets(300)[-2:] == [256, 300]
-    assert pass_buckets(8192)[-5:] == [512, 1024, 2048, 4096, 8192]
-    for cap in (1, 7, 256, 1000, 6000):
-        buckets = pass_buckets(cap)
-        assert buckets == sorted(set(buckets)) and buckets[-1] == cap
-        for rows in range(1, cap + 1):
-            bucket = pick_bucket(rows, buckets)
-            assert bucket is not None and rows <= bucket < 2 * rows, (cap, rows, bucket)

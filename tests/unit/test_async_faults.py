@@ -4,100 +4,26 @@ non-x86 hosts, the NVSHMEM placement wait."""
 
 from __future__ import annotations
 
-import glob
-import os
 import platform
-import signal
 import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import e2e
-from helpers.e2e import Leftovers, afd_worker, hand_config, kill_all, wait_until_mapped
-from test_async_connector import HIDDEN, NUM_EXPERTS, TOPK, StandInFFN, dims, reference, routing
+from helpers.async_fakes import HIDDEN, NUM_EXPERTS, TOPK, dims, endpoints, models, reference, routing, segments_of
 
 import afd.connectors.asynchronous.endpoint as async_endpoint
 from afd.connectors.asynchronous.attention import AsyncAttentionExchange, ConnectorShutdown
 from afd.connectors.asynchronous.ffn import AsyncFFNServer
 from afd.connectors.asynchronous.wire import WindowOverflow
-from afd.runtime.launch import free_port
 from afd.topology import AsyncTopology
 from afd.transport.factory import default_heap_factory
 from afd.transport.nvshmem import exchange_placement
 from afd.transport.shm import RUN_TOKEN_KEY, ShmHeap, check_store_ordering, cleanup_segments
 from afd.transport.symm_heap import SymmetricHeap
-
-
-def segments_of(token: str) -> list[str]:
-    return sorted(glob.glob(f"/dev/shm/afd_{token}_*"))
-
-
-@contextmanager
-def endpoints(num_ffn: int, **extra: object) -> Iterator[tuple[AsyncAttentionExchange, list[AsyncFFNServer]]]:
-    """1 attention rank and `num_ffn` FFN ranks in this process over real shared memory."""
-    store = dist.HashStore()
-    topo = AsyncTopology(1, num_ffn, NUM_EXPERTS)
-    args = dims()
-    args["extra_config"] = {**args["extra_config"], **extra}
-    servers: dict[int, AsyncFFNServer] = {}
-    threads = [
-        threading.Thread(target=lambda f=f: servers.setdefault(f, AsyncFFNServer(store, topo, f, **args)))
-        for f in range(num_ffn)
-    ]
-    for t in threads:
-        t.start()
-    ex = AsyncAttentionExchange(store, topo, 0, **args)
-    for t in threads:
-        t.join(30)
-    try:
-        yield ex, [servers[f] for f in range(num_ffn)]
-    finally:
-        ex.close()
-        for s in servers.values():
-            s.close()
-        cleanup_segments(ex.window.heap.run_token)
-
-
-def models(num_ffn: int) -> list[StandInFFN]:
-    return [StandInFFN(r) for r in AsyncTopology(1, num_ffn, NUM_EXPERTS).expert_ranges]
-
-
-# --------------------------------------------------------------------------------------------- segment leaks
-
-
-@pytest.mark.timeout(90)
-def test_kill9_of_a_hand_started_rank_leaves_no_segment() -> None:
-    """1A1F `async` started by hand with its own run token; SIGKILL the FFN rank mid-run: the attention
-    rank exits non-zero in bounded time and no /dev/shm/afd_<token>_* remains (the segments were unlinked
-    as soon as both ranks had mapped them; before the fix the killed rank's segment stayed forever)."""
-    token = f"{e2e.test_tag()}k{uuid.uuid4().hex[:8]}"
-    config = hand_config("async", 1, 1, port=free_port(), recv_poll_timeout_ms=100)
-    leftovers = Leftovers()
-    ffn = afd_worker(config, "ffn", 0, "--run-token", token)
-    attn = afd_worker(config, "attention", 0, "--prompt-ids", "1,2,3", "--max-new-tokens", "4000", "--run-token", token)
-    try:
-        wait_until_mapped({ffn.pid, attn.pid}, 2, [ffn, attn])
-        time.sleep(1.0)  # let it decode
-        assert attn.poll() is None and ffn.poll() is None, "a rank ended before the kill"
-        killed = time.monotonic()
-        os.killpg(ffn.pid, signal.SIGKILL)
-        _, err = attn.communicate(timeout=30)
-        assert time.monotonic() - killed < 30
-        assert attn.returncode != 0, err
-        assert "rank" in err and "Traceback" not in err, err
-        ffn.wait(10)
-        assert segments_of(token) == [], "shared-memory segments left behind after kill -9"
-        leftovers.check()
-    finally:
-        kill_all([ffn, attn])
-        leftovers.cleanup()
-        cleanup_segments(token)
 
 
 def test_shm_segments_are_unlinked_once_every_peer_mapped_them() -> None:

@@ -8,54 +8,17 @@ single-process engine and through the p2p and async connectors.
 from __future__ import annotations
 
 import math
-import random
 
 import pytest
-from helpers.e2e import MODEL, launch_checked
+from helpers.e2e import MODEL
+from helpers.engine_runs import assert_same, engine_of, tokens, whole
 
-from afd.cli.main import build_parser, run_spec
-from afd.engine.engine import Engine, LocalExchange, Output, Request
-from afd.engine.generate import generate
+from afd.cli.args import run_spec
+from afd.cli.main import build_parser
+from afd.engine.engine import Request
 from afd.engine.sampling import SamplingParams
-from afd.model.weights import load_attention_model, load_ffn_model
-
-TOL = 1e-5
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 256) for _ in range(n)]  # the tiny preset's vocabulary
-
 
 PROMPTS = [tokens(37, 1), [7, 3], tokens(20, 2), [9]]
-
-
-@pytest.fixture(scope="module")
-def models():
-    return load_attention_model(MODEL), load_ffn_model(MODEL)
-
-
-def engine_of(models, budget: int, **kwargs) -> Engine:
-    attn, ffn = models
-    return Engine(attn, LocalExchange(ffn), budget, **kwargs)
-
-
-def assert_same(got: list[Output], want: list[Output], tol: float = TOL) -> None:
-    assert len(got) == len(want)
-    for g, w in zip(got, want, strict=True):
-        assert g.prompt_ids == w.prompt_ids
-        assert g.token_ids == w.token_ids
-        assert g.logprobs == pytest.approx(w.logprobs, abs=tol)
-        if w.prompt_logprobs is None:
-            assert g.prompt_logprobs is None
-        else:
-            assert g.prompt_logprobs[0] is None and len(g.prompt_logprobs) == len(g.prompt_ids)
-            assert g.prompt_logprobs[1:] == pytest.approx(w.prompt_logprobs[1:], abs=tol)
-
-
-def whole(prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams | None = None) -> list[Output]:
-    """The reference: every prompt prefilled in one step (the budget fits them all)."""
-    return generate(MODEL, prompts, max_new_tokens=max_new_tokens, prompt_logprobs=True, sampling=sampling)
 
 
 @pytest.mark.timeout(120)
@@ -127,35 +90,3 @@ def test_cli_keeps_the_budget_as_given() -> None:
         ["launch", "--model", MODEL, "--prompt-ids", "1,2,3,4,5,6,7,8,9,10", "--max-num-batched-tokens", "4"]
     )
     assert run_spec(args, [list(range(1, 11))]).max_num_batched_tokens == 4
-
-
-# ---------------------------------------------------------------- launched: real rank processes
-E2E_PROMPTS = [tokens(30, 11), [7, 3], tokens(13, 12)]
-E2E_BUDGET = 8
-E2E_NEW = 3
-
-
-def steps_in_process(models) -> int:
-    """Steps the single-process engine takes for the e2e prompts at the e2e budget."""
-    engine = engine_of(models, E2E_BUDGET)
-    for p in E2E_PROMPTS:
-        engine.add(Request(list(p), E2E_NEW, prompt_logprobs=True))
-    steps = 0
-    while engine.has_work():
-        engine.step()
-        steps += 1
-    return steps
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("connector", ["p2p", "async"])
-def test_launched_1a1f_with_a_small_budget_equals_reference(models, connector: str) -> None:
-    """1A1F with an 8-token budget and a 30-token prompt: the attention rank chunks the prefill (as many
-    steps as the in-process engine) and every output equals the whole-prefill reference."""
-    extra = {"timeout_s": 60} if connector == "p2p" else {"recv_poll_timeout_ms": 100}
-    outputs, stats = launch_checked(
-        connector, 1, 1, E2E_PROMPTS, max_new_tokens=E2E_NEW, max_num_batched_tokens=E2E_BUDGET, **extra
-    )
-    assert_same(outputs, whole(E2E_PROMPTS, E2E_NEW), tol=1e-4)
-    (replica,) = stats["replicas"]
-    assert replica["num_steps"] == steps_in_process(models) >= math.ceil(sum(map(len, E2E_PROMPTS)) / E2E_BUDGET)

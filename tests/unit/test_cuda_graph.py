@@ -4,13 +4,11 @@ and on the device graph replay equal to eager output for every bucket, across bl
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
+from helpers.graph_fakes import RealRowsOnly
 
 from afd.buckets import batch_buckets, context_bucket, pick_bucket
-from afd.connectors.base import Exchange
 from afd.engine.engine import Engine, LocalExchange, Request
 from afd.engine.graphs.decode import DecodeGraphRunner, StaticInputs, fill_static_inputs
 from afd.model.weights import load_attention_model, load_ffn_model
@@ -107,17 +105,6 @@ def test_padded_decode_steps_equal_unpadded_ones_across_block_boundaries(tiny) -
     assert got1[0].logprobs == pytest.approx(want1[0].logprobs, abs=1e-5)
 
 
-class RealRowsOnly(Exchange):
-    """A disaggregated exchange's view: records the rows it was asked for, answers as the local one does."""
-
-    def __init__(self, local: LocalExchange) -> None:
-        self.local, self.rows_seen = local, []
-
-    def __call__(self, layer_idx, x, routing):
-        self.rows_seen.append(x.shape[0])
-        return self.local(layer_idx, x, routing)
-
-
 @pytest.mark.timeout(120)
 def test_segmented_padded_steps_send_only_real_rows_and_equal_unpadded_ones(tiny) -> None:
     """The piecewise layout of disaggregated ranks (graphs between exchanges), run eagerly on CPU: a batch of
@@ -146,59 +133,3 @@ def test_prefill_and_mixed_steps_do_not_take_the_graph() -> None:
     assert not runner.handles([1], [0])  # a one-token prompt has no cached context
     assert not runner.handles([1] * 9, [3] * 9)  # beyond the largest bucket
     assert not runner.handles([], [])
-
-
-# --- on the device -----------------------------------------------------------------------------------
-
-
-def _gpu_run(models, prompts, *, mode: str, max_new_tokens: int = 8):
-    """mode: "eager" (enforce_eager), "padded" (the graph layout run eagerly), "graph" (replayed)."""
-    attn, ffn = models
-    engine = Engine(
-        attn,
-        LocalExchange(ffn),
-        4096,
-        block_size=BLOCK,
-        max_num_seqs=256,
-        num_blocks=2048,
-        enforce_eager=mode != "graph",
-    )
-    assert (engine.cuda_graphs is None) == (mode != "graph")
-    if mode == "padded":
-        engine.cuda_graphs = DecodeGraphRunner(attn, engine.exchange, engine.kv_cache, 256, capture=False)
-    for p in prompts:
-        engine.add(Request(list(p), max_new_tokens))
-    return engine, engine.run()
-
-
-def _max_diff(got, want) -> float:
-    return max(abs(a - b) for g, w in zip(got, want, strict=True) for a, b in zip(g.logprobs, w.logprobs, strict=True))
-
-
-@pytest.mark.gpu
-@pytest.mark.timeout(600)
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_graph_replay_equals_eager_for_every_bucket_bf16() -> None:
-    """For every batch bucket (padded and full), prompts of 1-14 tokens decoding across block boundaries of 4:
-    the replayed graphs give the tokens of the same padded step run eagerly, logprobs within 1e-3 (bf16), and
-    the tokens of the plain eager engine (whose lone decode takes the expanded, not the absorbed, attention)."""
-    models = (
-        load_attention_model("tiny", dtype="bfloat16", device="cuda"),
-        load_ffn_model("tiny", dtype="bfloat16", device="cuda"),
-    )
-    rng = random.Random(0)
-    worst = {}
-    for bucket in batch_buckets(256):
-        for size in sorted({bucket, bucket // 2 + 1}):
-            prompts = [[rng.randrange(256) for _ in range(rng.randint(1, 14))] for _ in range(size)]
-            _, eager = _gpu_run(models, prompts, mode="eager")
-            _, padded = _gpu_run(models, prompts, mode="padded")
-            engine, got = _gpu_run(models, prompts, mode="graph")
-            assert engine.cuda_graphs.captured and not engine.cuda_graphs.disabled
-            assert {n for n, _ in engine.cuda_graphs.captured} == {bucket}
-            for g, p, e in zip(got, padded, eager, strict=True):
-                assert g.token_ids == p.token_ids == e.token_ids, (bucket, size)
-                assert g.logprobs == pytest.approx(p.logprobs, abs=1e-3), (bucket, size)
-            worst[size] = (_max_diff(got, padded), _max_diff(got, eager))
-            assert not engine.kv_cache.cache[:, :BLOCK].any()
-    print("max |dlogprob| graph vs padded eager, graph vs eager, by batch:", worst)

@@ -9,104 +9,16 @@ not batch-invariant, ~1e-6); their tokens stay equal.
 
 from __future__ import annotations
 
-import random
-from dataclasses import dataclass, field
-
 import pytest
-import torch
+from helpers.overlap import Recorder, assert_same, assert_streamed, drive, tokens
 
 from afd.engine.engine import Engine, LocalExchange, Output, Request
 from afd.engine.sampling import SamplingParams
-from afd.model.weights import load_attention_model, load_ffn_model
 
 TOL = 1e-5  # only where a wasted row changes the batch (module docstring)
 
 
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 256) for _ in range(n)]  # the tiny preset's vocabulary
-
-
 PROMPTS = [[1, 2, 3], [4, 5], tokens(9, 1), [200], tokens(14, 2)]
-
-
-@pytest.fixture(scope="module")
-def models():
-    return load_attention_model("tiny"), load_ffn_model("tiny")
-
-
-class Recorder(LocalExchange):
-    """The local exchange (so CUDA captures whole steps), recording the token count of every step launched."""
-
-    def __init__(self, ffn) -> None:
-        super().__init__(ffn)
-        self.steps: list[int] = []
-
-    def begin_step(self, num_tokens: int) -> None:
-        if num_tokens:
-            self.steps.append(num_tokens)
-
-
-@dataclass
-class Run:
-    outputs: list[Output]  # by request index
-    streamed: list[list[int]]  # by request index: the tokens `last_step_tokens` showed, in order
-    steps: list[int]  # tokens of every step launched
-    engine: Engine
-    in_flight_events: int = 0  # adds and aborts made while a step was in flight
-    aborted: dict[int, Output] = field(default_factory=dict)
-
-
-def drive(
-    models,
-    overlap: bool,
-    requests: list[Request],
-    arrive_after: list[int] | None = None,
-    abort: tuple[int, int] | None = None,
-    budget: int = 64,
-) -> Run:
-    """Step an engine to the end as a server does: request i enters once `arrive_after[i]` steps were launched
-    (or at once when the engine has nothing to do); `abort=(i, j)` aborts request i once j of its tokens were
-    streamed. Arrivals keyed on steps launched, not on calls, give both engines the same schedule."""
-    attn, ffn = models
-    rec = Recorder(ffn)
-    engine = Engine(attn, rec, budget, overlap_steps=overlap)
-    arrive_after = arrive_after or [0] * len(requests)
-    order = sorted(range(len(requests)), key=arrive_after.__getitem__)
-    ids: dict[int, int] = {}  # engine id -> request index
-    run = Run([None] * len(requests), [[] for _ in requests], rec.steps, engine)
-    added = 0
-    while added < len(order) or engine.has_work():
-        while added < len(order) and (arrive_after[order[added]] <= len(rec.steps) or not engine.has_work()):
-            run.in_flight_events += engine.step_in_flight
-            ids[engine.add(requests[order[added]])] = order[added]
-            added += 1
-        for out in engine.step():
-            run.outputs[ids[out.request_id]] = out
-        for t in engine.last_step_tokens:
-            run.streamed[ids[t.request_id]].append(t.token_id)
-        if abort is not None and abort[0] not in run.aborted and len(run.streamed[abort[0]]) == abort[1]:
-            run.in_flight_events += engine.step_in_flight
-            engine_id = next(k for k, i in ids.items() if i == abort[0])
-            run.outputs[abort[0]] = run.aborted[abort[0]] = engine.abort(engine_id)
-    assert not engine.has_work() and not engine.step_in_flight
-    assert engine.kv_cache.pool.num_free == engine.kv_cache.num_blocks and engine.cache_tokens_used == 0
-    return run
-
-
-def assert_same(got: list[Output], want: list[Output], tol: float = 0.0) -> None:
-    assert len(got) == len(want)
-    for g, w in zip(got, want, strict=True):
-        assert (g.prompt_ids, g.token_ids, g.finish_reason) == (w.prompt_ids, w.token_ids, w.finish_reason)
-        if tol == 0:
-            assert g.logprobs == w.logprobs and g.prompt_logprobs == w.prompt_logprobs
-        else:
-            assert g.logprobs == pytest.approx(w.logprobs, abs=tol)
-
-
-def assert_streamed(run: Run) -> None:
-    """What `last_step_tokens` showed is every token of every output, once, in order."""
-    assert run.streamed == [o.token_ids for o in run.outputs]
 
 
 @pytest.mark.timeout(60)
@@ -294,46 +206,3 @@ def test_overlap_is_off_by_default_on_cpu_and_refuses_micro_batches(models):
     assert not Engine(attn, TwoUbatches(ffn), 16).overlap_steps
     with pytest.raises(ValueError, match="micro-batches"):
         Engine(attn, TwoUbatches(ffn), 16, overlap_steps=True)
-
-
-# --- on the device -----------------------------------------------------------------------------------
-
-
-@pytest.mark.gpu
-@pytest.mark.timeout(600)
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_overlap_with_graphs_equals_stepping_one_at_a_time_bf16():
-    """On by default with CUDA graphs; the same steps replay the same graphs, with the input ids of a step launched
-    ahead gathered on the device instead of copied from the host: the same tokens, and logprobs within 1e-3 (the
-    same bits unless a kernel is not deterministic between two engines' captures; the largest gap is printed).
-    Greedy and seeded requests of different lengths, arrivals while a step is in flight, several graph buckets."""
-    models = (
-        load_attention_model("tiny", dtype="bfloat16", device="cuda"),
-        load_ffn_model("tiny", dtype="bfloat16", device="cuda"),
-    )
-    rng = random.Random(0)
-    requests = [
-        Request(
-            tokens(rng.randint(1, 14), i),
-            rng.randint(2, 12),
-            sampling=SamplingParams(0.9, 0.95, 40, i) if i % 3 else None,
-        )
-        for i in range(11)
-    ]
-    arrive_after = sorted(rng.randrange(12) for _ in requests)
-    attn, ffn = models
-    assert Engine(attn, LocalExchange(ffn), 64).overlap_steps  # the default on CUDA
-    off = drive(models, False, requests, arrive_after)
-    on = drive(models, True, requests, arrive_after)
-    assert on.engine.cuda_graphs is not None and on.engine.cuda_graphs.captured and not on.engine.cuda_graphs.disabled
-    assert on.engine.overlapped_steps > 0 and on.in_flight_events > 0
-    assert on.steps == off.steps
-    assert_same(on.outputs, off.outputs, tol=1e-3)
-    assert_streamed(on)
-    pairs = [
-        (a, b)
-        for g, w in zip(on.outputs, off.outputs, strict=True)
-        for a, b in zip(g.logprobs, w.logprobs, strict=True)
-    ]
-    gap = max(abs(a - b) for a, b in pairs)
-    print(f"overlap on vs off, bf16 with graphs: largest |dlogprob| {gap:.3g}")

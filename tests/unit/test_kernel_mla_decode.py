@@ -12,9 +12,7 @@ gather + einsum time, kernel time, latent bytes read and the kernel's achieved G
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 
 import pytest
 import torch
@@ -23,6 +21,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
+
+from helpers.kernels_mla_decode import eager_o_latent, make_case
 
 from afd import kernels  # noqa: E402
 from afd.engine.graphs.decode import StaticInputs, fill_static_inputs  # noqa: E402
@@ -40,78 +40,6 @@ from afd.model.attention_side import MLAttention, rope_parameters  # noqa: E402
 from afd.model.batch import Batch
 from afd.model.kv_cache import PagedLatentCache  # noqa: E402
 from afd.model.weights import load_model_config  # noqa: E402
-
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-# DeepSeek-V2-Lite: 16 heads, kv_lora_rank 512, qk_rope_head_dim 64, softmax scale 1/sqrt(128 + 64).
-LITE_HEADS, LITE_C, LITE_R, LITE_SCALE = 16, 512, 64, 192**-0.5
-
-
-def eager_o_latent(
-    q_latent: torch.Tensor,
-    q_pe: torch.Tensor,
-    cache_layer: torch.Tensor,
-    rows: torch.Tensor,
-    valid: torch.Tensor,
-    scale: float,
-    *,
-    upcast: bool = False,
-) -> torch.Tensor:
-    """The einsum path of `MLAttention._decode_attention` (gather, then einsums) up to `probs . kv_c` [B, nh, C];
-    `upcast` runs it in fp32 from the same inputs (the reference for bf16)."""
-    C = q_latent.shape[-1]
-    context = cache_layer[rows]  # [B, L, C + R]
-    if upcast:
-        q_latent, q_pe, context = q_latent.float(), q_pe.float(), context.float()
-    kv_c, k_pe = context.split([C, context.shape[-1] - C], dim=-1)
-    scores = torch.einsum("bhc,blc->bhl", q_latent, kv_c) + torch.einsum("bhr,blr->bhl", q_pe, k_pe)
-    scores = scores.float().mul_(scale).masked_fill_(~valid[:, None, :], float("-inf"))
-    probs = scores.softmax(dim=-1).to(kv_c.dtype)  # [B, nh, L]
-    return torch.einsum("bhl,blc->bhc", probs, kv_c)  # [B, nh, C]
-
-
-def make_case(
-    B: int,
-    L: int,
-    nh: int,
-    C: int,
-    R: int,
-    *,
-    dtype: torch.dtype = torch.float32,
-    device: str = "cpu",
-    block_size: int = 16,
-    padded: int = 0,
-    full: bool = False,
-    q_std: float = 1.0,
-    seed: int = 0,
-) -> tuple[torch.Tensor, ...]:
-    """(q_latent [B, nh, C], q_pe [B, nh, R], cache_layer [rows, C + R], rows [B, L], valid [B, L]).
-
-    Block 0 is the all-zero null block; each sequence's blocks are scattered over the pool. Sequence 0 has
-    all L rows, the others random lengths (all L when `full`); the last `padded` sequences are laid out as
-    the CUDA-graph runner pads a batch: valid only at column 0, every row the null block's first row.
-    """
-    g = torch.Generator(device=device).manual_seed(seed)
-    kw = {"device": device, "generator": g}
-    nblk = -(-L // block_size)
-    pool_blocks = 1 + B * nblk
-    cache_layer = torch.randn(pool_blocks * block_size, C + R, **kw)
-    cache_layer[:block_size] = 0
-    tables = (torch.randperm(B * nblk, **kw) + 1).view(B, nblk)  # [B, nblk]
-    offsets = torch.arange(block_size, device=device)
-    rows = (tables[:, :, None] * block_size + offsets).reshape(B, nblk * block_size)[:, :L]  # [B, L]
-    lengths = torch.full((B,), L, device=device) if full else torch.randint(1, L + 1, (B,), **kw)
-    lengths[0] = L
-    if padded:
-        lengths[B - padded :] = 1
-    valid = torch.arange(L, device=device)[None, :] < lengths[:, None]  # [B, L]
-    rows = rows.masked_fill(~valid, 0)
-    if padded:
-        rows[B - padded :] = 0
-    q_latent = torch.randn(B, nh, C, **kw) * q_std
-    q_pe = torch.randn(B, nh, R, **kw) * q_std
-    return q_latent.to(dtype), q_pe.to(dtype), cache_layer.to(dtype), rows, valid
-
 
 # --- CPU: the interpreter, fp32, tiny shapes ---------------------------------------------------------------
 
@@ -292,178 +220,3 @@ def test_graph_padded_step_takes_the_kernel(monkeypatch: pytest.MonkeyPatch) -> 
         got = attn(x_padded, cos_p, sin_p, padded_batch, cache)
     torch.testing.assert_close(got[:3], want, atol=1e-5, rtol=1e-5)
     assert torch.isfinite(got[3]).all()
-
-
-# --- GPU: bf16, DeepSeek-V2-Lite shapes ---------------------------------------------------------------------
-
-# bf16 kernel vs the fp32 reference computed from the same bf16 inputs: the probabilities enter the second
-# product in bf16 (as in the eager path) and the output is rounded to bf16 (|o| <~ 1): 1e-2 covers both.
-BF16_TOL = 1e-2
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("L", [512, 4096])
-@pytest.mark.parametrize("B", [1, 8, 64, 256])
-def test_gpu_lite_bf16_against_fp32_reference(B: int, L: int) -> None:
-    """V2-Lite shapes, bf16, paged blocks of 16, varied lengths and graph-padded rows: the kernel is within
-    1e-2 of the fp32 reference (and no worse than twice the eager bf16 path's own error + 2e-3), and two runs
-    give the same bits."""
-    case = make_case(B, L, LITE_HEADS, LITE_C, LITE_R, dtype=torch.bfloat16, device="cuda", padded=B // 8, seed=B + L)
-    q, q_pe, cache_layer, rows, valid = case
-    got = mla_decode(q, q_pe, cache_layer, rows, valid, LITE_SCALE)
-    again = mla_decode(q, q_pe, cache_layer, rows, valid, LITE_SCALE)
-    ref = eager_o_latent(*case, LITE_SCALE, upcast=True)
-    eager = eager_o_latent(*case, LITE_SCALE)
-    err = (got.float() - ref).abs().max().item()
-    eager_err = (eager.float() - ref).abs().max().item()
-    print(json.dumps({"B": B, "L": L, "kernel_max_abs_err": err, "eager_bf16_max_abs_err": eager_err}))
-    assert got.dtype == torch.bfloat16 and got.shape == (B, LITE_HEADS, LITE_C)
-    torch.testing.assert_close(got.float(), ref, atol=BF16_TOL, rtol=BF16_TOL)
-    assert err <= 2 * eager_err + 2e-3, (err, eager_err)
-    assert torch.equal(got, again), "two runs of the same shapes must give the same bits"
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize(("B", "L"), [(1, 4096), (8, 512), (64, 4096), (256, 512)])
-def test_gpu_cuda_graph_replay_equals_eager(B: int, L: int) -> None:
-    """Captured once, replayed on new inputs copied into the static buffers: the same bits as an eager call
-    (split + combine for B < #SMs, one direct kernel at 256)."""
-    q, q_pe, cache_layer, rows, valid = make_case(
-        B, L, LITE_HEADS, LITE_C, LITE_R, dtype=torch.bfloat16, device="cuda", padded=B // 8, seed=1
-    )
-    static = [t.clone() for t in (q, q_pe, rows, valid)]
-    mla_decode(static[0], static[1], cache_layer, static[2], static[3], LITE_SCALE)  # compile outside capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = mla_decode(static[0], static[1], cache_layer, static[2], static[3], LITE_SCALE)
-    q2, q_pe2, _, rows2, valid2 = make_case(
-        B, L, LITE_HEADS, LITE_C, LITE_R, dtype=torch.bfloat16, device="cuda", padded=B // 8, seed=2
-    )
-    for buf, new in zip(static, (q2, q_pe2, rows2, valid2), strict=True):
-        buf.copy_(new)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, mla_decode(q2, q_pe2, cache_layer, rows2, valid2, LITE_SCALE))
-    torch.testing.assert_close(
-        out.float(),
-        eager_o_latent(q2, q_pe2, cache_layer, rows2, valid2, LITE_SCALE, upcast=True),
-        atol=BF16_TOL,
-        rtol=BF16_TOL,
-    )
-
-
-@pytest.mark.gpu
-@gpu
-def test_gpu_v3_heads_and_fp32() -> None:
-    """128 heads (DeepSeek-V3: four head tiles of 32) in bf16, and fp32 inputs (exact fp32 products, no tf32)
-    within 1e-4 of the fp32 einsum path."""
-    case = make_case(4, 1000, 128, LITE_C, LITE_R, dtype=torch.bfloat16, device="cuda", q_std=0.5, seed=5)
-    got = mla_decode(*case, LITE_SCALE)
-    torch.testing.assert_close(
-        got.float(), eager_o_latent(*case, LITE_SCALE, upcast=True), atol=BF16_TOL, rtol=BF16_TOL
-    )
-    case = make_case(8, 700, LITE_HEADS, LITE_C, LITE_R, device="cuda", q_std=0.5, seed=6)
-    got = mla_decode(*case, LITE_SCALE)
-    torch.testing.assert_close(got, eager_o_latent(*case, LITE_SCALE), atol=1e-4, rtol=1e-4)
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("B", [1, 8, 64])
-def test_gpu_decode_attention_kernel_vs_eager(monkeypatch: pytest.MonkeyPatch, B: int) -> None:
-    """`MLAttention._decode_attention` with V2-Lite weights shapes in bf16 over a real paged cache: the kernel
-    path and the einsum path (`kernels.enabled` forced off) agree, and the kernel is no further from the
-    fp32 module than the einsum path is (2x its error + 2e-3)."""
-    torch.manual_seed(B)
-    config = load_model_config("deepseek-v2-lite")
-    scale = rope_parameters(config)[2]
-    attn = MLAttention(config, 0, scale).to("cuda", torch.bfloat16)
-    contexts = torch.randint(1, 600, (B,)).tolist()
-    cache = PagedLatentCache(
-        config, num_blocks=B * 40, block_size=16, max_num_seqs=B, dtype=torch.bfloat16, device="cuda"
-    )
-    cache.cache[0, cache.block_size :].normal_()
-    slots = [cache.allocate(n + 1) for n in contexts]
-    batch = Batch(slots=slots, query_lens=[1] * B, context_lens=contexts, batch_decodes=True)  # B = 1 batched too
-    cache.prepare(batch)
-    q_nope = torch.randn(B, config.num_attention_heads, config.qk_nope_head_dim, device="cuda", dtype=torch.bfloat16)
-    q_pe = torch.randn(B, config.num_attention_heads, config.qk_rope_head_dim, device="cuda", dtype=torch.bfloat16)
-    with torch.no_grad():
-        assert kernels.enabled(q_nope.device)
-        got = attn._decode_attention(q_nope, q_pe, cache, batch.decode_rows, batch.decode_valid)
-        monkeypatch.setattr(kernels, "enabled", lambda device: False)
-        eager = attn._decode_attention(q_nope, q_pe, cache, batch.decode_rows, batch.decode_valid)
-        attn32 = attn.float()
-        cache.cache = cache.cache.float()
-        ref = attn32._decode_attention(q_nope.float(), q_pe.float(), cache, batch.decode_rows, batch.decode_valid)
-    err = (got.float() - ref).abs().max().item()
-    eager_err = (eager.float() - ref).abs().max().item()
-    print(json.dumps({"B": B, "kernel_max_abs_err": err, "eager_bf16_max_abs_err": eager_err}))
-    assert err <= 2 * eager_err + 2e-3, (err, eager_err)
-
-
-# --- timing (GPU) ---------------------------------------------------------------------------------------------
-
-
-def bench(B: int, L: int) -> dict:
-    """Eager gather + einsums vs the kernel on V2-Lite shapes (bf16, every context full), each timed as one
-    CUDA graph of 10-200 calls (~2 GB of latents; no launch overhead). Calls rotate over enough independent
-    contexts of one pool that the latents come from HBM, not L2 (>= 512 MiB per pass)."""
-    latent_bytes = B * L * (LITE_C + LITE_R) * 2
-    iters = max(10, min(200, (2 << 30) // latent_bytes))  # the eager gathers of a graph may not share memory
-    sets = max(1, min(iters, -(-(512 << 20) // latent_bytes)))
-    q, q_pe, cache_layer, rows, valid = make_case(
-        B * sets, L, LITE_HEADS, LITE_C, LITE_R, dtype=torch.bfloat16, device="cuda", full=True, q_std=0.5
-    )
-    inputs = [
-        (q[i * B : (i + 1) * B], q_pe[i * B : (i + 1) * B], rows[i * B : (i + 1) * B], valid[i * B : (i + 1) * B])
-        for i in range(sets)
-    ]
-
-    def kernel(i: int) -> torch.Tensor:
-        qi, pi, ri, vi = inputs[i % sets]
-        return mla_decode(qi, pi, cache_layer, ri, vi, LITE_SCALE)
-
-    def eager(i: int) -> torch.Tensor:
-        qi, pi, ri, vi = inputs[i % sets]
-        return eager_o_latent(qi, pi, cache_layer, ri, vi, LITE_SCALE)
-
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    result = {"B": B, "L": L, "heads": LITE_HEADS, "splits": num_splits_for(B, 1, L, sms), "iters": iters}
-    for name, fn in (("eager", eager), ("kernel", kernel)):
-        fn(0)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for i in range(iters):
-                fn(i)
-        graph.replay()  # warm
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        result[f"{name}_ms"] = round(start.elapsed_time(end) / iters, 4)
-        del graph
-    result["latent_bytes"] = latent_bytes
-    result["kernel_GBps"] = round(latent_bytes / (result["kernel_ms"] * 1e-3) / 1e9, 1)
-    result["eager_over_kernel"] = round(result["eager_ms"] / result["kernel_ms"], 2)
-    return result
-
-
-def main() -> None:
-    if not torch.cuda.is_available():
-        sys.exit("the timing needs a CUDA GPU")
-    torch.cuda.set_device(0)
-    for L in (512, 4096):
-        for B in (1, 8, 64, 256):
-            print(json.dumps(bench(B, L)), flush=True)
-            torch.cuda.empty_cache()
-
-
-if __name__ == "__main__":
-    main()

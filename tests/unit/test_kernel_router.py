@@ -17,42 +17,22 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers.gpu_timing import graph_ms
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 import torch.nn.functional as F  # noqa: E402
+from helpers.kernels_router import HAS_CUDA, TINY, TOL, _config, _eager, _kernel, _scores, check_routing
 
 import afd.model.layers  # noqa: E402
 from afd.kernels import router  # noqa: E402
-from afd.kernels.router import fused_router, supports  # noqa: E402
+from afd.kernels.router import supports  # noqa: E402
 from afd.model.config import ModelConfig  # noqa: E402
 from afd.model.layers import Gate  # noqa: E402
-from afd.model.moe import select_experts  # noqa: E402
 from afd.model.weights import PRESETS  # noqa: E402
-from afd.routing import Routing
 
-HAS_CUDA = torch.cuda.is_available()
-gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 DEV = torch.device("cuda" if HAS_CUDA else "cpu")
-TOL = 1e-5
-
-TINY = ModelConfig.from_hf(PRESETS["tiny"])
-
-
-def _config(E: int, K: int, method: str = "greedy", scoring: str = "softmax", G: int = 1, TG: int = 1, **kw):
-    return dataclasses.replace(
-        TINY,
-        n_routed_experts=E,
-        num_experts_per_tok=K,
-        topk_method=method,
-        scoring_func=scoring,
-        n_group=G,
-        topk_group=TG,
-        **{"norm_topk_prob": False, "routed_scaling_factor": 1.0, **kw},
-    )
 
 
 # Small configs of each method (group sizes 5 and 8: not only powers of two), the scaling / normalization variants.
@@ -66,47 +46,6 @@ CONFIGS = {
     "group_limited_e20": _config(20, 3, "group_limited_greedy", G=4, TG=2, routed_scaling_factor=3.0),
     "group_limited_e64": _config(64, 6, "group_limited_greedy", G=8, TG=3),
 }
-
-
-def _eager(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, c: ModelConfig) -> Routing:
-    """The oracle: what `Gate.forward` computes without the kernel."""
-    return select_experts(
-        F.linear(x.float(), weight.float()),
-        top_k=c.num_experts_per_tok,
-        scoring_func=c.scoring_func,
-        topk_method=c.topk_method,
-        n_group=c.n_group,
-        topk_group=c.topk_group,
-        norm_topk_prob=c.norm_topk_prob,
-        routed_scaling_factor=c.routed_scaling_factor,
-        e_score_correction_bias=bias,
-    )
-
-
-def _kernel(x, weight, bias, c: ModelConfig, **kw) -> Routing:
-    return fused_router(x, weight, bias, c, c.routed_scaling_factor, **kw)
-
-
-@dataclasses.dataclass
-class _Scores:
-    """select_experts' intermediate values, from fp32 logits: what "the selection score" means per method."""
-
-    scores: torch.Tensor  # [T, E] softmax / sigmoid
-    choice: torch.Tensor  # [T, E] what the top-k ranks (scores + bias for noaux_tc)
-    group_scores: torch.Tensor | None  # [T, G]
-
-
-def _scores(logits: torch.Tensor, c: ModelConfig, bias: torch.Tensor | None) -> _Scores:
-    scores = logits.softmax(-1) if c.scoring_func == "softmax" else logits.sigmoid()
-    choice = scores + bias.float() if c.topk_method == "noaux_tc" and bias is not None else scores
-    if c.topk_method == "greedy":
-        return _Scores(scores, choice, None)
-    grouped = choice.view(logits.shape[0], c.n_group, -1)  # [T, G, E/G]
-    if c.topk_method == "noaux_tc":
-        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
-    else:
-        group_scores = grouped.max(-1).values
-    return _Scores(scores, choice, group_scores)
 
 
 def _min_gap(logits: torch.Tensor, c: ModelConfig, bias: torch.Tensor | None) -> float:
@@ -142,45 +81,6 @@ def _inputs(c: ModelConfig, T: int, H: int, *, seed: int, min_gap: float | None 
         if min_gap is None or T == 0 or _min_gap(F.linear(x, weight), c, bias) > min_gap:
             return x.to(DEV), weight.to(DEV), None if bias is None else bias.to(DEV)
     raise AssertionError("no input without near-ties in 200 draws")
-
-
-def check_routing(got: Routing, x, weight, bias, c: ModelConfig, *, tol: float = TOL, max_diff_rows: int = 0):
-    """`got` is a correct routing of `x` up to selection scores within `tol` of each other:
-
-    ids distinct and in range; every chosen group (grouped methods) scores within `tol` of the kept ones; every
-    chosen expert's selection score >= every unchosen candidate's minus `tol`; descending order within `tol`; the
-    weights are the eager formula at the chosen ids within `tol` (before the scaling factor); and at most
-    `max_diff_rows` rows differ at all from `select_experts`.
-    """
-    want = _eager(x, weight, bias, c)
-    T, K, E = x.shape[0], c.num_experts_per_tok, c.n_routed_experts
-    assert got.topk_ids.shape == (T, K) and got.topk_ids.dtype == torch.int64
-    assert got.topk_weights.shape == (T, K) and got.topk_weights.dtype == torch.float32
-    if T == 0:
-        return
-    ids = got.topk_ids.cpu()
-    assert int(ids.min()) >= 0 and int(ids.max()) < E
-    assert bool((ids.sort(-1).values.diff(dim=-1) > 0).all()), "an expert chosen twice"
-    s = _scores(F.linear(x.float(), weight.float()).cpu(), c, None if bias is None else bias.cpu())
-    candidate = torch.ones(T, E, dtype=torch.bool)  # experts whose group is surely kept
-    if s.group_scores is not None:
-        kth = s.group_scores.topk(c.topk_group, -1).values[:, -1:]  # [T, 1]
-        gsize = E // c.n_group
-        chosen_group_scores = s.group_scores.gather(1, ids // gsize)  # [T, K]
-        assert bool((chosen_group_scores >= kth - tol).all()), "an expert of a group that is not among the best"
-        candidate = (s.group_scores > kth + tol).repeat_interleave(gsize, dim=1)
-    chosen = s.choice.gather(1, ids)  # [T, K]
-    is_chosen = torch.zeros(T, E, dtype=torch.bool).scatter_(1, ids, True)
-    best_unchosen = s.choice.masked_fill(is_chosen | ~candidate, float("-inf")).max(-1).values  # [T]
-    assert bool((chosen.min(-1).values >= best_unchosen - tol).all()), "an unchosen expert scores higher"
-    assert bool((chosen[:, :-1] >= chosen[:, 1:] - tol).all()), "not in descending order"
-    w = s.scores.gather(1, ids)
-    if c.norm_topk_prob:
-        w = w / (w.sum(-1, keepdim=True) + 1e-20)
-    rsf = c.routed_scaling_factor
-    torch.testing.assert_close(got.topk_weights.cpu() / rsf, w, atol=tol, rtol=0)
-    diff_rows = int((got.topk_ids != want.topk_ids).any(-1).sum())
-    assert diff_rows <= max_diff_rows, f"{diff_rows} of {T} rows choose other experts than select_experts"
 
 
 # --- fp32, tiny shapes: the interpreter on CPU (compiled on a GPU) --------------------------------------------
@@ -318,144 +218,6 @@ def test_gate_dispatch_and_fallback(name, is_supported, monkeypatch):
     torch.testing.assert_close(got.topk_weights, want.topk_weights, atol=TOL, rtol=0)
     if not is_supported:
         assert torch.equal(got.topk_weights, want.topk_weights)  # the very same eager code
-
-
-# --- GPU: bf16 rows, DeepSeek shapes ------------------------------------------------------------------------------
-
-MODELS = {
-    "v2-lite": ModelConfig.from_hf(PRESETS["deepseek-v2-lite"]),
-    "v3": _config(
-        256, 8, "noaux_tc", "sigmoid", G=8, TG=4, norm_topk_prob=True, routed_scaling_factor=2.5, hidden_size=7168
-    ),
-    "v2": _config(160, 6, "group_limited_greedy", G=8, TG=3, routed_scaling_factor=16.0, hidden_size=5120),
-}
-GPU_TOKENS = [1, 8, 64, 256, 4096]
-
-
-def _gpu_inputs(c: ModelConfig, T: int, weight_dtype: torch.dtype, seed: int = 0):
-    """bf16 rows of unit scale (RMSNorm outputs), a gate weight of std 0.02 (logits of std ~1-1.5) in
-    `weight_dtype` (the loader keeps gates fp32; a bf16 gate is the other case), an fp32 bias."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    E, H = c.n_routed_experts, c.hidden_size
-    x = torch.randn(T, H, device="cuda", generator=gen).bfloat16()
-    weight = (0.02 * torch.randn(E, H, device="cuda", generator=gen)).to(weight_dtype)
-    bias = 0.01 * torch.randn(E, device="cuda", generator=gen) if c.topk_method == "noaux_tc" else None
-    return x, weight, bias
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("T", GPU_TOKENS)
-@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32], ids=["bf16_w", "fp32_w"])
-@pytest.mark.parametrize("model", list(MODELS))
-def test_gpu_matches_eager(model, weight_dtype, T):
-    c = MODELS[model]
-    x, weight, bias = _gpu_inputs(c, T, weight_dtype)
-    got = _kernel(x, weight, bias, c)
-    check_routing(got, x, weight, bias, c, max_diff_rows=1 + T // 100)
-    again = _kernel(x, weight, bias, c)
-    assert torch.equal(got.topk_ids, again.topk_ids) and torch.equal(got.topk_weights, again.topk_weights)
-    assert int(router._counters[x.device].abs().sum()) == 0
-
-
-def _gpu_gate(c: ModelConfig, weight: torch.Tensor, bias: torch.Tensor | None) -> Gate:
-    gate = Gate(c, c.routed_scaling_factor).to(device="cuda", dtype=weight.dtype)
-    with torch.no_grad():
-        gate.weight.copy_(weight)
-        if bias is not None:
-            gate.e_score_correction_bias.data = bias.clone()
-    return gate
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("fresh_counters", [False, True], ids=["cached_counters", "counters_in_graph"])
-@pytest.mark.parametrize("T", [1, 8, 64])
-@pytest.mark.parametrize("model", ["v2-lite", "v3"])
-def test_gpu_cuda_graph_replay_equals_eager(model, T, fresh_counters):
-    """Gate.forward captured in a CUDA graph: each replay on new rows gives the same bits as the kernel launched
-    eagerly and a correct routing against the eager path; with no counter buffer cached before the capture (the
-    graph zeroes its own), eager launches afterwards still work."""
-    c = MODELS[model]
-    x, weight, bias = _gpu_inputs(c, T, torch.float32, seed=1)
-    gate = _gpu_gate(c, weight, bias)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile before the capture
-        gate(x)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    if fresh_counters:
-        router._retired.extend(router._counters.values())
-        router._counters.clear()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = gate(x)
-    for seed in (2, 3, 4):
-        x.copy_(_gpu_inputs(c, T, torch.float32, seed=seed)[0])
-        graph.replay()
-        eager_kernel = gate(x)
-        assert torch.equal(static.topk_ids, eager_kernel.topk_ids)
-        assert torch.equal(static.topk_weights, eager_kernel.topk_weights)
-        check_routing(static, x, weight, bias, c, max_diff_rows=1)
-    assert int(router._counters[x.device].abs().sum()) == 0
-
-
-# --- timing (GPU): `python tests/test_kernel_router.py bench` ------------------------------------------------------
-
-
-def _graph_us(fn, reps: int = 50, rounds: int = 7) -> float:
-    """us per call of `fn` inside a CUDA graph (`gpu_timing.graph_ms`)."""
-    return graph_ms(fn, reps, rounds) * 1e3
-
-
-def _stream_us(fn, reps: int = 200) -> float:
-    """us per call of `fn` launched eagerly `reps` times between one pair of CUDA events (includes the host's
-    launch cost wherever the host is slower than the GPU)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps
-
-
-def bench() -> None:
-    """One JSON line per (model, gate weight dtype, T): `Gate.forward` eager (AFD_DISABLE_TRITON=1) vs the kernel,
-    us per call inside a CUDA graph and launched eagerly, and how many rows choose other experts."""
-    import json
-
-    for model in ("v2-lite", "v3"):
-        c = MODELS[model]
-        for weight_dtype in (torch.float32, torch.bfloat16):
-            for T in GPU_TOKENS:
-                x, weight, bias = _gpu_inputs(c, T, weight_dtype)
-                gate = _gpu_gate(c, weight, bias)
-                os.environ["AFD_DISABLE_TRITON"] = "1"
-                want = gate(x)
-                eager_graph, eager_stream = _graph_us(lambda: gate(x)), _stream_us(lambda: gate(x))  # noqa: B023
-                del os.environ["AFD_DISABLE_TRITON"]
-                got = gate(x)
-                kernel_graph, kernel_stream = _graph_us(lambda: gate(x)), _stream_us(lambda: gate(x))  # noqa: B023
-                line = dict(model=model, weight=str(weight_dtype).removeprefix("torch."), T=T)
-                line.update(eager_graph_us=round(eager_graph, 2), kernel_graph_us=round(kernel_graph, 2))
-                line.update(eager_stream_us=round(eager_stream, 2), kernel_stream_us=round(kernel_stream, 2))
-                line.update(speedup_graph=round(eager_graph / kernel_graph, 2))
-                line.update(rows_differing=int((got.topk_ids != want.topk_ids).any(-1).sum()))
-                line.update(max_weight_diff=float((got.topk_weights - want.topk_weights).abs().max()))
-                print(json.dumps(line), flush=True)
-
-
-if __name__ == "__main__":
-    if not HAS_CUDA:
-        raise SystemExit("the timing needs CUDA")
-    if sys.argv[1:] != ["bench"]:
-        raise SystemExit("usage: python tests/test_kernel_router.py bench")
-    bench()
 
 
 def test_pays_keeps_fp32_gates_on_cublas_where_it_was_faster() -> None:

@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 from helpers.e2e import MODEL, assert_matches_reference
-from test_cuda_graph import RealRowsOnly
-from test_ubatch import IN_PROCESS_PROMPTS, endpoint_args, run_in_process
+from helpers.graph_fakes import RealRowsOnly
+from helpers.ubatch_runs import IN_PROCESS_PROMPTS, endpoint_args, run_in_process
 
 from afd.engine.engine import Engine, LocalExchange, Request
 from afd.engine.generate import generate
@@ -92,52 +92,6 @@ def test_micro_batches_each_replay_their_own_runner(tiny) -> None:
     assert engine.ubatched_steps > 0
     assert all(runner.captured == [32] for runner in engine.prefill_graphs)
     assert_matches_reference(outputs, generate(MODEL, IN_PROCESS_PROMPTS, max_new_tokens=4, prompt_logprobs=True))
-
-
-# --- on the device -----------------------------------------------------------------------------------
-
-
-@pytest.mark.gpu
-@pytest.mark.timeout(600)
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_replayed_prefill_graphs_equal_eager_steps(dtype: str) -> None:
-    """Fresh prompts, chunked prompts and steps mixed with decodes through replayed graphs (captured for every
-    bucket at once, as the warm-up does) against the eager engine: the same tokens, logprobs within 1e-4 (fp32) or
-    5e-2 (bf16, where padding changes the GEMMs' shapes and so their rounding), the exchange handed the same rows."""
-    models = (
-        load_attention_model(MODEL, dtype=dtype, device="cuda"),
-        load_ffn_model(MODEL, dtype=dtype, device="cuda"),
-    )
-    rng = random.Random(1)
-    prompts = [[rng.randrange(250) for _ in range(n)] for n in (130, 7, 290, 1, 45, 600, 3, 260, 1000, 17)]
-
-    def run(graphs: bool):
-        attn, ffn = models
-        exchange = RealRowsOnly(LocalExchange(ffn))
-        engine = Engine(attn, exchange, 512, block_size=16, max_num_seqs=16, num_blocks=1024)
-        if not graphs:
-            engine.prefill_graphs = []
-        else:
-            assert engine.prefill_graphs and engine.prefill_graphs[0].buckets == token_buckets(512)
-            with torch.inference_mode():
-                engine.prefill_graphs[0].capture_all()
-            assert not engine.prefill_graphs[0].disabled, "a capture failed (its traceback is in the log)"
-            assert engine.prefill_graphs[0].captured == token_buckets(512)
-        for p in prompts:
-            engine.add(Request(list(p), 6, prompt_logprobs=True))
-        return engine.run(), exchange.rows_seen
-
-    want, want_rows = run(False)
-    got, rows = run(True)
-    assert rows == want_rows
-    tol = 1e-4 if dtype == "float32" else 5e-2
-    for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert g.token_ids == w.token_ids, f"request {i}: tokens {g.token_ids} != {w.token_ids}"
-        diff = max(abs(a - b) for a, b in zip(g.logprobs, w.logprobs, strict=True))
-        pairs = zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:], strict=True)  # a one-token prompt scores none
-        prompt_diff = max((abs(a - b) for a, b in pairs), default=0.0)
-        assert max(diff, prompt_diff) <= tol, f"request {i}: |Δ logprob| {diff:.2e}, prompt {prompt_diff:.2e}"
 
 
 def test_memory_estimate_covers_the_static_buffers_and_grows_with_the_budget(tiny) -> None:

@@ -3,23 +3,16 @@ the engine's split steps, out-of-order replies in the async exchange, and launch
 
 from __future__ import annotations
 
-import random
-import re
-import threading
 from collections import deque
-from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-from helpers.e2e import MODEL, assert_matches_reference, launch_checked
+from helpers.async_fakes import HIDDEN, endpoints, models, reference, routing
+from helpers.e2e import MODEL, assert_matches_reference
+from helpers.ubatch_runs import IN_PROCESS_PROMPTS, endpoint_args, run_in_process, tokens
 from hypothesis import given
 from hypothesis import strategies as st
-from test_async_connector import HIDDEN, reference, routing
-from test_async_faults import endpoints, models
 
-from afd.connectors.asynchronous.attention import AsyncAttentionExchange
-from afd.connectors.asynchronous.ffn import AsyncFFNServer, run_ffn_loop
 from afd.connectors.base import Exchange
 from afd.engine.engine import Engine, LocalExchange, Request
 from afd.engine.generate import generate
@@ -27,16 +20,10 @@ from afd.model.attention_side import run_segments, run_ubatches, split_ubatches
 from afd.model.batch import Batch
 from afd.model.weights import load_attention_model, load_ffn_model, load_model_config
 from afd.topology import AsyncTopology
-from afd.transport.shm import cleanup_segments
 
 # fp32: a micro-batch's GEMMs see fewer rows than the whole step's and may block them differently (CPU: up to
 # 1.5e-6 seen); the driver itself adds nothing (bit-identical to each micro-batch run on its own)
 TOL = 1e-5
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 256) for _ in range(n)]  # the tiny preset's vocabulary
 
 
 @pytest.fixture(scope="module")
@@ -177,60 +164,6 @@ def test_async_reply_to_a_later_micro_batch_first_waits_for_its_own_recv() -> No
         assert ex._in_flight == set() and not ex._early and not ex._pending
 
 
-IN_PROCESS_PROMPTS = [tokens(23, 1), [7, 3], tokens(9, 2), [11]]
-
-
-def endpoint_args(**extra_config: object) -> dict:
-    """The tiny model's async endpoint arguments on CPU (a 32-token budget), with `extra_config` keys added."""
-    config = load_model_config(MODEL)
-    return dict(
-        hidden_size=config.hidden_size,
-        topk=config.num_experts_per_tok,
-        num_layers=config.num_hidden_layers,
-        dtype=torch.float32,
-        device="cpu",
-        max_num_batched_tokens=32,
-        extra_config={"recv_poll_timeout_ms": 50, **extra_config},
-        timeout_s=30.0,
-    )
-
-
-def run_in_process(
-    topo: AsyncTopology, args: dict, attention_model, ffn_model_of, *, prepare_engine=None, **exchange_kwargs
-):
-    """The engine over an `AsyncAttentionExchange` in this process, its FFN ranks in threads over real shared memory
-    (`ffn_model_of(f)`: FFN rank f's model; `prepare_engine(engine)`: called before the prompts are added): (the
-    outputs of IN_PROCESS_PROMPTS with prompt logprobs, the engine)."""
-    store = dist.HashStore()
-    errors: list[BaseException] = []
-
-    def ffn_rank(f: int) -> None:
-        try:
-            server = AsyncFFNServer(store, topo, f, **args)
-            run_ffn_loop(server, ffn_model_of(f))
-        except BaseException as exc:  # reported by the test, not lost in the thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=ffn_rank, args=(f,), daemon=True) for f in range(topo.num_ffn)]
-    for t in threads:
-        t.start()
-    ex = AsyncAttentionExchange(store, topo, 0, **exchange_kwargs, **args)
-    try:
-        engine = Engine(attention_model, ex, 32)
-        if prepare_engine is not None:
-            prepare_engine(engine)
-        for p in IN_PROCESS_PROMPTS:
-            engine.add(Request(p, 4, prompt_logprobs=True))
-        outputs = engine.run()
-    finally:
-        ex.close()
-        for t in threads:
-            t.join(30)
-        cleanup_segments(ex.window.heap.run_token)
-    assert not errors and not any(t.is_alive() for t in threads)
-    return outputs, engine
-
-
 def test_engine_over_the_async_exchange_in_process_equals_the_reference(tiny) -> None:
     """1A2F in one process over real shared memory, FFN ranks in threads: the engine splits its steps into 3
     micro-batches in ping-pong (replies of two FFN ranks to three sends in flight, in any order) and every
@@ -242,51 +175,3 @@ def test_engine_over_the_async_exchange_in_process_equals_the_reference(tiny) ->
     )
     assert engine.ubatched_steps > 0
     assert_matches_reference(outputs, generate(MODEL, IN_PROCESS_PROMPTS, max_new_tokens=4, prompt_logprobs=True))
-
-
-# ---------------------------------------------------------------- launched runs
-
-# topology and micro-batch count: both counts, every topology of the evidence, each once (runtime)
-RUNS = [(1, 1, 2), (2, 2, 3), (3, 1, 2), (1, 3, 3)]
-
-
-def ubatch_keys(connector: str, m: int) -> dict:
-    """The launch options that turn on m micro-batches for `connector`."""
-    if connector == "async":
-        return {"recv_poll_timeout_ms": 100, "async_moe_ubatching": True, "async_moe_num_ubatches": m}
-    return {"timeout_s": 60, "p2p_ubatching": True, "p2p_num_ubatches": m}
-
-
-def launch_mixed_lengths(connector: str, num_attn: int, num_ffn: int, run_dir: Path, **extra_config: object) -> None:
-    """`afd launch` of three prompts of different lengths per replica with a 16-token budget (steps that mix decodes
-    and prompt chunks), checked against the reference."""
-    lens = [23, 2, 9, 1, 14, 5, 30, 3, 7]
-    prompts = [tokens(lens[i % len(lens)], i) for i in range(3 * num_attn)]
-    outputs, _ = launch_checked(
-        connector,
-        num_attn,
-        num_ffn,
-        prompts,
-        max_new_tokens=4,
-        max_num_batched_tokens=16,
-        run_dir=run_dir,
-        **extra_config,
-    )
-    assert_matches_reference(outputs, generate(MODEL, prompts, max_new_tokens=4, prompt_logprobs=True))
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("connector", ["async", "p2p"])
-@pytest.mark.parametrize("num_attn, num_ffn, m", RUNS, ids=[f"{a}A{f}F-m{m}" for a, f, m in RUNS])
-def test_launched_micro_batches_equal_the_reference(
-    connector: str, num_attn: int, num_ffn: int, m: int, tmp_path: Path
-) -> None:
-    """`afd launch` with micro-batching on (`async_moe_ubatching` / `p2p_ubatching`): every replica gets three
-    prompts of different lengths and a 16-token budget, so its steps mix decodes and prompt chunks, its
-    micro-batches differ from its peers' (and some steps are whole: one sequence left); p2p's DP wave stays in
-    lockstep."""
-    launch_mixed_lengths(connector, num_attn, num_ffn, tmp_path, **ubatch_keys(connector, m))
-    for a in range(num_attn):  # each replica says how many of its steps ran as micro-batches
-        log = (tmp_path / f"attention{a}.log").read_text()
-        split = re.search(r"attention rank \d+: (\d+) of (\d+) steps ran as micro-batches", log)
-        assert split and int(split[1]) > 0, f"replica {a} never split a step: {log[-2000:]}"
