@@ -1,9 +1,9 @@
 """How much more a Python path costs when it runs once a second than back to back, on this host.
 
-The front end's share of TTFT at 1 request/s is Python that runs once a second (issue 12). This times one
+The front end's share of TTFT at 1 request/s is Python that runs once a second. This times one
 request's front-end work (the body parsed and checked, the `add` pickled and unpickled) once every
 `--every` seconds ("cold") and 200 times back to back ("warm"), in three settings: the process busy polling
-(an asyncio loop that never sleeps, as `AFD_BUSY_POLL=1`), sleeping between runs, and busy polling pinned to
+(an asyncio loop that never sleeps, as a busy-polling server's), sleeping between runs, and busy polling pinned to
 one CPU. Then one link hop: a pickled `add` over a Unix socket pair to a busy-polling process and back,
 cold and warm. Prints one JSON object.
 

@@ -1,22 +1,36 @@
-# Sourced by the device scripts: the carried nvshmem4py wheel, the repo's sources, NVLink multicast off.
+# Helpers for the device scripts (scripts/gpu_check.sh, scripts/gpu_bench.sh); source it from the repo root:
+#   source scripts/device_env.sh
+# It installs the carried nvshmem4py wheel (.whl/*.whl) into /tmp/site, puts src/ and it on PYTHONPATH, turns NVLink
+# multicast off, and makes $OUT (default /tmp/afd_gpu). The functions write their JSON into $OUT and their stderr into
+# $B (set by `log_run`).
 OUT=${OUT:-/tmp/afd_gpu}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-# bench NAME LIMIT ARGS...: one `afd bench` (V2-Lite bf16 on CUDA) under a time limit, its JSON into $OUT, its
-# stderr into $B (set by the caller), the table, the status and the last error lines printed
+# the model every benchmark runs: DeepSeek-V2-Lite's shapes with seeded random weights, bf16, on CUDA
+LITE=(--model deepseek-v2-lite --dtype bfloat16 --device cuda)
+# log_run NAME: all the script prints goes to $OUT/log.txt too; its scratch files go to B=/tmp/afd_NAME
+log_run() {
+  exec > >(tee -a "$OUT/log.txt") 2>&1
+  B=/tmp/afd_$1; mkdir -p "$B"
+}
+# gpus: how many GPUs this machine has
+gpus() { nvidia-smi -L | grep -c "^GPU"; }
+# leftovers: the afd processes still running (there should be none)
+leftovers() { echo "== leftover processes:"; pgrep -af "afd" | grep -v pgrep || echo none; }
+# bench NAME LIMIT ARGS...: one `afd bench` (V2-Lite bf16 on CUDA) under a time limit, its JSON into $OUT/NAME.json,
+# the table, the status and the last error lines printed
 bench() {
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
-  timeout "$limit" python3 -m afd bench --model deepseek-v2-lite --dtype bfloat16 --device cuda "$@" \
-    --json "$OUT/$name.json" 2>"$B/$name.err" | tail -n 9
+  timeout "$limit" python3 -m afd bench "${LITE[@]}" "$@" --json "$OUT/$name.json" 2>"$B/$name.err" | tail -n 12
   local rc=${PIPESTATUS[0]}
   echo "$name rc=$rc in $((SECONDS - t0)) s"; grep -v "^\[afd" "$B/$name.err" | tail -n 3
   [[ $rc == 0 ]] || tail -n 60 "$B/$name.err" > "$OUT/$name.err"  # what went wrong comes back
 }
-# timelined NAME LIMIT ARGS...: one bench with AFD_TIMELINE on; its report into $OUT/NAME_timeline.json, its raw
-# points into $OUT/NAME_points/
+# timelined NAME LIMIT ARGS...: `bench` with AFD_TIMELINE on; its report into $OUT/NAME_timeline.json, the raw points
+# into $OUT/NAME_points/
 timelined() {
   local name=$1
   export AFD_TIMELINE=$B/$name.tl
@@ -25,39 +39,34 @@ timelined() {
   mkdir -p "$OUT/${name}_points" && cp "$AFD_TIMELINE"/*.json "$OUT/${name}_points/"
   unset AFD_TIMELINE
 }
-# gen NAME ARGS...: one `afd generate` (the oracle runs) under 180 s, its JSON into ${GEN_DIR:-$OUT}/NAME.json, its
-# stderr into $B
+# gen NAME ARGS...: one `afd generate` under 180 s, its JSON into ${GEN_DIR:-$OUT}/NAME.json
 gen() {
   local name=$1; shift
   local t0=$SECONDS
-  timeout 180 python3 -m afd generate "$@" >"${GEN_DIR:-$OUT}/$name.json" 2>"$B/$name.err"
+  timeout "${STEP_TIMEOUT:-180}" python3 -m afd generate "$@" >"${GEN_DIR:-$OUT}/$name.json" 2>"$B/$name.err"
   echo "$name rc=$? in $((SECONDS - t0)) s"; tail -n 2 "$B/$name.err"
 }
-# the fp32 oracle's `afd generate` arguments (tiny, 4 prompts, prompt logprobs, CUDA); scripts/compare_outputs.py
-# compares the JSON of each run with the single-process one's
+# the fp32 oracle's `afd generate` arguments (tiny, 4 prompts, 8 new tokens, prompt logprobs, CUDA);
+# scripts/compare_outputs.py compares each run's JSON with the single-process one's
 ORACLE=(--model tiny --prompt-ids "5,17,33,2,9,41,7,3,19,23,11;4,8;100,3,77,12,9,250;1" --max-new-tokens 8
   --prompt-logprobs --device cuda --json)
 # serve_mixed NAME LIMIT ARGS...: `afd bench serve` of the mixed workload (V2-Lite bf16 on CUDA, 64 to 1,024-token
 # prompts, 64 new tokens) with ARGS (--compare, --rates, --requests ...), its JSON into $OUT/NAME.json
 serve_mixed() {
   local name=$1 limit=$2; shift 2
-  timeout "$limit" python3 -m afd bench serve --model deepseek-v2-lite --dtype bfloat16 --device cuda --workload mixed \
-    --short-len 64 --long-len 1024 --max-tokens 64 "$@" --json "$OUT/$name.json" 2>"$B/$name.err" | tail -n 10
+  timeout "$limit" python3 -m afd bench serve "${LITE[@]}" --workload mixed --short-len 64 --long-len 1024 \
+    --max-tokens 64 "$@" --json "$OUT/$name.json" 2>"$B/$name.err" | tail -n 10
   local rc=${PIPESTATUS[0]}
   echo "$name rc=$rc"; [[ $rc == 0 ]] || tail -n 30 "$B/$name.err" > "$OUT/$name.err"
 }
-# log_run NAME: all the script prints goes to $OUT/log.txt too; its scratch files go to B=/tmp/afd_NAME
-log_run() {
-  exec > >(tee -a "$OUT/log.txt") 2>&1
-  B=/tmp/afd_$1; mkdir -p "$B"
-}
-# front_end NAME: `afd bench serve` of the uniform workload at 1 request/s through `none` R=1 (V2-Lite bf16 on CUDA),
-# its JSON into $OUT/NAME.json; prints the front end's share of TTFT (p50, p90) and its stages
+# front_end NAME: `afd bench serve` of the uniform workload (128-token prompts, 32 new) at 1 request/s through `none`
+# R=1, $FRONT_REQUESTS requests (default 32), busy polling unless BUSY_POLL=0; its JSON into $OUT/NAME.json; prints
+# the front end's share of TTFT (p50, p90), the part inside the server, and the stages
 front_end() {
   local name=$1
-  timeout 110 python3 -m afd bench serve --model deepseek-v2-lite --dtype bfloat16 --device cuda \
-    --workload uniform --short-len 128 --long-len 128 --max-tokens 32 --requests ${FRONT_REQUESTS:-24} --rates 1 --compare none:R=1 \
-    --warmups 4 --json "$OUT/$name.json" 2>"$B/$name.err" >/dev/null
+  AFD_BUSY_POLL=${BUSY_POLL:-1} timeout 150 python3 -m afd bench serve "${LITE[@]}" --workload uniform --short-len 128 \
+    --long-len 128 --max-tokens 32 --requests "${FRONT_REQUESTS:-32}" --rates 1 --compare none:R=1 --warmups 4 \
+    --json "$OUT/$name.json" 2>"$B/$name.err" >/dev/null
   echo "$name rc=$?"; grep -v "^\[afd" "$B/$name.err" | grep -iv warn | tail -n 2
   python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['results'][0]['runs'][0]; s=r['summary']
 print('  front end p50 %.3f ms p90 %.3f ms (in the server p50 %s ms); TTFT p50 %.2f ms; http floor %.3f ms' % (
@@ -66,45 +75,33 @@ print('  front end p50 %.3f ms p90 %.3f ms (in the server p50 %s ms); TTFT p50 %
 print('  stages p50: ' + ', '.join('%s %.3f' % (k, v*1e3) for k, v in s['ttft_stages_p50_s'].items()))" \
     "$OUT/$name.json"
 }
+# front_end_ab PAIRS NEW OLD: `front_end` on this tree (runs NEW_1, NEW_2, ...) and on an older one (OLD_1, ...) from
+# .whl/old.tar (made here by `git archive COMMIT -- src > .whl/old.tar`), alternated PAIRS times
+front_end_ab() {
+  local pairs=$1 new=$2 old=$3 i
+  mkdir -p /tmp/old_tree && tar -xf .whl/old.tar -C /tmp/old_tree
+  for ((i = 1; i <= pairs; i++)); do
+    front_end "${new}_$i"
+    (cd /tmp/old_tree && PYTHONPATH=/tmp/old_tree/src:/tmp/site front_end "${old}_$i")
+  done
+}
 # compiled_while_serving: the Triton compiles the rank logs under $AFD_LOG_DIR saw while serving, and the warm-ups'
 # times, into $OUT/compiled_while_serving.txt
 compiled_while_serving() {
-  grep -h "while serving" "$AFD_LOG_DIR"/*/*.log | sed 's/.*afd.profiling.profiler INFO //' | cut -c1-160 | sort | uniq -c \
-    | sort -rn | head -n 20 | tee "$OUT/compiled_while_serving.txt"
+  grep -h "while serving" "$AFD_LOG_DIR"/*/*.log | sed 's/.*afd.profiling.profiler INFO //' | cut -c1-160 | sort \
+    | uniq -c | sort -rn | head -n 20 | tee "$OUT/compiled_while_serving.txt"
   grep -h "warmed up" "$AFD_LOG_DIR"/*/*.log | sed 's/.*INFO //' | tee -a "$OUT/compiled_while_serving.txt"
 }
-# cold_serving: `none` R=1 serving the mixed workload (256 requests at once) with AFD_LOG_DIR, then which Triton kernels
-# compiled while it served (a fresh machine's first call: Triton's disk cache is empty, as at a user's first start)
-cold_serving() {
-  export AFD_LOG_DIR=$B/logs
-  serve_mixed serve_mixed_none_cold 200 --compare none:R=1 --requests 256 --rates inf --warmups 16
-  compiled_while_serving
-  unset AFD_LOG_DIR
-}
-# serve_start ZYGOTE LABEL: seconds from `afd serve` (V2-Lite bf16, none R=1) to a healthy /health, then SIGTERM; with
-# AFD_ZYGOTE=ZYGOTE (1: ranks forked from the zygote, 0: processes of their own)
+# serve_start LABEL: seconds from `afd serve` (V2-Lite bf16, none R=1) to a healthy /health, then SIGTERM
 serve_start() {
-  local z=$1 port=$((8100 + RANDOM % 800)) t0; t0=$(date +%s.%N)
-  AFD_ZYGOTE=$z timeout 300 python3 -m afd serve --model deepseek-v2-lite --dtype bfloat16 --device cuda \
-    --connector none --replicas 1 --port $port >"$B/serve_$2.out" 2>"$B/serve_$2.err" &
+  local port=$((8100 + RANDOM % 800)) t0; t0=$(date +%s.%N)
+  timeout 300 python3 -m afd serve "${LITE[@]}" --connector none --replicas 1 --port $port \
+    >"$B/serve_$1.out" 2>"$B/serve_$1.err" &
   local pid=$!
   until curl -sf "http://127.0.0.1:$port/health" >/dev/null; do
-    kill -0 $pid 2>/dev/null || { echo "serve $2 died"; tail -n 5 "$B/serve_$2.err"; break; }
+    kill -0 $pid 2>/dev/null || { echo "serve $1 died"; tail -n 5 "$B/serve_$1.err"; break; }
     sleep 0.1
   done
-  echo "$2 AFD_ZYGOTE=$z: healthy after $(python3 -c "import time; print(round(time.time() - $t0, 1))") s"
+  echo "$1: healthy after $(python3 -c "import time; print(round(time.time() - $t0, 1))") s"
   kill -TERM $pid; wait $pid; echo "  exit status $?"
-}
-# front_end_ab PAIRS LIMIT NEW OLD: `front_end` on this tree (runs NEW_1, NEW_2, ...) and on an older one (OLD_1,
-# ...: .whl/old.tar, made by `git archive COMMIT -- src`), alternated PAIRS times, busy polling; no run starts
-# after LIMIT seconds of the script (the old one gets 60 s more)
-front_end_ab() {
-  local pairs=$1 limit=$2 new=$3 old=$4 i
-  mkdir -p /tmp/old_tree && tar -xf .whl/old.tar -C /tmp/old_tree
-  for ((i = 1; i <= pairs; i++)); do
-    (( SECONDS < limit )) || break
-    AFD_BUSY_POLL=1 front_end "${new}_$i"
-    (( SECONDS < limit + 60 )) || break
-    (cd /tmp/old_tree && PYTHONPATH=/tmp/old_tree/src:/tmp/site AFD_BUSY_POLL=1 front_end "${old}_$i")
-  done
 }

@@ -1,17 +1,92 @@
 #!/usr/bin/env bash
-# Side-by-side connector benchmarks on the device machine (nvidia-h200-x2); raw JSON lands in $OUT.
+# Benchmarks on the device machine: DeepSeek-V2-Lite's shapes (seeded random weights), bf16, on CUDA. Run from the
+# repo root with the nvshmem4py wheel carried in .whl/; each run's JSON goes into $OUT, all it prints into
+# $OUT/log.txt too. ARGS are added after each subcommand's defaults, so a flag given again overrides its default.
+#   bash scripts/gpu_bench.sh SUBCOMMAND [ARGS...]
+#   step [ARGS]          one GPU's engine step beside its memory floor (GPU 0):
+#                        afd bench step --batch 1,8,64,256 --context 512 --prefill 8x1024
+#   exchange [ARGS]      one layer's exchange round trip (no-op FFN), 50 passes of 26 layers, async passes replayed
+#                        from one CUDA graph, beside a peer copy of the same bytes:
+#                        afd bench exchange --iters 50 --layers 26 --graph --tokens 1,8,64,512,4096 --connectors p2p,async
+#   stress [N] [T]       ordering under load: N async round trips (default 100000) of random sizes up to T rows
+#                        (default 64) through captured passes, every reply checked against its request
+#   offline ARGS         `afd bench` (offline, scored against the single-process run) with ARGS, e.g.
+#                        --attention 1 --ffn 1 --requests 64 --long-len 512 --short-len 512 --max-new-tokens 32
+#                        --connectors async,p2p --repeat 3
+#   timeline ARGS        `offline` with AFD_TIMELINE on, then `python -m afd.profiling.timeline_report` over it
+#   serve [ARGS]         the mixed workload at capacity, then the kernels the ranks compiled while serving:
+#                        afd bench serve --workload mixed --short-len 64 --long-len 1024 --max-tokens 64
+#                        --compare none:R=2,p2p:A=1,F=1,async:A=1,F=1 --requests 512 --rates inf --warmups 16
+#   front [RUNS]         the front end's share of TTFT at 1 request/s through `none` R=1 on GPU 0, RUNS runs
+#                        (default 3) of FRONT_REQUESTS requests (default 32), busy polling unless BUSY_POLL=0
+#   front-ab PAIRS       `front` alternated with an older tree (.whl/old.tar: `git archive COMMIT -- src`), PAIRS times
+#   startup [RUNS]       seconds from `afd serve` (`none` R=1, GPU 0) to a healthy /health, RUNS times (default 2) after
+#                        one start that fills Triton's cache
+#   kernels              the Triton kernels timed beside the code they replace (the kernel tests' entry points), the
+#                        router kernel, the MLA decode launch sweep, and the step's numerics against eager PyTorch ops
+#   cross-replica [ARGS] two attention replicas' rows in one expert pass against one's (scripts/gpu_cross_replica.py)
 set -u
-source "$(dirname "$0")/device_env.sh"
-bench() {
-  local name=$1; shift
-  echo "== $name: afd bench $*"
-  local t0=$SECONDS
-  timeout "${STEP_TIMEOUT:-300}" python3 -m afd bench "$@" --json "$OUT/$name.json" 2>"$OUT/$name.err"
-  echo "rc=$? in $((SECONDS - t0)) s"
-  tail -n 3 "$OUT/$name.err"
-}
-bench lite_bf16_2a2f --model deepseek-v2-lite --dtype bfloat16 --device cuda --attention 2 --ffn 2 \
-  --requests 8 --long-len 1024 --short-len 32 --max-new-tokens 64 "$@"
-bench lite_bf16_1a1f --model deepseek-v2-lite --dtype bfloat16 --device cuda --attention 1 --ffn 1 \
-  --requests 8 --long-len 512 --short-len 32 --max-new-tokens 64 "$@"
-for f in "$OUT"/*.json; do echo "== raw $f"; cat "$f"; echo; done
+cd "$(dirname "$0")/.."
+source scripts/device_env.sh
+SUB=${1:-}; shift || true
+case $SUB in
+  step|exchange|stress|offline|timeline|serve|front|front-ab|startup|kernels|cross-replica) ;;
+  *) echo "usage: bash scripts/gpu_bench.sh step|exchange|stress|offline|timeline|serve|front|front-ab|startup|kernels|cross-replica [ARGS...]" >&2
+    exit 2 ;;
+esac
+log_run "bench_${SUB:-none}"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+python3 -c "import torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count())"
+
+case $SUB in
+  step)
+    CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m afd bench step "${LITE[@]}" --batch 1,8,64,256 --context 512 \
+      --prefill 8x1024 "$@" --json "$OUT/step.json" 2>"$B/step.err" | tail -n 12
+    echo "step rc=${PIPESTATUS[0]}"; grep -v "^\[afd" "$B/step.err" | tail -n 3 ;;
+  exchange)
+    timeout 300 python3 -m afd bench exchange "${LITE[@]}" --iters 50 --layers 26 --graph --tokens 1,8,64,512,4096 \
+      --connectors p2p,async "$@" --json "$OUT/exchange.json" 2>"$B/exchange.err" | tail -n 14
+    echo "exchange rc=${PIPESTATUS[0]}"; grep -v "^\[afd" "$B/exchange.err" | grep -iv warn | tail -n 3 ;;
+  stress)
+    timeout 300 python3 -m afd bench exchange "${LITE[@]}" --stress "${1:-100000}" --graph --tokens "${2:-64}" \
+      --json "$OUT/stress.json" 2>"$B/stress.err" | tail -n 2
+    echo "stress rc=${PIPESTATUS[0]}"; grep -v "^\[afd" "$B/stress.err" | grep -iv warn | tail -n 3 ;;
+  offline)
+    bench offline 560 "$@" ;;
+  timeline)
+    timelined offline 560 "$@" ;;
+  serve)
+    export AFD_LOG_DIR=$B/logs
+    serve_mixed serve_mixed 560 --compare none:R=2,p2p:A=1,F=1,async:A=1,F=1 --requests 512 --rates inf \
+      --warmups 16 "$@"
+    compiled_while_serving
+    unset AFD_LOG_DIR ;;
+  front)
+    export CUDA_VISIBLE_DEVICES=0
+    for ((i = 1; i <= ${1:-3}; i++)); do front_end "front_$i"; done ;;
+  front-ab)
+    export CUDA_VISIBLE_DEVICES=0
+    front_end_ab "${1:-2}" front_now front_old ;;
+  startup)
+    export CUDA_VISIBLE_DEVICES=0 AFD_LOG_DIR=$B/logs
+    serve_start cache_fill
+    for ((i = 1; i <= ${1:-2}; i++)); do serve_start "start_$i"; done
+    grep -h "warmed up" "$AFD_LOG_DIR"/*/*.log | sed 's/^.* afd\./afd./' | cut -c1-150 | tee "$OUT/warm_up_lines.txt"
+    unset AFD_LOG_DIR ;;
+  kernels)
+    export CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$PYTHONPATH:$PWD/tests  # the tests import helpers.* from tests/
+    for t in moe mla_decode fused prefill_attention; do
+      timeout 120 python3 "tests/unit/test_kernel_$t.py" >>"$OUT/kernel_bench.jsonl" 2>>"$B/kernels.err" \
+        || echo "kernel $t rc=$?"
+    done
+    timeout 120 python3 tests/unit/test_kernel_router.py bench >"$OUT/router_bench.jsonl" 2>>"$B/kernels.err" \
+      || echo "router rc=$?"
+    timeout 200 python3 scripts/gpu_mla_sweep.py >"$OUT/mla_sweep.jsonl" 2>>"$B/kernels.err" || echo "mla sweep rc=$?"
+    python3 scripts/gpu_mla_sweep.py --summary "$OUT/mla_sweep.jsonl"
+    timeout 200 python3 scripts/gpu_kernel_numerics.py >"$OUT/step_numerics.jsonl" 2>>"$B/kernels.err" \
+      || echo "numerics rc=$?"
+    cat "$OUT/kernel_bench.jsonl" "$OUT/router_bench.jsonl" "$OUT/step_numerics.jsonl"; tail -n 3 "$B/kernels.err" ;;
+  cross-replica)
+    CUDA_VISIBLE_DEVICES=0 timeout 300 python3 scripts/gpu_cross_replica.py "$@" | tee "$OUT/cross_replica.jsonl" ;;
+esac
+leftovers

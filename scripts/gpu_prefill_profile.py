@@ -5,8 +5,7 @@ the top kernels by device time (CUDA) or the top ops by CPU time (CPU), plus the
     PYTHONPATH=src python3 scripts/gpu_prefill_profile.py --device cpu --model tiny --batch 2 --prompt-len 16
 
 Weights are the preset's seeded random ones (a step's time does not depend on the values). The first step
-warms up (Triton compiles, cuBLAS picks its algorithms); the profiled one is the second. Set
-AFD_DISABLE_TRITON=1 to profile the eager path for comparison.
+warms up (Triton compiles, cuBLAS picks its algorithms); the profiled one is the second.
 """
 # ruff: noqa: T201  (a script that prints its results)
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Every topology of issue 6 on the tiny preset (float32) against the single-process reference.
+# Topologies on the tiny preset (float32), each `afd generate` run compared with the single-process reference by
+# scripts/compare_outputs.py (tokens equal, max |Δ logprob| <= 1e-4); RUNS is a list of connector:AxF.
 #   scripts/topology_sweep.sh cpu|cuda "p2p:2x2 async:3x1 ..." OUTDIR
 set -u
 DEVICE=$1; RUNS=$2; DIR=${3:-/tmp/afd_sweep}
