@@ -32,8 +32,8 @@ class SequenceState:
         return self.num_cached < len(self.request.prompt_ids)
 
 
-# The input id of a decode launched ahead (`Engine._follow`): the token the step in flight sampled, read on the
-# device; the host never sees it in `input_ids`.
+# The input id of a decode launched ahead (`Scheduler.schedule_ahead`): the token the step in flight sampled, read
+# on the device; the host never sees it in `input_ids`.
 ON_DEVICE = -1
 
 
@@ -56,7 +56,8 @@ class Scheduled:
 
 @dataclass
 class LaunchedStep:
-    """A step whose forward and sampling are queued on the device; its tokens reach the host in `_finalize`."""
+    """A step whose forward and sampling are queued on the device; its tokens reach the host in
+    `ModelRunner.read_tokens`."""
 
     scheduled: list[Scheduled]
     sampled: list[Scheduled]  # the sequences whose rows were sampled, in row order

@@ -147,7 +147,7 @@ class P2pAttentionExchange(Exchange):
         self.world, self.topology, self.attn_rank = world, topology, world.me.role_rank
         self.gate_on_attention, self.topk = gate_on_attention, topk
         self.boundary_layers = list(boundary_layers) if boundary_layers is not None else None
-        self.num_ubatches = num_ubatches  # the engine splits its steps into this many (afd.engine.engine.num_ubatches)
+        self.num_ubatches = num_ubatches  # the engine splits its steps into this many (`Exchange.num_ubatches`)
         self.groups = build_p2p_groups(world, topology, name, num_ubatches > 1)
         self.sync = topology.group("attention", self.attn_rank)
         self.device = device_for(world.backend)

@@ -1,0 +1,263 @@
+"""From a scheduled step to sampled tokens: tensors, the forward through the exchange, CUDA graphs, sampling.
+
+One launch = prepare the step's device metadata (one host->device copy) -> `exchange.begin_step(T)` -> the forward
+of the flattened batch (replayed from a decode graph, from prefill graphs, or eager; as micro-batches in ping-pong
+when the exchange has `num_ubatches` > 1) -> sample and start the device->host copy of the tokens. The tokens are
+read later (`read_tokens`), so the engine may launch the next step before it waits for them (overlapped steps).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from afd import env
+from afd.connectors.base import Exchange
+from afd.engine.graphs.decode import DecodeGraphRunner, capture_safe_moe
+from afd.engine.graphs.prefill import PrefillGraphRunner, graph_memory_estimate
+from afd.engine.sampling import sample
+from afd.engine.sequence import LaunchedStep, Scheduled
+from afd.model.attention_side import AttentionModel, Segments, run_segments, run_ubatches, split_ubatches
+from afd.model.batch import Batch
+from afd.model.config import ModelConfig
+from afd.model.ffn_side import FFNModel
+from afd.model.kv_cache import PagedLatentCache, activation_bytes_estimate
+from afd.routing import Routing
+
+logger = logging.getLogger(__name__)
+
+
+class LocalExchange(Exchange):
+    """The reference exchange: the MLP of a boundary layer runs on an in-process FFNModel."""
+
+    def __init__(self, ffn_model: FFNModel) -> None:
+        self.ffn_model = ffn_model
+
+    def __call__(self, layer_idx: int, x: torch.Tensor, routing: Routing | None) -> torch.Tensor:
+        """x: [T, H] model dtype, routing or None (gate on the FFN side) -> the MoE output [T, H] model dtype."""
+        return self.ffn_model(layer_idx, x, routing)
+
+
+def launch_sampling(
+    model: AttentionModel, hidden: torch.Tensor, sampling: list, positions: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]:
+    """Sample one token per row of `hidden [B, H]` (`sampling[i]`: SamplingParams or None for greedy) and start
+    copying `[token, its logprob]` to the host: (tokens [B] on the device, the host buffer [2, B] float64, the event
+    that says the copy landed; None on CPU, where the copy is done)."""
+    logprobs = torch.log_softmax(model.compute_logits(hidden), dim=-1)  # [B, V] fp32
+    tokens = sample(logprobs, sampling, positions)  # [B]; greedy rows: logprobs.argmax
+    picked = logprobs.gather(1, tokens[:, None]).squeeze(1)  # [B]
+    both = torch.stack([tokens.double(), picked.double()])  # [2, B]
+    cuda = both.is_cuda
+    host = torch.empty(both.shape, dtype=both.dtype, pin_memory=cuda)
+    host.copy_(both, non_blocking=cuda)
+    ready = None
+    if cuda:  # queued before any later step, so reading it never waits for one
+        ready = torch.cuda.Event()
+        ready.record()
+    return tokens, host, ready
+
+
+def prefill_graph_copies(device: torch.device, exchange: Exchange, enforce_eager: bool) -> int:
+    """Prefill graph runners an engine holds: one per micro-batch on CUDA, none when eager or on CPU."""
+    if enforce_eager or device.type != "cuda" or env.prefill_graphs_disabled():
+        return 0
+    return exchange.num_ubatches
+
+
+def step_activation_bytes(config: ModelConfig, dtype: torch.dtype, max_num_batched_tokens: int, copies: int) -> int:
+    """The activation peak of one full step plus `copies` prefill graphs' private memory (what the cache leaves)."""
+    return activation_bytes_estimate(config, dtype, max_num_batched_tokens) + copies * graph_memory_estimate(
+        config, dtype, max_num_batched_tokens
+    )
+
+
+class ModelRunner:
+    """Runs scheduled steps of one `AttentionModel` over one paged cache, through `exchange` to the FFN side."""
+
+    def __init__(
+        self,
+        model: AttentionModel,
+        exchange: Exchange,
+        kv_cache: PagedLatentCache,
+        *,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        enforce_eager: bool = False,
+    ) -> None:
+        self.model, self.exchange, self.kv_cache = model, exchange, kv_cache
+        self.device = model.embed_tokens.weight.device
+        # Decode steps replay CUDA graphs (graphs.decode) on CUDA: one per step with the in-process exchange, one
+        # per piece between exchanges with a disaggregated one (it crosses processes at every boundary layer and
+        # runs eagerly between replays); `enforce_eager` turns graphs off.
+        self.cuda_graphs: DecodeGraphRunner | None = None
+        if not enforce_eager and self.device.type == "cuda":
+            local = isinstance(exchange, LocalExchange)
+            if local and not capture_safe_moe(exchange.ffn_model):
+                dtype = model.embed_tokens.weight.dtype
+                logger.info("decode CUDA graphs off: the routed experts of %s have no fixed-shape path", dtype)
+            else:
+                whole = local or exchange.capturable  # the async 1A1F exchange captures whole
+                self.cuda_graphs = DecodeGraphRunner(model, exchange, kv_cache, max_num_seqs, segmented=not whole)
+                logger.info(
+                    "decode CUDA graphs on (%s), batch buckets %s",
+                    "whole step" + ("" if local else ", exchanges included") if whole else "pieces between exchanges",
+                    self.cuda_graphs.buckets,
+                )
+        # Steps with prompt tokens (or more decodes than a decode graph holds) replay their row-wise pieces from CUDA
+        # graphs at padded token counts, the attention core and the exchanges eagerly between them
+        # (afd.engine.graphs.prefill); one runner per micro-batch, as micro-batches in flight need their own buffers.
+        self.prefill_graphs = [
+            PrefillGraphRunner(model, kv_cache, max_num_batched_tokens)
+            for _ in range(prefill_graph_copies(self.device, exchange, enforce_eager))
+        ]
+        if self.prefill_graphs:
+            logger.info("prefill CUDA graphs on, token buckets %s", self.prefill_graphs[0].buckets)
+        self.ubatched_steps = 0  # steps run as micro-batches in ping-pong
+        self.last_launch_decode = False  # whether the step launched last was all single-token decodes
+
+    @property
+    def num_ubatches(self) -> int:
+        """Micro-batches a step is split into: the exchange's (`async_moe_ubatching`, `p2p_ubatching`), else 1. A
+        split step calls `begin_step(T, tokens per micro-batch)` and drives the exchange's `send` / `recv`."""
+        return self.exchange.num_ubatches
+
+    def launch(
+        self, scheduled: list[Scheduled], after: LaunchedStep | None = None, after_rows: list[int] | None = None
+    ) -> LaunchedStep:
+        """Queue the forward and the sampling of `scheduled` on the device. `after`: the step in flight whose
+        sampled tokens (rows `after_rows`) are this all-decode step's input ids."""
+        timeline = self.exchange.timeline  # AFD_TIMELINE (afd.profiling.timeline): the step's ends
+        if timeline is not None:
+            timeline.mark("launch", on_device=False)
+        query_lens = [len(s.input_ids) for s in scheduled]
+        context_lens = [s.start for s in scheduled]
+        # Only pure decode steps replay a graph; a step with a prompt chunk (even a one-token one) runs eager.
+        pure_decode = all(s.is_decode for s in scheduled)
+        self.last_launch_decode = pure_decode
+        graphs = (
+            self.cuda_graphs
+            if self.cuda_graphs and pure_decode and self.cuda_graphs.handles(query_lens, context_lens)
+            else None
+        )
+        batch = Batch(
+            slots=[s.seq.slot for s in scheduled],
+            query_lens=query_lens,
+            context_lens=context_lens,
+            batch_decodes=graphs is not None,
+        )
+        # launched ahead: the host sends the rows of `after`'s sampled tokens, gathered below on the device
+        input_ids = after_rows if after is not None else [t for s in scheduled for t in s.input_ids]
+        positions = [s.start + i for s in scheduled for i in range(len(s.input_ids))]
+        last_rows = [  # the rows sampled: decodes and the last row of every chunk that ends its prompt
+            start + n - 1 for s, start, n in zip(scheduled, batch.starts, query_lens, strict=True) if s.samples
+        ]
+        # A graphed step stays whole: its graphs hold one static batch, and micro-batches in flight at once
+        # would each need their own buffers.
+        ubatches = split_ubatches(query_lens, self.num_ubatches) if graphs is None else []
+        if len(ubatches) > 1:
+            hidden, last = self._forward_ubatches(batch, ubatches, input_ids, positions, last_rows)  # [T, H]
+            return self._sample(scheduled, batch, hidden, last)
+        ids, pos, last = self.kv_cache.prepare(
+            batch, *(torch.tensor(v, dtype=torch.long) for v in (input_ids, positions, last_rows))
+        )
+        if after is not None:
+            ids = after.tokens.index_select(0, ids)  # [T]: the tokens the step in flight sampled, never on the host
+        self.exchange.begin_step(len(positions))
+        hidden = graphs.forward(batch, ids, pos) if graphs is not None else None  # [T, H] replayed
+        if hidden is None:
+            hidden = run_segments(self._segments(0, batch, ids, pos), self.exchange)  # [T, H]
+        return self._sample(scheduled, batch, hidden, last)
+
+    def _segments(self, ubatch: int, batch: Batch, input_ids: torch.Tensor, positions: torch.Tensor) -> Segments:
+        """The forward of a prepared (micro-)batch as `forward_segments`: replayed from micro-batch `ubatch`'s prefill
+        graphs where they hold its token count, else eager."""
+        runner = self.prefill_graphs[ubatch] if ubatch < len(self.prefill_graphs) else None
+        if runner is not None and runner.handles(input_ids.shape[0]):
+            segments = runner.segments(batch, input_ids, positions)
+            if segments is not None:
+                return segments
+        return self.model.forward_segments(input_ids, positions, batch, self.kv_cache)
+
+    def _forward_ubatches(
+        self, batch: Batch, ubatches: list[range], input_ids: list[int], positions: list[int], last_rows: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's forward as micro-batches of consecutive sequences in ping-pong (`run_ubatches`): the
+        attention of one overlaps the FFN work and transfers of the others. Returns the hidden states [T, H]
+        in the step's row order and the sampled rows [B] on the device (they travel with the first
+        micro-batch's metadata: one host->device copy per micro-batch)."""
+        segments = []
+        last: torch.Tensor | None = None
+        starts = [*batch.starts, batch.num_tokens]
+        for group in ubatches:
+            part = Batch(
+                slots=batch.slots[group.start : group.stop],
+                query_lens=batch.query_lens[group.start : group.stop],
+                context_lens=batch.context_lens[group.start : group.stop],
+            )
+            rows = slice(starts[group.start], starts[group.stop])
+            host = [torch.tensor(v, dtype=torch.long) for v in (input_ids[rows], positions[rows])]
+            if last is None:
+                host.append(torch.tensor(last_rows, dtype=torch.long))
+            ids, pos, *sampled = self.kv_cache.prepare(part, *host)
+            last = sampled[0] if sampled else last
+            segments.append(self._segments(len(segments), part, ids, pos))
+        # p2p: the control plane announces every micro-batch's rows
+        self.exchange.begin_step(batch.num_tokens, [starts[g.stop] - starts[g.start] for g in ubatches])
+        self.ubatched_steps += 1
+        return torch.cat(run_ubatches(segments, self.exchange)), last
+
+    def idle_step(self) -> None:
+        """Nothing scheduled: what a zero-token forward shows the exchange — `begin_step(0)`, then every boundary
+        layer with `[0, H]` rows (the p2p DP wave needs each layer from every replica) — without the forward
+        itself, whose Python cost (~4 ms of CPU on tiny) an idle p2p server would pay on every wave."""
+        model = self.model
+        self.exchange.begin_step(0)
+        x = torch.empty(0, model.config.hidden_size, dtype=model.dtype, device=self.device)  # [0, H]
+        routing = None
+        if model.gate_on_attention:
+            k = model.config.num_experts_per_tok
+            ids = torch.empty(0, k, dtype=torch.long, device=self.device)  # [0, K]
+            routing = Routing(ids, torch.empty(0, k, dtype=torch.float32, device=self.device))
+        for layer_idx in model.boundary_layers:
+            self.exchange(layer_idx, x, routing)
+
+    def _sample(
+        self, scheduled: list[Scheduled], batch: Batch, hidden: torch.Tensor, last_rows: torch.Tensor
+    ) -> LaunchedStep:
+        """Sample every sequence that ends its prompt or decodes, at once: one lm_head call, and one
+        device->host copy started (read in `read_tokens`); a chunk in the middle of a prompt is only cached
+        (and scored, which reads its scores at once: such a step is never left in flight)."""
+        sampled = [s for s in scheduled if s.samples]
+        tokens = host = ready = None
+        if sampled:
+            sampling = [s.seq.request.sampling for s in sampled]
+            # the index of the token each row samples, from the schedule: a decode launched ahead has not
+            # appended its input token on the host yet
+            positions = [s.start + len(s.input_ids) for s in sampled]
+            tokens, host, ready = launch_sampling(self.model, hidden[last_rows], sampling, positions)
+        for s, first, n in zip(scheduled, batch.starts, batch.query_lens, strict=True):
+            prompt = s.seq.request.prompt_ids
+            if s.is_decode or not s.seq.request.prompt_logprobs:
+                continue  # prompt scoring is rare: its own lm_head call over the chunk
+            if s.start == 0:
+                s.seq.prompt_logprobs = [None]
+            scored = min(n, len(prompt) - 1 - s.start)  # rows whose next token is still a prompt token
+            if scored > 0:
+                rows = torch.log_softmax(self.model.compute_logits(hidden[first : first + scored]), dim=-1)
+                targets = torch.tensor(prompt[s.start + 1 : s.start + 1 + scored], device=rows.device)
+                s.seq.prompt_logprobs += rows.gather(1, targets[:, None]).squeeze(1).tolist()
+        return LaunchedStep(scheduled, sampled, tokens, host, ready)
+
+    def read_tokens(self, step: LaunchedStep) -> tuple[list[float], list[float]]:
+        """A launched step's sampled tokens and their logprobs on the host (waiting for their copy only)."""
+        if step.ready is not None:
+            step.ready.synchronize()
+        timeline = self.exchange.timeline
+        if timeline is not None:
+            timeline.mark("tokens", on_device=False)
+        if step.host is None:
+            return [], []
+        tokens, logprobs = step.host.tolist()
+        return tokens, logprobs
