@@ -23,7 +23,7 @@ import statistics
 import time
 
 from afd.runtime.link import decode_frames, encode_frame
-from afd.serve.protocol import parse_completion, parse_json
+from afd.serve.protocol import parse_completion
 
 BODY = json.dumps(
     {"model": "m", "prompt": list(range(1, 129)), "max_tokens": 32, "temperature": 0, "stream": True}
@@ -32,7 +32,7 @@ ADD = {"type": "add", "rid": "cmpl-0", "prompt_ids": list(range(128)), "max_toke
 
 
 def work() -> None:
-    parse_completion(parse_json(BODY))
+    parse_completion(json.loads(BODY)).generation()
     list(decode_frames(bytearray(encode_frame(ADD))))
 
 

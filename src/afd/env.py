@@ -30,6 +30,7 @@ import os
 SECRET_VAR = "AFD_SECRET"
 LAUNCHER_PID_VAR = "AFD_LAUNCHER_PID"
 ZYGOTE_PID_VAR = "AFD_ZYGOTE_PID"
+API_KEY_VAR = "AFD_API_KEY"
 
 
 def secret() -> str:
@@ -135,4 +136,10 @@ def timeline_dir() -> str | None:
 
 def api_key() -> str | None:
     """`AFD_API_KEY`: the API key `afd serve` requires when no `--api-key` is given; None when unset or empty."""
-    return os.environ.get("AFD_API_KEY") or None
+    return os.environ.get(API_KEY_VAR) or None
+
+
+def child_environ() -> dict[str, str]:
+    """This process's environment for a process it starts (a rank, the zygote): without `AFD_API_KEY`, which only
+    the front end reads, so no rank's environment (/proc/PID/environ) shows the server's key."""
+    return {k: v for k, v in os.environ.items() if k != API_KEY_VAR}

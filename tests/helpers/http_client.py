@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import http.client
 import json
+from email.message import Message
 
 
-def http_request(port: int, method: str, path: str, body=None, headers=None) -> tuple[int, dict | str, dict]:
-    """(status, JSON body or text, headers) of one request to 127.0.0.1:port."""
+def http_request(port: int, method: str, path: str, body=None, headers=None) -> tuple[int, dict | str, Message]:
+    """(status, JSON body or text, headers: names in any case) of one request to 127.0.0.1:port."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
     conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
@@ -19,7 +20,7 @@ def http_request(port: int, method: str, path: str, body=None, headers=None) -> 
         payload = json.loads(raw)
     except ValueError:
         payload = raw
-    return resp.status, payload, dict(resp.getheaders())
+    return resp.status, payload, resp.headers
 
 
 def sse_events(port: int, path: str, body: dict) -> list[dict | str]:

@@ -1,7 +1,6 @@
-"""`afd serve`'s HTTP side without processes: the pure parts (protocol, router, tokenizer, metrics, SSE) and
-the real HTTP server over in-process replicas — threads that each run the real replica loop
-(`afd.runtime.online.serve_replica`) over a real `Engine` on the tiny model — so greedy tokens can be
-compared with `afd.engine.generate.generate` in seconds."""
+"""`afd serve`'s HTTP side without processes: the pure parts (protocol models, router, tokenizer, metrics, SSE) and
+the real server (FastAPI on uvicorn, real sockets) over in-process replicas (`helpers.serve.InProcessServer`), so
+greedy tokens can be compared with `afd.engine.generate.generate` in seconds."""
 
 from __future__ import annotations
 
@@ -13,16 +12,14 @@ import threading
 import time
 
 import pytest
-from helpers.http_client import http_request, sse_events, token_ids
+from helpers.http_client import token_ids
+from helpers.serve import MODEL, InProcessServer
 
 from afd.serve import metrics
 from afd.serve.balancer import outstanding_tokens, pick_replica
 from afd.serve.output import OutputText
-from afd.serve.protocol import APIError, parse_chat, parse_completion, parse_json, sse
+from afd.serve.protocol import APIError, parse_chat, parse_completion, sse
 from afd.serve.tokenizer import ByteTokenizer, IncrementalDecoder
-
-MODEL = "tiny"
-SECRET = b"test-secret"
 
 
 # ---------------------------------------------------------------- pure parts
@@ -107,10 +104,12 @@ def test_stop_strings_cut_the_text_and_hold_back_partial_matches():
 
 def test_protocol_validation_and_error_object():
     req = parse_completion({"model": "m", "prompt": [[1, 2], "hi"], "max_tokens": 3, "temperature": 0, "stop": "x"})
-    assert req.prompts == [[1, 2], "hi"] and req.params.stop == ["x"] and req.params.sampling.greedy
-    assert parse_completion({"prompt": "a", "top_k": -1}).params.sampling.top_k == 0  # vLLM's -1: off
+    params = req.generation()
+    assert req.prompts() == [[1, 2], "hi"] and params.stop == ["x"] and params.sampling.greedy
+    assert parse_completion({"prompt": "a", "top_k": -1}).generation().sampling.top_k == 0  # vLLM's -1: off
+    assert parse_completion({"prompt": "a", "unknown": {"x": 1}}).prompts() == ["a"]  # unknown fields: ignored
     chat = parse_chat({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "logprobs": True})
-    assert chat.messages == [{"role": "user", "content": "hi"}] and chat.params.logprobs == 0
+    assert chat.chat() == [{"role": "user", "content": "hi"}] and chat.generation().logprobs == 0
     cases = [
         ({"prompt": "a", "n": 2}, "n"),
         ({"prompt": "a", "temperature": -1}, "temperature"),
@@ -122,119 +121,57 @@ def test_protocol_validation_and_error_object():
         ({"prompt": [1, "a"]}, "prompt"),
         ({"prompt": [-1]}, "prompt"),
         ({"prompt": "a", "stream": "yes"}, "stream"),
+        ({"prompt": "a", "max_tokens": "5"}, "max_tokens"),  # strict: a string is not a number
+        ({"prompt": "a", "temperature": float("nan")}, "temperature"),
+        ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
     ]
     for body, param in cases:
         with pytest.raises(APIError) as info:
-            parse_completion(body)
+            parse_completion(body).generation()
         err = info.value.body()["error"]
         assert (info.value.status, err["param"], err["code"], err["type"]) == (400, param, 400, "BadRequestError")
         assert err["message"].count(". ") == 0  # one sentence
-    for raw in (b"{not json", b"[1, 2]"):
-        with pytest.raises(APIError):
-            parse_json(raw)
+    with pytest.raises(APIError, match="JSON object"):
+        parse_completion([1, 2])
     with pytest.raises(APIError, match="messages"):
         parse_chat({"messages": []})
+    with pytest.raises(APIError, match=r"messages\[0\]\.content may hold only text parts"):
+        parse_chat({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})
 
 
-def test_metrics_text_format():
-    m = metrics.ReplicaMetrics(running=2, waiting=1, cache_usage=0.25, generation_tokens=7)
+def test_metrics_through_prometheus_client():
+    """The page parses as the Prometheus text format and keeps the metric names of the README."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    served = metrics.ServeMetrics(2)
+    m = served.replicas[0]
+    m.running.set(2)
+    m.cache_usage.set(0.25)
+    m.generation_tokens.inc(7)
     m.ttft.observe(0.003)
     m.ttft.observe(100.0)
-    m.finished["stop"] = 1
-    text = metrics.render([m, metrics.ReplicaMetrics()], healthy=True, front_waiting=0)
-    lines = text.splitlines()
-    assert 'afd_num_requests_running{replica="0"} 2' in lines and 'afd_num_requests_running{replica="1"} 0' in lines
-    assert 'afd_kv_cache_usage_perc{replica="0"} 0.25' in lines
-    assert 'afd_generation_tokens_total{replica="0"} 7' in lines
-    assert 'afd_time_to_first_token_seconds_bucket{replica="0",le="0.001"} 0' in lines
-    assert 'afd_time_to_first_token_seconds_bucket{replica="0",le="0.005"} 1' in lines
-    assert 'afd_time_to_first_token_seconds_bucket{replica="0",le="+Inf"} 2' in lines
-    assert 'afd_time_to_first_token_seconds_count{replica="0"} 2' in lines
-    assert 'afd_request_success_total{replica="0",finished_reason="stop"} 1' in lines
-    assert "# TYPE afd_inter_token_latency_seconds histogram" in lines and text.endswith("\n")
+    m.finished("stop")
+    text = served.render(healthy=True, front_waiting=0).decode()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    assert samples[("afd_num_requests_running", (("replica", "0"),))] == 2
+    assert samples[("afd_num_requests_running", (("replica", "1"),))] == 0
+    assert samples[("afd_kv_cache_usage_perc", (("replica", "0"),))] == 0.25
+    assert samples[("afd_generation_tokens_total", (("replica", "0"),))] == 7
+    assert samples[("afd_time_to_first_token_seconds_bucket", (("le", "0.001"), ("replica", "0")))] == 0
+    assert samples[("afd_time_to_first_token_seconds_bucket", (("le", "0.005"), ("replica", "0")))] == 1
+    assert samples[("afd_time_to_first_token_seconds_bucket", (("le", "+Inf"), ("replica", "0")))] == 2
+    assert samples[("afd_time_to_first_token_seconds_count", (("replica", "0"),))] == 2
+    assert samples[("afd_request_success_total", (("finished_reason", "stop"), ("replica", "0")))] == 1
+    assert samples[("afd_healthy", ())] == 1 and samples[("afd_front_end_waiting", ())] == 0
+    assert "# TYPE afd_inter_token_latency_seconds histogram" in text.splitlines()
     assert sse({"a": 1}) == b'data: {"a":1}\n\n'
 
 
 # ---------------------------------------------------------------- the app over in-process replicas
-class InProcessServer:
-    """`afd.serve.server.serve` on a free port in a thread, over `num_replicas` replica threads."""
-
-    def __init__(self, num_replicas: int = 2, *, max_num_seqs: int = 8, **options) -> None:
-        from afd.engine.engine import Engine, LocalExchange
-        from afd.model.weights import load_attention_model, load_ffn_model, load_model_config
-        from afd.runtime.link import FrontLink, ReplicaLink
-        from afd.runtime.online import serve_replica
-        from afd.serve.frontend import ReplicaPool
-        from afd.serve.state import ServeOptions, ServerState
-        from afd.serve.tokenizer import load_tokenizer
-
-        link = FrontLink(SECRET)
-        self.engines = []
-        self.threads = []
-        for r in range(num_replicas):
-            engine = Engine(
-                load_attention_model(MODEL), LocalExchange(load_ffn_model(MODEL)), 256, max_num_seqs=max_num_seqs
-            )
-            hello = {
-                "replica": r,
-                "max_num_seqs": max_num_seqs,
-                "max_model_len": engine.max_model_len,
-                "vocab_size": engine.model.config.vocab_size,
-                "num_cache_tokens": engine.kv_cache.num_tokens,
-            }
-
-            def run(engine=engine, hello=hello) -> None:
-                replica_link = ReplicaLink(link.address, SECRET, hello)
-                try:
-                    serve_replica(engine, replica_link)
-                finally:
-                    replica_link.close()
-
-            self.threads.append(threading.Thread(target=run, daemon=True))
-            self.threads[-1].start()
-            self.engines.append(engine)
-        link.accept(num_replicas, timeout_s=30)
-        self.link = link
-        self.dead: list[str] = []
-        pool = ReplicaPool(link.conns, link.hellos)
-        config = load_model_config(MODEL)
-        options = ServeOptions(model_name=MODEL, **options)
-        self.state = ServerState(pool, load_tokenizer(MODEL, config.vocab_size), options, lambda: self.dead)
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.ready = threading.Event()
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-        assert self.ready.wait(30), "the in-process server did not start"
-
-    def _run(self) -> None:
-        from afd.serve.server import serve
-
-        async def main() -> None:
-            self.loop = asyncio.get_running_loop()
-            self.stop = asyncio.Event()
-            await serve(self.state, self.sock, self.stop, self.ready.set)
-
-        asyncio.run(main())
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.stop.set)
-        self.thread.join(30)
-        for t in self.threads:
-            t.join(10)
-        self.link.close()
-
-    def request(self, method: str, path: str, body=None, headers=None) -> tuple[int, dict | str, dict]:
-        return http_request(self.port, method, path, body, headers)
-
-    def post(self, path: str, body, **kw):
-        return self.request("POST", path, body, **kw)
-
-    def stream(self, path: str, body: dict) -> list[dict | str]:
-        return sse_events(self.port, path, body)
-
-
 @pytest.fixture(scope="module")
 def server():
     srv = InProcessServer(num_replicas=2, max_num_seqs=2, max_waiting=1)
@@ -374,7 +311,9 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
 def test_an_api_key_guards_the_v1_routes():
     keyed = InProcessServer(num_replicas=1, api_key="sesame")
     try:
-        assert keyed.post("/v1/completions", {"prompt": "a", "max_tokens": 1})[0] == 401
+        status, got, headers = keyed.post("/v1/completions", {"prompt": "a", "max_tokens": 1})
+        assert status == 401 and headers.get("www-authenticate") == "Bearer"
+        assert got["error"]["type"] == "AuthenticationError"
         wrong = {"Authorization": "Bearer nope"}
         assert keyed.post("/v1/completions", {"prompt": "a", "max_tokens": 1}, headers=wrong)[0] == 401
         right = {"Authorization": "Bearer sesame"}
@@ -423,7 +362,7 @@ def test_overload_gets_429_and_disconnects_abort_their_requests(server):
     assert all(e.load().cache_usage == 0 for e in server.engines)  # every cache block is free again
     assert server.post("/v1/completions", {"prompt": "a", "max_tokens": 2})[0] == 200
     status, page, _ = server.request("GET", "/metrics")
-    assert status == 200 and 'afd_request_success_total{replica="0",finished_reason="abort"}' in page
+    assert status == 200 and 'afd_request_success_total{finished_reason="abort",replica="0"}' in page
 
 
 @pytest.mark.timeout(120)
@@ -591,44 +530,33 @@ def test_the_official_openai_client(server, reference):
 
 
 def test_a_request_whose_replica_answers_nothing_ends_with_504(monkeypatch):
-    """A replica alive but silent (frozen): the request's wait is bounded, pulled (`Run.pieces`) or pushed (a
-    stream's `_push`), it ends with one sentence and is aborted on its replica."""
+    """A replica alive but silent (frozen): the request's wait is bounded, it ends with one sentence and is aborted
+    on its replica."""
     import asyncio
     from types import SimpleNamespace
 
     from afd.engine.sampling import SamplingParams
-    from afd.serve import output, responses
+    from afd.serve import output
     from afd.serve.protocol import APIError, GenerationParams
     from afd.serve.tokenizer import ByteTokenizer
 
     aborted = []
     pool = SimpleNamespace(
-        submit=lambda *args, **kwargs: SimpleNamespace(queue=asyncio.Queue(), replica=1, listener=None),
+        submit=lambda *args, **kwargs: SimpleNamespace(queue=asyncio.Queue(), replica=1),
         abort=lambda rid, *reason: aborted.append(rid),
     )
     monkeypatch.setattr(output, "REQUEST_STALL_S", 0.2)
-    monkeypatch.setattr(responses, "REQUEST_STALL_S", 0.2)
     params = GenerationParams(max_tokens=4, sampling=SamplingParams())
 
-    def run() -> output.Run:
-        return output.run_request(pool, ByteTokenizer(256), "r1", output.Prepared([1, 2], 4), params)
-
     async def pull() -> None:
-        async for _ in run().pieces():
+        run = output.run_request(pool, ByteTokenizer(256), "r1", output.Prepared([1, 2], 4), params)
+        async for _ in run.pieces():
             pass
 
-    written = []
-
-    async def push() -> None:
-        await responses._push(run(), SimpleNamespace(write_nowait=written.append), lambda piece: b"chunk")
-
-    for consume in (pull, push):
-        with pytest.raises(APIError) as err:
-            asyncio.run(consume())
-        assert err.value.status == 504 and "replica 1 sent nothing for this request in 0.2 s" in err.value.message
-        assert aborted == ["r1"]
-        aborted.clear()
-    assert written == []
+    with pytest.raises(APIError) as err:
+        asyncio.run(pull())
+    assert err.value.status == 504 and "replica 1 sent nothing for this request in 0.2 s" in err.value.message
+    assert aborted == ["r1"]
 
 
 def test_a_call_submits_all_its_prompts_or_none():

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from afd.bench.progress import BarProgress, LineProgress, stderr_progress
 from afd.bench.report import format_table, slo_summary, slo_throughput
 from afd.bench.serve_client import (
     TTFT_STAGES,
+    Progress,
     RequestResult,
     is_this_host,
     percentile,
@@ -208,27 +208,28 @@ class Tty(io.StringIO):
         return True
 
 
-def test_progress_is_a_bar_on_a_terminal_and_milestone_lines_in_a_log(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_progress_is_tqdms_bar_on_a_terminal_and_milestone_lines_in_a_log() -> None:
     log = io.StringIO()
-    p = stderr_progress(stream=log)
-    assert isinstance(p, LineProgress)
+    p = Progress(log)
     p.note("none R=1: starting the server ...")
     p.start("none R=1: rate 4/s", 3)
     for _ in range(3):
         p.advance()
     p.finish()
     lines = log.getvalue().splitlines()
-    assert len(lines) == 3 and lines[-1].startswith("[afd bench serve] none R=1: rate 4/s: 3/3 requests in ")
+    assert len(lines) == 2 and lines[-1].startswith("[afd bench serve] none R=1: rate 4/s: 3/3 requests in ")
     assert "\r" not in log.getvalue()
-    pytest.importorskip("tqdm")
-    assert isinstance(stderr_progress(stream=Tty()), BarProgress)
-    monkeypatch.setitem(sys.modules, "tqdm", None)  # not installed: a line rewritten in place
     tty = Tty()
-    p = stderr_progress(stream=tty)
-    assert isinstance(p, LineProgress) and p.in_place
+    p = Progress(tty)
     p.start("x", 2)
     p.advance()
-    assert tty.getvalue().endswith("\r[afd bench serve] x: 1/2 requests\033[K")
+    p.finish()
+    assert "x: 100%" not in tty.getvalue() and "x:  50%" in tty.getvalue() and "1/2" in tty.getvalue()
+    silent = Progress()  # the library's default: nothing written anywhere
+    silent.note("n")
+    silent.start("x", 1)
+    silent.advance()
+    silent.finish()
 
 
 def test_plot_draws_latency_against_rate_per_server(tmp_path: Path) -> None:
@@ -266,7 +267,9 @@ def test_bench_serve_refuses_bad_workload_flags_before_starting_anything(
     ]
     cases.append((["--json", str(tmp_path / "no" / "x.json")], "--json " + str(tmp_path / "no" / "x.json")))
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed
-    cases.append((["--plot", str(tmp_path / "x.png")], "--plot needs matplotlib; install it with pip install"))
+    cases.append(
+        (["--plot", str(tmp_path / "x.png")], "--plot needs matplotlib; install it with pip install 'afd[bench]'")
+    )
     for argv, words in cases:
         assert cli.main(["bench", "serve", *argv]) == 2, argv
         err = capsys.readouterr().err

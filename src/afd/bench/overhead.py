@@ -16,10 +16,10 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 
-from afd.bench.progress import Progress
 from afd.bench.serve_client import (
     WARM_UP_PROMPT,
     WARM_UP_TOKENS,
+    Progress,
     RequestResult,
     bench_servers,
     format_rate,

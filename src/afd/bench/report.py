@@ -95,7 +95,7 @@ def format_table(results: list[dict], slo_ttft_s: float) -> str:
 
 
 class PlotUnavailable(RuntimeError):
-    """matplotlib is not installed (it is the optional extra `afd[plot]`)."""
+    """matplotlib is not installed (it comes with the optional extra `afd[bench]`)."""
 
 
 def require_matplotlib() -> None:
@@ -103,7 +103,7 @@ def require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise PlotUnavailable("--plot needs matplotlib; install it with pip install 'afd[plot]'") from None
+        raise PlotUnavailable("--plot needs matplotlib; install it with pip install 'afd[bench]'") from None
 
 
 def plot_results(results: list[dict], path: str | Path, slo_ttft_s: float, title: str = "") -> None:

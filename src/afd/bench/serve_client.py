@@ -2,10 +2,11 @@
 
 Each request is a `/v1/completions` call with token-id prompts (no tokenizer in the measurement),
 `stream: true`, `ignore_eos` and `max_tokens`, sent at its arrival time whether or not earlier ones have
-finished (an open-loop client, as vLLM's `benchmark_serving` is). Per request it records the time to the
-first token, the gaps between tokens and the end-to-end latency; per run, requests/s and output tokens/s
-over the run's wall time, percentiles and errors. The requests are `afd.bench.workload`'s; the table, the
-SLO-compliant throughput and the plot are `afd.bench.report`'s.
+finished (an open-loop client on aiohttp, as vLLM's serving benchmark is). Per request it records the time to
+the first token, the gaps between tokens and the end-to-end latency; per run, requests/s and output tokens/s
+over the run's wall time, percentiles and errors. The client's own cost per request stays out of the front end's
+share of TTFT: that share is cut at the server's own stamps (`ttft_stages`, `RequestResult.server_s`). The
+requests are `afd.bench.workload`'s; the table, the SLO-compliant throughput and the plot are `afd.bench.report`'s.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ import math
 import time
 import urllib.parse
 from dataclasses import asdict, dataclass, field
+from typing import TextIO
+
+import aiohttp
+from tqdm import tqdm
 
 from afd import env
-from afd.bench import http1
-from afd.bench.progress import Progress
 from afd.bench.workload import Workload
-from afd.serve.server import spin
+from afd.serve.busy_poll import spin
 
 QUANTILES = (50, 90, 99)
 
@@ -146,7 +149,8 @@ def run_rates(workload: Workload, rates: list[float]) -> list[float]:
 
 
 async def _one(
-    client: http1.Client,
+    session: aiohttp.ClientSession,
+    url: str,
     prompt: list[int],
     max_tokens: int,
     model: str | None,
@@ -172,11 +176,14 @@ async def _one(
     start = last = first_at = time.perf_counter()
     stamps = None
     try:
-        async with asyncio.timeout(timeout_s), client.request("POST", "/v1/completions", data, headers) as resp:
+        async with (
+            asyncio.timeout(timeout_s),
+            session.post(url + "/v1/completions", data=data, headers=headers) as resp,
+        ):
             if resp.status != 200:
                 result.error = f"HTTP {resp.status}: {(await resp.read()).decode(errors='replace')[:200]}"
                 return result
-            async for raw in resp.lines():
+            async for raw in resp.content:  # line by line: server-sent events are lines
                 line = raw.strip()
                 if not line.startswith(b"data: ") or line == b"data: [DONE]":
                     continue
@@ -197,13 +204,19 @@ async def _one(
                 else:
                     result.itl_s.append(now - last)
                 last = now
-    except (TimeoutError, OSError, asyncio.IncompleteReadError, ValueError) as exc:  # OSError: HTTPError too
+    except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
         result.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         return result
     result.e2e_s = time.perf_counter() - start
     if same_clock and isinstance(stamps, dict) and result.ttft_s is not None:
         result.stages_s = ttft_stages(start, first_at, stamps)
     return result
+
+
+def client_session() -> aiohttp.ClientSession:
+    """Connections kept alive between requests and as many as run at once: an open loop never queues in the
+    client (aiohttp's default caps them at 100)."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None))
 
 
 async def _run(
@@ -219,23 +232,22 @@ async def _run(
     same_clock = is_this_host(url)
     prompts, arrivals, max_tokens = workload.prompts(vocab_size), workload.arrivals(rate), workload.max_tokens_of()
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    client = http1.Client(url)  # a connection per request in flight: an open loop never queues in the client
     spinner = asyncio.create_task(spin()) if env.busy_poll() else None
     try:
-        start = time.perf_counter()
+        async with client_session() as session:
+            start = time.perf_counter()
 
-        async def send(i: int) -> RequestResult:
-            await asyncio.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
-            result = await _one(client, prompts[i], max_tokens[i], model, headers, timeout_s, same_clock)
-            progress.advance()
-            return result
+            async def send(i: int) -> RequestResult:
+                await asyncio.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
+                result = await _one(session, url, prompts[i], max_tokens[i], model, headers, timeout_s, same_clock)
+                progress.advance()
+                return result
 
-        results = await asyncio.gather(*(send(i) for i in range(len(prompts))))
-        wall = time.perf_counter() - start
+            results = await asyncio.gather(*(send(i) for i in range(len(prompts))))
+            wall = time.perf_counter() - start
     finally:
         if spinner is not None:
             spinner.cancel()
-        await client.close()
     return run_record(rate, results, wall)
 
 
@@ -283,10 +295,9 @@ async def _warm_up(
     Returns the p50 of `HTTP_FLOOR_PROBES` round trips to `/health` by this client: the HTTP floor the front end's
     share of TTFT compares with (no JSON body, no replica), None when the server has no `/health`."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    client = http1.Client(url)
-    try:
-        result = await _one(client, WARM_UP_PROMPT, WARM_UP_TOKENS, model, headers, timeout_s)
-        warm = [_one(client, p, n, model, headers, timeout_s) for p, n in requests]
+    async with client_session() as session:
+        result = await _one(session, url, WARM_UP_PROMPT, WARM_UP_TOKENS, model, headers, timeout_s)
+        warm = [_one(session, url, p, n, model, headers, timeout_s) for p, n in requests]
         results = [result, *await asyncio.gather(*warm)]
         failed = next((r.error for r in results if r.error), None)
         if failed:
@@ -294,13 +305,11 @@ async def _warm_up(
         times = []
         for _ in range(HTTP_FLOOR_PROBES):
             start = time.perf_counter()
-            async with asyncio.timeout(timeout_s), client.request("GET", "/health") as resp:
+            async with asyncio.timeout(timeout_s), session.get(url + "/health") as resp:
                 await resp.read()
                 if resp.status != 200:
                     return None
             times.append(time.perf_counter() - start)
-    finally:
-        await client.close()
     return percentile(times[HTTP_FLOOR_PROBES // 5 :], 50)  # the first few open the connection
 
 
@@ -342,6 +351,44 @@ def bench_servers(
             code = server.stop()
         results.append({"name": label, "runs": runs, "server_exit_status": code})
     return results
+
+
+class Progress:
+    """Progress of the runs: a tqdm bar per run on a terminal; in a log (tqdm turns itself off there), one line
+    per server start and per finished run; nothing at all without a `stream` (the library's default)."""
+
+    def __init__(self, stream: TextIO | None = None, prefix: str = "[afd bench serve]") -> None:
+        self.stream, self.prefix = stream, prefix
+        self.bar: tqdm | None = None
+        self.label, self.total, self.done, self.started = "", 0, 0, 0.0
+
+    def note(self, message: str) -> None:
+        """A milestone (a server starts)."""
+        if self.stream is not None:
+            tqdm.write(f"{self.prefix} {message}", file=self.stream)
+            self.stream.flush()
+
+    def start(self, label: str, total: int) -> None:
+        """A run of `total` requests begins."""
+        self.label, self.total, self.done, self.started = label, total, 0, time.perf_counter()
+        if self.stream is not None:
+            self.bar = tqdm(total=total, desc=label, unit="req", file=self.stream, disable=None, leave=True)
+
+    def advance(self) -> None:
+        """One request of the run ended (success or error)."""
+        self.done += 1
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def finish(self) -> None:
+        """The run ended: its bar closes (on a terminal) or its line is written (in a log)."""
+        if self.bar is None:
+            return
+        bar, self.bar = self.bar, None
+        bar.close()
+        if bar.disable:
+            elapsed = time.perf_counter() - self.started
+            self.note(f"{self.label}: {self.done}/{self.total} requests in {elapsed:.1f} s")
 
 
 def format_rate(rate: float) -> str:

@@ -10,6 +10,7 @@ import argparse
 import json
 import math
 import sys
+import urllib.parse
 from dataclasses import replace
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from afd.cli.input import (
     positive_seconds,
     rank_count,
 )
+from afd.serve import MAX_PROMPTS_PER_REQUEST
 
 
 # ---------------------------------------------------------------- afd serve
@@ -98,7 +100,15 @@ def add_serve_parser(sub) -> None:
         "--max-waiting",
         type=non_negative_int,
         default=1024,
-        help="requests that may wait for a replica; beyond it new requests get 429",
+        help="prompts that may wait for a replica (each prompt of a request counts); a request that would make "
+        "more wait gets 429",
+    )
+    p.add_argument(
+        "--max-prompts-per-request",
+        type=positive_int,
+        default=MAX_PROMPTS_PER_REQUEST,
+        help="prompts one /v1/completions request may carry; more is a 400 (default: one replica's running batch "
+        "at vLLM's default --max-num-seqs)",
     )
     p.set_defaults(func=cmd_serve, starts_ranks=True)
 
@@ -147,6 +157,7 @@ def build_plan(args: argparse.Namespace):
         model_name=args.served_model_name or args.model,
         api_key=args.api_key or env.api_key(),
         max_waiting=args.max_waiting,
+        max_prompts_per_request=args.max_prompts_per_request,
     )
     return ServePlan(spec, config, replicas, args.host, args.port, options, tokenizer, args.startup_timeout)
 
@@ -187,8 +198,20 @@ def _check_resources(args: argparse.Namespace, model_config) -> None:
     )
 
 
+def require_packages(command: str, extra: str, names: tuple[str, ...]) -> None:
+    """UsageError (exit 2) naming what to install when a package of `names` is missing."""
+    from afd.serve import missing_packages
+
+    missing = missing_packages(names)
+    if missing:
+        raise UsageError(f"{command} needs {', '.join(missing)}: pip install 'afd[{extra}]'")
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from afd.distributed import signals
+    from afd.serve import STACK
+
+    require_packages("afd serve", "serve", STACK)
     from afd.serve.run import DRAIN_BUDGET_S, ServeError, run_server
 
     plan = build_plan(args)
@@ -314,7 +337,7 @@ def add_bench_serve_parser(steps) -> None:
         "first requests of a new shape pay one-time costs: kernels compiled, graphs captured)",
     )
     s.add_argument("--json", help="also write the raw results (JSON) to this file")
-    s.add_argument("--plot", metavar="FILE.png", help="latency vs rate per server config (needs afd[plot])")
+    s.add_argument("--plot", metavar="FILE.png", help="latency vs rate per server config (matplotlib, afd[bench])")
     s.set_defaults(func=cmd_bench_serve, starts_ranks=False)
 
 
@@ -374,10 +397,16 @@ def bench_workload(args: argparse.Namespace, limit: int):
     return workload, run_rates(workload, rates)
 
 
+BENCH_STACK = ("aiohttp", "tqdm")  # the `afd[bench]` extra (and matplotlib, for --plot)
+
+
 def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from afd.serve import STACK
+
+    require_packages("afd bench serve", "bench", BENCH_STACK)
+    if not args.url:  # it starts servers
+        require_packages("afd bench serve (which starts afd serve)", "serve", STACK)
     from afd import env
-    from afd.bench import http1
-    from afd.bench.progress import stderr_progress
     from afd.bench.report import (
         PlotUnavailable,
         format_table,
@@ -386,7 +415,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         slo_summary,
         strict_json,
     )
-    from afd.bench.serve_client import BenchError, bench_servers, bench_url
+    from afd.bench.serve_client import BenchError, Progress, bench_servers, bench_url
     from afd.serve.run import ServeError
 
     model_config = check_prompts(args.model, [], args.device)
@@ -396,16 +425,15 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         if path and not Path(path).resolve().parent.is_dir():
             raise UsageError(f"{flag} {path}: the directory {Path(path).resolve().parent} does not exist")
     if args.url:
-        try:
-            http1.Client(args.url)
-        except ValueError as exc:
-            raise UsageError(str(exc)) from None
+        parts = urllib.parse.urlsplit(args.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise UsageError(f"--url takes an http:// or https:// server address, got {args.url!r}")
     if args.plot:
         try:
             require_matplotlib()
         except PlotUnavailable as exc:
             raise UsageError(str(exc)) from None
-    progress = stderr_progress()
+    progress = Progress(sys.stderr)
     common = dict(vocab_size=model_config.vocab_size, timeout_s=args.startup_timeout)
     try:
         if args.url:

@@ -352,7 +352,7 @@ def host_world_store(config: AFDConfig, secret: str):
 
 def rank_environment(secret: str) -> dict[str, str]:
     """A rank's environment: the run's secret (never on a command line) and this launcher's pid (it dies with us)."""
-    return {**os.environ, "PYTHONUNBUFFERED": "1", SECRET_VAR: secret, LAUNCHER_PID_VAR: str(os.getpid())}
+    return {**env.child_environ(), "PYTHONUNBUFFERED": "1", SECRET_VAR: secret, LAUNCHER_PID_VAR: str(os.getpid())}
 
 
 def rank_order(config: AFDConfig) -> list[tuple[Role, int]]:

@@ -116,7 +116,7 @@ class Zygote:
                 stdout=fd,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # a Ctrl-C at the terminal is the launcher's to handle, not ours
-                env={**os.environ, "PYTHONUNBUFFERED": "1", ROOM_VAR: " " * ROOM},
+                env={**env.child_environ(), "PYTHONUNBUFFERED": "1", ROOM_VAR: " " * ROOM},
             )
         finally:
             os.close(fd)

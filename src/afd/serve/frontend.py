@@ -23,7 +23,7 @@ from multiprocessing.connection import Connection
 from afd.engine.sampling import SAMPLING_FIELDS, SamplingParams
 from afd.runtime.link import RECV_BYTES, FrameSender, Message, decode_frames, encode_frame
 from afd.serve.balancer import outstanding_tokens, pick_replica
-from afd.serve.metrics import ReplicaMetrics
+from afd.serve.metrics import ServeMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,6 @@ class Submitted:
     generated: int = 0
     last_token_at: float = 0.0
     engine_ttft_s: float | None = None  # the replica's own time to this request's first token
-    listener: Callable[[Event], None] | None = None  # takes each event at once, in place of `queue` (a stream)
     # moments on the way to the first token (`time.perf_counter()`, the host's CLOCK_MONOTONIC): `handler`, `sent`,
     # `replica_took`, `replica_stepped`, `front_got`, then the stream's `written` (`afd bench serve` cuts TTFT there)
     stamps: dict[str, float] = field(default_factory=dict)
@@ -65,16 +64,6 @@ class Submitted:
     @property
     def outstanding(self) -> int:
         return outstanding_tokens(self.prompt_len, self.max_tokens, self.generated)
-
-
-def _deliver(sub: Submitted, event: Event) -> None:
-    if sub.listener is None:
-        sub.queue.put_nowait(event)
-        return
-    try:
-        sub.listener(event)
-    except Exception:  # one request's listener must not keep the others' events from them
-        logger.exception("the listener of request %s failed", sub.rid)
 
 
 class ReplicaPool:
@@ -89,7 +78,7 @@ class ReplicaPool:
         self.max_request_tokens = min(int(h["num_cache_tokens"]) for h in self.hellos)  # one request's cache rows
         self.max_num_seqs = [int(h["max_num_seqs"]) for h in self.hellos]
         self.alive = [True] * self.num_replicas
-        self.metrics = [ReplicaMetrics() for _ in range(self.num_replicas)]
+        self.metrics = ServeMetrics(self.num_replicas)
         self.requests: dict[str, Submitted] = {}
         self.stopping = False
         self._byes = [threading.Event() for _ in range(self.num_replicas)]
@@ -187,18 +176,16 @@ class ReplicaPool:
         elif kind == "finished":
             self._on_finished(message)
         elif kind == "load":
-            m = self.metrics[replica]
-            m.running, m.waiting, m.cache_usage = (
-                int(message["running"]),
-                int(message["waiting"]),
-                message["cache_usage"],
-            )
+            m = self.metrics.replicas[replica]
+            m.running.set(int(message["running"]))
+            m.waiting.set(int(message["waiting"]))
+            m.cache_usage.set(float(message["cache_usage"]))
         else:
             logger.warning("replica %d sent an unknown message %r", replica, kind)
 
     def _on_tokens(self, replica: int, items: list, engine_stamps: dict[str, list[float]]) -> None:
         now = time.perf_counter()
-        m = self.metrics[replica]
+        m = self.metrics.replicas[replica]
         grouped: dict[str, list[tuple[int, float]]] = {}
         for rid, token_id, logprob in items:
             grouped.setdefault(rid, []).append((int(token_id), float(logprob)))
@@ -218,8 +205,8 @@ class ReplicaPool:
                 m.itl.observe(now - sub.last_token_at)
             sub.generated += len(tokens)
             sub.last_token_at = now
-            m.generation_tokens += len(tokens)
-            _deliver(sub, Event("tokens", items=tokens))
+            m.generation_tokens.inc(len(tokens))
+            sub.queue.put_nowait(Event("tokens", items=tokens))
 
     def _on_finished(self, message: Message) -> None:
         sub = self.requests.pop(message["rid"], None)
@@ -233,20 +220,24 @@ class ReplicaPool:
             text = message.get("message", "")
         self._count_end(sub, reason)
         scored = message.get("prompt_logprobs")
-        _deliver(sub, Event("finished", reason=reason, message=text, status=status, prompt_logprobs=scored))
+        sub.queue.put_nowait(Event("finished", reason=reason, message=text, status=status, prompt_logprobs=scored))
 
     def _count_end(self, sub: Submitted, reason: str) -> None:
-        m = self.metrics[sub.replica]
-        m.finished[reason] = m.finished.get(reason, 0) + 1
+        m = self.metrics.replicas[sub.replica]
+        m.finished(reason)
         m.e2e.observe(time.perf_counter() - sub.arrival)
 
     # --- requests
-    def waiting(self) -> int:
-        """Requests beyond what the replicas run at once (they wait in a replica's queue)."""
+    def waiting(self, more: int = 0) -> int:
+        """Requests beyond what the replicas run at once (they wait in a replica's queue); with `more`, how many
+        would wait once `more` requests were added (they take the free running places first)."""
         per_replica = [0] * self.num_replicas
         for sub in self.requests.values():
             per_replica[sub.replica] += 1
-        return sum(max(0, n - cap) for n, cap in zip(per_replica, self.max_num_seqs, strict=True))
+        pairs = list(zip(per_replica, self.max_num_seqs, strict=True))
+        waiting = sum(max(0, n - cap) for n, cap in pairs)
+        free = sum(max(0, cap - n) for (n, cap), ok in zip(pairs, self.alive, strict=True) if ok)
+        return waiting + max(0, more - free)
 
     def loads(self) -> list[int]:
         load = [0] * self.num_replicas
@@ -275,7 +266,7 @@ class ReplicaPool:
             raise LookupError("no replica is alive") from None
         sub = Submitted(rid, replica, len(prompt_ids), max_tokens, time.perf_counter())
         self.requests[rid] = sub
-        self.metrics[replica].prompt_tokens += len(prompt_ids)
+        self.metrics.replicas[replica].prompt_tokens.inc(len(prompt_ids))
         message = {
             "type": "add",
             "rid": rid,
@@ -312,7 +303,7 @@ class ReplicaPool:
             if replica is None or sub.replica == replica:
                 del self.requests[rid]
                 self._count_end(sub, "error")
-                _deliver(sub, Event("finished", reason="error", message=why, status=503))
+                sub.queue.put_nowait(Event("finished", reason="error", message=why, status=503))
 
     def shutdown(self, timeout_s: float) -> list[int]:
         """Send `shutdown` to every live replica and wait (bounded) for each `bye`; returns the replicas that

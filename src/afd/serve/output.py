@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from afd.serve.frontend import Event, ReplicaPool, Submitted
@@ -133,7 +134,7 @@ def prepare(pool: ReplicaPool, tokenizer: Tokenizer, prompt_ids: list[int], para
 
 class PieceMaker:
     """One prompt's events turned into pieces: the text through its stop strings, stop tokens hidden, the end with
-    its reason. Synchronous, so a stream can write a token's chunk in the very callback its tokens arrive in."""
+    its reason."""
 
     def __init__(self, tokenizer: Tokenizer, prepared: Prepared, params: GenerationParams, sub: Submitted) -> None:
         self.text = OutputText(tokenizer, params.stop)
@@ -172,9 +173,9 @@ class PieceMaker:
 
 
 class Run:
-    """One prompt submitted to a replica, until it ends: its pieces pulled (`pieces`, an async iterator) or pushed
-    (`push`, a callback per event). However it ends — a stop string, the client gone, an error — a request that is
-    still running on its replica is aborted there, which frees its cache (`abort`, a no-op once it ended)."""
+    """One prompt submitted to a replica, until it ends: its pieces as they come (`pieces`, or `batches`: those of
+    one event together). However it ends — a stop string, the client gone, an error — a request that is still
+    running on its replica is aborted there, which frees its cache (`abort`, a no-op once it ended)."""
 
     def __init__(self, pool: ReplicaPool, rid: str, sub: Submitted, maker: PieceMaker) -> None:
         self.pool, self.rid, self.sub, self.maker = pool, rid, sub, maker
@@ -188,35 +189,24 @@ class Run:
             if self.maker.stopped:
                 self.pool.abort(self.rid, "stop")
 
-    async def pieces(self) -> AsyncIterator[Piece]:
+    async def batches(self) -> AsyncIterator[list[Piece]]:
+        """The pieces of each event as it arrives (one event may carry several tokens); aborts however it ends."""
         try:
             while not self.maker.done:
                 try:  # bounded: a replica that is alive but answers nothing (frozen) must not hold the client forever
-                    # (a timeout scope, not `wait_for`: on Python 3.11 that wraps the get in a task of its own, one
-                    # more turn of the event loop for every event)
                     async with asyncio.timeout(REQUEST_STALL_S):
                         event = await self.sub.queue.get()
                 except TimeoutError:
                     raise self.stalled() from None
-                for piece in self._take(event):
-                    yield piece
+                yield self._take(event)
         finally:
             self.abort()
 
-    def push(self, on_pieces: Callable[[list[Piece] | APIError], None]) -> None:
-        """From now on, hand each event's pieces (or its failure) to `on_pieces` in the callback that brought it,
-        those already queued first: no task wakes between a token's arrival and its chunk's write."""
-
-        def listener(event: Event) -> None:
-            try:
-                result: list[Piece] | APIError = self._take(event)
-            except APIError as err:
-                result = err
-            on_pieces(result)
-
-        while not self.sub.queue.empty():
-            listener(self.sub.queue.get_nowait())
-        self.sub.listener = listener
+    async def pieces(self) -> AsyncIterator[Piece]:
+        async with aclosing(self.batches()) as batches:
+            async for batch in batches:
+                for piece in batch:
+                    yield piece
 
     def stalled(self) -> APIError:
         return APIError(
@@ -224,7 +214,6 @@ class Run:
         )
 
     def abort(self) -> None:
-        self.sub.listener = None
         self.pool.abort(self.rid)
 
 

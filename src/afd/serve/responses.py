@@ -1,9 +1,10 @@
-"""The bodies of /v1/completions and /v1/chat/completions, whole or streamed as server-sent events.
+"""The bodies of /v1/completions and /v1/chat/completions (`protocol`'s models), whole or as server-sent events.
 
 A `Call` is one HTTP request's prompts, checked and ready to run; `pieces` merges the pieces of all its
 prompts (one choice each). Streams send one chunk per token (`data: {json}`), then `data: [DONE]`; an
 error after the stream began is an error event followed by `[DONE]`. Whatever ends a stream early (the
-client leaving, an error), every prompt still running is aborted on its replica.
+client leaving or not reading, an error), every prompt still running is aborted on its replica
+(`streaming.EventStream` calls `Call.abort`).
 """
 
 from __future__ import annotations
@@ -17,9 +18,27 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from afd.serve.http_server import Request, Stream
-from afd.serve.output import REQUEST_STALL_S, Piece, Prepared, Run, prepare, run_request
-from afd.serve.protocol import DONE, APIError, GenerationParams, chat_logprobs, completion_logprobs, sse, usage
+from afd.serve.output import Piece, Prepared, Run, prepare, run_request
+from afd.serve.protocol import (
+    DONE,
+    AfdTiming,
+    APIError,
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    ChatLogProbs,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionLogProbs,
+    CompletionResponse,
+    CompletionStreamChoice,
+    CompletionStreamResponse,
+    DeltaMessage,
+    GenerationParams,
+    UsageInfo,
+    sse,
+)
 
 if TYPE_CHECKING:
     from afd.serve.state import ServerState
@@ -67,8 +86,8 @@ class Call:
             return f"token_id:{token_id}"
         return self.state.tokenizer.token_text(token_id)
 
-    def usage(self, completion_tokens: int) -> dict:
-        return usage(sum(len(p.prompt_ids) for p in self.prepared), completion_tokens)
+    def usage(self, completion_tokens: int) -> UsageInfo:
+        return UsageInfo.of(sum(len(p.prompt_ids) for p in self.prepared), completion_tokens)
 
     def rid(self, i: int) -> str:
         return f"{self.id}-{i}"
@@ -171,7 +190,7 @@ def _echo(call: Call, i: int) -> tuple[str, list[int]]:
     return (original if isinstance(original, str) else text), offsets
 
 
-def _completion_choice(call: Call, i: int, c: Choice, *, with_prompt: bool) -> dict:
+def _completion_choice(call: Call, i: int, c: Choice, *, with_prompt: bool) -> CompletionChoice:
     text, tokens, lps, offsets = c.text, [call.token_str(t) for t in c.token_ids], list(c.logprobs), list(c.offsets)
     if with_prompt:
         prompt_text, prompt_offsets = _echo(call, i)
@@ -183,128 +202,78 @@ def _completion_choice(call: Call, i: int, c: Choice, *, with_prompt: bool) -> d
         offsets = prompt_offsets + [o + len(prompt_text) for o in offsets]
     logprobs = None
     if call.params.logprobs is not None:
-        logprobs = completion_logprobs(tokens, lps, offsets, top=call.params.logprobs > 0)
-    return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": None}
+        logprobs = CompletionLogProbs.of(tokens, lps, offsets, top=call.params.logprobs > 0)
+    return CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=c.finish_reason)
 
 
-async def completion_response(call: Call) -> dict:
+async def completion_response(call: Call) -> CompletionResponse:
     choices = await _gather(call)
-    return {
-        "id": call.id,
-        "object": "text_completion",
-        "created": call.created,
-        "model": call.model,
-        "choices": [_completion_choice(call, i, c, with_prompt=call.params.echo) for i, c in enumerate(choices)],
-        "usage": call.usage(sum(len(c.token_ids) for c in choices)),
-    }
+    return CompletionResponse(
+        id=call.id,
+        created=call.created,
+        model=call.model,
+        choices=[_completion_choice(call, i, c, with_prompt=call.params.echo) for i, c in enumerate(choices)],
+        usage=call.usage(sum(len(c.token_ids) for c in choices)),
+    )
 
 
-async def chat_response(call: Call) -> dict:
+async def chat_response(call: Call) -> ChatCompletionResponse:
     (c,) = await _gather(call)
     logprobs = None
     if call.params.logprobs is not None:
-        logprobs = chat_logprobs([call.token_str(t) for t in c.token_ids], c.logprobs, top=call.params.logprobs > 0)
-    choice = {
-        "index": 0,
-        "message": {"role": "assistant", "content": c.text},
-        "logprobs": logprobs,
-        "finish_reason": c.finish_reason,
-        "stop_reason": None,
-    }
-    return {
-        "id": call.id,
-        "object": "chat.completion",
-        "created": call.created,
-        "model": call.model,
-        "choices": [choice],
-        "usage": call.usage(len(c.token_ids)),
-    }
+        tokens = [call.token_str(t) for t in c.token_ids]
+        logprobs = ChatLogProbs.of(tokens, c.logprobs, top=call.params.logprobs > 0)
+    choice = ChatChoice(
+        index=0, message=AssistantMessage(content=c.text), logprobs=logprobs, finish_reason=c.finish_reason
+    )
+    return ChatCompletionResponse(
+        id=call.id, created=call.created, model=call.model, choices=[choice], usage=call.usage(len(c.token_ids))
+    )
 
 
 # ---------------------------------------------------------------- streams
-async def _open_stream(request: Request) -> Stream:
-    # the head goes now, while the replica works: the client reads it off the first token's path (round 19d: 0.23 ms
-    # from the first chunk written to the client when the head went with it)
-    return await request.stream(200, {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+Chunk = CompletionStreamResponse | ChatCompletionStreamResponse
 
 
-async def _stream(request: Request, call: Call, kind: str, chunk_of, first_chunks: list[dict]) -> None:
-    """Send `first_chunks`, then `chunk_of(i, piece)` for every piece (one per token, its text possibly held
-    back, and the last with `finish_reason`), then usage when asked, then [DONE]. With `afd_timing` asked for,
-    each choice's closing chunk also says how long its replica took to the first token, and the moments on the
-    way there (`Submitted.stamps`).
-
-    The prompts are submitted before the response is prepared: the replica starts meanwhile. One prompt's chunks
-    are written in the callback its tokens arrive in (`_push`); several prompts' are merged by `Call.pieces`."""
-    call.start()
-    try:
-        response = await _open_stream(request)
-    except BaseException:  # the client left before its headers: nothing will read the pieces
-        call.abort()
-        raise
-    envelope = {"id": call.id, "object": kind, "created": call.created, "model": call.model}
+async def _events(call: Call, envelope: Callable[..., Chunk], chunk_of: Callable, first: list) -> AsyncIterator[bytes]:
+    """`first`'s chunks, then `chunk_of(i, piece)` for every piece (one per token, its text possibly held back, and
+    the last with `finish_reason`), then usage when asked, then [DONE]; the pieces of one event in one write. With
+    `afd_timing` asked for, each choice's closing chunk also says how long its replica took to the first token, and
+    the moments on the way there (`Submitted.stamps`)."""
     generated = 0
 
     def event_of(i: int, piece: Piece) -> bytes:
         nonlocal generated
         generated += piece.token_id is not None
-        chunk = {**envelope, "choices": [chunk_of(i, piece)]}
+        chunk = envelope(choices=[chunk_of(i, piece)])
         if call.params.afd_timing and piece.finish_reason is not None:
-            chunk["afd_timing"] = {"index": i, "engine_ttft_s": piece.engine_ttft_s, "stamps": piece.stamps}
+            chunk.afd_timing = AfdTiming(index=i, engine_ttft_s=piece.engine_ttft_s, stamps=piece.stamps)
         event = sse(chunk)
         if piece.stamps is not None and piece.token_id is not None and "written" not in piece.stamps:
             piece.stamps["written"] = time.perf_counter()  # before the write: the client may read it first
         return event
 
     try:
-        for choice in first_chunks:
-            await response.write(sse({**envelope, "choices": [choice]}))
+        if first:
+            yield b"".join(sse(envelope(choices=[choice])) for choice in first)
         if call.runs is not None and len(call.runs) == 1:
-            await _push(call.runs[0], response, lambda piece: event_of(0, piece))
+            async with aclosing(call.runs[0].batches()) as batches:
+                async for batch in batches:
+                    if batch:
+                        yield b"".join(event_of(0, piece) for piece in batch)
         else:
             async with aclosing(call.pieces()) as pieces:
                 async for i, piece in pieces:
-                    await response.write(event_of(i, piece))
+                    yield event_of(i, piece)
         if call.params.include_usage:
-            await response.write(sse({**envelope, "choices": [], "usage": call.usage(generated)}))
+            yield sse(envelope(choices=[], usage=call.usage(generated)))
     except APIError as err:
-        await response.write(sse(err.body()))
-    await response.write(DONE)
+        yield sse(err.body())
+    yield DONE
 
 
-async def _push(run: Run, response: Stream, event_of: Callable[[Piece], bytes]) -> None:
-    """Write one prompt's pieces as its events arrive, in the front end's callback that reads its replica's link
-    (`Run.push`): a token's chunk leaves without a task waking in between. Returns at its end, raises its
-    APIError (a failure, or no event for `REQUEST_STALL_S`), and aborts it on its replica however it ends."""
-    ended = asyncio.get_running_loop().create_future()
-
-    def on_pieces(result: list[Piece] | APIError) -> None:
-        if ended.done():
-            return
-        try:
-            if isinstance(result, APIError):
-                raise result
-            for piece in result:
-                response.write_nowait(event_of(piece))
-            if run.maker.done:
-                ended.set_result(None)
-        except Exception as exc:  # the failure, or one to format a chunk: the handler raises it
-            ended.set_exception(exc)
-
-    run.push(on_pieces)
-    try:
-        while not ended.done():
-            await asyncio.wait([ended], timeout=max(0.0, run.last_event_at + REQUEST_STALL_S - time.monotonic()))
-            if not ended.done() and time.monotonic() >= run.last_event_at + REQUEST_STALL_S:
-                raise run.stalled()
-        ended.result()
-    finally:
-        run.abort()
-        if ended.done() and not ended.cancelled():
-            ended.exception()  # retrieved, also when the client left first
-
-
-async def stream_completion(request: Request, call: Call) -> None:
+def stream_completion(call: Call) -> AsyncIterator[bytes]:
+    """The events of a streamed completion (the prompts submitted already: `Call.start`)."""
     want_logprobs = call.params.logprobs is not None
     top = want_logprobs and call.params.logprobs > 0
     offsets = [0] * len(call.prepared)  # where the next piece starts in each choice's text
@@ -312,29 +281,36 @@ async def stream_completion(request: Request, call: Call) -> None:
     if call.params.echo:  # the prompt goes first; its logprobs are not known yet in a stream (null)
         for i in range(len(call.prepared)):
             echo = _completion_choice(call, i, Choice(), with_prompt=True)
-            offsets[i] = len(echo["text"])
-            first.append(echo)
+            offsets[i] = len(echo.text)
+            first.append(CompletionStreamChoice(index=i, text=echo.text, logprobs=echo.logprobs))
 
-    def chunk_of(i: int, piece: Piece) -> dict:
+    def chunk_of(i: int, piece: Piece) -> CompletionStreamChoice:
         logprobs = None
         if want_logprobs and piece.token_id is not None:
-            logprobs = completion_logprobs([call.token_str(piece.token_id)], [piece.logprob], [offsets[i]], top)
+            logprobs = CompletionLogProbs.of([call.token_str(piece.token_id)], [piece.logprob], [offsets[i]], top)
         offsets[i] += len(piece.text)
-        return {"index": i, "text": piece.text, "logprobs": logprobs, "finish_reason": piece.finish_reason}
+        return CompletionStreamChoice(index=i, text=piece.text, logprobs=logprobs, finish_reason=piece.finish_reason)
 
-    return await _stream(request, call, "text_completion", chunk_of, first)
+    def envelope(**fields) -> CompletionStreamResponse:
+        return CompletionStreamResponse(id=call.id, created=call.created, model=call.model, **fields)
+
+    return _events(call, envelope, chunk_of, first)
 
 
-async def stream_chat(request: Request, call: Call) -> None:
+def stream_chat(call: Call) -> AsyncIterator[bytes]:
+    """The events of a streamed chat completion (the prompt submitted already: `Call.start`)."""
     want_logprobs = call.params.logprobs is not None
-    first = [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+    first = [ChatStreamChoice(index=0, delta=DeltaMessage(role="assistant", content=""))]
 
-    def chunk_of(i: int, piece: Piece) -> dict:
+    def chunk_of(i: int, piece: Piece) -> ChatStreamChoice:
         logprobs = None
         if want_logprobs and piece.token_id is not None:
             tokens = [call.token_str(piece.token_id)]
-            logprobs = chat_logprobs(tokens, [piece.logprob], top=call.params.logprobs > 0)
-        delta = {"content": piece.text} if piece.text or piece.token_id is not None else {}
-        return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": piece.finish_reason}
+            logprobs = ChatLogProbs.of(tokens, [piece.logprob], top=call.params.logprobs > 0)
+        delta = DeltaMessage(content=piece.text) if piece.text or piece.token_id is not None else DeltaMessage()
+        return ChatStreamChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=piece.finish_reason)
 
-    return await _stream(request, call, "chat.completion.chunk", chunk_of, first)
+    def envelope(**fields) -> ChatCompletionStreamResponse:
+        return ChatCompletionStreamResponse(id=call.id, created=call.created, model=call.model, **fields)
+
+    return _events(call, envelope, chunk_of, first)

@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from afd import env
 from afd.config import AFDConfig
@@ -27,10 +28,11 @@ from afd.distributed import signals
 from afd.runtime.launch import LaunchError
 from afd.runtime.link import FrontLink, LinkError
 from afd.runtime.spec import RunSpec
-from afd.serve.frontend import ReplicaPool
-from afd.serve.server import DRAIN_S, serve
-from afd.serve.state import ServeOptions, ServerState
-from afd.serve.tokenizer import Tokenizer
+from afd.serve import DRAIN_S
+
+if TYPE_CHECKING:  # the serving stack is imported only to serve (`ServerProcess` runs without it)
+    from afd.serve.state import ServeOptions, ServerState
+    from afd.serve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +111,8 @@ def _warn_if_busy_poll_starves(plan: ServePlan) -> None:
 def run_server(plan: ServePlan, say: Callable[[str], None]) -> int:
     """Serve until a stop signal; returns the exit status (0: stopped on request with every rank clean)."""
     from afd.runtime.servers import new_secret, start_server_ranks
+    from afd.serve.frontend import ReplicaPool
+    from afd.serve.state import ServerState
 
     _warn_if_busy_poll_starves(plan)
     sock = bind_http(plan.host, plan.port)
@@ -164,6 +168,7 @@ def _await_replicas(link: FrontLink, count: int, dead: Callable[[], list[str]], 
 
 def _serve_until_signal(state: ServerState, sock: socket.socket, on_ready: Callable[[], None]) -> bool:
     """Run the event loop until SIGTERM / SIGINT / SIGHUP; True when a rank had died before the stop."""
+    from afd.serve.server import serve
 
     async def main() -> bool:
         loop = asyncio.get_running_loop()

@@ -1,124 +1,178 @@
-"""The HTTP layer of `afd serve` (on `afd.serve.http_server`): routes, the error object, the API key, health,
-and shutdown.
+"""The HTTP layer of `afd serve`: a FastAPI application served by uvicorn (httptools), and its shutdown.
 
-Handlers stay thin: `protocol` checks the body, `output.run_request` drives each prompt on a replica,
-and the handlers only shape what comes back (`responses`). Every failure a client can cause is an
-OpenAI error object with its status; an unexpected exception is a 500 with one line in the log, and the
-server keeps serving.
+Routes stay thin: FastAPI checks the body against `protocol`'s models, `state.admit` refuses what cannot be taken,
+`responses` runs the prompts and shapes the answer. Every failure a client can cause is an OpenAI error object
+with its status; an unexpected exception is a 500 with one line in the log, and the server keeps serving. What
+must happen before a body is read (the API key, the `Host` rule) is `gate.Gate`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import socket
 import time
 from collections.abc import Callable
 
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.responses import Response
+
 from afd import env
-from afd.serve import metrics
-from afd.serve.http_server import Handler, HTTPError, HTTPServer, Request, Response
-from afd.serve.protocol import APIError, parse_chat, parse_completion, parse_json
+from afd.serve import DRAIN_S
+from afd.serve.busy_poll import spin
+from afd.serve.gate import ARRIVED, Gate
+from afd.serve.metrics import CONTENT_TYPE
+from afd.serve.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    validation_error,
+)
 from afd.serve.responses import Call, chat_response, completion_response, stream_chat, stream_completion
 from afd.serve.state import ServerState, rank_failure
+from afd.serve.streaming import ClientGone, EventStream, unless_disconnected
 from afd.serve.tokenizer import TokenizerError
 
 logger = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 64 << 20  # a 1M-token prompt as JSON ids is ~8 MB
-DRAIN_S = 20.0  # SIGTERM: in-flight requests get this long to finish before they are ended with an error
 HEALTH_POLL_S = 0.25
+KEEP_ALIVE_S = 75.0  # an idle kept-alive connection is closed after this long
+CLOSE_S = 2.0  # after the drain: how long open connections get to finish before their tasks are cancelled
+BODY_BYTES_PER_TOKEN = 64  # a token of text as JSON, escaped character by character, with room to spare
+BODY_SLACK_BYTES = 1 << 20  # the other fields, and a batch of short prompts
 
 
-def json_response(obj: object, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(status, json.dumps(obj).encode(), {"Content-Type": "application/json", **(headers or {})})
+def body_limit(max_model_len: int) -> int:
+    """The largest request body taken (413 beyond, refused before it is read whole): a full context of text even
+    when every character is escaped, plus 1 MiB (4,096 tokens: 1.25 MiB; a body of token ids holds ~150k ids)."""
+    return BODY_BYTES_PER_TOKEN * max_model_len + BODY_SLACK_BYTES
 
 
-def _error_response(err: APIError) -> Response:
-    return json_response(err.body(), err.status, err.headers)
+def json_response(model, status: int = 200) -> Response:
+    """A model's JSON as the response (serialized once: FastAPI would validate a returned model again)."""
+    return Response(model.model_dump_json(), status, media_type="application/json")
 
 
-def error_response(exc: Exception, request: Request | None) -> Response:
-    """Every error a client sees is the OpenAI error object: ours, the HTTP layer's own refusals (400, 404, 405,
-    408, 413, 431, 501), and an unexpected exception (500, with one line in the log)."""
-    if isinstance(exc, APIError):
-        return _error_response(exc)
-    if isinstance(exc, HTTPError):
-        return _error_response(APIError(exc.status, exc.message, headers=exc.headers))
-    where = f" in {request.method} {request.path}" if request is not None else ""
-    logger.exception("unexpected error%s", where, exc_info=exc)
-    return _error_response(APIError(500, "the server failed on this request; see its log"))
+def error_response(err: APIError, *, close: bool = False) -> Response:
+    headers = {**err.headers, **({"Connection": "close"} if close else {})}
+    return Response(json.dumps(err.body()), err.status, headers, media_type="application/json")
 
 
-def keyed(handler: Handler, key: str) -> Handler:
-    """With --api-key, the /v1 routes need `Authorization: Bearer KEY` (health and metrics stay open)."""
-    expected = f"Bearer {key}".encode()
+# ---------------------------------------------------------------- the application
+def build_app(state: ServerState) -> FastAPI:
+    """The FastAPI application of one server (routes, their error objects, the body limit)."""
+    limit = body_limit(state.pool.max_model_len)
+    errors = {400: {"model": ErrorResponse}, 404: {"model": ErrorResponse}, 429: {"model": ErrorResponse}}
+    app = FastAPI(title="afd serve", summary="OpenAI-compatible API over afd replicas", max_body_size=limit)
 
-    async def guarded(request: Request) -> Response | None:
-        if not hmac.compare_digest(request.headers.get("authorization", "").encode(), expected):
-            raise APIError(401, "the API key is missing or wrong; send the header Authorization: Bearer KEY")
-        return await handler(request)
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> Response:
+        return error_response(exc)
 
-    return guarded
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> Response:
+        return error_response(validation_error(list(exc.errors())))
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        if exc.status_code == 404:
+            return error_response(APIError(404, f"there is no route {request.url.path}"))
+        if exc.status_code == 405:
+            return error_response(APIError(405, f"{request.url.path} does not take {request.method}"))
+        if exc.status_code == 413:  # the rest of the body stays unread
+            message = f"the request body is larger than {limit} bytes, more than --max-model-len allows"
+            return error_response(APIError(413, message), close=True)
+        return error_response(APIError(exc.status_code, str(exc.detail)), close=exc.status_code >= 500)
 
-# ---------------------------------------------------------------- routes
-def build_routes(state: ServerState) -> dict[tuple[str, str], Handler]:
-    async def health(request: Request) -> Response:
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> Response:  # logged by the gate
+        return error_response(APIError(500, "the server failed on this request; see its log"), close=True)
+
+    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    async def health() -> Response:
         problem = state.problem()
-        return _error_response(APIError(503, problem)) if problem else Response(200)
+        return error_response(APIError(503, problem)) if problem else Response(status_code=200)
 
-    async def models(request: Request) -> Response:
-        card = {
-            "id": state.options.model_name,
-            "object": "model",
-            "created": state.created,
-            "owned_by": "afd",
-            "root": state.options.model_name,
-            "max_model_len": state.pool.max_model_len,
-        }
-        return json_response({"object": "list", "data": [card]})
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        text = state.pool.metrics.render(healthy=state.problem() is None, front_waiting=state.pool.waiting())
+        return Response(text, media_type=CONTENT_TYPE)
 
-    async def metrics_page(request: Request) -> Response:
-        text = metrics.render(state.pool.metrics, healthy=state.problem() is None, front_waiting=state.pool.waiting())
-        return Response(200, text.encode(), {"Content-Type": metrics.CONTENT_TYPE})
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> Response:
+        name = state.options.model_name
+        card = ModelCard(id=name, created=state.created, root=name, max_model_len=state.pool.max_model_len)
+        return json_response(ModelList(data=[card]))
 
-    async def completions(request: Request) -> Response | None:
-        stamps = {"arrived": request.arrived_at, "handler": time.perf_counter()}
-        req = parse_completion(parse_json(request.body))
-        state.admit(req.model)
-        call = Call.build(state, "cmpl", [state.encode(p) for p in req.prompts], req.params, req.prompts, stamps)
-        if req.params.stream:
-            return await stream_completion(request, call)
-        return json_response(await completion_response(call))
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=errors)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        stamps = {"arrived": request.scope[ARRIVED], "handler": time.perf_counter()}
+        prompts, params = body.prompts(), body.generation()
+        state.admit(body.model, len(prompts))
+        call = Call.build(state, "cmpl", [state.encode(p) for p in prompts], params, prompts, stamps)
+        if params.stream:
+            call.start()
+            return EventStream(stream_completion(call), call.abort, call.id)
+        return await _answer(request, call, completion_response)
 
-    async def chat_completions(request: Request) -> Response | None:
-        stamps = {"arrived": request.arrived_at, "handler": time.perf_counter()}
-        req = parse_chat(parse_json(request.body))
-        state.admit(req.model)
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=errors)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        stamps = {"arrived": request.scope[ARRIVED], "handler": time.perf_counter()}
+        params = body.generation()
+        state.admit(body.model, 1)
         try:
-            prompt_ids = state.tokenizer.chat_prompt(req.messages)
+            prompt_ids = state.tokenizer.chat_prompt(body.chat())
         except TokenizerError as exc:
             raise APIError(400, str(exc), param="messages") from None
-        call = Call.build(state, "chatcmpl", [prompt_ids], req.params, http_stamps=stamps)
-        if req.params.stream:
-            return await stream_chat(request, call)
-        return json_response(await chat_response(call))
+        call = Call.build(state, "chatcmpl", [prompt_ids], params, http_stamps=stamps)
+        if params.stream:
+            call.start()
+            return EventStream(stream_chat(call), call.abort, call.id)
+        return await _answer(request, call, chat_response)
 
-    key = state.options.api_key
-    guard = (lambda h: keyed(h, key)) if key else (lambda h: h)
-    return {
-        ("GET", "/health"): health,
-        ("GET", "/metrics"): metrics_page,
-        ("GET", "/v1/models"): guard(models),
-        ("POST", "/v1/completions"): guard(completions),
-        ("POST", "/v1/chat/completions"): guard(chat_completions),
-    }
+    return app
+
+
+async def _answer(request: Request, call: Call, respond) -> Response:
+    """A whole answer; a client that leaves first has its prompts aborted on their replicas."""
+    try:
+        return json_response(await unless_disconnected(request.receive, respond(call)))
+    except ClientGone:
+        return Response(status_code=204)  # nobody reads it
 
 
 # ---------------------------------------------------------------- running it
+def uvicorn_server(app, *, keep_alive_s: float = KEEP_ALIVE_S) -> uvicorn.Server:
+    """uvicorn over `app`, on the running loop, with httptools as the parser; logging and signals stay ours."""
+    config = uvicorn.Config(
+        app,
+        http="httptools",
+        ws="none",
+        lifespan="off",
+        loop="none",
+        interface="asgi3",
+        log_config=None,
+        access_log=False,
+        proxy_headers=False,
+        server_header=False,
+        timeout_keep_alive=keep_alive_s,
+        timeout_graceful_shutdown=CLOSE_S,
+    )
+    config.load()
+    server = uvicorn.Server(config)
+    server.lifespan = config.lifespan_class(config)
+    return server
+
+
 async def serve(
     state: ServerState,
     sock: socket.socket,
@@ -127,11 +181,12 @@ async def serve(
     replica_bye_s: float = 5.0,
 ) -> None:
     """Serve on a bound socket until `stop` is set, then shut down in order: stop accepting, let in-flight
-    requests finish (at most `DRAIN_S`), end the rest with an error, say `shutdown` to every replica.
-    A rank that dies meanwhile makes /health answer 503 and ends every in-flight request with an error."""
+    requests finish (at most `DRAIN_S`), end the rest with an error, close the connections, say `shutdown` to
+    every replica. A rank that dies meanwhile makes /health answer 503 and ends every in-flight request with an
+    error. uvicorn's own `serve` is not used: it would take the signals, which are the caller's."""
     state.pool.start()
-    server = HTTPServer(build_routes(state), error_response, max_body_bytes=MAX_BODY_BYTES)
-    await server.start(sock)
+    server = uvicorn_server(Gate(build_app(state), state.options.api_key))
+    await server.startup(sockets=[sock])
     watcher = asyncio.create_task(_watch_ranks(state))
     spinner = asyncio.create_task(spin()) if env.busy_poll() else None
     on_ready()
@@ -142,30 +197,22 @@ async def serve(
         if spinner is not None:
             spinner.cancel()
         state.failed_before_stop = state.problem() is not None
-        state.draining = True
-        server.stop_accepting()  # no new connections; requests on open ones get 503
+        state.draining = True  # requests on open connections get 503
+        for listener in server.servers:
+            listener.close()  # no new connections
         deadline = time.monotonic() + DRAIN_S
         while state.pool.requests and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if state.pool.requests:
             logger.warning("%d requests still running after %g s; ending them", len(state.pool.requests), DRAIN_S)
             state.pool.fail("the server is shutting down")
-        await server.close(2.0)
+        await server.shutdown()
         # a replica whose world lost a rank cannot finish a step: do not wait long for its bye
         wait_s = min(replica_bye_s, 0.5) if state.failed_before_stop else replica_bye_s
         silent = await asyncio.to_thread(state.pool.shutdown, wait_s)
         state.pool.close()
         if silent:
             logger.warning("replicas %s did not answer the shutdown; their ranks are stopped", silent)
-
-
-async def spin() -> None:
-    """`AFD_BUSY_POLL=1`: a task that is always ready keeps the event loop out of a sleeping select, so a request
-    or a replica's tokens are taken up on the next turn of the loop, not after a wake-up from idle (the server's
-    front end; `afd bench serve`'s client too, so that its own wake-ups stay out of what it measures)."""
-    logger.info("busy polling: the event loop never sleeps (AFD_BUSY_POLL=1)")
-    while True:
-        await asyncio.sleep(0)
 
 
 async def _watch_ranks(state: ServerState) -> None:

@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from afd.serve import MAX_PROMPTS_PER_REQUEST
 from afd.serve.frontend import ReplicaPool
 from afd.serve.protocol import APIError
 from afd.serve.tokenizer import Tokenizer, TokenizerError
@@ -15,7 +16,8 @@ from afd.serve.tokenizer import Tokenizer, TokenizerError
 class ServeOptions:
     model_name: str  # what /v1/models lists and requests must name
     api_key: str | None = None
-    max_waiting: int = 1024  # requests allowed to wait for a replica before new ones get 429
+    max_waiting: int = 1024  # prompts allowed to wait for a replica; a request that would pass it gets 429
+    max_prompts_per_request: int = MAX_PROMPTS_PER_REQUEST  # more in one request is a 400
 
 
 class ServerState:
@@ -47,23 +49,32 @@ class ServerState:
             return "the server is shutting down"
         return None
 
-    def admit(self, model: str | None) -> None:
-        """Refuse a request for another model (404), while unhealthy or stopping (503), or when too many wait (429)."""
+    def admit(self, model: str | None, prompts: int) -> None:
+        """Refuse a request for another model (404), of more prompts than one request may carry (400), while
+        unhealthy or stopping (503), or when its prompts would make more than --max-waiting wait (429)."""
         if model is not None and model != self.options.model_name:
             raise APIError(
                 404,
                 f"the model {model!r} does not exist; this server serves {self.options.model_name!r}",
                 param="model",
             )
+        cap = self.options.max_prompts_per_request
+        if prompts > cap:
+            raise APIError(
+                400,
+                f"the request has {prompts} prompts, more than the {cap} one request may carry "
+                "(--max-prompts-per-request); send them in several requests",
+                param="prompt",
+            )
         problem = self.problem()
         if problem:
             raise APIError(503, problem)
-        waiting = self.pool.waiting()
-        if waiting >= self.options.max_waiting:
+        would_wait = self.pool.waiting(prompts)
+        if would_wait > self.options.max_waiting:
             raise APIError(
                 429,
-                f"{waiting} requests are already waiting for a replica (--max-waiting {self.options.max_waiting}); "
-                "retry later",
+                f"{self.pool.waiting()} prompts already wait for a replica and this request's {prompts} would make "
+                f"{would_wait}, beyond --max-waiting {self.options.max_waiting}; retry later",
                 headers={"Retry-After": "1"},
             )
 

@@ -58,6 +58,15 @@ class Tokenizer(Protocol):
         ...
 
 
+def utf8(text: str) -> bytes:
+    """`text` as UTF-8; TokenizerError when it cannot be (a lone surrogate such as "\\ud800", which JSON can carry)."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = ord(text[exc.start])
+        raise TokenizerError(f"the text holds U+{bad:04X}, a lone surrogate, which is not Unicode text") from None
+
+
 def plain_chat_text(messages: list[dict]) -> str:
     """The template of a model without one: `role: content` lines, then `assistant:`."""
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
@@ -75,7 +84,7 @@ class ByteTokenizer:
         self.stop_token_ids = [self.eos_token_id] if self.eos_token_id is not None else []
 
     def encode(self, text: str) -> list[int]:
-        ids = list(text.encode("utf-8"))
+        ids = list(utf8(text))
         if self.vocab_size < BYTE_IDS:
             bad = next((b for b in ids if b >= self.vocab_size), None)
             if bad is not None:
@@ -139,6 +148,7 @@ class HFTokenizer:
         self.has_chat_template = bool(getattr(self._tok, "chat_template", None))
 
     def encode(self, text: str) -> list[int]:
+        utf8(text)
         return list(self._tok.encode(text, add_special_tokens=True))
 
     def decode(self, ids: list[int]) -> str:
@@ -154,6 +164,8 @@ class HFTokenizer:
     def chat_prompt(self, messages: list[dict]) -> list[int]:
         if not self.has_chat_template:
             return self.encode(plain_chat_text(messages))
+        for m in messages:
+            utf8(m["content"])
         try:
             text = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as exc:  # a template may raise on messages it does not accept (e.g. role order)
