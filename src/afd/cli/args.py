@@ -73,6 +73,20 @@ def check_resources(
         )
 
 
+def check_launched_runs(args: argparse.Namespace, model_config, connectors: tuple[str, ...], **lengths) -> None:
+    """The demo and the bench run the single-process reference and then each connector: check them all."""
+    check_resources(args, model_config, connector="none", **lengths)
+    for connector in connectors:
+        check_resources(
+            args,
+            model_config,
+            connector=connector,
+            num_attention=args.attention,
+            num_ffn=args.ffn,
+            **lengths,
+        )
+
+
 def add_model_arguments(p: argparse.ArgumentParser, *, prompts_required: bool) -> None:
     """The model, its numerics and the prompts: shared by `generate`, `launch` and `worker`."""
     p.add_argument("--model", required=True, help="checkpoint directory (config.json + *.safetensors) or preset")

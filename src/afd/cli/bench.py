@@ -1,4 +1,5 @@
-"""`afd bench step` and `afd bench exchange`: the engine step and one layer's exchange, each beside its floor."""
+"""`afd bench` and its sub-commands: connectors side by side (`afd bench`), the engine step (`step`) and one
+layer's exchange (`exchange`), each beside its floor; `serve` comes from `afd.cli.serve`."""
 
 from __future__ import annotations
 
@@ -7,10 +8,74 @@ import json
 import sys
 from pathlib import Path
 
-from afd.cli.input import UsageError, check_prompts, connector_list, positive_int, prefill_list, size_list
+from afd.cli import serve as cli_serve
+from afd.cli.args import add_skip_resource_check, check_launched_runs
+from afd.cli.input import (
+    UsageError,
+    batched_tokens,
+    check_prompts,
+    choice_list,
+    connector_list,
+    positive_int,
+    prefill_list,
+    rank_count,
+    size_list,
+)
+from afd.config import InputError, parse_config
+from afd.distributed import signals
 
 
-def add_bench_parsers(steps) -> None:
+def add_bench_parser(sub) -> None:
+    """Register `bench` under `afd`'s sub-commands, with `step`, `exchange` and `serve` under it."""
+    p = sub.add_parser("bench", help="connectors side by side on an uneven request mix, plus numerics")
+    p.add_argument("--model", default="tiny", help="checkpoint directory or preset")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights dtype")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the ranks compute")
+    p.add_argument("--attention", type=rank_count, default=2, help="attention ranks (A)")
+    p.add_argument("--ffn", type=rank_count, default=2, help="FFN ranks (F)")
+    p.add_argument(
+        "--connectors", type=connector_list, default="p2p,async", help="comma-separated connectors to run, in order"
+    )
+    p.add_argument("--requests", type=positive_int, default=8, help="prompts per replica")
+    p.add_argument("--long-len", type=positive_int, default=1024, help="prompt length on replica 0")
+    p.add_argument("--short-len", type=positive_int, default=32, help="prompt length on the other replicas")
+    p.add_argument("--max-new-tokens", type=positive_int, default=32, help="tokens generated per prompt")
+    p.add_argument(
+        "--ubatches",
+        type=size_list("--ubatches"),
+        default="1",
+        help="micro-batch counts to run each connector with, comma-separated (1: off)",
+    )
+    p.add_argument(
+        "--repeat",
+        type=positive_int,
+        default=1,
+        help="launch every configuration this many times, in rounds; each row is the median launch (a single "
+        "prefill step varies by +-20%% between launches on a GPU)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=batched_tokens,
+        help="token budget of one engine step (default: max(2048, 2 x --long-len)); a larger one prefills in fewer, "
+        "larger steps",
+    )
+    p.add_argument(
+        "--shared-experts",
+        type=choice_list("--shared-experts", ("ffn", "attention")),
+        help="where the shared experts run, comma-separated to compare: ffn, attention (async only: on the attention "
+        "rank between send and recv; rows labelled +sa); default: each connector's own (async: attention)",
+    )
+    p.add_argument("--no-score", action="store_true", help="skip the numerics comparison")
+    p.add_argument("--json", help="also write the raw result (JSON) to this file")
+    add_skip_resource_check(p)
+    p.set_defaults(func=cmd_bench, starts_ranks=True)
+    # `afd bench step`: a sub-command of bench; `afd bench` without it keeps its flags and behaviour
+    steps = p.add_subparsers(dest="bench_command", parser_class=type(p), metavar="{step,exchange,serve}")
+    _add_step_parsers(steps)
+    cli_serve.add_bench_serve_parser(steps)
+
+
+def _add_step_parsers(steps) -> None:
     """Register `step` and `exchange` under `afd bench`'s sub-commands."""
     s = steps.add_parser("step", help="the reference engine's step time beside its memory-bound floor")
     s.add_argument("--model", default="tiny", help="checkpoint directory or preset")
@@ -55,6 +120,40 @@ def add_bench_parsers(steps) -> None:
     )
     s.add_argument("--json", help="also write the raw result (JSON) to this file")
     s.set_defaults(func=cmd_bench_exchange, starts_ranks=False)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from afd.bench.offline import Workload, format_bench, run_bench
+    from afd.config import ubatch_keys
+
+    workload = Workload(args.requests, args.long_len, args.short_len, args.max_new_tokens)
+    for connector in args.connectors:  # what a connector's config would refuse, refused here, before any rank starts
+        for m in args.ubatches:
+            try:
+                parse_config({"connector": connector, "connector_extra_config": ubatch_keys(connector, m)})
+            except InputError as exc:
+                raise UsageError(f"--ubatches {m}: {exc}") from None
+    prompts = [[0] * len(p) for p in workload.prompts(1, args.attention)]
+    # scoring feeds prompt + continuation back in and asks for one more token
+    model_config = check_prompts(args.model, prompts, args.device, args.max_new_tokens + (0 if args.no_score else 1))
+    check_launched_runs(args, model_config, args.connectors, prompts=prompts, max_new_tokens=args.max_new_tokens + 1)
+    signals.raise_if_signalled()
+    result = run_bench(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        num_attn=args.attention,
+        num_ffn=args.ffn,
+        connectors=args.connectors,
+        workload=workload,
+        score=not args.no_score,
+        ubatches=tuple(args.ubatches),
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        repeat=args.repeat,
+        shared_experts=tuple(args.shared_experts) if args.shared_experts else None,
+        progress=lambda msg: print(f"[afd bench] {msg}", file=sys.stderr, flush=True),
+    )
+    return _report(format_bench(result), result, args.json)
 
 
 def cmd_bench_step(args: argparse.Namespace) -> int:
