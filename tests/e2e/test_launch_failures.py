@@ -19,6 +19,7 @@ from helpers.e2e import (
     MAX_NEW_TOKENS,
     MODEL,
     PROMPTS,
+    TOLERANCE,
     Leftovers,
     afd_worker,
     assert_matches_reference,
@@ -30,10 +31,13 @@ from helpers.e2e import (
     wait_gone,
     worker_pids,
 )
+from helpers.held_replica import accept_replica, assert_served_matches, serve_prompts
 
 from afd.config import parse_config
 from afd.engine.generate import generate
-from afd.runtime.launch import LaunchError, free_port, launch
+from afd.env import SECRET_VAR
+from afd.runtime.launch import LaunchError, free_port, launch, new_secret
+from afd.runtime.link import FrontLink, format_address
 from afd.runtime.spec import RunSpec
 
 
@@ -171,45 +175,51 @@ def test_killed_rank_fails_the_run_naming_it() -> None:
 
 
 # ---------------------------------------------------------------- issue 9: store, launcher, failure messages
-def _decoded(stdout: str) -> list[list[int]]:
-    """The token ids `afd launch` printed, one `[i] prompt -> tokens` line per prompt."""
-    return [json.loads(m) for m in re.findall(r"-> (\[[^\]]*\])", stdout)]
-
-
-def _reference_tokens(prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+def _reference(prompts: list[list[int]], max_new_tokens: int) -> list:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # other tests' ranks share the cores: oversubscribed threads are much slower
     try:
-        return [o.token_ids for o in generate(MODEL, prompts, max_new_tokens=max_new_tokens)]
+        return generate(MODEL, prompts, max_new_tokens=max_new_tokens)
     finally:
         torch.set_num_threads(threads)
 
 
-@pytest.mark.timeout(150)
-def test_second_run_on_the_same_port_fails_alone() -> None:
-    """The launcher hosts the store: a second launcher cannot bind the port, says so before starting any
-    rank, and the first run never notices."""
-    port, new_tokens = free_port(), 300
+@pytest.mark.timeout(240)
+def test_second_run_on_the_same_port_fails_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run's store holds its port: a second launcher cannot bind it, says so in one line before starting any rank,
+    and the first run never notices. The first run is a replica this test serves by hand, so it is still running
+    when the second launcher tries, however fast or slow the machine is."""
+    secret = new_secret()
+    monkeypatch.setenv(SECRET_VAR, secret)
+    link = FrontLink(secret.encode())
+    port = free_port()
+    config = hand_config("p2p", 1, 1, port=port)  # world rank 0, the FFN rank, hosts the store on `port`
     leftovers = Leftovers()
-    first = start_long_launch(port, "p2p", max_new_tokens=new_tokens)
+    first = [
+        afd_worker(config, "ffn", 0),
+        afd_worker(config, "attention", 0, "--serve-address", format_address(link.address)),
+    ]
     second = None
     try:
-        first_ranks = wait_for_workers(4)
+        deadline = time.monotonic() + 200
+        conn = accept_replica(link, 0, first)
+        first_ranks = worker_pids()
         second = start_long_launch(port, "async", max_new_tokens=5)
-        started = time.monotonic()
-        _, err = second.communicate(timeout=30)
+        _, err = second.communicate(timeout=120)
         assert second.returncode == 2, "a refused launch is bad input: exit status 2"
-        assert time.monotonic() - started < 30
         assert f"port {port} on 127.0.0.1 is already in use" in err and "Traceback" not in err, err
         assert len(err.strip().splitlines()) == 1, err
         assert worker_pids() <= first_ranks, "the second launcher started ranks"
-        assert first.poll() is None, "the first run ended before the second one was refused"
-        out, err = first.communicate(timeout=100)
-        assert first.returncode == 0, err
-        assert _decoded(out) == _reference_tokens([[1, 2, 3], [4, 5]], new_tokens)
+        assert all(p.poll() is None for p in first), "the first run ended when the second one was refused"
+        got = serve_prompts(conn, [[1, 2, 3], [4, 5]], 20, deadline, first)
+        conn.send({"type": "shutdown"})
+        for p in first:
+            assert p.wait(timeout=max(1.0, deadline - time.monotonic())) == 0, p.communicate()[1][-3000:]
+        assert_served_matches(got, _reference([[1, 2, 3], [4, 5]], 20), TOLERANCE)
         leftovers.check()
     finally:
-        kill_all([p for p in (first, second) if p is not None])
+        kill_all([*first, *([second] if second is not None else [])])
+        link.close()
         leftovers.cleanup()
 
 

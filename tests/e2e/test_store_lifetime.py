@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.e2e import MODEL, TOLERANCE, Leftovers, afd_worker, hand_config, kill_all
+from helpers.held_replica import accept_replica, assert_served_matches, serve_prompts
 
 from afd.engine.generate import generate
 from afd.env import SECRET_VAR
@@ -37,26 +38,6 @@ def reference(prompts: list[list[int]], max_new_tokens: int):
         torch.set_num_threads(threads)
 
 
-def read_until(conn, done: set[str], deadline: float, procs) -> dict[str, list[tuple[int, float]]]:
-    """Replica 1's streamed tokens per request until every request in `done` finished (or the deadline)."""
-    tokens: dict[str, list[tuple[int, float]]] = {rid: [] for rid in done}
-    left = set(done)
-    while left:
-        assert time.monotonic() < deadline, (
-            f"replica 1 did not finish its requests; exit codes {[p.poll() for p in procs]}"
-        )
-        if not conn.poll(0.2):
-            continue
-        msg = conn.recv()
-        if msg["type"] == "tokens":
-            for rid, token, logprob in msg["items"]:
-                tokens[rid].append((token, logprob))
-        elif msg["type"] == "finished":
-            assert msg["reason"] == "length", msg
-            left.discard(msg["rid"])
-    return tokens
-
-
 @pytest.mark.timeout(240)
 def test_replica_that_finishes_first_keeps_the_store_for_the_others(tmp_path: Path, monkeypatch) -> None:
     secret = new_secret()
@@ -72,8 +53,7 @@ def test_replica_that_finishes_first_keeps_the_store_for_the_others(tmp_path: Pa
     ]
     try:
         deadline = time.monotonic() + 180
-        link.accept(1, 120)  # replica 1 connected and said hello (keyed by its attention rank, 1)
-        conn = link.conns[1]
+        conn = accept_replica(link, 1, procs)
         while not out0.exists():  # replica 0 finished its prompt
             assert time.monotonic() < deadline, "replica 0 did not finish within 180 s"
             assert procs[0].poll() in (None, 0), procs[0].communicate()[1][-3000:]
@@ -83,21 +63,14 @@ def test_replica_that_finishes_first_keeps_the_store_for_the_others(tmp_path: Pa
         while time.monotonic() < hold_until:
             assert all(p.poll() is None for p in procs[1:]), "replica 1 or the FFN rank left while replica 1 was idle"
             time.sleep(0.2)
-        for i, prompt in enumerate(LONG_PROMPTS):
-            conn.send(
-                {"type": "add", "rid": f"r{i}", "prompt_ids": prompt, "max_tokens": LONG_NEW_TOKENS, "sampling": {}}
-            )
-        got = read_until(conn, {f"r{i}" for i in range(len(LONG_PROMPTS))}, deadline, procs)
+        got = serve_prompts(conn, LONG_PROMPTS, LONG_NEW_TOKENS, deadline, procs)
         conn.send({"type": "shutdown"})
         for p in procs:
             p.wait(timeout=max(1.0, deadline - time.monotonic()))
         errs = [p.communicate()[1] for p in procs]
         for p, err in zip(procs, errs, strict=True):
             assert p.returncode == 0, err[-3000:]
-        want = reference(LONG_PROMPTS, LONG_NEW_TOKENS)
-        for i, w in enumerate(want):
-            assert [t for t, _ in got[f"r{i}"]] == w.token_ids, "replica 1's tokens differ from the reference engine"
-            assert max(abs(a - b) for (_, a), b in zip(got[f"r{i}"], w.logprobs, strict=True)) <= TOLERANCE
+        assert_served_matches(got, reference(LONG_PROMPTS, LONG_NEW_TOKENS), TOLERANCE)
         assert json.loads(out0.read_text())["outputs"][0]["token_ids"] == reference([[1, 2, 3]], 1)[0].token_ids
         leftovers.check()  # no rank and no /dev/shm segment of this run is left
     finally:
