@@ -13,7 +13,8 @@ import json
 import logging
 import time
 
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from afd.serve.protocol import APIError
 
@@ -34,11 +35,41 @@ async def send_error(send: Send, err: APIError, *, close: bool = False) -> None:
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-def _has_body(headers: list[tuple[bytes, bytes]]) -> bool:
+def _body_length(headers: list[tuple[bytes, bytes]]) -> int | None:
+    """The request's Content-Length; -1 for a chunked body (its length is not known up front), None for none."""
     for name, value in headers:
-        if name == b"transfer-encoding" or (name == b"content-length" and value.strip() not in (b"", b"0")):
-            return True
-    return False
+        if name == b"transfer-encoding":
+            return -1
+        if name == b"content-length":
+            return int(value) if value.strip().isdigit() else None
+    return None
+
+
+class BodyTooLarge(HTTPException):
+    """A body past the limit, found while it is read (FastAPI's handler for HTTPException answers 413)."""
+
+    def __init__(self) -> None:
+        super().__init__(413)
+
+
+def _limited(receive: Receive, limit: int) -> Receive:
+    """`receive` that raises BodyTooLarge once the body read passes `limit` bytes (a chunked body)."""
+    read = 0
+
+    async def receive_limited() -> Message:
+        nonlocal read
+        message = await receive()
+        if message["type"] == "http.request":
+            read += len(message.get("body", b""))
+            if read > limit:
+                raise BodyTooLarge
+        return message
+
+    return receive_limited
+
+
+def body_too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than {limit} bytes, more than --max-model-len allows")
 
 
 class Gate:
@@ -47,11 +78,14 @@ class Gate:
     - HTTP/1.1 needs exactly one `Host` header (RFC 9112 §3.2): otherwise 400, and the connection closes.
     - With an API key, every route but /health and /metrics needs `Authorization: Bearer KEY`: otherwise 401 with
       `WWW-Authenticate: Bearer`; a request that carries a body has its connection closed, unread.
+    - A body over `max_body_bytes` is a 413 and its connection closes: at once when its Content-Length says so,
+      else (chunked) as soon as what was read passes the limit.
     """
 
-    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -71,8 +105,14 @@ class Gate:
                     "the API key is missing or wrong; send the header Authorization: Bearer KEY",
                     headers={"WWW-Authenticate": "Bearer"},
                 )
-                await send_error(send, err, close=_has_body(headers))
+                await send_error(send, err, close=_body_length(headers) is not None)
                 return
+        length = _body_length(headers)
+        if length is not None and length > self.max_body_bytes:
+            await send_error(send, body_too_large(self.max_body_bytes), close=True)
+            return
+        if length == -1:
+            receive = _limited(receive, self.max_body_bytes)
         try:
             await self.app(scope, receive, send)
         except Exception:  # FastAPI answered it with a 500 (if it could) and re-raised it: one line in the log

@@ -24,7 +24,7 @@ from starlette.responses import Response
 from afd import env
 from afd.serve import DRAIN_S
 from afd.serve.busy_poll import spin
-from afd.serve.gate import ARRIVED, Gate
+from afd.serve.gate import ARRIVED, Gate, body_too_large
 from afd.serve.metrics import CONTENT_TYPE
 from afd.serve.protocol import (
     APIError,
@@ -52,8 +52,8 @@ BODY_SLACK_BYTES = 1 << 20  # the other fields, and a batch of short prompts
 
 
 def body_limit(max_model_len: int) -> int:
-    """The largest request body taken (413 beyond, refused before it is read whole): a full context of text even
-    when every character is escaped, plus 1 MiB (4,096 tokens: 1.25 MiB; a body of token ids holds ~150k ids)."""
+    """The largest request body taken (413 beyond, refused before it is read whole: `Gate`): a full context of text
+    even when every character is escaped, plus 1 MiB (4,096 tokens: 1.25 MiB; a body of token ids holds ~150k)."""
     return BODY_BYTES_PER_TOKEN * max_model_len + BODY_SLACK_BYTES
 
 
@@ -70,9 +70,8 @@ def error_response(err: APIError, *, close: bool = False) -> Response:
 # ---------------------------------------------------------------- the application
 def build_app(state: ServerState) -> FastAPI:
     """The FastAPI application of one server (routes, their error objects, the body limit)."""
-    limit = body_limit(state.pool.max_model_len)
     errors = {400: {"model": ErrorResponse}, 404: {"model": ErrorResponse}, 429: {"model": ErrorResponse}}
-    app = FastAPI(title="afd serve", summary="OpenAI-compatible API over afd replicas", max_body_size=limit)
+    app = FastAPI(title="afd serve", summary="OpenAI-compatible API over afd replicas")
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Response:
@@ -88,9 +87,8 @@ def build_app(state: ServerState) -> FastAPI:
             return error_response(APIError(404, f"there is no route {request.url.path}"))
         if exc.status_code == 405:
             return error_response(APIError(405, f"{request.url.path} does not take {request.method}"))
-        if exc.status_code == 413:  # the rest of the body stays unread
-            message = f"the request body is larger than {limit} bytes, more than --max-model-len allows"
-            return error_response(APIError(413, message), close=True)
+        if exc.status_code == 413:  # a chunked body past the limit (`Gate`): the rest of it stays unread
+            return error_response(body_too_large(body_limit(state.pool.max_model_len)), close=True)
         return error_response(APIError(exc.status_code, str(exc.detail)), close=exc.status_code >= 500)
 
     @app.exception_handler(Exception)
@@ -185,7 +183,8 @@ async def serve(
     every replica. A rank that dies meanwhile makes /health answer 503 and ends every in-flight request with an
     error. uvicorn's own `serve` is not used: it would take the signals, which are the caller's."""
     state.pool.start()
-    server = uvicorn_server(Gate(build_app(state), state.options.api_key))
+    gate = Gate(build_app(state), state.options.api_key, body_limit(state.pool.max_model_len))
+    server = uvicorn_server(gate)
     await server.startup(sockets=[sock])
     watcher = asyncio.create_task(_watch_ranks(state))
     spinner = asyncio.create_task(spin()) if env.busy_poll() else None
