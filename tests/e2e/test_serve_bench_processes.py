@@ -3,7 +3,6 @@ and above the role runtimes (each runtime imported alone, in a fresh interpreter
 
 from __future__ import annotations
 
-import ast
 import json
 import math
 import os
@@ -98,36 +97,21 @@ def _env() -> dict:
 
 
 # ---------------------------------------------------------------- structure
-RUNTIME = ("rank", "online", "worker", "async_rank", "harness")
+RUNTIMES = (
+    "afd.runtime.rank",
+    "afd.runtime.online",
+    "afd.runtime.worker",
+    "afd.runtime.async_rank",
+    "afd.bench.harness",
+)
 
 
-def _runtime_imports(name: str) -> set[str]:
-    """The `afd.runtime` modules `name` imports, at the top or inside a function."""
-    tree = ast.parse((SRC / "afd" / "runtime" / f"{name}.py").read_text())
-    found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("afd.runtime."):
-            found.add(node.module.removeprefix("afd.runtime."))
-        elif isinstance(node, ast.Import):
-            found |= {a.name.removeprefix("afd.runtime.") for a in node.names if a.name.startswith("afd.runtime.")}
-    return found & set(RUNTIME)
-
-
-def test_the_runtimes_depend_one_way_and_import_alone() -> None:
-    """worker and async_rank imported each other (issue 12 item 7); the harness lived in demo.py."""
-    graph = {name: _runtime_imports(name) for name in RUNTIME}
-    assert graph["rank"] == set() and "harness" not in set().union(*(graph[n] for n in RUNTIME if n != "harness"))
-
-    def reaches(start: str, goal: str, seen: frozenset = frozenset()) -> bool:
-        return any(n == goal or (n not in seen and reaches(n, goal, seen | {n})) for n in graph[start])
-
-    assert not [n for n in RUNTIME if reaches(n, n)], f"an import cycle among the runtimes: {graph}"
-    for name in ("afd.bench.demo", "afd.bench.offline", "afd.bench.overhead"):
-        assert "afd.bench.harness" in (SRC / Path(*name.split("."))).with_suffix(".py").read_text()
-    # each module imported first, in a fresh interpreter's module table (torch loaded once to keep it fast)
+def test_the_runtimes_import_alone() -> None:
+    """Each rank runtime imports first in a fresh interpreter's module table (the layer order itself is
+    tests/unit/test_layers.py's); torch is loaded once to keep it fast."""
     script = (
         "import importlib, sys, torch\n"
-        f"for name in {[f'afd.runtime.{n}' for n in RUNTIME]}:\n"
+        f"for name in {list(RUNTIMES)}:\n"
         "    for m in [m for m in sys.modules if m == 'afd' or m.startswith('afd.')]:\n"
         "        del sys.modules[m]\n"
         "    importlib.import_module(name)\n"
