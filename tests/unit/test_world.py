@@ -81,8 +81,8 @@ def test_rank_with_another_secret_is_refused_at_once() -> None:
         start = time.monotonic()
         with pytest.raises(ForeignRunError, match="belongs to another run: its ranks use a different AFD_SECRET"):
             init_world(
-                "127.0.0.1", port, 1, 2, timeout=30.0, num_attention=1, num_ffn=1, secret="wrong", store_external=True
+                "127.0.0.1", port, 1, 2, timeout=600.0, num_attention=1, num_ffn=1, secret="wrong", store_external=True
             )
-        assert time.monotonic() - start < 5
+        assert time.monotonic() - start < 300  # at once: long before the bound on the wait (600 s)
     finally:
         del store
