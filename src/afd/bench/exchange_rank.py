@@ -107,7 +107,7 @@ def _captured(
 ) -> Callable[[], None]:
     """`one_pass` captured in one CUDA graph, exchanges included (as a decode step of async 1A1F is captured): the
     returned call replays it between the exchange's `before_replay` / `after_replay`."""
-    if not getattr(exchange, "capturable", False):
+    if not exchange.capturable:
         raise RuntimeError("--graph needs an async exchange that can be captured (CUDA, NVSHMEM waits, 1A1F)")
     exchange.warm_up_graph_kernels()
     one_pass()  # eager once: the kernels of the pass compile outside the capture
