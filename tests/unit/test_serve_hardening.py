@@ -242,3 +242,23 @@ def test_serve_and_bench_without_their_packages_say_what_to_install(monkeypatch,
     assert cli.main(["bench", "serve", "--url", "http://127.0.0.1:1"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "afd: error: afd bench serve needs aiohttp: pip install 'afd[bench]'", err
+
+
+@pytest.mark.timeout(60)
+def test_a_client_that_leaves_before_a_whole_answer_aborts_its_request(server) -> None:
+    """Not streamed: uvicorn does not cancel the route when its client goes; the route's watcher does."""
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    data = json.dumps({"prompt": [1, 2, 3], "max_tokens": 3000, "temperature": 0, "ignore_eos": True}).encode()
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: a\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(data), data)
+    )
+    deadline = time.monotonic() + 10
+    while not server.state.pool.requests:
+        assert time.monotonic() < deadline, "the request did not start"
+        time.sleep(0.01)
+    sock.close()
+    deadline = time.monotonic() + 10
+    while server.state.pool.requests or any(e.has_work() for e in server.engines):
+        assert time.monotonic() < deadline, "the request of a client that left was not aborted"
+        time.sleep(0.02)
