@@ -85,6 +85,16 @@ front_end_ab() {
     (cd /tmp/old_tree && PYTHONPATH=/tmp/old_tree/src:/tmp/site front_end "${old}_$i")
   done
 }
+# capacity_ab PAIRS NEW OLD: `none` R=1 at capacity on the mixed workload ($CAPACITY_REQUESTS requests, default 512)
+# on this tree (NEW_1, ...) and on the older one of .whl/old.tar (OLD_1, ...), alternated PAIRS times
+capacity_ab() {
+  local pairs=$1 new=$2 old=$3 i args=(--compare none:R=1 --requests "${CAPACITY_REQUESTS:-512}" --rates inf --warmups 16)
+  mkdir -p /tmp/old_tree && tar -xf .whl/old.tar -C /tmp/old_tree
+  for ((i = 1; i <= pairs; i++)); do
+    serve_mixed "${new}_$i" 200 "${args[@]}"
+    (cd /tmp/old_tree && PYTHONPATH=/tmp/old_tree/src:/tmp/site serve_mixed "${old}_$i" 200 "${args[@]}")
+  done
+}
 # compiled_while_serving: the Triton compiles the rank logs under $AFD_LOG_DIR saw while serving, and the warm-ups'
 # times, into $OUT/compiled_while_serving.txt
 compiled_while_serving() {

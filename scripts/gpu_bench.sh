@@ -20,18 +20,19 @@
 #   front [RUNS]         the front end's share of TTFT at 1 request/s through `none` R=1 on GPU 0, RUNS runs
 #                        (default 3) of FRONT_REQUESTS requests (default 32), busy polling unless BUSY_POLL=0
 #   front-ab PAIRS       `front` alternated with an older tree (.whl/old.tar: `git archive COMMIT -- src`), PAIRS times
+#   capacity-ab PAIRS    `none` R=1 on GPU 0 at capacity on the mixed workload ($CAPACITY_REQUESTS requests, default 512,
+#                        --rates inf), alternated with the older tree of .whl/old.tar, PAIRS times (default 3)
 #   startup [RUNS]       seconds from `afd serve` (`none` R=1, GPU 0) to a healthy /health, RUNS times (default 2) after
 #                        one start that fills Triton's cache
-#   kernels              the Triton kernels timed beside the code they replace (the kernel tests' entry points), the
-#                        router kernel, the MLA decode launch sweep, and the step's numerics against eager PyTorch ops
+#   kernels              the MLA decode launch sweep, and the step's numerics against eager PyTorch ops
 #   cross-replica [ARGS] two attention replicas' rows in one expert pass against one's (scripts/gpu_cross_replica.py)
 set -u
 cd "$(dirname "$0")/.."
 source scripts/device_env.sh
 SUB=${1:-}; shift || true
 case $SUB in
-  step|exchange|stress|offline|timeline|serve|front|front-ab|startup|kernels|cross-replica) ;;
-  *) echo "usage: bash scripts/gpu_bench.sh step|exchange|stress|offline|timeline|serve|front|front-ab|startup|kernels|cross-replica [ARGS...]" >&2
+  step|exchange|stress|offline|timeline|serve|front|front-ab|capacity-ab|startup|kernels|cross-replica) ;;
+  *) echo "usage: bash scripts/gpu_bench.sh step|exchange|stress|offline|timeline|serve|front|front-ab|capacity-ab|startup|kernels|cross-replica [ARGS...]" >&2
     exit 2 ;;
 esac
 log_run "bench_${SUB:-none}"
@@ -67,6 +68,9 @@ case $SUB in
   front-ab)
     export CUDA_VISIBLE_DEVICES=0
     front_end_ab "${1:-2}" front_now front_old ;;
+  capacity-ab)
+    export CUDA_VISIBLE_DEVICES=0
+    capacity_ab "${1:-3}" capacity_now capacity_old ;;
   startup)
     export CUDA_VISIBLE_DEVICES=0 AFD_LOG_DIR=$B/logs
     serve_start cache_fill
@@ -74,18 +78,11 @@ case $SUB in
     grep -h "warmed up" "$AFD_LOG_DIR"/*/*.log | sed 's/^.* afd\./afd./' | cut -c1-150 | tee "$OUT/warm_up_lines.txt"
     unset AFD_LOG_DIR ;;
   kernels)
-    export CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$PYTHONPATH:$PWD/tests  # the tests import helpers.* from tests/
-    for t in moe mla_decode fused prefill_attention; do
-      timeout 120 python3 "tests/unit/test_kernel_$t.py" >>"$OUT/kernel_bench.jsonl" 2>>"$B/kernels.err" \
-        || echo "kernel $t rc=$?"
-    done
-    timeout 120 python3 tests/unit/test_kernel_router.py bench >"$OUT/router_bench.jsonl" 2>>"$B/kernels.err" \
-      || echo "router rc=$?"
+    export CUDA_VISIBLE_DEVICES=0
     timeout 200 python3 scripts/gpu_mla_sweep.py >"$OUT/mla_sweep.jsonl" 2>>"$B/kernels.err" || echo "mla sweep rc=$?"
     python3 scripts/gpu_mla_sweep.py --summary "$OUT/mla_sweep.jsonl"
     timeout 200 python3 scripts/gpu_kernel_numerics.py >"$OUT/step_numerics.jsonl" 2>>"$B/kernels.err" \
-      || echo "numerics rc=$?"
-    cat "$OUT/kernel_bench.jsonl" "$OUT/router_bench.jsonl" "$OUT/step_numerics.jsonl"; tail -n 3 "$B/kernels.err" ;;
+      || echo "numerics rc=$?" ;;
   cross-replica)
     CUDA_VISIBLE_DEVICES=0 timeout 300 python3 scripts/gpu_cross_replica.py "$@" | tee "$OUT/cross_replica.jsonl" ;;
 esac
