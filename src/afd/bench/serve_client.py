@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from afd import env
 from afd.bench.workload import Workload
+from afd.serve import loop
 from afd.serve.busy_poll import spin
 
 QUANTILES = (50, 90, 99)
@@ -275,12 +276,12 @@ def bench_url(
 ) -> list[dict]:
     """One run per rate against the server at `url` (one run for a timed trace); the raw results."""
     progress = progress or Progress()
-    http_floor = asyncio.run(_warm_up(url, model, api_key, timeout_s, workload.warm_up_requests(vocab_size)))
+    http_floor = loop.run(_warm_up(url, model, api_key, timeout_s, workload.warm_up_requests(vocab_size)))
     runs = []
     for rate in run_rates(workload, rates):
         progress.start(f"{label}rate {format_rate(rate)}", workload.num_requests)
         try:
-            runs.append(asyncio.run(_run(url, workload, rate, vocab_size, model, api_key, progress, timeout_s)))
+            runs.append(loop.run(_run(url, workload, rate, vocab_size, model, api_key, progress, timeout_s)))
         finally:
             progress.finish()
         runs[-1]["http_floor_p50_s"] = http_floor

@@ -28,7 +28,7 @@ from afd.distributed import signals
 from afd.runtime.launch import LaunchError
 from afd.runtime.link import FrontLink, LinkError
 from afd.runtime.spec import RunSpec
-from afd.serve import DRAIN_S
+from afd.serve import DRAIN_S, loop
 
 if TYPE_CHECKING:  # the serving stack is imported only to serve (`ServerProcess` runs without it)
     from afd.serve.state import ServeOptions, ServerState
@@ -187,7 +187,7 @@ def _serve_until_signal(state: ServerState, sock: socket.socket, on_ready: Calla
         return state.failed_before_stop
 
     started = time.monotonic()
-    died = asyncio.run(main())
+    died = loop.run(main())
     logger.info("served for %.0f s", time.monotonic() - started)
     return died
 
