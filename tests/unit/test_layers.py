@@ -122,3 +122,11 @@ def test_the_checks_see_a_circle_and_an_upward_import(tmp_path: Path) -> None:
     edges = import_graph(module_files(tmp_path))
     assert circles(edges) == [["afd.model.a", "afd.model.b"]]
     assert "afd.cli" in edges["afd.model.b"] and layer_of("afd.cli") > layer_of("afd.model.b")
+
+
+MAX_LINES = 500  # a module past this is asking to be split along a seam
+
+
+def test_no_source_file_is_over_the_line_limit() -> None:
+    long = {f"{p.relative_to(SRC)}": n for p in SRC.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert long == {}
