@@ -4,7 +4,7 @@
 `AFDDeepseekV2ForCausalLM` / `AFDDeepseekV3ForCausalLM` lazily (nothing of vLLM's model code is imported here),
 their config hook, and shows afd's log lines in vLLM's log. Select an architecture with
 `hf_overrides={"architectures": ["AFDDeepseekV2ForCausalLM"]}` and configure it with
-`additional_config={"afd": {...}}` (the AFD config, role attention); see the README's "vLLM" section.
+`additional_config={"afd": {...}}` (the AFD config, role attention); see docs/vllm.md.
 """
 
 from __future__ import annotations
