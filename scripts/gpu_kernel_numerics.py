@@ -11,14 +11,15 @@ the two runs part (decode kernels and graphs). Prints one JSON line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
-import os
 
 import torch
 
 from afd.engine.engine import Engine, LocalExchange, Request
+from afd.kernels import eager_ops
 from afd.model.weights import load_attention_model, load_ffn_model
 
 parser = argparse.ArgumentParser()
@@ -35,11 +36,11 @@ prompts = [torch.randint(0, attn.config.vocab_size, (args.len,), generator=gen).
 
 
 def run(triton: bool, graphs: bool):
-    os.environ["AFD_DISABLE_TRITON"] = "0" if triton else "1"
-    engine = Engine(attn, LocalExchange(ffn), 8192, max_num_seqs=64, num_blocks=4096, enforce_eager=not graphs)
-    for p in prompts:
-        engine.add(Request(list(p), args.new, prompt_logprobs=True))
-    outputs = engine.run()
+    with contextlib.nullcontext() if triton else eager_ops():
+        engine = Engine(attn, LocalExchange(ffn), 8192, max_num_seqs=64, num_blocks=4096, enforce_eager=not graphs)
+        for p in prompts:
+            engine.add(Request(list(p), args.new, prompt_logprobs=True))
+        outputs = engine.run()
     del engine
     gc.collect()
     torch.cuda.empty_cache()

@@ -9,7 +9,6 @@
 - `CUDA_VISIBLE_DEVICES`: which GPUs this process may see.
 - `AFD_PROFILE`: a folder; every rank profiles its serving part into it (`profiling.profiler`). Keep such runs short.
 - `AFD_API_KEY`: the key `afd serve` requires from clients when `--api-key` is not given (keeps it off `ps`).
-- `AFD_DISABLE_TRITON`: set to 1 to run the CUDA step on eager PyTorch ops instead of afd's Triton kernels.
 - `AFD_FFN_GRAPHS`: set to 0 to run FFN ranks' expert passes eagerly instead of replaying CUDA graphs.
 - `AFD_PREFILL_GRAPHS`: set to 0 to run steps with prompt tokens eagerly instead of replaying their row-wise pieces
   from CUDA graphs at padded token counts (`afd.engine.graphs.prefill`).
@@ -67,11 +66,6 @@ def visible_devices() -> list[str] | None:
     if value is None:
         return None
     return [d.strip() for d in value.split(",") if d.strip()]
-
-
-def triton_disabled() -> bool:
-    """`AFD_DISABLE_TRITON=1` makes the CUDA step use the eager PyTorch ops (a kernel suspected wrong, or timing)."""
-    return os.environ.get("AFD_DISABLE_TRITON", "") not in ("", "0")
 
 
 def prefill_graphs_disabled() -> bool:

@@ -14,6 +14,7 @@ pytest.importorskip("triton")
 import torch.nn.functional as F  # noqa: E402
 from helpers.kernels_fused import HAS_CUDA, _cos_sin, _eager_rope, _norm
 
+from afd.kernels import eager_ops  # noqa: E402
 from afd.kernels.norm import rms_norm  # noqa: E402
 from afd.kernels.rope import rope  # noqa: E402
 from afd.kernels.swiglu import silu_mul  # noqa: E402
@@ -60,8 +61,7 @@ def test_gpu_rms_norm_bf16(T):
         full = torch.randn(T, dim + (LITE["rope"] if strided else 0), device=dev, dtype=torch.bfloat16)
         x = full[:, :dim]  # the kv_c half of kv_a_proj's output when strided
         got = rms_norm(x, norm.weight, norm.eps)
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("AFD_DISABLE_TRITON", "1")
+        with eager_ops():
             want = norm(x)
         # Only the order of the fp32 sum of squares differs: the normalizer may round the other way (1 ulp),
         # and the product by the weight once more.
@@ -114,8 +114,7 @@ def test_gpu_mlp_bf16(T):
     for inter in (LITE["shared_inter"], LITE["dense_inter"]):
         mlp = _mlp(inter)
         x = torch.randn(T, LITE["hidden"], device="cuda", dtype=torch.bfloat16)
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("AFD_DISABLE_TRITON", "1")
+        with eager_ops():
             want = mlp(x)
         got = mlp(x)
         assert mlp._gate_up is not None
@@ -169,8 +168,7 @@ def test_gpu_cuda_graph_replay_equals_eager_kernels(T):
         assert cold_mlp.gate_proj.weight.data_ptr() == cold_ptr  # never fused after the capture
         for what, got, want in zip(("rope", "warm_mlp", "cold_mlp"), static_out, eager_out, strict=True):
             _assert_bitwise(got, want, f"graph replay vs eager, {what}")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("AFD_DISABLE_TRITON", "1")
+    with eager_ops():
         assert torch.equal(static_out[0], apply_rope(q[..., Dn:], cos, sin, True))
         ok, _ = _ulp_bounded(norm(x), rms_norm(x, norm.weight, norm.eps), 2)
         assert ok

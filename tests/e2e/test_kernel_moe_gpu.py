@@ -9,7 +9,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import contextlib  # noqa: E402
 import warnings  # noqa: E402
 
 import pytest  # noqa: E402
@@ -19,6 +18,7 @@ pytest.importorskip("triton")
 from helpers.kernels_moe import _experts, _routing
 
 import afd.model.moe as moe  # noqa: E402
+from afd.kernels import eager_ops  # noqa: E402
 from afd.kernels import fused_moe as kmoe  # noqa: E402
 from afd.model.moe import grouped_expert_mlp, routed_experts  # noqa: E402
 
@@ -39,18 +39,9 @@ def _oracle_fp32(x, ids, weights, w13, w2, start) -> torch.Tensor:
     return routed_experts(x.float(), ids, weights, w13.float(), w2.float(), start, fixed_shape=False)
 
 
-@contextlib.contextmanager
 def _kernels_off():
-    """The eager-ops path (`torch._grouped_mm`) of the same functions: `AFD_DISABLE_TRITON=1`."""
-    old = os.environ.get("AFD_DISABLE_TRITON")
-    os.environ["AFD_DISABLE_TRITON"] = "1"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["AFD_DISABLE_TRITON"]
-        else:
-            os.environ["AFD_DISABLE_TRITON"] = old
+    """The eager-ops path (`torch._grouped_mm`) of the same functions."""
+    return eager_ops()
 
 
 def _grouped_mm_ok() -> bool:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from afd.kernels import eager_ops
 from afd.model.attention_side import RMSNorm, apply_rope  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
@@ -13,15 +12,8 @@ HAS_CUDA = torch.cuda.is_available()
 
 def _eager(fn, *args, **kwargs):
     """`fn` (afd.model.attention_side code) on the eager path whatever the device: the oracle."""
-    old = os.environ.get("AFD_DISABLE_TRITON")
-    os.environ["AFD_DISABLE_TRITON"] = "1"
-    try:
+    with eager_ops():
         return fn(*args, **kwargs)
-    finally:
-        if old is None:
-            del os.environ["AFD_DISABLE_TRITON"]
-        else:
-            os.environ["AFD_DISABLE_TRITON"] = old
 
 
 def _eager_rope(x, cos, sin, interleave):

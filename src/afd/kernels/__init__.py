@@ -5,11 +5,13 @@ Every kernel module imports triton at its top, so import them lazily, inside a b
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 
 import torch
 
-from afd import env
+_eager_depth = 0  # > 0 inside `eager_ops()`
 
 
 @cache
@@ -28,5 +30,16 @@ def int_kind(value: int) -> str:
 
 
 def enabled(device: torch.device) -> bool:
-    """Whether the Triton kernels run on `device`: CUDA, triton importable, and `AFD_DISABLE_TRITON` unset."""
-    return device.type == "cuda" and not env.triton_disabled() and _triton_importable()
+    """Whether the Triton kernels run on `device`: CUDA, triton importable, and not inside `eager_ops()`."""
+    return device.type == "cuda" and _eager_depth == 0 and _triton_importable()
+
+
+@contextmanager
+def eager_ops() -> Iterator[None]:
+    """Inside, every device runs the eager PyTorch ops the kernels replace: the kernels' oracle on CUDA."""
+    global _eager_depth
+    _eager_depth += 1
+    try:
+        yield
+    finally:
+        _eager_depth -= 1

@@ -245,7 +245,7 @@ class MLAttention(nn.Module):
         is_valid: [B, L] -> [B, nh, Dv]. Scores are `(q_nope W_uk) . kv_c + q_pe . k_pe`, the output
         `(probs . kv_c) W_uv`: the same products as expanding K and V, associated the other way, so nothing of
         size L x heads is built. On CUDA a Triton kernel reads the latents in place from the paged pool; the
-        einsums below (CPU, `AFD_DISABLE_TRITON`) gather them first and are its test oracle.
+        einsums below (CPU, and CUDA inside `afd.kernels.eager_ops()`) gather them first and are its test oracle.
         """
         c, nh = self.config, self.num_heads
         w = self.kv_b_proj.weight.view(nh, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)

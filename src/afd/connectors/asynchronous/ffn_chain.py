@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from afd import env
+from afd import env, kernels
 from afd.buckets import DEFAULT_BATCH_BUCKETS, pick_bucket
 from afd.connectors.asynchronous.window import Window
 from afd.connectors.asynchronous.wire import (
@@ -138,7 +138,7 @@ class PassChain:
         self._mask = torch.zeros(top, dtype=torch.float32, device=dev)  # [n]: 1.0 on the rows with shared experts
         self._ok = torch.zeros(1, dtype=torch.int32, device=dev)  # whether this item serves its message
         self._arrive = torch.zeros(1, dtype=torch.int32, device=dev)  # reply_item's arrival count (0 between items)
-        self.use_kernels = self.is_cuda and not env.triton_disabled()
+        self.use_kernels = kernels.enabled(self.device)
         self.stream = torch.cuda.Stream(dev) if self.is_cuda else None
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         # bucket -> one graph of a whole pass, each layer's wait captured before its item: one launch per pass
