@@ -16,6 +16,7 @@ from torch import nn
 from afd import kernels
 from afd.model.batch import Batch
 from afd.model.config import ModelConfig
+from afd.model.fp8 import linear, linear_weight
 from afd.model.kv_cache import PagedLatentCache
 from afd.model.layers import RMSNorm, apply_rope
 
@@ -31,17 +32,19 @@ class MLAttention(nn.Module):
         self.config, self.layer_idx, self.softmax_scale = c, layer_idx, softmax_scale
         self.num_heads = c.num_attention_heads
         q_out = c.num_attention_heads * c.qk_head_dim
+        block = c.fp8_block  # every projection below is block-scaled FP8 when set (afd.model.fp8)
         if c.q_lora_rank is None:
-            self.q_proj = nn.Linear(c.hidden_size, q_out, bias=False)
+            self.q_proj = linear(c.hidden_size, q_out, block)
         else:
-            self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=c.attention_bias)
+            self.q_a_proj = linear(c.hidden_size, c.q_lora_rank, block, bias=c.attention_bias)
             self.q_a_layernorm = RMSNorm(c.q_lora_rank)
-            self.q_b_proj = nn.Linear(c.q_lora_rank, q_out, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, bias=c.attention_bias)
+            self.q_b_proj = linear(c.q_lora_rank, q_out, block)
+        kv_a_out = c.kv_lora_rank + c.qk_rope_head_dim
+        self.kv_a_proj_with_mqa = linear(c.hidden_size, kv_a_out, block, bias=c.attention_bias)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank)
         kv_b_out = c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim)
-        self.kv_b_proj = nn.Linear(c.kv_lora_rank, kv_b_out, bias=False)
-        self.o_proj = nn.Linear(c.num_attention_heads * c.v_head_dim, c.hidden_size, bias=c.attention_bias)
+        self.kv_b_proj = linear(c.kv_lora_rank, kv_b_out, block)
+        self.o_proj = linear(c.num_attention_heads * c.v_head_dim, c.hidden_size, block, bias=c.attention_bias)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Batch, kv_cache: PagedLatentCache | None
@@ -248,7 +251,7 @@ class MLAttention(nn.Module):
         einsums below (CPU, and CUDA inside `afd.kernels.eager_ops()`) gather them first and are its test oracle.
         """
         c, nh = self.config, self.num_heads
-        w = self.kv_b_proj.weight.view(nh, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        w = linear_weight(self.kv_b_proj, q_nope.dtype).view(nh, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
         w_uk, w_uv = w.split([c.qk_nope_head_dim, c.v_head_dim], dim=1)  # [nh, Dn, C], [nh, Dv, C]
         q_latent = torch.einsum("bhd,hdc->bhc", q_nope, w_uk)  # [B, nh, C]
         if kernels.enabled(q_nope.device):

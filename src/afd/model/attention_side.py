@@ -165,12 +165,14 @@ class AttentionLayer(nn.Module):
         self.self_attn = MLAttention(config, layer_idx, softmax_scale(config))
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         is_moe = config.is_moe_layer(layer_idx)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size) if gate_on_attention and not is_moe else None
+        block = config.fp8_block
+        has_mlp = gate_on_attention and not is_moe
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, block) if has_mlp else None
         rsf = 1.0 if dtype == torch.float16 else config.routed_scaling_factor
         self.gate = Gate(config, rsf) if gate_on_attention and is_moe else None
         shared_size = config.moe_intermediate_size * config.n_shared_experts
         has_shared = shared_experts and gate_on_attention and is_moe and shared_size > 0
-        self.shared_experts = MLP(config.hidden_size, shared_size) if has_shared else None
+        self.shared_experts = MLP(config.hidden_size, shared_size, block) if has_shared else None
         self.scale = config.residual_scale(dtype)
 
     def attend(

@@ -4,10 +4,12 @@ from them (both sides of the split and the cache sizing read these)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+
+from afd.model.fp8 import DEFAULT_BLOCK, QUANTIZATIONS, parse_quantization_config
 
 MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 
@@ -46,6 +48,8 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     attention_bias: bool = False
     tie_word_embeddings: bool = False
+    # (b0, b1) when every attention/MLP linear is block-scaled FP8 (`afd.model.fp8`); None: 16/32-bit linears
+    fp8_block: tuple[int, int] | None = None
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
@@ -98,7 +102,17 @@ class ModelConfig:
             max_position_embeddings=d["max_position_embeddings"],
             attention_bias=bool(d.get("attention_bias", False)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            fp8_block=parse_quantization_config(d.get("quantization_config")),
         )
+
+    def with_quantization(self, quantization: str | None) -> ModelConfig:
+        """The config as loaded with `--quantization`: None keeps the checkpoint's format; "fp8" makes every
+        attention/MLP linear FP8 (in the checkpoint's blocks if it ships FP8, else 128 x 128)."""
+        if quantization is None:
+            return self
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization {quantization!r} is not supported; use one of {QUANTIZATIONS}")
+        return self if self.fp8_block is not None else replace(self, fp8_block=DEFAULT_BLOCK)
 
     @property
     def qk_head_dim(self) -> int:

@@ -7,19 +7,49 @@ import torch
 from torch import nn
 
 from afd.model.config import ModelConfig, scaled
+from afd.model.fp8 import FP8_DTYPE, dequantize, scale_shape
 from afd.model.layers import MLP, Gate
 from afd.model.moe import grouped_expert_mlp, grouped_expert_mlp_offsets, routed_experts
 from afd.routing import Routing
 
 
 class Experts(nn.Module):
-    """Routed experts `[expert_start, expert_start + num_local_experts)` of one layer, stacked."""
+    """Routed experts `[expert_start, expert_start + num_local_experts)` of one layer, stacked:
+    `w13: [E, 2I, H]` (gate rows, then up rows) and `w2: [E, H, I]` in the model dtype, or, when the model's
+    linears are FP8 (`config.fp8_block`), in float8_e4m3fn with `w13_scale_inv: [E, 2 * ceil(I/b0), ceil(H/b1)]`
+    (gate's scale rows, then up's: each half keeps its own ragged edge) and `w2_scale_inv: [E, ceil(H/b0),
+    ceil(I/b1)]` float32, dequantized per call by `weights`."""
 
     def __init__(self, config: ModelConfig, num_local_experts: int) -> None:
         super().__init__()
-        H, inter = config.hidden_size, config.moe_intermediate_size
-        self.w13 = nn.Parameter(torch.empty(num_local_experts, 2 * inter, H))  # gate rows, then up rows
-        self.w2 = nn.Parameter(torch.empty(num_local_experts, H, inter))
+        H, inter, block = config.hidden_size, config.moe_intermediate_size, config.fp8_block
+        self.block, self.intermediate_size = block, inter
+        dtype = FP8_DTYPE if block is not None else None
+        self.w13 = nn.Parameter(torch.empty(num_local_experts, 2 * inter, H, dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_local_experts, H, inter, dtype=dtype), requires_grad=False)
+        self.w13_scale_inv: nn.Parameter | None = None
+        self.w2_scale_inv: nn.Parameter | None = None
+        if block is not None:
+            gate_scales = scale_shape((num_local_experts, inter, H), block)
+            shape13 = (num_local_experts, 2 * gate_scales[1], gate_scales[2])
+            self.w13_scale_inv = nn.Parameter(torch.empty(shape13), requires_grad=False)
+            self.w2_scale_inv = nn.Parameter(torch.empty(scale_shape(tuple(self.w2.shape), block)), requires_grad=False)
+
+    def weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(w13 [E, 2I, H], w2 [E, H, I])` in `dtype`: the stacked tensors themselves, or their dequantized copies
+        (FP8: every call expands them; the CPU path and the future kernels' oracle, correct rather than fast)."""
+        if self.block is None:
+            return self.w13, self.w2
+        inter, s13 = self.intermediate_size, self.w13_scale_inv
+        half = s13.shape[1] // 2
+        w13 = torch.cat(
+            [
+                dequantize(self.w13[:, :inter], s13[:, :half], self.block, dtype),  # gate [E, I, H]
+                dequantize(self.w13[:, inter:], s13[:, half:], self.block, dtype),  # up [E, I, H]
+            ],
+            dim=1,
+        )
+        return w13, dequantize(self.w2, self.w2_scale_inv, self.block, dtype)
 
 
 class FFNLayer(nn.Module):
@@ -34,13 +64,14 @@ class FFNLayer(nn.Module):
     ) -> None:
         super().__init__()
         is_moe = config.is_moe_layer(layer_idx)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size) if not is_moe else None
+        block = config.fp8_block
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, block) if not is_moe else None
         rsf = 1.0 if dtype == torch.float16 else config.routed_scaling_factor
         self.gate = Gate(config, rsf) if is_moe and not gate_on_attention else None
         self.experts = Experts(config, num_local_experts) if is_moe else None
         shared_size = config.moe_intermediate_size * config.n_shared_experts
         has_shared = shared_experts and is_moe and shared_size > 0
-        self.shared_experts = MLP(config.hidden_size, shared_size) if has_shared else None
+        self.shared_experts = MLP(config.hidden_size, shared_size, block) if has_shared else None
 
 
 class FFNModel(nn.Module):
@@ -95,21 +126,19 @@ class FFNModel(nn.Module):
 
     def experts(self, layer_idx: int, x_grouped: torch.Tensor, group_sizes: list[int]) -> torch.Tensor:
         """Rows grouped by local expert [N, H] -> unweighted expert outputs [N, H] (the async form)."""
-        e = self._layer(layer_idx).experts
-        return grouped_expert_mlp(x_grouped, group_sizes, e.w13, e.w2)
+        return grouped_expert_mlp(x_grouped, group_sizes, *self._layer(layer_idx).experts.weights(x_grouped.dtype))
 
     def experts_offsets(self, layer_idx: int, x_grouped: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """Like `experts` with the groups given as cumulative ends `offs [E_local] int32` on x's device, so
         the sizes never go through the host; rows at and past `offs[-1]` come back undefined.
         Needs `torch._grouped_mm` (native on CUDA sm90+ in bf16)."""
-        e = self._layer(layer_idx).experts
-        return grouped_expert_mlp_offsets(x_grouped, offs, e.w13, e.w2)
+        return grouped_expert_mlp_offsets(x_grouped, offs, *self._layer(layer_idx).experts.weights(x_grouped.dtype))
 
     def experts_topk(self, layer_idx: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """x [T, H] -> fp32 [T, H]: weighted sum over the (t, k) pairs whose expert is local (the p2p form)."""
-        e = self._layer(layer_idx).experts
+        w13, w2 = self._layer(layer_idx).experts.weights(x.dtype)
         return routed_experts(
-            x, routing.topk_ids, routing.topk_weights, e.w13, e.w2, self.expert_start, fixed_shape=self.fixed_shape_moe
+            x, routing.topk_ids, routing.topk_weights, w13, w2, self.expert_start, fixed_shape=self.fixed_shape_moe
         )
 
     def shared(self, layer_idx: int, x: torch.Tensor) -> torch.Tensor:

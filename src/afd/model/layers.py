@@ -10,6 +10,7 @@ from torch import nn
 
 from afd import kernels
 from afd.model.config import ModelConfig
+from afd.model.fp8 import FP8Linear, linear
 from afd.model.moe import select_experts
 from afd.routing import Routing
 
@@ -38,13 +39,15 @@ class MLP(nn.Module):
     On CUDA (Triton enabled) gate and up run as one GEMM over a `[2I, H]` weight whose two halves *are*
     `gate_proj.weight` and `up_proj.weight` (views, so no second copy of the weights), then one fused
     `silu(g) * u` kernel, then `down_proj`. Parameter names and the state dict stay as checkpoints have them.
+    With `fp8_block` the three projections are `FP8Linear` (block-scaled FP8, dequantized per matmul) and gate and
+    up stay two GEMMs.
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, fp8_block: tuple[int, int] | None = None) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = linear(hidden_size, intermediate_size, fp8_block)
+        self.up_proj = linear(hidden_size, intermediate_size, fp8_block)
+        self.down_proj = linear(intermediate_size, hidden_size, fp8_block)
         self._gate_up: torch.Tensor | None = None  # [2I, H], built on first CUDA use
         self._can_fuse = True  # False once a CUDA graph captured the unfused weights' addresses
 
@@ -61,7 +64,9 @@ class MLP(nn.Module):
         """The `[2I, H]` gate/up weight, re-pointing both parameters into it on first use (or after a loader
         replaced them). None (two GEMMs) if a CUDA graph is being captured before it exists: a copy recorded
         into a graph does not run at capture, and a graph that recorded the separate weights' addresses would
-        read freed memory if they moved later, so this MLP then never fuses."""
+        read freed memory if they moved later, so this MLP then never fuses. None for FP8 projections."""
+        if isinstance(self.gate_proj, FP8Linear):
+            return None
         gate, up, fused = self.gate_proj.weight, self.up_proj.weight, self._gate_up
         inter = gate.shape[0]
         if (

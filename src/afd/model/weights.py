@@ -4,17 +4,21 @@ A model is a Hugging Face checkpoint directory (`config.json` + `*.safetensors`,
 `transformers` saves them) or a preset (`tiny`, `deepseek-v2-lite`) whose tensors are drawn from a
 generator seeded by (seed, tensor name), so any role can build exactly its own tensors and all roles
 agree (on the same device type).
+
+FP8 (`afd.model.fp8`): a checkpoint whose `config.json` has DeepSeek-V3's `quantization_config` ships every
+attention/MLP linear as a float8_e4m3fn weight plus its `weight_scale_inv`; both are read as shipped (an FFN rank
+reads only its own experts' weights and scales) and stay FP8 in the model. `quantization="fp8"` (`--quantization
+fp8`) quantizes a 16/32-bit weight at load with the released recipe instead, from its checkpoint precision (before
+any cast to the model dtype), so the two give the same bits. Embeddings, lm_head, norms and the router stay 16/32-bit.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -22,167 +26,14 @@ from torch import nn
 
 from afd.model.attention_side import AttentionModel, ModelConfig
 from afd.model.ffn_side import FFNModel
+from afd.model.fp8 import FP8_DTYPE, SCALE_SUFFIX, quantize, scale_shape
+from afd.model.presets import PRESETS, preset_tensor
+
+__all__ = ["PRESETS", "attention_keys", "ffn_keys", "load_attention_model", "load_ffn_model", "load_model_config"]
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": {
-        "model_type": "deepseek_v3",
-        "vocab_size": 256,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "moe_intermediate_size": 32,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "q_lora_rank": 32,
-        "kv_lora_rank": 32,
-        "qk_nope_head_dim": 16,
-        "qk_rope_head_dim": 8,
-        "v_head_dim": 16,
-        "n_routed_experts": 10,
-        "n_shared_experts": 2,
-        "num_experts_per_tok": 3,
-        "first_k_dense_replace": 1,
-        "moe_layer_freq": 1,
-        "scoring_func": "sigmoid",
-        "topk_method": "noaux_tc",
-        "n_group": 2,
-        "topk_group": 1,
-        "norm_topk_prob": True,
-        "routed_scaling_factor": 2.5,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "max_position_embeddings": 4096,
-        "rope_interleave": True,
-        "tie_word_embeddings": False,
-    },
-    # DeepSeek-V2-Lite's config.json shapes (deepseek-ai/DeepSeek-V2-Lite), random weights.
-    "deepseek-v2-lite": {
-        "model_type": "deepseek_v2",
-        "vocab_size": 102400,
-        "hidden_size": 2048,
-        "intermediate_size": 10944,
-        "moe_intermediate_size": 1408,
-        "num_hidden_layers": 27,
-        "num_attention_heads": 16,
-        "q_lora_rank": None,
-        "kv_lora_rank": 512,
-        "qk_nope_head_dim": 128,
-        "qk_rope_head_dim": 64,
-        "v_head_dim": 128,
-        "n_routed_experts": 64,
-        "n_shared_experts": 2,
-        "num_experts_per_tok": 6,
-        "first_k_dense_replace": 1,
-        "moe_layer_freq": 1,
-        "scoring_func": "softmax",
-        "topk_method": "greedy",
-        "n_group": 1,
-        "topk_group": 1,
-        "norm_topk_prob": False,
-        "routed_scaling_factor": 1.0,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "max_position_embeddings": 163840,
-        "tie_word_embeddings": False,
-        "rope_scaling": {
-            "type": "yarn",
-            "factor": 40,
-            "original_max_position_embeddings": 4096,
-            "beta_fast": 32,
-            "beta_slow": 1,
-            "mscale": 0.707,
-            "mscale_all_dim": 0.707,
-        },
-    },
-    # DeepSeek-V2's config.json shapes (deepseek-ai/DeepSeek-V2, 236B), random weights: for plan / simulate.
-    "deepseek-v2": {
-        "model_type": "deepseek_v2",
-        "vocab_size": 102400,
-        "hidden_size": 5120,
-        "intermediate_size": 12288,
-        "moe_intermediate_size": 1536,
-        "num_hidden_layers": 60,
-        "num_attention_heads": 128,
-        "q_lora_rank": 1536,
-        "kv_lora_rank": 512,
-        "qk_nope_head_dim": 128,
-        "qk_rope_head_dim": 64,
-        "v_head_dim": 128,
-        "n_routed_experts": 160,
-        "n_shared_experts": 2,
-        "num_experts_per_tok": 6,
-        "first_k_dense_replace": 1,
-        "moe_layer_freq": 1,
-        "scoring_func": "softmax",
-        "topk_method": "group_limited_greedy",
-        "n_group": 8,
-        "topk_group": 3,
-        "norm_topk_prob": False,
-        "routed_scaling_factor": 16.0,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "max_position_embeddings": 163840,
-        "tie_word_embeddings": False,
-        "rope_scaling": {
-            "type": "yarn",
-            "factor": 40,
-            "original_max_position_embeddings": 4096,
-            "beta_fast": 32,
-            "beta_slow": 1,
-            "mscale": 0.707,
-            "mscale_all_dim": 0.707,
-        },
-    },
-    # DeepSeek-V3's config.json shapes (deepseek-ai/DeepSeek-V3, 671B; released in fp8 e4m3, 128x128 blocks).
-    "deepseek-v3": {
-        "model_type": "deepseek_v3",
-        "vocab_size": 129280,
-        "hidden_size": 7168,
-        "intermediate_size": 18432,
-        "moe_intermediate_size": 2048,
-        "num_hidden_layers": 61,
-        "num_attention_heads": 128,
-        "q_lora_rank": 1536,
-        "kv_lora_rank": 512,
-        "qk_nope_head_dim": 128,
-        "qk_rope_head_dim": 64,
-        "v_head_dim": 128,
-        "n_routed_experts": 256,
-        "n_shared_experts": 1,
-        "num_experts_per_tok": 8,
-        "first_k_dense_replace": 3,
-        "moe_layer_freq": 1,
-        "scoring_func": "sigmoid",
-        "topk_method": "noaux_tc",
-        "n_group": 8,
-        "topk_group": 4,
-        "norm_topk_prob": True,
-        "routed_scaling_factor": 2.5,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "max_position_embeddings": 163840,
-        "tie_word_embeddings": False,
-        "rope_scaling": {
-            "type": "yarn",
-            "factor": 40,
-            "original_max_position_embeddings": 4096,
-            "beta_fast": 32,
-            "beta_slow": 1,
-            "mscale": 1.0,
-            "mscale_all_dim": 1.0,
-        },
-        "quantization_config": {
-            "quant_method": "fp8",
-            "fmt": "e4m3",
-            "activation_scheme": "dynamic",
-            "weight_block_size": [128, 128],
-        },
-    },
-}
-LM_HEAD_GAIN = 3.0
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -199,16 +50,17 @@ def _is_preset(model: str | Path) -> bool:
     return isinstance(model, str) and model in PRESETS
 
 
-def load_model_config(model: str | Path) -> ModelConfig:
-    """Config of a preset name or a checkpoint directory."""
+def load_model_config(model: str | Path, quantization: str | None = None) -> ModelConfig:
+    """Config of a preset name or a checkpoint directory, as loaded with `quantization` (None: as it ships; "fp8":
+    FP8 linears, `ModelConfig.with_quantization`). ValueError in one sentence for a quantization afd cannot load."""
     if _is_preset(model):
-        return ModelConfig.from_hf(PRESETS[str(model)])
+        return ModelConfig.from_hf(PRESETS[str(model)]).with_quantization(quantization)
     path = Path(model)
     if not (path / "config.json").is_file():
         raise ValueError(
             f"{str(model)!r} is neither a preset ({', '.join(PRESETS)}) nor a directory with a config.json"
         )
-    return ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    return ModelConfig.from_hf(json.loads((path / "config.json").read_text())).with_quantization(quantization)
 
 
 # --- which tensors each role owns ------------------------------------------------------------------
@@ -228,8 +80,11 @@ def _expert_keys(layer_idx: int, expert: int) -> tuple[str, str, str]:
     return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
 
 
+_STACKED = (".w13", ".w2", ".w13" + SCALE_SUFFIX, ".w2" + SCALE_SUFFIX)  # the experts' stacked tensors
+
+
 def _plain_params(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
-    return ((n, p) for n, p in model.named_parameters() if not n.endswith((".w13", ".w2")))
+    return ((n, p) for n, p in model.named_parameters() if not n.endswith(_STACKED))
 
 
 def attention_keys(config: ModelConfig, *, gate_on_attention: bool = True, shared_experts: bool = False) -> list[str]:
@@ -259,6 +114,8 @@ def ffn_keys(
         if model.layers[layer].experts is not None:
             for e in range(model.expert_start, model.expert_stop):
                 keys.extend(_expert_keys(int(layer), e))
+                if config.fp8_block is not None:
+                    keys.extend(k + SCALE_SUFFIX for k in _expert_keys(int(layer), e))
     return keys
 
 
@@ -278,6 +135,9 @@ class _Checkpoint:
                 for k in handle.keys():
                     self.where[k] = f
 
+    def has(self, key: str) -> bool:
+        return key in self.where
+
     def iter(self, keys: list[str], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
         missing = [k for k in keys if k not in self.where]
         if missing:
@@ -290,29 +150,6 @@ class _Checkpoint:
             with safe_open(str(f), framework="pt", device=dev) as handle:
                 for k in names:
                     yield k, handle.get_tensor(k)
-
-
-def _seed_of(seed: int, name: str) -> int:
-    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") & ((1 << 63) - 1)
-
-
-def _preset_tensor(seed: int, name: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """One preset tensor: norms are ones, the correction bias is small, matrices N(0, 1/fan_in).
-
-    Unit-variance activations through every layer, and an lm_head scaled up so the next-token
-    distribution is peaked: a connector that perturbs one expert's rows moves the log-probabilities
-    far beyond the 1e-4 tolerance instead of hiding under a flat distribution.
-    """
-    if name.endswith("norm.weight"):
-        return torch.ones(shape, device=device)
-    gen = torch.Generator(device=device).manual_seed(_seed_of(seed, name))
-    if name.endswith("e_score_correction_bias"):
-        std = 0.01
-    elif name.endswith("embed_tokens.weight"):
-        std = 1.0
-    else:
-        std = shape[-1] ** -0.5 * (LM_HEAD_GAIN if name.endswith("lm_head.weight") else 1.0)
-    return torch.randn(shape, generator=gen, device=device) * std
 
 
 def _is_gate_key(key: str) -> bool:
@@ -329,17 +166,67 @@ def _read(
     seed: int,
     model: nn.Module,
 ) -> dict[str, torch.Tensor]:
-    """The tensors `keys`, on `device`, cast to `dtype` one by one (the gate stays float32)."""
+    """The tensors `keys`, on `device`. An FP8 linear's weight (one whose `<weight>_scale_inv` is in `keys`) comes
+    as float8_e4m3fn with its fp32 scale: as shipped, or quantized here from a 16/32-bit weight. The gate is cast to
+    float32, everything else to `dtype`, one tensor at a time."""
+    scale_keys = {k for k in keys if k.endswith(SCALE_SUFFIX)}
+    plain = [k for k in keys if k not in scale_keys]
     if _is_preset(model_ref):
         shapes = {_hf_key(n): tuple(p.shape) for n, p in _plain_params(model)}
         H, inter = config.hidden_size, config.moe_intermediate_size
-        for k in keys:
+        for k in plain:
             if ".mlp.experts." in k:
                 shapes[k] = (H, inter) if k.endswith("down_proj.weight") else (inter, H)
-        raw: Iterator[tuple[str, torch.Tensor]] = ((k, _preset_tensor(seed, k, shapes[k], device)) for k in keys)
+        shipped: set[str] = set()
+        raw: Iterator[tuple[str, torch.Tensor]] = ((k, preset_tensor(seed, k, shapes[k], device)) for k in plain)
     else:
-        raw = _Checkpoint(Path(model_ref)).iter(keys, device)
-    return {k: t.to(device=device, dtype=torch.float32 if _is_gate_key(k) else dtype) for k, t in raw}
+        checkpoint = _Checkpoint(Path(model_ref))
+        shipped = {k for k in scale_keys if checkpoint.has(k)}
+        raw = checkpoint.iter(plain + sorted(shipped), device)
+    out: dict[str, torch.Tensor] = {}
+    waiting: dict[str, torch.Tensor] = {}  # an FP8 weight or a scale whose partner has not been read yet
+    for k, t in raw:
+        if k in scale_keys or k + SCALE_SUFFIX in scale_keys:
+            weight_key = k.removesuffix(SCALE_SUFFIX)
+            if k == weight_key and (t.dtype != FP8_DTYPE or weight_key + SCALE_SUFFIX not in shipped):
+                out[k], out[k + SCALE_SUFFIX] = _quantized(k, t, config, shipped)
+            elif (partner := waiting.pop(k + SCALE_SUFFIX if k == weight_key else weight_key, None)) is not None:
+                w, scale = (t, partner) if k == weight_key else (partner, t)
+                out[weight_key], out[weight_key + SCALE_SUFFIX] = _fp8_pair(weight_key, w, scale, config, device)
+            else:
+                waiting[k] = t
+        else:
+            if t.element_size() == 1 and t.is_floating_point():
+                raise ValueError(
+                    f"the checkpoint ships {k!r} in {str(t.dtype).removeprefix('torch.')}; afd reads float8 only for "
+                    "the attention/MLP linears of a config.json whose quantization_config is fp8"
+                )
+            out[k] = t.to(device=device, dtype=torch.float32 if _is_gate_key(k) else dtype)
+    return out
+
+
+def _quantized(key: str, w: torch.Tensor, config: ModelConfig, shipped: set[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 16/32-bit linear weight `[out, in]` of an FP8 model, quantized with the released recipe."""
+    if w.dtype == FP8_DTYPE:
+        raise ValueError(f"the checkpoint ships {key!r} in float8_e4m3fn without its {key + SCALE_SUFFIX!r}")
+    if key + SCALE_SUFFIX in shipped:
+        raise ValueError(f"the checkpoint ships {key + SCALE_SUFFIX!r} but {key!r} in {w.dtype}, not float8_e4m3fn")
+    if w.is_floating_point() and w.element_size() == 1:
+        raise ValueError(f"the checkpoint ships {key!r} in {w.dtype}; afd loads float8 weights only as e4m3fn")
+    return quantize(w, config.fp8_block)
+
+
+def _fp8_pair(
+    key: str, w: torch.Tensor, scale: torch.Tensor, config: ModelConfig, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A shipped FP8 weight `[out, in] float8_e4m3fn` and its scales, checked against the block size."""
+    want = scale_shape(tuple(w.shape), config.fp8_block)
+    if tuple(scale.shape) != want:
+        raise ValueError(
+            f"{key + SCALE_SUFFIX!r} has shape {tuple(scale.shape)}, but a {tuple(w.shape)} weight in blocks of "
+            f"{config.fp8_block} needs {want}"
+        )
+    return w.to(device), scale.to(device=device, dtype=torch.float32)
 
 
 def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
@@ -365,10 +252,12 @@ def load_attention_model(
     gate_on_attention: bool = True,
     seed: int = 0,
     shared_experts: bool = False,
+    quantization: str | None = None,
 ) -> AttentionModel:
     """Attention side: embedding, attention, norms, gate / dense MLPs (gate on attention), lm_head (and the shared
-    experts with `shared_experts`)."""
-    config, dtype, device = load_model_config(model), resolve_dtype(dtype), torch.device(device)
+    experts with `shared_experts`). `quantization`: None loads the checkpoint's format, "fp8" FP8 linears."""
+    config = load_model_config(model, quantization)
+    dtype, device = resolve_dtype(dtype), torch.device(device)
     with torch.device("meta"):
         out = AttentionModel(config, gate_on_attention=gate_on_attention, dtype=dtype, shared_experts=shared_experts)
     keys = attention_keys(config, gate_on_attention=gate_on_attention, shared_experts=shared_experts)
@@ -389,10 +278,12 @@ def load_ffn_model(
     gate_on_attention: bool = True,
     seed: int = 0,
     shared_experts: bool = True,
+    quantization: str | None = None,
 ) -> FFNModel:
     """FFN side: routed experts of `expert_range` (default all), shared experts (unless `shared_experts=False`),
-    gate/dense MLPs (gate on FFN)."""
-    config, dtype, device = load_model_config(model), resolve_dtype(dtype), torch.device(device)
+    gate/dense MLPs (gate on FFN). `quantization`: None loads the checkpoint's format, "fp8" FP8 linears."""
+    config = load_model_config(model, quantization)
+    dtype, device = resolve_dtype(dtype), torch.device(device)
     with torch.device("meta"):
         out = FFNModel(
             config,
@@ -409,16 +300,39 @@ def load_ffn_model(
     for layer_name, layer in out.layers.items():
         if layer.experts is None:
             continue
-        w13, w2 = [], []
-        for e in range(out.expert_start, out.expert_stop):
-            gate, up, down = (tensors.pop(k) for k in _expert_keys(int(layer_name), e))
-            w13.append(torch.cat([gate, up], dim=0))
-            w2.append(down)
+        keys = [_expert_keys(int(layer_name), e) for e in range(out.expert_start, out.expert_stop)]
         H, inter = config.hidden_size, config.moe_intermediate_size
-        _assign(out, f"layers.{layer_name}.experts.w13", _stack(w13, (0, 2 * inter, H), dtype, device))
-        _assign(out, f"layers.{layer_name}.experts.w2", _stack(w2, (0, H, inter), dtype, device))
+        weight_dtype = dtype if config.fp8_block is None else FP8_DTYPE
+        _stack_experts(out, layer_name, "", tensors, keys, ((inter, H), (H, inter)), weight_dtype, device)
+        if config.fp8_block is not None:
+            block = config.fp8_block
+            scales = (scale_shape((inter, H), block), scale_shape((H, inter), block))
+            scale_keys = [tuple(k + SCALE_SUFFIX for k in ks) for ks in keys]
+            _stack_experts(out, layer_name, SCALE_SUFFIX, tensors, scale_keys, scales, torch.float32, device)
     logger.info("FFN model loaded: experts [%d, %d), %s on %s", out.expert_start, out.expert_stop, dtype, device)
     return out.eval()
+
+
+def _stack_experts(
+    out: FFNModel,
+    layer_name: str,
+    suffix: str,
+    tensors: dict[str, torch.Tensor],
+    keys: list[tuple[str, str, str]],
+    shapes: tuple[tuple[int, int], tuple[int, int]],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    """Stack one layer's (gate, up, down) tensors of every local expert into `experts.w13{suffix}` ([E, 2 * I, H]:
+    gate rows, then up rows) and `experts.w2{suffix}` ([E, H, I]); with suffix `_scale_inv`, their FP8 scales.
+    `shapes`: one expert's gate and down tensor shapes. Each tensor leaves `tensors` as it is stacked."""
+    w13, w2 = [], []
+    for gate_key, up_key, down_key in keys:
+        w13.append(torch.cat([tensors.pop(gate_key), tensors.pop(up_key)], dim=0))
+        w2.append(tensors.pop(down_key))
+    (rows, cols), down = shapes
+    _assign(out, f"layers.{layer_name}.experts.w13{suffix}", _stack(w13, (0, 2 * rows, cols), dtype, device))
+    _assign(out, f"layers.{layer_name}.experts.w2{suffix}", _stack(w2, (0, *down), dtype, device))
 
 
 def _stack(

@@ -1,0 +1,143 @@
+"""Block-scaled FP8 weights in DeepSeek-V3's released format.
+
+Every attention and MLP linear (`q_a_proj`, `q_b_proj` or `q_proj`, `kv_a_proj_with_mqa`, `kv_b_proj`, `o_proj`,
+`gate_proj`, `up_proj`, `down_proj`, routed and shared experts) is stored as `W_fp8: [out, in] float8_e4m3fn`
+plus `weight_scale_inv: [ceil(out/b0), ceil(in/b1)] float32`, and means
+`W[i, j] = W_fp8[i, j] * weight_scale_inv[i // b0, j // b1]`, `(b0, b1)` from `config.json`'s
+`quantization_config.weight_block_size` (128 x 128 in the release; the last block of a dimension may be ragged).
+`--quantization fp8` makes the same pair from a 16/32-bit weight: per block, `scale = amax / 448` and
+`W_fp8 = round_to_nearest_e4m3(W / scale)`, so a model quantized at load equals the same weights shipped in FP8.
+
+Where dequantization happens: the weights stay FP8 in the model (`FP8Linear`, and the experts' stacked `w13`/`w2`
+with their scales in `afd.model.ffn_side.Experts`), and each matmul dequantizes them to its compute dtype just
+before it runs (`dequantize`). Why not dequantize once at load: the memory a rank holds is then the FP8 bytes
+(what lets DeepSeek-V3 fit one node, and what `afd.runtime.resources` and `afd bench step`'s floor count), and the
+tensors a block-scaled FP8 kernel reads later (weight, scale, block size) are already where the matmul is, so a
+kernel replaces `dequantize` + matmul in place and nothing about loading changes. The eager dequantization is the
+CPU path and will be those kernels' test oracle; it is correct, not fast (it re-expands the weight every call).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite e4m3fn value
+DEFAULT_BLOCK = (128, 128)  # DeepSeek-V3's release, and `--quantization fp8`
+SCALE_SUFFIX = "_scale_inv"  # `<weight>_scale_inv`, e.g. `o_proj.weight_scale_inv`
+QUANTIZATIONS = ("fp8",)  # what `--quantization` accepts
+_QUANT_KEYS = {"quant_method", "fmt", "activation_scheme", "weight_block_size", "modules_to_not_convert"}
+
+
+def parse_quantization_config(qc: Any) -> tuple[int, int] | None:
+    """The FP8 block size `(b0, b1)` of a `config.json`'s `quantization_config` (None when there is none).
+
+    Only DeepSeek-V3's format is supported: quant_method fp8, fmt e4m3, dynamic activations, a two-int block size.
+    Anything else raises ValueError in one sentence: a quantization afd would ignore must not run as if absent."""
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        raise ValueError(f"quantization_config must be an object, got {type(qc).__name__}")
+    method = qc.get("quant_method")
+    if method != "fp8":
+        raise ValueError(f"quantization_config quant_method {method!r} is not supported; afd loads only fp8")
+    unknown = sorted(set(qc) - _QUANT_KEYS)
+    if unknown:
+        raise ValueError(f"quantization_config key {unknown[0]!r} is not supported by afd's fp8 loader")
+    if qc.get("fmt", "e4m3") != "e4m3":
+        raise ValueError(f"quantization_config fmt {qc['fmt']!r} is not supported; afd loads only e4m3")
+    if qc.get("activation_scheme", "dynamic") != "dynamic":
+        raise ValueError(
+            f"quantization_config activation_scheme {qc['activation_scheme']!r} is not supported; only dynamic is"
+        )
+    if qc.get("modules_to_not_convert"):
+        raise ValueError("quantization_config modules_to_not_convert is not supported; every linear must be fp8")
+    block = qc.get("weight_block_size")
+    if (
+        not isinstance(block, list | tuple)
+        or len(block) != 2
+        or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+    ):
+        raise ValueError(
+            f"quantization_config weight_block_size {block!r} is not supported; afd needs two positive ints"
+        )
+    return int(block[0]), int(block[1])
+
+
+def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
+    """Shape of the scales of a weight `[..., out, in]`: `[..., ceil(out/b0), ceil(in/b1)]`."""
+    *lead, out, inp = shape
+    return (*lead, -(-out // block[0]), -(-inp // block[1]))
+
+
+def _expand(scale: torch.Tensor, block: tuple[int, int], out: int, inp: int) -> torch.Tensor:
+    """Scales `[..., ceil(out/b0), ceil(in/b1)]` -> one per element `[..., out, in]` (ragged edges cut)."""
+    rows = scale.repeat_interleave(block[0], dim=-2)[..., :out, :]
+    return rows.repeat_interleave(block[1], dim=-1)[..., :inp]
+
+
+def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`w: [..., out, in]` (any float dtype) -> `(w_fp8 [..., out, in] float8_e4m3fn, scale_inv [..., ceil(out/b0),
+    ceil(in/b1)] float32)` with the released recipe: per block `scale = amax / 448`, `w_fp8 = round(w / scale)`
+    (nearest, ties to even). An all-zero block gets scale 1 (its values are zero either way)."""
+    *lead, out, inp = w.shape
+    b0, b1 = block
+    n0, n1 = -(-out // b0), -(-inp // b1)
+    wf = w.float()
+    padded = F.pad(wf, (0, n1 * b1 - inp, 0, n0 * b0 - out))  # [..., n0*b0, n1*b1]; zeros do not change amax
+    blocks = padded.reshape(*lead, n0, b0, n1, b1)
+    amax = blocks.abs().amax(dim=(-3, -1))  # [..., n0, n1]
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (wf / _expand(scale, block, out, inp)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def dequantize(
+    w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """`w: [..., out, in] float8_e4m3fn`, `scale_inv: [..., ceil(out/b0), ceil(in/b1)] float32` -> `[..., out, in]
+    dtype`: `w[i, j] * scale_inv[i // b0, j // b1]`, the product in fp32, then one rounding to `dtype`."""
+    out, inp = w.shape[-2:]
+    return (w.float() * _expand(scale_inv.float(), block, out, inp)).to(dtype)
+
+
+class FP8Linear(nn.Module):
+    """A linear layer whose weight stays block-scaled FP8: `weight: [out, in] float8_e4m3fn`,
+    `weight_scale_inv: [ceil(out/b0), ceil(in/b1)] float32`, optional `bias: [out]` in the model dtype.
+    `forward(x: [T, in]) -> [T, out]` in x's dtype, through the dequantized weight (see the module docstring)."""
+
+    def __init__(self, in_features: int, out_features: int, block: tuple[int, int], bias: bool = False) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.block = in_features, out_features, block
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE), requires_grad=False)
+        shape = scale_shape((out_features, in_features), block)
+        self.weight_scale_inv = nn.Parameter(torch.empty(shape, dtype=torch.float32), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight `[out, in]` in `dtype`."""
+        return dequantize(self.weight, self.weight_scale_inv, self.block, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantized(x.dtype), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}"
+
+
+def linear(in_features: int, out_features: int, block: tuple[int, int] | None, bias: bool = False) -> nn.Module:
+    """`nn.Linear` for 16/32-bit weights, `FP8Linear` when the model's linears are FP8 in blocks of `block`."""
+    if block is None:
+        return nn.Linear(in_features, out_features, bias=bias)
+    return FP8Linear(in_features, out_features, block, bias=bias)
+
+
+def linear_weight(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """The weight `[out, in]` of an `nn.Linear` or `FP8Linear`, in `dtype` (an nn.Linear's own tensor as it is)."""
+    if isinstance(module, FP8Linear):
+        return module.dequantized(dtype)
+    return module.weight
