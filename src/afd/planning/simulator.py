@@ -1,0 +1,209 @@
+"""A discrete-event simulation of afd serving a workload: afd's own rules, a profile's costs.
+
+Per replica, the scheduler's rules (`afd.engine.scheduler`): decodes first (one token each), then the next chunk of
+every running prompt, then new prompts first come first served while the token budget lasts, a new prompt admitted
+only when the blocks of its whole capacity (prompt + max_tokens - 1) are free and `max_num_seqs` allows; finished
+requests free their blocks. Requests go to the replica with the fewest outstanding tokens (`afd.serve.balancer`).
+Steps last what `StepCosts` says: free-running replicas (none, async: each its own clock, async's FFN term from the
+tokens of every replica of its group in flight) or lockstep waves (p2p per group, ep over every GPU). The result
+is `afd bench serve`'s: one `run_record` per rate, so one report reads both.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass
+
+from afd.bench.serve_client import RequestResult, run_record
+from afd.bench.workload import Workload
+from afd.planning.costs import Shapes, chunk_pairs
+from afd.planning.deployment import Deployment, StepCosts, StepLoad, memory_of
+from afd.planning.profile import Profile
+from afd.serve.balancer import pick_replica
+
+EP_SIMULATED_REPLICAS = 8  # ep over more GPUs: this many replicas simulated, the experts' load scaled up
+
+
+class _Seq:
+    __slots__ = ("idx", "prompt", "max_tokens", "cached", "generated", "blocks", "arrival", "last", "result")
+
+    def __init__(self, idx: int, prompt: int, max_tokens: int, arrival: float, blocks: int) -> None:
+        self.idx, self.prompt, self.max_tokens, self.arrival, self.blocks = idx, prompt, max_tokens, arrival, blocks
+        self.cached = self.generated = 0
+        self.last = arrival
+        self.result = RequestResult(prompt)
+
+
+@dataclass
+class _Plan:
+    decodes: list
+    chunks: list  # (seq, tokens)
+    load: StepLoad
+
+
+class _Replica:
+    """One engine's queue, running sequences and free blocks, stepped by the scheduler's rules."""
+
+    def __init__(self, d: Deployment, num_blocks: int) -> None:
+        self.waiting: deque[_Seq] = deque()
+        self.running: list[_Seq] = []
+        self.free_blocks = num_blocks
+        self.max_seqs, self.budget = d.max_num_seqs, d.max_num_batched_tokens
+        self.outstanding = 0  # the balancer's tokens: prompts until their first token, plus tokens left
+        self.in_flight: _Plan | None = None
+        self.step_tokens = 0
+
+    def schedule(self) -> _Plan:
+        budget = self.budget
+        decodes = [q for q in self.running if q.cached >= q.prompt][:budget]
+        budget -= len(decodes)
+        ctx = sum(q.cached + 1 for q in decodes)
+        chunks, prefill, pairs = [], 0, 0.0
+        for q in self.running:
+            if budget == 0:
+                break
+            if q.cached < q.prompt:
+                n = min(q.prompt - q.cached, budget)
+                chunks.append((q, n))
+                prefill, pairs, budget = prefill + n, pairs + chunk_pairs(q.cached, n), budget - n
+        while budget > 0 and self.waiting and len(self.running) < self.max_seqs:
+            q = self.waiting[0]
+            if q.blocks > self.free_blocks:
+                break
+            self.waiting.popleft()
+            self.free_blocks -= q.blocks
+            self.running.append(q)
+            n = min(q.prompt, budget)
+            chunks.append((q, n))
+            prefill, pairs, budget = prefill + n, pairs + chunk_pairs(0, n), budget - n
+        return _Plan(decodes, chunks, StepLoad(len(decodes), ctx, prefill, pairs, len(decodes) + len(chunks)))
+
+    def finish(self, plan: _Plan, t: float) -> int:
+        """Apply a step that ended at `t`; the number of requests it finished."""
+        done = 0
+        for q in plan.decodes:
+            q.cached += 1
+            self._token(q, t)
+            done += self._maybe_end(q)
+        for q, n in plan.chunks:
+            q.cached += n
+            if q.cached == q.prompt:
+                self.outstanding -= q.prompt
+                q.result.ttft_s = t - q.arrival
+                self._token(q, t)
+                done += self._maybe_end(q)
+        return done
+
+    def _token(self, q: _Seq, t: float) -> None:
+        if q.generated:
+            q.result.itl_s.append(t - q.last)
+        q.generated += 1
+        q.last = t
+        self.outstanding -= 1
+
+    def _maybe_end(self, q: _Seq) -> int:
+        if q.generated < q.max_tokens:
+            return 0
+        self.running.remove(q)
+        self.free_blocks += q.blocks
+        r = q.result
+        r.output_tokens, r.e2e_s = q.generated, q.last - q.arrival
+        return 1
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+
+def simulate_rate(
+    d: Deployment, s: Shapes, p: Profile, workload: Workload, prompt_lens: list[int], rate: float
+) -> dict:
+    """One rate's `run_record` (afd bench serve's shape) for the workload's requests with these prompt lengths."""
+    arrivals = workload.arrivals(rate)
+    max_tokens = workload.max_tokens_of()
+    mem = memory_of(d, s, p.gpu_memory_bytes)
+    num_blocks = mem.kv_tokens_per_replica // d.block_size
+    n_rep = d.num_replicas
+    ep_scale = 1.0
+    if d.connector == "ep" and n_rep > EP_SIMULATED_REPLICAS:
+        ep_scale, n_rep = n_rep / EP_SIMULATED_REPLICAS, EP_SIMULATED_REPLICAS
+        arrivals = [a * ep_scale for a in arrivals]  # the simulated replicas get their share of the load
+    cost = StepCosts(d, s, p, ep_scale)
+    reps = [_Replica(d, num_blocks) for _ in range(n_rep)]
+    if d.connector == "none" or d.connector == "async":
+        per_group = 1 if d.connector == "none" else d.attention
+    else:
+        per_group = n_rep if d.connector == "ep" else d.attention
+    groups = [list(range(g, min(g + per_group, n_rep))) for g in range(0, n_rep, per_group)]
+    group_of = [gi for gi, g in enumerate(groups) for _ in g]
+    seqs = []
+    for i, (a, n, m) in enumerate(zip(arrivals, prompt_lens, max_tokens, strict=True)):
+        cap = n + m - 1
+        blocks = -(-cap // d.block_size)
+        if blocks > num_blocks:
+            raise ValueError(f"request {i} needs {blocks} cache blocks but a replica holds {num_blocks}")
+        seqs.append(_Seq(i, n, m, a + p.front_end_s, blocks))
+    order = sorted(range(len(seqs)), key=lambda i: seqs[i].arrival)
+    events: list[tuple[float, int, int]] = []  # (time, kind 0 = step end / 1 = arrival, unit)
+    for i in order:
+        heapq.heappush(events, (seqs[i].arrival, 1, i))
+    lockstep = d.lockstep
+    busy = [False] * (len(groups) if lockstep else n_rep)
+    remaining = len(seqs)
+
+    def start(unit: int, t: float) -> None:
+        if lockstep:
+            members = [reps[r] for r in groups[unit]]
+            plans = [r.schedule() for r in members]
+            for r, plan in zip(members, plans, strict=True):
+                r.in_flight = plan
+            dur = cost.wave([x.load for x in plans])
+        else:
+            rep = reps[unit]
+            rep.in_flight = plan = rep.schedule()
+            rep.step_tokens = plan.load.tokens
+            group_tokens = sum(reps[r].step_tokens for r in groups[group_of[unit]]) if d.connector == "async" else 0
+            dur = cost.replica_step(plan.load, group_tokens)
+        busy[unit] = True
+        heapq.heappush(events, (t + max(dur, 1e-9), 0, unit))
+
+    def has_work(unit: int) -> bool:
+        return any(reps[r].has_work() for r in groups[unit]) if lockstep else reps[unit].has_work()
+
+    while events and remaining:
+        t, kind, x = heapq.heappop(events)
+        if kind == 1:
+            q = seqs[x]
+            r = pick_replica([rep.outstanding for rep in reps])
+            reps[r].waiting.append(q)
+            reps[r].outstanding += q.prompt + q.max_tokens
+            unit = group_of[r] if lockstep else r
+            if not busy[unit]:
+                start(unit, t)
+            continue
+        members = groups[x] if lockstep else [x]
+        for r in members:
+            rep = reps[r]
+            plan, rep.in_flight = rep.in_flight, None
+            rep.step_tokens = 0
+            if plan is not None:
+                remaining -= rep.finish(plan, t)
+        busy[x] = False
+        if has_work(x):
+            start(x, t)
+    results = [q.result for q in seqs]
+    for q in seqs:  # times from the client's send, as the bench measures them
+        r = q.result
+        if r.ttft_s is not None:
+            r.ttft_s += p.front_end_s
+            r.e2e_s = (r.e2e_s or 0.0) + p.front_end_s
+    end = max((q.arrival + (q.result.e2e_s or 0.0) - p.front_end_s for q in seqs), default=0.0)
+    wall = end - min(arrivals, default=0.0)
+    return run_record(rate, results, wall / ep_scale)  # ep: the whole deployment serves ep_scale times as much
+
+
+def simulate(d: Deployment, s: Shapes, p: Profile, workload: Workload, rates: list[float], vocab_size: int = 2) -> dict:
+    """`afd bench serve`'s result dict for one server: `{"name", "runs"}`, one run per rate."""
+    prompt_lens = [len(x) for x in workload.prompts(vocab_size)]
+    runs = [simulate_rate(d, s, p, workload, prompt_lens, rate) for rate in rates]
+    return {"name": f"sim {d.name}", "runs": runs, "deployment": d.describe()}
