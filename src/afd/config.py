@@ -1,4 +1,4 @@
-"""The AFD config (DESIGN.md §2): parsed in one place, strict, one sentence per error.
+"""The AFD config: parsed in one place, strict, one sentence per error.
 
 Accepted inputs: a dict, a JSON string, a path to a JSON file, each either canonical or wrapped
 as `{"afd": {...}}`. Aliases `afd_role`, `afd_connector`, `afd_host`, `afd_port` fold into the
@@ -164,10 +164,10 @@ class P2pExtraConfig:
 
 @dataclass(frozen=True)
 class AsyncExtraConfig:
-    """`connector_extra_config` of `async` (DESIGN.md §1.2 keys).
+    """`connector_extra_config` of `async`.
 
     `ring_depth` is the number of messages in flight per peer: one per micro-batch. From a dict it defaults to
-    `async_moe_num_ubatches` when `async_moe_ubatching` is on, else 1 (the seed's "number of stages in flight").
+    `async_moe_num_ubatches` when `async_moe_ubatching` is on, else 1.
     """
 
     attn_ranks_per_dp: int = 1
@@ -178,9 +178,12 @@ class AsyncExtraConfig:
     async_moe_num_ubatches: int = 2
     async_moe_split: str = "token"
     timeout_s: float = 120.0  # bound on every rendezvous and window wait, as p2p's
-    # Beyond the seed: the shared experts run on the attention rank between send and recv (it would idle there),
-    # so the FFN ranks only run routed experts and reply in fp32 (docs/architecture.md, "Shared experts").
+    # The shared experts run on the attention rank between send and recv (it would idle there), so the FFN ranks
+    # only run routed experts and reply in fp32 (docs/architecture.md, "Shared experts").
     shared_experts_on_attention: bool = False
+    # A 1A1F FFN rank on CPU runs the device-driven passes of CUDA (`asynchronous.ffn_chain`) eagerly from its host
+    # loop: how tests exercise that logic without a GPU. CUDA decides by itself.
+    cpu_device_passes: bool = False
 
     @property
     def num_ubatches(self) -> int:
@@ -217,6 +220,7 @@ class AsyncExtraConfig:
                 key + "shared_experts_on_attention",
                 raw.get("shared_experts_on_attention", d.shared_experts_on_attention),
             ),
+            cpu_device_passes=_check_bool(key + "cpu_device_passes", raw.get("cpu_device_passes", d.cpu_device_passes)),
         )
         if cfg.async_moe_split not in ("token",):
             raise ConfigError(f"{key}async_moe_split must be 'token', got {cfg.async_moe_split!r}")
@@ -334,7 +338,7 @@ def given_extra_keys(source: dict | str | Path) -> set[str]:
 
 # Where a connector runs the shared experts when neither the config nor the command line says (`afd launch`,
 # `generate`, `serve`, `bench`): async on its attention ranks, between each send and its recv (measured faster
-# at 1A1F and 2A2F, docs/performance.md round 16); p2p, none and the vLLM adapter on the FFN side.
+# at 1A1F and 2A2F, docs/performance.md); p2p, none and the vLLM adapter on the FFN side.
 CLI_SHARED_EXPERTS = {"async": "attention"}
 
 

@@ -9,17 +9,6 @@
 - `CUDA_VISIBLE_DEVICES`: which GPUs this process may see.
 - `AFD_PROFILE`: a folder; every rank profiles its serving part into it (`profiling.profiler`). Keep such runs short.
 - `AFD_API_KEY`: the key `afd serve` requires from clients when `--api-key` is not given (keeps it off `ps`).
-- `AFD_FFN_GRAPHS`: set to 0 to run FFN ranks' expert passes eagerly instead of replaying CUDA graphs.
-- `AFD_PREFILL_GRAPHS`: set to 0 to run steps with prompt tokens eagerly instead of replaying their row-wise pieces
-  from CUDA graphs at padded token counts (`afd.engine.graphs.prefill`).
-- `AFD_FFN_CHAIN`: set to 0 to make a 1A1F async FFN rank on CUDA discover every request from the host instead of
-  enqueueing whole passes on the device (`asynchronous.ffn_chain`); 1 runs those passes on CPU too (tests).
-- `AFD_EXCHANGE_GRAPHS`: set to 0 to keep a 1A1F async attention rank's decode graphs in pieces between exchanges
-  (the exchange then runs eagerly) instead of capturing the whole step, exchanges included.
-- `AFD_STREAM_WAIT`: `memop` makes CUDA streams wait for async flags with the driver's stream memory operation
-  (no SM spins), `nvshmem` with NVSHMEM's waiting kernel (one rank per GPU only; afd.transport.nvshmem).
-- `AFD_ASYNC_HOST_WAIT`: set to 1 to make the async connector's attention ranks poll for replies from the host
-  on CUDA, as on CPU, instead of waiting on their stream (a comparison, or a suspected device-wait problem).
 """
 
 from __future__ import annotations
@@ -68,22 +57,6 @@ def visible_devices() -> list[str] | None:
     return [d.strip() for d in value.split(",") if d.strip()]
 
 
-def prefill_graphs_disabled() -> bool:
-    """`AFD_PREFILL_GRAPHS=0`: steps with prompt tokens run eagerly (a comparison, or a suspected capture problem)."""
-    return os.environ.get("AFD_PREFILL_GRAPHS", "1") == "0"
-
-
-def ffn_graphs_disabled() -> bool:
-    """`AFD_FFN_GRAPHS=0`: FFN ranks run their expert passes eagerly (a suspected graph problem, or timing)."""
-    return os.environ.get("AFD_FFN_GRAPHS", "") == "0"
-
-
-def ffn_chain() -> bool | None:
-    """`AFD_FFN_CHAIN`: False for 0, True for 1, None (the default: on where it applies on CUDA) otherwise."""
-    value = os.environ.get("AFD_FFN_CHAIN", "")
-    return False if value == "0" else True if value == "1" else None
-
-
 def log_dir() -> str | None:
     """`AFD_LOG_DIR=DIR`: the ranks' logs of every run that ends well are copied to DIR/<run directory's name>/
     before the run directory goes (a failed run keeps its directory and says where)."""
@@ -94,28 +67,6 @@ def busy_poll() -> bool:
     """`AFD_BUSY_POLL=1`: a server's front end and its replicas poll without sleeping while idle (a core each), so
     a request and its first token skip the wake-ups from idle (~0.1-0.25 ms each) on their way."""
     return os.environ.get("AFD_BUSY_POLL", "") == "1"
-
-
-def ffn_pass_graphs_disabled() -> bool:
-    """`AFD_FFN_PASS_GRAPHS=0`: the FFN's device chain replays one graph per layer (and a wait before each)
-    instead of one graph per whole pass."""
-    return os.environ.get("AFD_FFN_PASS_GRAPHS", "") == "0"
-
-
-def exchange_graphs_disabled() -> bool:
-    """`AFD_EXCHANGE_GRAPHS=0`: decode graphs never capture a disaggregated exchange."""
-    return os.environ.get("AFD_EXCHANGE_GRAPHS", "") == "0"
-
-
-def stream_wait() -> str:
-    """`AFD_STREAM_WAIT`: 'memop', 'nvshmem', or '' (the default of afd.transport.nvshmem)."""
-    value = os.environ.get("AFD_STREAM_WAIT", "")
-    return value if value in ("memop", "nvshmem") else ""
-
-
-def async_host_wait() -> bool:
-    """`AFD_ASYNC_HOST_WAIT=1`: async attention ranks poll replies from the host on CUDA too."""
-    return os.environ.get("AFD_ASYNC_HOST_WAIT", "") not in ("", "0")
 
 
 def profile_dir() -> str | None:

@@ -119,13 +119,12 @@ def test_killed_attention_rank_ends_the_run_and_cleans_up() -> None:
 
 
 @pytest.mark.timeout(100)
-@pytest.mark.parametrize("chain", ["", "1"], ids=["host_loop", "device_passes"])
-def test_ffn_rank_gives_up_on_its_own_when_attention_dies(chain: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("device_passes", [False, True], ids=["host_loop", "device_passes"])
+def test_ffn_rank_gives_up_on_its_own_when_attention_dies(device_passes: bool) -> None:
     """No launcher to stop it: an FFN rank whose only attention peer is SIGKILLed mid-run exits non-zero
     by itself in bounded time, naming that rank, and unlinks its own window; also while it waits in a pass queued
-    for the device (AFD_FFN_CHAIN=1, afd.connectors.asynchronous.ffn_chain)."""
-    monkeypatch.setenv("AFD_FFN_CHAIN", chain)
-    config = hand_config("async", 1, 1, port=free_port(), recv_poll_timeout_ms=100)
+    for the device (`cpu_device_passes`, afd.connectors.asynchronous.ffn_chain)."""
+    config = hand_config("async", 1, 1, port=free_port(), recv_poll_timeout_ms=100, cpu_device_passes=device_passes)
     leftovers = Leftovers()
     ffn = afd_worker(config, "ffn", 0)
     attn = afd_worker(config, "attention", 0, "--prompt-ids", "1,2,3", "--max-new-tokens", "4000")

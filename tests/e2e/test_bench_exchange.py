@@ -4,7 +4,6 @@ processes, the table is printed and the JSON holds every point (no timing assert
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -34,12 +33,10 @@ def test_bench_exchange_prints_and_writes_every_point(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(120)
 def test_bench_exchange_times_passes_of_layers(tmp_path: Path) -> None:
-    """--layers 4: passes of 4 exchanges in layer order, per-layer times; the async FFN serves them as whole passes
-    (AFD_FFN_CHAIN=1 runs the device-driven passes' logic on CPU)."""
+    """--layers 4: passes of 4 exchanges in layer order, per-layer times."""
     out = tmp_path / "exchange.json"
     args = ["bench", "exchange", "--tokens", "1,8", "--iters", "3", "--layers", "4", "--json", str(out)]
-    env = {**os.environ, "AFD_FFN_CHAIN": "1"}
-    proc = subprocess.run([sys.executable, "-m", "afd", *args], capture_output=True, text=True, timeout=110, env=env)
+    proc = subprocess.run([sys.executable, "-m", "afd", *args], capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
     assert result["layers"] == 4 and not result["graph"]

@@ -1,7 +1,7 @@
-"""Device-driven FFN passes (`asynchronous.ffn_chain`) on CPU, where `AFD_FFN_CHAIN=1` runs the same items
-eagerly behind a host wait: real 1A1F async runs over shared memory equal the reference, serve most layers in
-whole passes, hand a pass back to the host when the prediction breaks, and end cleanly when the attention rank
-dies mid-pass (`tests/test_async_e2e.py`)."""
+"""Device-driven FFN passes (`asynchronous.ffn_chain`) on CPU, where `connector_extra_config.cpu_device_passes`
+runs the same items eagerly behind a host wait: real 1A1F async runs over shared memory equal the reference, serve
+most layers in whole passes, hand a pass back to the host when the prediction breaks, and end cleanly when the
+attention rank dies mid-pass (`tests/e2e/test_async_e2e.py`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.async_runs import reference, run_async, tokens, uneven_prompts
+from helpers.async_runs import tokens
 from helpers.e2e import MODEL, assert_matches_reference, hand_config, launch_checked
 
 from afd.config import parse_config
@@ -29,15 +29,14 @@ def chain_counts(run_dir: Path) -> tuple[int, int]:
 
 
 @pytest.mark.timeout(120)
-def test_one_sequence_at_a_time_grows_and_shrinks_the_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_one_sequence_at_a_time_grows_and_shrinks_the_rows(tmp_path: Path) -> None:
     """max_num_seqs=1: each prompt's prefill (20-30 rows) follows decode steps of 1 row, so a pass queued at the
     decode bucket meets a prefill it cannot hold: it is handed back, the host serves that request and starts over.
     Every token and logprob still equals the single-process reference."""
-    monkeypatch.setenv("AFD_FFN_CHAIN", "1")
     prompts = [tokens(30, 1), tokens(20, 2), [5, 9]]
     outputs, _ = launch_checked(
         "async", 1, 1, prompts, max_new_tokens=6, max_num_batched_tokens=2048, run_dir=tmp_path, max_num_seqs=1,
-        recv_poll_timeout_ms=100,
+        recv_poll_timeout_ms=100, cpu_device_passes=True,
     )  # fmt: skip
     assert_matches_reference(outputs, generate(MODEL, prompts, max_new_tokens=6, prompt_logprobs=True))
     on_device, handed_back = chain_counts(tmp_path)
@@ -46,23 +45,8 @@ def test_one_sequence_at_a_time_grows_and_shrinks_the_rows(tmp_path: Path, monke
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("num_attn", [2, 3])
-def test_several_replicas_each_get_their_passes(num_attn: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """nA1F, uneven replicas (one gets long prompts, one short ones, the third none): every replica's requests are
-    served in passes of its own (on CUDA each on its own stream), and the outputs equal the reference."""
-    monkeypatch.setenv("AFD_FFN_CHAIN", "1")
-    prompts = uneven_prompts(num_attn)
-    outputs, stats = run_async(num_attn, 1, prompts, run_dir=tmp_path)
-    assert_matches_reference(outputs, reference(prompts))
-    on_device, _ = chain_counts(tmp_path)
-    busy = sum(1 for r in stats["replicas"] if r["num_steps"])
-    assert on_device >= busy, f"only {on_device} items were served on the device for {busy} busy replicas"
-
-
-@pytest.mark.timeout(120)
-def test_off_by_default_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without AFD_FFN_CHAIN=1 a CPU FFN rank discovers every request from the host (the chain is a CUDA path)."""
-    monkeypatch.delenv("AFD_FFN_CHAIN", raising=False)
+def test_off_by_default_on_cpu(tmp_path: Path) -> None:
+    """Without `cpu_device_passes` a CPU FFN rank discovers every request from the host (the chain is a CUDA path)."""
     config = parse_config(hand_config("async", 1, 1, port=free_port(), recv_poll_timeout_ms=100))
     prompts = [[3, 1, 4], [1, 5]]
     outputs, _ = launch(config, RunSpec(model=MODEL, max_new_tokens=3, timeout_s=90), prompts, run_dir=tmp_path)
@@ -74,24 +58,17 @@ def test_off_by_default_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
 @pytest.mark.gpu
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_captured_steps_and_device_passes_equal_the_eager_exchange(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+def test_captured_steps_equal_the_reference(tmp_path: Path) -> None:
     """async 1A1F on CUDA, fp32: decode steps captured whole (exchanges included) give the tokens and logprobs
-    (within 1e-4) of the same run with pieces between eager exchanges (AFD_EXCHANGE_GRAPHS=0). The FFN rank serves
-    from the host here: fp32 experts have no capture-safe path, so no device passes (bf16 runs them: `afd bench`)."""
+    (within 1e-4) of the single-process reference on CUDA. The FFN rank serves from the host here: fp32 experts
+    have no capture-safe path, so no device passes (bf16 runs them: `afd bench`)."""
     lens = [23, 2, 9, 1, 14, 5, 30, 3, 7]
     prompts = [tokens(n, i) for i, n in enumerate(lens)]
     spec = RunSpec(model=MODEL, dtype="float32", device="cuda", max_new_tokens=12, prompt_logprobs=True, timeout_s=300)
-    runs = {}
-    for mode in ("eager", "device"):
-        for var in ("AFD_EXCHANGE_GRAPHS", "AFD_FFN_CHAIN"):
-            if mode == "eager":
-                monkeypatch.setenv(var, "0")
-            else:
-                monkeypatch.delenv(var, raising=False)
-        config = parse_config(hand_config("async", 1, 1, port=free_port(), timeout_s=120))
-        run_dir = tmp_path / mode
-        runs[mode], _ = launch(config, spec, prompts, run_dir=run_dir)
-        attention_log = (run_dir / "attention0.log").read_text()
-        assert ("exchanges included" in attention_log) == (mode == "device"), attention_log[-2000:]
-        assert "captured the decode CUDA graph" in attention_log and "decode runs eager" not in attention_log
-    assert_matches_reference(runs["device"], runs["eager"])
+    config = parse_config(hand_config("async", 1, 1, port=free_port(), timeout_s=120))
+    outputs, _ = launch(config, spec, prompts, run_dir=tmp_path)
+    attention_log = (tmp_path / "attention0.log").read_text()
+    assert "exchanges included" in attention_log, attention_log[-2000:]
+    assert "captured the decode CUDA graph" in attention_log and "decode runs eager" not in attention_log
+    want = generate(MODEL, prompts, max_new_tokens=12, prompt_logprobs=True, dtype="float32", device="cuda")
+    assert_matches_reference(outputs, want)

@@ -12,7 +12,6 @@ import logging
 
 import torch
 
-from afd import env
 from afd.connectors.base import Exchange
 from afd.engine.graphs.decode import DecodeGraphRunner, capture_safe_moe
 from afd.engine.graphs.prefill import PrefillGraphRunner, graph_memory_estimate
@@ -61,7 +60,7 @@ def launch_sampling(
 
 def prefill_graph_copies(device: torch.device, exchange: Exchange, enforce_eager: bool) -> int:
     """Prefill graph runners an engine holds: one per micro-batch on CUDA, none when eager or on CPU."""
-    if enforce_eager or device.type != "cuda" or env.prefill_graphs_disabled():
+    if enforce_eager or device.type != "cuda":
         return 0
     return exchange.num_ubatches
 

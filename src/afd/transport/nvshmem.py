@@ -42,7 +42,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from afd import env
 from afd.transport.symm_heap import DEFAULT_TIMEOUT_S, SymmetricHeap, store_get, wait_keys
 
 logger = logging.getLogger("afd.transport.nvshmem")
@@ -169,13 +168,11 @@ WaitValue = Callable[[int, int, int], None]  # (device address of an int64, valu
 
 
 def _device_wait(ranks_on_my_gpu: int) -> WaitValue | None:
-    """How a stream waits for `flag >= value` here. The CUDA driver's `cuStreamWaitValue64` on the local address
-    (`AFD_STREAM_WAIT=memop`): a stream memory operation, no SM spins. NVSHMEM's `signal_wait_until_on_stream`
-    (`=nvshmem`, the default with one rank per GPU): a one-thread kernel that spins; with several ranks per GPU
-    NVSHMEM refuses it ("not supported with limited MPG") and ends the process, so there the driver's call is
-    used whatever the setting. None (host polling) when neither is available."""
-    choice = env.stream_wait()
-    if ranks_on_my_gpu == 1 and choice != "memop":
+    """How a stream waits for `flag >= value` here. With one rank per GPU, NVSHMEM's `signal_wait_until_on_stream`
+    (a one-thread kernel that spins). With several ranks per GPU NVSHMEM refuses that call ("not supported with
+    limited MPG") and ends the process, so there the CUDA driver's `cuStreamWaitValue64` on the local address (a
+    stream memory operation, no SM spins). None (host polling) when neither is available."""
+    if ranks_on_my_gpu == 1:
         import nvshmem.bindings as bindings
 
         ge = int(bindings.Cmp_type.CMP_GE)

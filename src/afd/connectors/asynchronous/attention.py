@@ -37,7 +37,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from afd import env
 from afd.connectors.asynchronous.dispatch import DispatchPlan, combine_scatter, plan_dispatch
 from afd.connectors.asynchronous.endpoint import (  # noqa: F401 - the endpoint's errors are this connector's API
     AsyncEndpoint,
@@ -121,7 +120,7 @@ class AsyncAttentionExchange(AsyncEndpoint, Exchange):
         self._header_ring: torch.Tensor | None = None  # [HEADER_RING, HEADER_WORDS] pinned: reply headers read back
         self._header_turn = 0
         self._empty = torch.empty(0, device=self.device)
-        self._device_waits = self.window.device_waits and not env.async_host_wait()
+        self._device_waits = self.window.device_waits
         # captured decode steps (afd.engine.graphs.decode): a device seq counter, a device count of failed reply checks
         self._device_seq = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._errors = torch.zeros(1, dtype=torch.int64, device=self.device)
@@ -149,13 +148,8 @@ class AsyncAttentionExchange(AsyncEndpoint, Exchange):
     @property
     def capturable(self) -> bool:
         """Whether a decode graph may capture this exchange whole (CUDA, device-side waits, one FFN rank, no
-        micro-batches; `AFD_EXCHANGE_GRAPHS=0` never): the host then launches one graph per decode step."""
-        return (
-            self._device_waits
-            and self.topology.num_ffn == 1
-            and self.num_ubatches == 1
-            and not env.exchange_graphs_disabled()
-        )
+        micro-batches): the host then launches one graph per decode step."""
+        return self._device_waits and self.topology.num_ffn == 1 and self.num_ubatches == 1
 
     def _exchange_in_graph(self, layer_idx: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """The exchange as device work only (being captured): one launch copies the rows into the FFN rank's slot

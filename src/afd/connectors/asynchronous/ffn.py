@@ -15,7 +15,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from afd import env
 from afd.connectors.asynchronous.endpoint import AsyncEndpoint, ConnectorShutdown
 from afd.connectors.asynchronous.ffn_chain import PassChain
 from afd.connectors.asynchronous.window import Message
@@ -52,24 +51,19 @@ class AsyncFFNServer(AsyncEndpoint):
         self._chain_decided = False
 
     def chain_to(self, ffn_model: FFNModelLike, graphs_usable: bool = False) -> bool:
-        """Serve whole passes on the device where that applies: one FFN rank, one ring stage, CUDA with device-side
-        waits and graphs, one attention rank (several with `AFD_FFN_CHAIN=1`: each gets its own stream, so their
-        passes never wait for each other, but their items are no longer batched together); `AFD_FFN_CHAIN=1` also
-        on CPU, `=0` never. `graphs_usable`: the FFN model's expert passes can be captured on CUDA
-        (`ExpertPassGraphs.usable`). Builds and captures them now, before the first request is served. Returns
-        whether it did; decided once."""
+        """Serve whole passes on the device where that applies: one attention rank, one FFN rank, one ring stage,
+        on CUDA with device-side waits and `graphs_usable` (the FFN model's expert passes can be captured,
+        `ExpertPassGraphs.usable`), on CPU only with `connector_extra_config.cpu_device_passes` (tests). Builds and
+        captures them now, before the first request is served. Returns whether it did; decided once."""
         if self._chain_decided:
             return bool(self.chains)
         self._chain_decided = True
-        wanted = env.ffn_chain()
         replicas = self.topology.num_attention
         if self.device.type == "cuda":
-            usable = wanted is not False and self.window.device_waits and not env.ffn_graphs_disabled()
-            usable = usable and (replicas == 1 or wanted is True)
-            usable = usable and graphs_usable
+            usable = self.window.device_waits and graphs_usable
         else:
-            usable = wanted is True
-        if not (usable and self.topology.num_ffn == 1 and not self.config.async_moe_ubatching):
+            usable = self.config.cpu_device_passes
+        if not (usable and replicas == 1 and self.topology.num_ffn == 1 and not self.config.async_moe_ubatching):
             return False
         config = getattr(ffn_model, "config", None)
         layers = getattr(ffn_model, "layers", None)

@@ -7,15 +7,14 @@ layer of a pass, the device runs, enqueued ahead of time: a stream wait until th
 an item (two kernels around the experts, `asynchronous.chain_kernels`) that checks the request's header on the device,
 computes the experts over a bucket of rows (rows past the header's count are masked out), writes the reply rows
 and header into the attention rank's window, resets the local flag to 0 and publishes the reply's flag. A whole
-pass (every layer's wait and item) is one captured graph, so the host launches once per pass
-(`AFD_FFN_PASS_GRAPHS=0`: one graph per layer, a wait before each; a pass started mid-way always runs so). The
-host only retires finished passes and enqueues the next.
+pass (every layer's wait and item) is one captured graph, so the host launches once per pass (a pass started
+mid-way replays one graph per layer, a wait before each). The host only retires finished passes and enqueues the
+next.
 
-Where: one FFN rank, no micro-batching (one ring stage), on CUDA with a device-side flag wait
-(`Window.device_waits`). There the order of one attention rank's requests is known: the MoE layers of a forward
-pass, in order, every layer with the same rows. Each attention rank gets a chain of its own (slot, stream,
-graphs): by default only with one attention rank; with several (`AFD_FFN_CHAIN=1`) their passes run side by side
-and never wait for each other, but their items are no longer batched into one expert pass.
+Where: one attention rank, one FFN rank, no micro-batching (one ring stage), on CUDA with a device-side flag wait
+(`Window.device_waits`). There the order of the attention rank's requests is known: the MoE layers of a forward
+pass, in order, every layer with the same rows. With several attention ranks the host loop serves them, batching
+their items of one layer into one expert pass.
 
 Speculation and its check: the host learns a pass's rows from the first message it reads itself, then keeps
 two passes queued (the next with the rows bucket of the last). An item serves its message only if the header
@@ -30,8 +29,8 @@ passes are queued and forgets the last value it saw when they are done (`Window.
 Shutdown: the host cannot cancel a stream wait; `release()` sets the abort word and a nonzero flag from another
 stream, so every queued item fails at once, and the device can be synchronized.
 
-On CPU (`AFD_FFN_CHAIN=1`, tests) the same items run eagerly, each as soon as the host loop finds its flag set
-(`pump`): the logic is tested without a GPU.
+On CPU (`connector_extra_config.cpu_device_passes`, for tests) the same items run eagerly, each as soon as the
+host loop finds its flag set (`pump`): the logic is tested without a GPU.
 """
 
 from __future__ import annotations
@@ -44,7 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from afd import env, kernels
+from afd import kernels
 from afd.buckets import DEFAULT_BATCH_BUCKETS, pick_bucket
 from afd.connectors.asynchronous.window import Window
 from afd.connectors.asynchronous.wire import (
@@ -195,8 +194,7 @@ class PassChain:
                     with torch.cuda.graph(graph, pool=self._pool, stream=side):
                         self._item(self.ends, layer_idx, n)
                     self._graphs[(layer_idx, n)] = graph
-            if not env.ffn_pass_graphs_disabled():
-                self._capture_passes(side)
+            self._capture_passes(side)
             self.stats.copy_(saved)
         torch.cuda.synchronize(self.device)
         logger.info(

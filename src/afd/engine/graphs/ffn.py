@@ -31,7 +31,6 @@ from collections.abc import Sequence
 
 import torch
 
-from afd import env
 from afd.buckets import DEFAULT_BATCH_BUCKETS, pick_bucket, token_buckets
 from afd.engine.graphs.decode import capture_safe_moe
 from afd.routing import Routing
@@ -61,7 +60,7 @@ class ExpertPassGraphs:
         config = ffn_model.config
         param = next(ffn_model.parameters())
         n, hidden, k = self.buckets[-1], config.hidden_size, config.num_experts_per_tok
-        self.device, self.dtype = param.device, param.dtype
+        self.device, self.dtype = param.device, ffn_model.dtype  # the compute dtype (weights may be FP8)
         self.moe_layers = [int(i) for i in ffn_model.layers if config.is_moe_layer(int(i))]
         self._x = torch.zeros(n, hidden, dtype=self.dtype, device=self.device)  # [n, H]
         self._ids = torch.zeros(n, k, dtype=torch.long, device=self.device)  # [n, K]
@@ -75,9 +74,9 @@ class ExpertPassGraphs:
 
     @staticmethod
     def usable(ffn_model: torch.nn.Module) -> bool:
-        """CUDA, routed experts on the fixed-shape, host-sync-free path, and `AFD_FFN_GRAPHS` not 0."""
+        """CUDA, and routed experts on the fixed-shape, host-sync-free path."""
         param = next(ffn_model.parameters(), None)
-        return param is not None and param.is_cuda and capture_safe_moe(ffn_model) and not env.ffn_graphs_disabled()
+        return param is not None and param.is_cuda and capture_safe_moe(ffn_model)
 
     def _compute(self, layer_idx: int, n: int) -> torch.Tensor:
         """The expert pass over the first `n` static rows: [n, H] fp32."""
