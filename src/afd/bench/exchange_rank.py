@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from afd import env
 from afd.connectors.asynchronous.attention import AsyncAttentionExchange
 from afd.connectors.asynchronous.ffn import AsyncFFNServer, run_ffn_loop
 from afd.connectors.p2p.attention import P2pAttentionExchange
@@ -272,7 +273,7 @@ def rank_main(spec: dict, world_rank: int, out: str) -> None:
             world_order=order,
         )
         try:
-            with profiled(f"{spec['connector']}_{role}", os.environ.get("AFD_BENCH_PROFILE")):
+            with profiled(f"{spec['connector']}_{role}", env.profile_dir()):
                 rows = (_run_async if is_async else _run_p2p)(world, spec, device)
         except BaseException as exc:
             world.close(error=exc)

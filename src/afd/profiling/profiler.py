@@ -1,7 +1,7 @@
 """Where one process's time goes, on request: `profiled(name, folder)` around a rank's work.
 
-`afd bench exchange` turns it on with `AFD_BENCH_PROFILE=DIR`; every rank of `afd launch`, `afd bench` and
-`afd serve` with `AFD_PROFILE=DIR` (its serving part: the attention engine's steps, the FFN loop). DIR/NAME.txt
+`AFD_PROFILE=DIR` turns it on for every rank of `afd launch`, `afd bench`, `afd bench exchange` and `afd serve`
+(its serving part: the attention engine's steps, the FFN loop; an exchange rank's timed passes). DIR/NAME.txt
 holds the Python functions by own time (cProfile) and the torch operators and kernels by self time
 (torch.profiler); DIR/NAME.trace.json is the timeline (chrome://tracing, Perfetto). Keep such runs short.
 
