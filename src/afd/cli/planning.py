@@ -1,0 +1,181 @@
+"""`afd simulate`, `afd plan` and `afd profile`: a deployment simulated, the deployments of N GPUs ranked, a machine
+profiled (afd.planning; docs/planning.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from afd.cli.input import UsageError, non_negative_int, positive_int, positive_seconds
+from afd.cli.serve import rate_list
+
+WORKLOAD_KINDS = ("uniform", "uneven", "mixed")
+
+
+def _add_workload(p: argparse.ArgumentParser, requests: int) -> None:
+    p.add_argument("--model", default="deepseek-v2-lite", help="a preset or a checkpoint directory (its config.json)")
+    p.add_argument("--weights", choices=["bfloat16", "fp8", "float32"], help="weight format (default: the model's)")
+    p.add_argument("--profile", help="a profile JSON file or a shipped one by name (default h200)")
+    p.add_argument("--workload", choices=WORKLOAD_KINDS, default="mixed", help="as afd bench serve's")
+    p.add_argument("--trace", help="a JSONL trace instead of --workload (afd bench serve's format)")
+    p.add_argument("--requests", type=positive_int, default=requests, help="requests per rate")
+    p.add_argument("--long-len", type=positive_int, default=1024, help="long prompt length (tokens)")
+    p.add_argument("--short-len", type=positive_int, default=64, help="short prompt length (tokens)")
+    p.add_argument("--long-fraction", type=float, default=0.25, help="share of long prompts (uneven)")
+    p.add_argument("--max-tokens", type=positive_int, default=64, help="tokens generated per request")
+    p.add_argument("--bench-seed", type=non_negative_int, default=0, help="seed of the prompts and arrivals")
+    p.add_argument("--max-num-seqs", type=positive_int, default=256, help="sequences a replica runs at once")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048, help="token budget of one step")
+    p.add_argument("--gpus-per-node", type=positive_int, default=8, help="GPUs per node (NVLink inside)")
+    p.add_argument("--inter-node-gbps", type=float, default=400.0, help="bandwidth per GPU between nodes (Gb/s)")
+    p.add_argument("--inter-node-latency-us", type=float, default=10.0, help="latency between nodes (µs)")
+    p.add_argument("--slo-ttft", type=positive_seconds, default=5.0, help="p90 TTFT bound (s)")
+    p.add_argument("--json", help="write the results (JSON) to this file")
+
+
+def add_planning_parsers(sub) -> None:
+    """Register `simulate`, `plan` and `profile` under `afd`'s sub-commands."""
+    p = sub.add_parser("simulate", help="simulate afd serving a workload on a profiled machine (bench serve's report)")
+    _add_workload(p, 1000)
+    p.add_argument("--connector", choices=["none", "p2p", "async", "ep"], default="none")
+    p.add_argument("--attention", type=positive_int, default=1, help="attention ranks per group (ep: GPUs)")
+    p.add_argument("--ffn", type=positive_int, default=1, help="FFN ranks per group")
+    p.add_argument("--replicas", type=positive_int, default=1, help="none: replicas; p2p/async: groups")
+    p.add_argument("--ubatches", type=positive_int, default=1, help="micro-batches (async, ep)")
+    p.add_argument("--colocated", action="store_true", help="a group's A and F ranks share max(A, F) GPUs")
+    p.add_argument("--ubatch-decode", action="store_true", help="micro-batch decode steps too (a prediction)")
+    p.add_argument("--rates", type=rate_list, default=[math.inf], help="arrival rates (req/s, inf: all at once)")
+    p.add_argument(
+        "--compare", metavar="RESULTS.json", help="an afd bench serve --json file: its workload, rates, errors"
+    )
+    p.add_argument("--tolerance", type=float, default=0.15, help="with --compare: exit 1 beyond this relative error")
+    p.set_defaults(func=cmd_simulate, starts_ranks=False)
+
+    p = sub.add_parser("plan", help="rank the deployments of N GPUs by SLO-compliant output tokens/s per GPU")
+    _add_workload(p, 1000)
+    p.add_argument("--gpus", type=positive_int, required=True, help="GPUs to deploy on")
+    p.add_argument("--slo-tpot", type=positive_seconds, default=0.05, help="p50 time per output token bound (s)")
+    p.add_argument("--ubatch-decode", action="store_true", help="micro-batch decode steps too (a prediction)")
+    p.set_defaults(func=cmd_plan, starts_ranks=False)
+
+    p = sub.add_parser("profile", help="measure this machine's step parts with afd's own code and fit a profile")
+    p.add_argument("--model", default="tiny", help="a preset (tiny on CPU, deepseek-v2-lite on GPU)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--no-exchange", action="store_true", help="leave the p2p / async round trips out")
+    p.add_argument("--output", "-o", required=True, help="the profile JSON to write")
+    p.set_defaults(func=cmd_profile, starts_ranks=False)
+
+
+def _setup(args: argparse.Namespace):
+    """(shapes, profile, workload) of the flags; UsageError in one sentence otherwise."""
+    from dataclasses import replace
+
+    from afd.bench.workload import TraceError, Workload, load_trace
+    from afd.model.weights import PRESETS, load_model_config
+    from afd.planning import costs
+    from afd.planning.profile import Link, ProfileError, load_profile
+
+    try:
+        config = load_model_config(args.model)
+        profile = load_profile(args.profile)
+    except (ValueError, ProfileError) as exc:
+        raise UsageError(str(exc)) from None
+    weights = args.weights
+    if weights is None:
+        raw = PRESETS.get(args.model)
+        if raw is None and Path(args.model, "config.json").is_file():
+            raw = json.loads(Path(args.model, "config.json").read_text())
+        quant = (raw or {}).get("quantization_config") or {}
+        weights = "fp8" if quant.get("quant_method") == "fp8" else profile.dtype
+    link = Link(profile.link.intra_node_Bps, args.inter_node_gbps * 1e9 / 8, args.inter_node_latency_us * 1e-6)
+    profile = replace(profile, link=link)
+    if args.trace:
+        try:
+            trace = load_trace(args.trace)
+        except TraceError as exc:
+            raise UsageError(str(exc)) from None
+        workload = Workload("trace", len(trace), seed=args.bench_seed, trace=trace)
+    else:
+        workload = Workload(args.workload, args.requests, args.long_len, args.short_len, args.long_fraction)
+        workload = replace(workload, max_tokens=args.max_tokens, seed=args.bench_seed)
+    return costs.shapes_of(config, weights), profile, workload
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from afd.bench.report import format_table, slo_summary, strict_json
+    from afd.planning.compare import errors, format_errors, workload_of
+    from afd.planning.deployment import Deployment, DeploymentError
+    from afd.planning.simulator import simulate
+
+    shapes, profile, workload = _setup(args)
+    rates = args.rates
+    measured = None
+    if args.compare:
+        try:
+            raw = json.loads(Path(args.compare).read_text())
+            workload, rates = workload_of(raw)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise UsageError(f"--compare {args.compare}: {exc}") from None
+        measured = raw["results"][0]
+    try:
+        d = Deployment(
+            args.connector, args.attention, args.ffn, args.replicas, args.ubatches, args.gpus_per_node,
+            args.max_num_seqs, args.max_num_batched_tokens, colocated=args.colocated, ubatch_decode=args.ubatch_decode,
+        )  # fmt: skip
+        result = simulate(d, shapes, profile, workload, rates)
+    except (DeploymentError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+    result["slo"] = slo_summary(result["runs"], args.slo_ttft)
+    print(format_table([result], args.slo_ttft))
+    raw_out = {
+        "workload": workload.describe() | {"rates": rates},
+        "slo_ttft_s": args.slo_ttft,
+        "simulated": {"profile": profile.source, "model": args.model},
+        "results": [result],
+    }
+    status = 0
+    if measured is not None:
+        rows = errors(measured, result)
+        print(format_errors(rows, args.tolerance))
+        raw_out["errors"] = rows
+        status = 1 if any(r["error"] is not None and r["error"] > args.tolerance for r in rows) else 0
+    if args.json:
+        Path(args.json).write_text(json.dumps(strict_json(raw_out), indent=2, allow_nan=False))
+    return status
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from afd.bench.report import strict_json
+    from afd.planning.deployment import Deployment, DeploymentError
+    from afd.planning.plan import Slo, format_plan, plan
+
+    shapes, profile, workload = _setup(args)
+    base = Deployment(
+        "none", gpus_per_node=args.gpus_per_node, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, ubatch_decode=args.ubatch_decode,
+    )  # fmt: skip
+    try:
+        result = plan(args.gpus, shapes, profile, workload, Slo(args.slo_ttft, args.slo_tpot), base)
+    except (DeploymentError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+    print(format_plan(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(strict_json(result), indent=2, allow_nan=False))
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from afd.planning.measure import measure_profile
+
+    if args.device == "cuda" and args.dtype == "float32":
+        args.dtype = "bfloat16"
+    profile = measure_profile(
+        args.model, args.dtype, args.device, exchange=not args.no_exchange, say=lambda m: print(m, file=sys.stderr)
+    )
+    profile.save(args.output)
+    print(f"wrote {args.output}")
+    return 0

@@ -1,0 +1,48 @@
+"""A simulation held against a measurement: the workload and rates of an `afd bench serve` results JSON, the
+per-metric relative error of the simulated runs against the measured ones."""
+
+from __future__ import annotations
+
+import math
+
+from afd.bench.workload import Workload
+
+METRICS = ("request_throughput", "output_tok_s", "ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "e2e_p50_s")
+
+
+def workload_of(raw: dict) -> tuple[Workload, list[float]]:
+    """The `Workload` and rates an `afd bench serve --json` file was measured with (generated workloads only)."""
+    w = dict(raw["workload"])
+    if w.get("kind") == "trace":
+        raise ValueError("a results file measured on a trace: simulate it with --trace instead")
+    rates = [math.inf if r == "inf" else float(r) for r in w.pop("rates")]
+    w.pop("timed", None)
+    return Workload(**{k: v for k, v in w.items() if k in Workload.__dataclass_fields__}), rates
+
+
+def errors(measured: dict, simulated: dict) -> list[dict]:
+    """One row per (rate, metric): measured, simulated, relative error (None where either is missing)."""
+    rows = []
+    sim_runs = {str(r["rate"]): r["summary"] for r in simulated["runs"]}
+    for run in measured["runs"]:
+        sim = sim_runs.get(str(math.inf if run["rate"] == "inf" else float(run["rate"])))
+        if sim is None:
+            continue
+        for metric in METRICS:
+            m, s = run["summary"].get(metric), sim.get(metric)
+            err = abs(s - m) / m if m and s is not None else None
+            rows.append({"rate": run["rate"], "metric": metric, "measured": m, "simulated": s, "error": err})
+    return rows
+
+
+def format_errors(rows: list[dict], tolerance: float) -> str:
+    lines = [f"{'rate':>6} {'metric':<20} {'measured':>12} {'simulated':>12} {'error':>8}"]
+    for r in rows:
+        err = "-" if r["error"] is None else f"{r['error'] * 100:.1f}%"
+        flag = " !" if r["error"] is not None and r["error"] > tolerance else ""
+        m = "-" if r["measured"] is None else f"{r['measured']:.4g}"
+        s = "-" if r["simulated"] is None else f"{r['simulated']:.4g}"
+        lines.append(f"{r['rate']!s:>6} {r['metric']:<20} {m:>12} {s:>12} {err:>8}{flag}")
+    worst = max((r["error"] for r in rows if r["error"] is not None), default=0.0)
+    lines.append(f"worst error {worst * 100:.1f}% against a tolerance of {tolerance * 100:.0f}%")
+    return "\n".join(lines)

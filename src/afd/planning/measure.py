@@ -1,0 +1,131 @@
+"""`afd profile`: each part of a step measured on this machine with afd's own model and engine, then fitted.
+
+Decode and prefill steps come from `afd bench step`'s engine (`run_bench_step`), the routed and shared experts from
+the FFN model's own passes (`FFNModel.experts_topk`, `shared`) over uniform top-k rows, with every expert and with
+half of them on the rank, the exchange from `afd bench exchange`'s round trips (both connectors, 1A1F). The
+attention side is the whole step less the experts the same shapes cost.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from afd.bench.exchange import run_bench_exchange
+from afd.bench.offline import device_name
+from afd.bench.step import run_bench_step
+from afd.model.weights import load_ffn_model, load_model_config
+from afd.planning import costs
+from afd.planning.profile import Link, Part, Profile, fit_part
+from afd.routing import Routing
+
+logger = logging.getLogger(__name__)
+
+CPU_SHAPES = {"batches": [1, 4, 16, 32], "contexts": [32, 128], "prefills": [(1, 64), (4, 64)], "tokens": [1, 8, 64]}
+GPU_SHAPES = {
+    "batches": [1, 8, 64, 256],
+    "contexts": [512, 2048],
+    "prefills": [(8, 1024)],
+    "tokens": [1, 8, 64, 512, 4096],
+}
+
+
+def _time(fn: Callable[[], object], device: torch.device, iters: int) -> float:
+    fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _expert_rows(model: str, dtype: str, device: str, tokens: list[int], iters: int):
+    """(routed rows, shared rows): (bytes, flops, seconds) of one layer's pass, all experts and half of them."""
+    config = load_model_config(model)
+    s = costs.shapes_of(config, dtype)
+    dev = torch.device(device)
+    layer = config.moe_layers[0]
+    routed, shared = [], []
+    for local in sorted({config.n_routed_experts, max(1, config.n_routed_experts // 2)}):
+        ffn = load_ffn_model(model, dtype=dtype, device=device, expert_range=(0, local))
+        for t in tokens:
+            x = torch.randn(t, config.hidden_size, dtype=getattr(torch, dtype), device=dev)
+            scores = torch.rand(t, config.n_routed_experts, device=dev)
+            ids = scores.topk(config.num_experts_per_tok, dim=-1).indices  # [T, K] uniform
+            w = torch.full(ids.shape, 1.0 / ids.shape[1], dtype=torch.float32, device=dev)
+            routing = Routing(ids, w)
+            with torch.inference_mode():
+                sec = _time(lambda ffn=ffn, x=x, routing=routing: ffn.experts_topk(layer, x, routing), dev, iters)
+                touched = costs.experts_touched(local, s.num_experts, s.topk, t)
+                flops = 2.0 * s.expert_params * t * s.topk * local / s.num_experts
+                routed.append((touched * s.expert_params * s.weight_bytes, flops, sec))
+                if local == config.n_routed_experts and s.shared_params:
+                    sec = _time(lambda ffn=ffn, x=x: ffn.shared(layer, x), dev, iters)
+                    shared.append((s.shared_params * s.weight_bytes, 2.0 * s.shared_params * t, sec))
+        del ffn
+    return routed, shared
+
+
+def measure_profile(
+    model: str, dtype: str, device: str, *, exchange: bool = True, say: Callable[[str], None] = logger.info
+) -> Profile:
+    """Measure every part on this machine and fit it; `exchange=False` leaves the exchange parts out."""
+    shapes = GPU_SHAPES if device == "cuda" else CPU_SHAPES
+    s = costs.shapes_of(load_model_config(model), dtype)
+    steps = 10 if device == "cuda" else 4
+    say("experts: one layer's routed and shared passes ...")
+    routed_rows, shared_rows = _expert_rows(model, dtype, device, shapes["tokens"], steps)
+    routed, shared = fit_part(routed_rows), fit_part(shared_rows) if shared_rows else Part()
+    p = Profile({}, {"routed_experts": routed, "shared_experts": shared})
+    say("decode and prefill steps ...")
+    step = run_bench_step(
+        model=model, dtype=dtype, device=device, batches=shapes["batches"], contexts=shapes["contexts"],
+        prefills=shapes["prefills"], steps=steps, progress=say,
+    )  # fmt: skip
+    mode = "graph_ms" if device == "cuda" else "eager_ms"
+    attn_rows = []
+    for row in step["decode"]:
+        b, ctx = row["batch"], row["batch"] * (row["context"] + 1)
+        ffn = s.moe_layers * (costs.routed_pass_s(p, s, b, s.num_experts) + costs.shared_pass_s(p, s, b))
+        sec = (row[mode] or row["eager_ms"]) * 1e-3 - ffn
+        attn_rows.append((costs.decode_bytes(s, ctx), costs.decode_flops(s, b, ctx), max(sec, 1e-6)))
+    attention = fit_part(attn_rows)
+    prefill_rows = []
+    for row in step["prefill"]:
+        t, pairs = row["tokens"], row["batch"] * costs.chunk_pairs(0, row["context"])
+        ffn = s.moe_layers * (costs.routed_pass_s(p, s, t, s.num_experts) + costs.shared_pass_s(p, s, t))
+        left = row["ms"] * 1e-3 - ffn - attention.time(costs.decode_bytes(s, 0), 0.0)
+        prefill_rows.append((0.0, costs.prefill_flops(s, t, pairs), max(left, 1e-6)))
+    parts = {**p.parts, "attention_decode": attention, "prefill": fit_part(prefill_rows, fixed=False)}
+    if exchange:
+        say("exchange round trips, p2p and async ...")
+        ex = run_bench_exchange(
+            model=model, dtype=dtype, device=device, tokens=shapes["tokens"], connectors=("p2p", "async"),
+            iters=20 if device == "cpu" else 50, progress=say,
+        )  # fmt: skip
+        for connector in ("p2p", "async"):
+            rows = [(r["bytes"], 0.0, r["p50_us"] * 1e-6) for r in ex["rows"] if r["connector"] == connector]
+            parts[f"exchange_{connector}"] = fit_part(rows)
+    parts["launch"], parts["host"] = Part(), Part()
+    machine = {
+        "device": device_name(device),
+        "host": platform.node(),
+        "cpu": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "date": datetime.date.today().isoformat(),
+        "model": model,
+    }
+    memory = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else 16e9
+    source = f"afd profile --model {model} --dtype {dtype} --device {device}"
+    return Profile(machine, parts, source, dtype, float(memory), 0.0, Link())

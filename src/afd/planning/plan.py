@@ -1,0 +1,164 @@
+"""`afd plan`: the deployments of N GPUs that fit, narrowed by the closed-form ratio, scored by the simulator.
+
+Kinds: whole replicas (`none`), AFD groups `xAyF` (p2p; async with 1–3 micro-batches) replicated over the GPUs,
+and the non-AFD baseline `ep` (data-parallel attention + expert-parallel MoE on every GPU, with and without
+two-batch overlap). A candidate's score is its SLO-compliant output tokens/s per GPU: the highest arrival rate
+whose p90 TTFT and p50 TPOT meet the SLO (bisection over rates, one simulated group standing for all of them).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from afd.bench.workload import Workload
+from afd.planning import ratio
+from afd.planning.costs import Shapes
+from afd.planning.deployment import Deployment, DeploymentError, memory_of
+from afd.planning.profile import Profile
+from afd.planning.simulator import simulate_rate
+
+RATE_STEPS = 7  # bisection steps of the SLO-compliant rate
+AFD_PER_CONNECTOR = 3  # AFD shapes per connector and group size kept after the closed-form narrowing
+
+
+@dataclass(frozen=True)
+class Slo:
+    ttft_p90_s: float = 5.0
+    tpot_p50_s: float = 0.05
+
+
+def _meets(summary: dict, slo: Slo) -> bool:
+    tpot = summary["tpot_p50_s"]
+    return (
+        summary["errors"] == 0
+        and summary["ttft_p90_s"] is not None
+        and summary["ttft_p90_s"] <= slo.ttft_p90_s
+        and (tpot is None or tpot <= slo.tpot_p50_s)
+    )
+
+
+def units(d: Deployment) -> int:
+    """Independent units the router spreads the load over, each simulated alike (none: replicas; AFD: groups)."""
+    return 1 if d.connector == "ep" else d.replicas
+
+
+def score(d: Deployment, s: Shapes, p: Profile, workload: Workload, slo: Slo) -> dict:
+    """The candidate's SLO-compliant output tokens/s per GPU and what was measured at that rate."""
+    one = replace(d, replicas=1) if d.connector != "ep" else d
+    lens = [len(x) for x in workload.prompts(2)]
+    n = units(d)
+
+    def run(rate: float) -> dict:
+        return simulate_rate(one, s, p, workload, lens, rate)["summary"]
+
+    top = run(math.inf)
+    capacity = top["request_throughput"]
+    best, at = 0.0, None
+    if _meets(top, slo):
+        best, at = capacity, top
+    else:
+        lo, hi = 0.0, capacity
+        for _ in range(RATE_STEPS):
+            mid = (lo + hi) / 2
+            summary = run(mid)
+            if _meets(summary, slo):
+                lo, best, at = mid, mid, summary
+            else:
+                hi = mid
+    out_tok = at["output_tok_s"] * n if at else 0.0
+    shown = at or top
+    return {
+        **d.describe(),
+        "name": d.name,
+        "tokens_per_s_per_gpu": out_tok / d.gpus,
+        "slo_rate": best * n,
+        "capacity_req_s": capacity * n,
+        "ttft_p90_s": shown["ttft_p90_s"],
+        "tpot_p50_s": shown["tpot_p50_s"],
+        "meets_slo": at is not None,
+    }
+
+
+def candidates(num_gpus: int, s: Shapes, p: Profile, base: Deployment, ctx: int) -> list[tuple[Deployment, str]]:
+    """(deployment, closed-form bound) of every kind that fits, AFD shapes narrowed by the ratio rule."""
+    out: list[tuple[Deployment, str]] = []
+
+    def fits(d: Deployment) -> bool:
+        try:
+            memory_of(d, s, p.gpu_memory_bytes)
+        except DeploymentError:
+            return False
+        return True
+
+    none = replace(base, connector="none", replicas=num_gpus, attention=1, ffn=1, ubatches=1)
+    if fits(none):
+        out.append((none, ""))
+    for m in (1, 2):
+        ep = replace(base, connector="ep", attention=num_gpus, ffn=num_gpus, replicas=1, ubatches=m)
+        if num_gpus > 1 and fits(ep):
+            out.append((ep, ""))
+    for group in (g for g in range(2, num_gpus + 1) if num_gpus % g == 0):
+        for connector, ms in (("p2p", (1,)), ("async", (1, 2, 3))):
+            for m in ms:
+                shapes = []
+                for ffn in range(1, group):
+                    d = replace(base, connector=connector, attention=group - ffn, ffn=ffn, replicas=num_gpus // group)
+                    d = replace(d, ubatches=m)
+                    if not fits(d):
+                        continue
+                    r = d.attention / d.ffn
+                    rule = ratio.optimal_ratio(p, s, connector, ffn, base.max_num_seqs, ctx, m)
+                    phi = ratio.per_gpu(p, s, connector, ffn, base.max_num_seqs, ctx, r, m)
+                    shapes.append((abs(math.log(r / max(rule.r_star, 1e-3))), -phi, d, rule.bound))
+                shapes.sort(key=lambda x: (x[0], x[1]))
+                out += [(d, bound) for _, _, d, bound in shapes[:AFD_PER_CONNECTOR]]
+    return out
+
+
+def plan(num_gpus: int, s: Shapes, p: Profile, workload: Workload, slo: Slo, base: Deployment) -> dict:
+    """Every candidate scored; the best, the best of each kind and the best-AFD / best-non-AFD ratio."""
+    ctx = round(sum(len(x) for x in workload.prompts(2)) / workload.num_requests + workload.max_tokens / 2)
+    scored = []
+    for d, bound in candidates(num_gpus, s, p, base, ctx):
+        row = score(d, s, p, workload, slo)
+        if not bound:
+            bound = ratio.bound_at(p, s, "async", max(d.ffn, 1), base.max_num_seqs, ctx, 1.0, d.ubatches)
+            bound = "attention" if d.connector == "none" else bound
+        scored.append({**row, "bound": bound})
+    if not scored:
+        raise DeploymentError(f"no deployment of {num_gpus} GPUs holds the model's weights")
+    scored.sort(key=lambda r: -r["tokens_per_s_per_gpu"])
+    kinds = {}
+    for row in scored:
+        kinds.setdefault(row["connector"], row)
+    afd = max((r["tokens_per_s_per_gpu"] for r in scored if r["connector"] in ("p2p", "async")), default=0.0)
+    base_best = max((r["tokens_per_s_per_gpu"] for r in scored if r["connector"] in ("none", "ep")), default=0.0)
+    keys = ("connector", "attention", "ffn", "replicas", "ubatches", "tokens_per_s_per_gpu", "ttft_p90_s")
+    keys += ("tpot_p50_s", "bound")
+    return {
+        "gpus": num_gpus,
+        "slo": {"ttft_p90_s": slo.ttft_p90_s, "tpot_p50_s": slo.tpot_p50_s},
+        "best": {k: scored[0][k] for k in keys} | {"name": scored[0]["name"]},
+        "best_of_kind": kinds,
+        "afd_over_non_afd": afd / base_best if base_best > 0 else None,
+        "candidates": scored,
+    }
+
+
+def format_plan(result: dict) -> str:
+    lines = [f"{'deployment':<22} {'GPUs':>4} {'tok/s/GPU':>10} {'TTFT p90':>9} {'TPOT p50':>9} {'SLO':>4} bound"]
+    for r in result["candidates"]:
+        ttft = "-" if r["ttft_p90_s"] is None else f"{r['ttft_p90_s']:.2f}s"
+        tpot = "-" if r["tpot_p50_s"] is None else f"{r['tpot_p50_s'] * 1e3:.0f}ms"
+        lines.append(
+            f"{r['name']:<22} {r['gpus']:>4} {r['tokens_per_s_per_gpu']:>10.1f} {ttft:>9} {tpot:>9} "
+            f"{'yes' if r['meets_slo'] else 'no':>4} {r['bound']}"
+        )
+    b = result["best"]
+    lines.append(f"best: {b['name']} ({b['tokens_per_s_per_gpu']:.1f} output tok/s per GPU, {b['bound']}-bound)")
+    for kind, r in result["best_of_kind"].items():
+        lines.append(f"best {kind}: {r['name']} ({r['tokens_per_s_per_gpu']:.1f} tok/s per GPU)")
+    ratio_ = result["afd_over_non_afd"]
+    lines.append("best AFD / best non-AFD: " + ("-" if ratio_ is None else f"{ratio_:.2f}x"))
+    return "\n".join(lines)
