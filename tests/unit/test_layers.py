@@ -20,6 +20,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("afd.runtime",),
     ("afd.serve",),
     ("afd.bench",),
+    ("afd.planning",),
     ("afd.cli", "afd.vllm_plugin", "afd.__main__"),
 ]
 
