@@ -3,7 +3,8 @@
 Per boundary layer, a group of `r·F` attention replicas of `batch` decode rows each and `F` FFN ranks takes
 `cycle(a, f(r), c(r), m)` (`costs.layer_cycle_s`): `a` is one replica's attention (independent of r), `f` the FFN
 rank's pass over all `r·batch` rows' share, `c` the round trip with the FFN rank's link carrying them. Output per
-GPU is `Φ(r) = r·batch / ((r + 1)·cycle)`. While attention binds (`r < r_A`, where f or c catches up with a) Φ
+GPU is `Φ(r) = r·batch / ((r + 1)·cycle)`. Without micro-batches every part adds to the cycle (`r_A` = 0).
+While attention binds (`r < r_A`, where f or c catches up with a) Φ
 grows with r; past it the binding side X grows linearly, `x0 + x1·r`, and `r/((r + 1)(x0 + x1·r))` peaks at
 `r_peak = sqrt(x0 / x1)`. So `r* = max{r_A, r_peak}` with r_peak taken for the side that binds past r_A — FFN
 (`r_F`) or communication (`r_C`) — which is arXiv 2601.21351's `max{r_A, r_C, r_peak}` in this model's terms.
@@ -59,7 +60,9 @@ def optimal_ratio(
 ) -> RatioRule:
     """r* = max{r_A, r_peak} of the module's rule, with the regime at r*."""
     lo, hi = 1e-3, r_max
-    if bound_at(p, s, connector, ffn, batch, ctx, hi, m) == "attention":
+    if m <= 1:  # nothing overlaps: every part adds to the cycle, which is linear in r from the start
+        r_a = 0.0
+    elif bound_at(p, s, connector, ffn, batch, ctx, hi, m) == "attention":
         r_a = hi
     else:  # the ratio where attention stops binding (bisection: the sides are monotone in r)
         for _ in range(60):
@@ -67,7 +70,7 @@ def optimal_ratio(
             lo, hi = (mid, hi) if bound_at(p, s, connector, ffn, batch, ctx, mid, m) == "attention" else (lo, mid)
         r_a = lo
     # past r_A the bound is x0 + x1·r: its two points give the line, the line gives the peak
-    r1, r2 = max(r_a, 1e-3) * 1.5 + 1, max(r_a, 1e-3) * 1.5 + 2
+    r1, r2 = r_a * 1.5 + 1, r_a * 1.5 + 2
     y1 = r1 * batch / ((r1 + 1) * per_gpu(p, s, connector, ffn, batch, ctx, r1, m))
     y2 = r2 * batch / ((r2 + 1) * per_gpu(p, s, connector, ffn, batch, ctx, r2, m))
     x1 = (y2 - y1) / (r2 - r1)

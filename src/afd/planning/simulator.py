@@ -144,7 +144,7 @@ def simulate_rate(
             raise ValueError(f"request {i} needs {blocks} cache blocks but a replica holds {num_blocks}")
         seqs.append(_Seq(i, n, m, a + p.front_end_s, blocks))
     order = sorted(range(len(seqs)), key=lambda i: seqs[i].arrival)
-    events: list[tuple[float, int, int]] = []  # (time, kind 0 = step end / 1 = arrival, unit)
+    events: list[tuple[float, int, int]] = []  # (time, kind: 0 step end, 1 arrival, 2 step start)
     for i in order:
         heapq.heappush(events, (seqs[i].arrival, 1, i))
     lockstep = d.lockstep
@@ -178,8 +178,12 @@ def simulate_rate(
             reps[r].waiting.append(q)
             reps[r].outstanding += q.prompt + q.max_tokens
             unit = group_of[r] if lockstep else r
-            if not busy[unit]:
-                start(unit, t)
+            if not busy[unit]:  # its step starts once every arrival of this instant is queued
+                busy[unit] = True
+                heapq.heappush(events, (t, 2, unit))
+            continue
+        if kind == 2:
+            start(x, t)
             continue
         members = groups[x] if lockstep else [x]
         for r in members:

@@ -1,0 +1,132 @@
+"""afd.planning without processes: the cost arithmetic, the profile fit, the simulator's rules, the closed-form
+ratio against a sweep of the simulator (three regimes), the compare against a bench results dict."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from afd.bench.workload import Workload
+from afd.model.weights import load_model_config
+from afd.planning import costs, ratio
+from afd.planning.compare import errors, workload_of
+from afd.planning.deployment import Deployment, DeploymentError, memory_of
+from afd.planning.profile import Part, Profile, fit_part, load_profile
+from afd.planning.simulator import simulate, simulate_rate
+
+
+def _shapes(model: str = "deepseek-v2-lite", fmt: str = "bfloat16") -> costs.Shapes:
+    return costs.shapes_of(load_model_config(model), fmt)
+
+
+def test_presets_have_the_released_sizes():
+    assert _shapes("deepseek-v2").total_weight_bytes() / 2 == pytest.approx(236e9, rel=0.01)
+    assert _shapes("deepseek-v3", "fp8").total_weight_bytes() == pytest.approx(671e9, rel=0.01)
+
+
+def test_part_and_fit_recover_a_linear_model():
+    truth = Part(fixed_s=2e-5, bandwidth_Bps=1e12, peak_flops=5e14)
+    rows = [(b, f, truth.time(b, f)) for b, f in ((1e6, 1e9), (1e8, 1e10), (5e8, 1e12), (1e9, 3e12))]
+    fit = fit_part(rows)
+    assert fit.fixed_s == pytest.approx(2e-5, rel=1e-6)
+    assert fit.bandwidth_Bps == pytest.approx(1e12, rel=1e-6)
+    assert fit.peak_flops == pytest.approx(5e14, rel=1e-6)
+
+
+def test_experts_touched_and_destinations():
+    assert costs.experts_touched(64, 64, 6, 1) == pytest.approx(6)
+    assert costs.experts_touched(64, 64, 6, 10_000) == pytest.approx(64)
+    assert costs.destinations_per_token(64, 6, 1) == pytest.approx(1.0)
+    assert costs.destinations_per_token(64, 6, 2) == pytest.approx(1.98, abs=0.01)  # architecture.md's d
+
+
+def test_layer_cycle():
+    assert costs.layer_cycle_s(1.0, 2.0, 0.5, 1) == 3.5
+    assert costs.layer_cycle_s(1.0, 2.0, 0.5, 2) == 4.0  # the FFN does both micro-batches
+    assert costs.layer_cycle_s(0.1, 0.1, 5.0, 2) == pytest.approx(5.2)  # one micro-batch's chain
+
+
+def test_memory_refuses_what_does_not_fit():
+    s = _shapes("deepseek-v3", "fp8")
+    with pytest.raises(DeploymentError):
+        memory_of(Deployment("none"), s, 149e9)
+    with pytest.raises(DeploymentError):
+        memory_of(Deployment("async", 4, 2), s, 149e9)
+    assert memory_of(Deployment("async", 4, 8), s, 149e9).kv_tokens_per_replica > 100_000
+
+
+def test_simulator_follows_the_scheduler_rules():
+    p, s = load_profile("h200"), _shapes()
+    w = Workload("uniform", 50, long_len=100, short_len=100, max_tokens=10)
+    run = simulate_rate(Deployment("none"), s, p, w, [100] * 50, math.inf)
+    summary = run["summary"]
+    assert summary["completed"] == 50 and summary["output_tokens"] == 500
+    # every prompt fits the 2,048-token budget: 20 prompts per step, so the first tokens come in three waves
+    ttfts = sorted(r["ttft_s"] for r in run["requests"])
+    assert len({round(t, 9) for t in ttfts}) == 3
+
+
+def test_simulator_10k_requests_fast():
+    import time
+
+    p, s = load_profile("h200"), _shapes()
+    start = time.perf_counter()
+    result = simulate(Deployment("async", 2, 1), s, p, Workload("mixed", 10_000, short_len=64), [math.inf])
+    assert time.perf_counter() - start < 30
+    assert result["runs"][0]["summary"]["completed"] == 10_000
+
+
+def _linear_profile(attn_fixed: float, ffn_fixed: float, ffn_per_token: float, wire_per_token: float) -> Profile:
+    """Every part linear in tokens: no bytes terms, a fixed cost and a per-token (FLOP) rate."""
+    s = _shapes()
+    layers = s.moe_layers
+    per_row_flops = 2.0 * s.expert_params * s.topk
+    parts = {
+        "attention_decode": Part(fixed_s=attn_fixed * layers, peak_flops=2.0 * s.attention_side_params / 1e-6),
+        "routed_experts": Part(fixed_s=ffn_fixed, peak_flops=per_row_flops / ffn_per_token),
+        "exchange_async": Part(fixed_s=1e-6, bandwidth_Bps=costs.exchange_bytes(s, "async", 1, 1) / wire_per_token),
+    }
+    return Profile({"device": "synthetic"}, parts, gpu_memory_bytes=1e12)
+
+
+REGIMES = {  # (attention fixed per layer, FFN fixed, FFN per token, wire per token), seconds
+    "attention": (400e-6, 5e-6, 0.5e-6, 0.01e-6),
+    "ffn": (40e-6, 300e-6, 0.2e-6, 0.01e-6),
+    "communication": (40e-6, 2e-6, 0.02e-6, 3e-6),
+}
+
+
+@pytest.mark.parametrize("regime", sorted(REGIMES))
+def test_closed_form_ratio_matches_a_simulator_sweep(regime):
+    """With a synthetic linear profile the ratio the rule picks is within 10% of the simulator's best r (or its
+    throughput within 10% of the best's where the curve is flat)."""
+    p, s = _linear_profile(*REGIMES[regime]), _shapes()
+    batch = 16
+    w = Workload("uniform", 0, long_len=8, short_len=8, max_tokens=48)
+    base = Deployment("async", max_num_seqs=batch)
+    rule = ratio.optimal_ratio(p, s, "async", 1, batch, 32, r_max=16)
+    per_gpu = {}
+    for r in range(1, 17):
+        d = Deployment("async", r, 1, max_num_seqs=batch)
+        wr = Workload("uniform", 4 * r * batch, long_len=8, short_len=8, max_tokens=48)
+        summary = simulate_rate(d, s, p, wr, [8] * wr.requests, math.inf)["summary"]
+        per_gpu[r] = summary["output_tok_s"] / d.gpus
+    best = max(per_gpu, key=per_gpu.get)
+    picked = min(16, max(1, round(rule.r_star)))
+    assert rule.bound == regime or regime == "attention"
+    assert abs(picked - best) / best <= 0.1 or per_gpu[picked] >= 0.9 * per_gpu[best], (rule, best, per_gpu)
+    del w, base
+
+
+def test_compare_reads_a_bench_results_file():
+    raw = {
+        "workload": {"kind": "mixed", "requests": 20, "long_len": 256, "short_len": 32, "long_fraction": 0.25,
+                     "max_tokens": 8, "seed": 0, "warmups": 0, "rates": ["inf"]},
+        "results": [{"name": "none R=1", "runs": [{"rate": "inf", "summary": {"request_throughput": 10.0}}]}],
+    }  # fmt: skip
+    workload, rates = workload_of(raw)
+    assert workload.requests == 20 and rates == [math.inf]
+    sim = {"runs": [{"rate": math.inf, "summary": {"request_throughput": 12.0}}]}
+    rows = [r for r in errors(raw["results"][0], sim) if r["metric"] == "request_throughput"]
+    assert rows[0]["error"] == pytest.approx(0.2)
