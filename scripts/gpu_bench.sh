@@ -26,13 +26,15 @@
 #                        one start that fills Triton's cache
 #   kernels              the MLA decode launch sweep, and the step's numerics against eager PyTorch ops
 #   cross-replica [ARGS] two attention replicas' rows in one expert pass against one's (scripts/gpu_cross_replica.py)
+#   profile [ARGS]       afd profile --model deepseek-v2-lite --device cuda (decode/prefill steps on GPU 0, experts,
+#                        both exchanges 1A1F) into $OUT/profile_h200.json, the profile docs/planning.md asks for
 set -u
 cd "$(dirname "$0")/.."
 source scripts/device_env.sh
 SUB=${1:-}; shift || true
 case $SUB in
-  step|exchange|stress|offline|timeline|serve|front|front-ab|capacity-ab|startup|kernels|cross-replica) ;;
-  *) echo "usage: bash scripts/gpu_bench.sh step|exchange|stress|offline|timeline|serve|front|front-ab|capacity-ab|startup|kernels|cross-replica [ARGS...]" >&2
+  step|exchange|stress|offline|timeline|serve|front|front-ab|capacity-ab|startup|kernels|cross-replica|profile) ;;
+  *) echo "usage: bash scripts/gpu_bench.sh step|exchange|stress|offline|timeline|serve|front|front-ab|capacity-ab|startup|kernels|cross-replica|profile [ARGS...]" >&2
     exit 2 ;;
 esac
 log_run "bench_${SUB:-none}"
@@ -85,5 +87,8 @@ case $SUB in
       || echo "numerics rc=$?" ;;
   cross-replica)
     CUDA_VISIBLE_DEVICES=0 timeout 300 python3 scripts/gpu_cross_replica.py "$@" | tee "$OUT/cross_replica.jsonl" ;;
+  profile)
+    timeout 560 python3 -m afd profile --model deepseek-v2-lite --device cuda --dtype bfloat16 \
+      -o "$OUT/profile_h200.json" "$@" ;;
 esac
 leftovers
