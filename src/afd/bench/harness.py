@@ -85,7 +85,7 @@ def _run_reference(spec: RunSpec, prompts: list[list[int]]) -> RunResult:
     from afd.model.weights import load_attention_model, load_ffn_model
     from afd.runtime.rank import RankJob, drive_replica
 
-    load = dict(dtype=spec.dtype, device=spec.device, seed=spec.seed)
+    load = dict(dtype=spec.dtype, device=spec.device, seed=spec.seed, quantization=spec.quantization)
     attn, ffn = load_attention_model(spec.model, **load), load_ffn_model(spec.model, **load)
     budget = max(spec.max_num_batched_tokens, *map(len, prompts))
     engine = Engine(attn, LocalExchange(ffn), budget, **spec.cache.engine_kwargs())

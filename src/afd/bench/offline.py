@@ -104,6 +104,7 @@ def run_bench(
     max_num_batched_tokens: int | None = None,
     repeat: int = 1,
     shared_experts: tuple[str, ...] | None = None,
+    quantization: str | None = None,
     progress=None,
 ) -> dict:
     """Each connector once per micro-batch count in `ubatches` (1: off) and per place of the shared experts in
@@ -124,6 +125,7 @@ def run_bench(
     spec = RunSpec(
         model=model,
         dtype=dtype,
+        quantization=quantization,
         device=device,
         max_new_tokens=workload.max_new_tokens,
         max_num_batched_tokens=budget,
@@ -134,6 +136,7 @@ def run_bench(
         "device": device_name(device),
         "model": model,
         "dtype": dtype,
+        "quantization": quantization,
         "topology": f"{num_attn}A{num_ffn}F",
         "workload": asdict(workload),
         "max_num_batched_tokens": budget,
@@ -170,6 +173,7 @@ def run_bench(
         score_spec = RunSpec(
             model=model,
             dtype=dtype,
+            quantization=quantization,
             device=device,
             max_new_tokens=1,
             prompt_logprobs=True,

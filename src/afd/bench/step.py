@@ -13,7 +13,9 @@ from CUDA graphs, two ways:
 The floor is the bytes a step must read at the bandwidth measured in the same run (a
 large device-to-device copy): every non-expert weight (attention, norms, dense MLPs, shared experts, gate,
 lm_head), the routed experts a batch touches in expectation under uniform top-k routing
-(`E * (1 - (1 - K/E)^batch)` per MoE layer), and the latent cache the batch reads.
+(`E * (1 - (1 - K/E)^batch)` per MoE layer), and the latent cache the batch reads. Weights count at the bytes the
+model holds them in: FP8 linears (`--quantization fp8`, or an FP8 checkpoint) at one byte per weight plus their
+fp32 block scales, the router at fp32.
 
 Prefill: `batch x context` prompt tokens in one step (on CUDA through the prefill graphs, as served steps run; the
 eager decode rows use neither kind of graph), beside the larger of its compute floor (FLOPs at the
@@ -62,23 +64,31 @@ def expected_experts_touched(num_experts: int, top_k: int, num_tokens: int) -> f
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** num_tokens)
 
 
-def _numel(module: torch.nn.Module | None) -> int:
-    return 0 if module is None else sum(p.numel() for p in module.parameters())
+def _bytes(module: torch.nn.Module | None) -> int:
+    """Bytes of a module's parameters as held (FP8 weights one byte each, their scales and the router fp32)."""
+    return 0 if module is None else sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def expert_bytes(ffn: torch.nn.Module) -> float:
+    """Bytes of one routed expert (gate, up and down, with their FP8 scales if any) as the FFN model holds it."""
+    for layer in ffn.layers.values():
+        if layer.experts is not None and layer.experts.w13.shape[0] > 0:
+            return _bytes(layer.experts) / layer.experts.w13.shape[0]
+    return 0.0
 
 
 def decode_step_bytes(config: ModelConfig, attn: AttentionModel, ffn: torch.nn.Module, batch: int, context: int):
     """What one decode step of `batch` sequences, `context` cached tokens each, reads at the least."""
     item = attn.embed_tokens.weight.element_size()
     # attention side: everything but the embedding table (it reads `batch` rows of it)
-    dense = _numel(attn) - attn.embed_tokens.weight.numel() + batch * config.hidden_size
-    expert = 3 * config.hidden_size * config.moe_intermediate_size
+    dense = _bytes(attn) - _bytes(attn.embed_tokens) + batch * config.hidden_size * item
     for layer in ffn.layers.values():
-        dense += _numel(layer.mlp) + _numel(layer.gate) + _numel(layer.shared_experts)
+        dense += _bytes(layer.mlp) + _bytes(layer.gate) + _bytes(layer.shared_experts)
     touched = expected_experts_touched(config.n_routed_experts, config.num_experts_per_tok, batch)
-    routed = len(config.moe_layers) * touched * expert * item
+    routed = len(config.moe_layers) * touched * expert_bytes(ffn)
     width = config.kv_lora_rank + config.qk_rope_head_dim
     cache = batch * (context + 1) * config.num_hidden_layers * width * item
-    return StepBytes(dense_weights=dense * item, routed_experts=routed, latent_cache=cache)
+    return StepBytes(dense_weights=dense, routed_experts=routed, latent_cache=cache)
 
 
 def prefill_flops(config: ModelConfig, batch: int, context: int) -> float:
@@ -205,6 +215,7 @@ def run_bench_step(
     prefills: list[tuple[int, int]],
     steps: int = 10,
     seed: int = 0,
+    quantization: str | None = None,
     progress=None,
 ) -> dict:
     """Decode steps for every (batch, context), eager and graphed; prefills; floors; one result dict."""
@@ -212,8 +223,8 @@ def run_bench_step(
 
     say = progress or logger.info
     dev = torch.device(device)
-    attn = load_attention_model(model, dtype=dtype, device=device, seed=seed)
-    ffn = load_ffn_model(model, dtype=dtype, device=device, seed=seed)
+    attn = load_attention_model(model, dtype=dtype, device=device, seed=seed, quantization=quantization)
+    ffn = load_ffn_model(model, dtype=dtype, device=device, seed=seed, quantization=quantization)
     config = attn.config
     torch_dtype = attn.embed_tokens.weight.dtype
     cuda = dev.type == "cuda"
@@ -248,6 +259,7 @@ def run_bench_step(
         "device": device_name(device),
         "model": model,
         "dtype": dtype,
+        "fp8_weights": config.fp8_block is not None,
         "torch": torch.__version__,
         "copy_bandwidth_GBps": bandwidth / 1e9,
         "matmul_TFLOPs": matmul / 1e12,
@@ -319,11 +331,8 @@ def run_bench_step(
             if engine.has_work():
                 raise RuntimeError(f"a prefill of {batch} x {context} tokens did not finish in one step")
         flops = prefill_flops(config, batch, context)
-        weights = (
-            decode_step_bytes(config, attn, ffn, batch * context, 0).dense_weights
-            + (len(config.moe_layers) * config.n_routed_experts * 3 * config.hidden_size * config.moe_intermediate_size)
-            * attn.embed_tokens.weight.element_size()
-        )
+        all_experts = len(config.moe_layers) * config.n_routed_experts * expert_bytes(ffn)
+        weights = decode_step_bytes(config, attn, ffn, batch * context, 0).dense_weights + all_experts
         floor_ms = max(flops / matmul, weights / bandwidth) * 1e3
         ms = statistics.median(times[1:]) * 1e3
         result["prefill"].append(
@@ -351,7 +360,8 @@ def _ms(value: float | None) -> str:
 def format_bench_step(result: dict) -> str:
     """The result as a table: one line per decode (batch, context), then one per prefill."""
     lines = [
-        f"{result['model']} {result['dtype']} on {result['device']} (torch {result['torch']}): copy "
+        f"{result['model']} {result['dtype']}{' (fp8 weights)' if result.get('fp8_weights') else ''} on "
+        f"{result['device']} (torch {result['torch']}): copy "
         f"{result['copy_bandwidth_GBps']:.0f} GB/s, matmul {result['matmul_TFLOPs']:.3g} TFLOP/s",
         f"ms: steady state, per step over {result['steps']} consecutive steps, CUDA events (overlapped steps "
         f"{'on' if result['overlap_steps'] else 'off'}); iso: median of {result['steps']} steps, overlap off, "

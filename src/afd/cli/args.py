@@ -54,6 +54,8 @@ def check_resources(
         return
     from afd.runtime import resources
 
+    model_config = model_config.with_quantization(getattr(args, "quantization", None))
+
     needs = resources.run_needs(
         model_config,
         dtype=getattr(args, "dtype", "float32"),
@@ -91,6 +93,7 @@ def add_model_arguments(p: argparse.ArgumentParser, *, prompts_required: bool) -
     """The model, its numerics and the prompts: shared by `generate`, `launch` and `worker`."""
     p.add_argument("--model", required=True, help="checkpoint directory (config.json + *.safetensors) or preset")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights dtype")
+    add_quantization_flag(p)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the ranks compute")
     p.add_argument("--seed", type=non_negative_int, default=0, help="seed of preset weights")
     p.add_argument(
@@ -149,6 +152,16 @@ def add_model_arguments(p: argparse.ArgumentParser, *, prompts_required: bool) -
     source.add_argument("--prompts-file", help='JSONL file, one {"prompt_ids": [...]} per line')
 
 
+def add_quantization_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--quantization",
+        choices=["fp8"],
+        help="fp8: every attention/MLP linear as block-scaled FP8 (DeepSeek-V3's format, 128x128 blocks), quantized "
+        "at load from a 16/32-bit checkpoint or preset; --dtype stays the compute dtype (default: the checkpoint's "
+        "own format; an FP8 checkpoint loads as FP8 either way)",
+    )
+
+
 def run_spec(args: argparse.Namespace, prompts: list[list[int]], **extra) -> RunSpec:
     """What every rank of a run agrees on; the token budget is the per-step budget as given (chunked prefill
     splits longer prompts), so it also bounds every exchange (the async window is sized by it)."""
@@ -157,6 +170,7 @@ def run_spec(args: argparse.Namespace, prompts: list[list[int]], **extra) -> Run
     return RunSpec(
         model=args.model,
         dtype=args.dtype,
+        quantization=args.quantization,
         device=args.device,
         seed=args.seed,
         max_new_tokens=args.max_new_tokens,

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from afd.cli import serve as cli_serve
-from afd.cli.args import add_skip_resource_check, check_launched_runs
+from afd.cli.args import add_quantization_flag, add_skip_resource_check, check_launched_runs
 from afd.cli.input import (
     UsageError,
     batched_tokens,
@@ -30,6 +30,7 @@ def add_bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="connectors side by side on an uneven request mix, plus numerics")
     p.add_argument("--model", default="tiny", help="checkpoint directory or preset")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights dtype")
+    add_quantization_flag(p)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the ranks compute")
     p.add_argument("--attention", type=rank_count, default=2, help="attention ranks (A)")
     p.add_argument("--ffn", type=rank_count, default=2, help="FFN ranks (F)")
@@ -80,6 +81,7 @@ def _add_step_parsers(steps) -> None:
     s = steps.add_parser("step", help="the reference engine's step time beside its memory-bound floor")
     s.add_argument("--model", default="tiny", help="checkpoint directory or preset")
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights dtype")
+    add_quantization_flag(s)
     s.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the engine computes")
     s.add_argument("--batch", type=size_list("--batch"), default="1,8", help="decode batch sizes, comma-separated")
     s.add_argument("--context", type=size_list("--context"), default="512", help="cached tokens per sequence")
@@ -151,6 +153,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         repeat=args.repeat,
         shared_experts=tuple(args.shared_experts) if args.shared_experts else None,
+        quantization=args.quantization,
         progress=lambda msg: print(f"[afd bench] {msg}", file=sys.stderr, flush=True),
     )
     return _report(format_bench(result), result, args.json)
@@ -169,6 +172,7 @@ def cmd_bench_step(args: argparse.Namespace) -> int:
         contexts=args.context,
         prefills=args.prefill,
         steps=args.steps,
+        quantization=args.quantization,
         progress=lambda msg: print(f"[afd bench step] {msg}", file=sys.stderr, flush=True),
     )
     return _report(format_bench_step(result), result, args.json)

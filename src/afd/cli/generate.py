@@ -74,6 +74,7 @@ def run_generate(args: argparse.Namespace) -> tuple[list, dict]:
             cache=cache_options(args),
             sampling=sampling_params(args),
             enforce_eager=args.enforce_eager,
+            quantization=args.quantization,
         )
         return outputs, {}
     from afd.runtime.launch import launch

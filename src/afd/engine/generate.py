@@ -27,9 +27,10 @@ def generate(
     cache: CacheOptions | None = None,
     sampling: SamplingParams | None = None,
     enforce_eager: bool = False,
+    quantization: str | None = None,
 ) -> list[Output]:
-    """The single-process reference: load both sides, run all prompts (each sampled by `sampling`,
-    greedy when None), outputs in prompt order."""
+    """The single-process reference: load both sides (`quantization` "fp8": FP8 linears, `afd.model.fp8`), run all
+    prompts (each sampled by `sampling`, greedy when None), outputs in prompt order."""
     from afd.model.weights import load_attention_model, load_ffn_model, load_model_config
 
     config = load_model_config(model)
@@ -43,8 +44,8 @@ def generate(
         bad = [t for t in p if not 0 <= t < config.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {config.vocab_size})")
-    attn = load_attention_model(model, dtype=dtype, device=device, gate_on_attention=gate_on_attention, seed=seed)
-    ffn = load_ffn_model(model, dtype=dtype, device=device, gate_on_attention=gate_on_attention, seed=seed)
+    load = dict(dtype=dtype, device=device, gate_on_attention=gate_on_attention, seed=seed, quantization=quantization)
+    attn, ffn = load_attention_model(model, **load), load_ffn_model(model, **load)
     engine = Engine(
         attn,
         LocalExchange(ffn),

@@ -172,7 +172,7 @@ def warm_up_ffn(
         return
     start = time.perf_counter()
     config = ffn_model.config
-    dtype = next(ffn_model.parameters()).dtype
+    dtype = ffn_model.dtype  # the compute dtype (weights may be FP8)
     held = [i for i in range(config.num_hidden_layers) if str(i) in ffn_model.layers]
     moe = [i for i in held if config.is_moe_layer(i)][:1]  # one layer of each kind: kernels compile per shape
     dense = [i for i in held if not config.is_moe_layer(i)][:1]

@@ -71,9 +71,16 @@ def _is_gate(name: str) -> bool:
     return name.endswith((".gate.weight", ".gate.e_score_correction_bias"))
 
 
+def _param_width(name: str, param, dtype: str) -> int:
+    """Bytes per value of one parameter once loaded: FP8 weights (`afd.model.fp8`, the model built from a config
+    with `fp8_block`) stay one byte and their block scales float32, as does the router; the rest takes `dtype`."""
+    if param.element_size() == 1 and param.is_floating_point():
+        return 1
+    return 4 if _is_gate(name) or name.endswith("_scale_inv") else DTYPE_BYTES[dtype]
+
+
 def _module_bytes(module, dtype: str) -> int:
-    width = DTYPE_BYTES[dtype]
-    return sum(p.numel() * (4 if _is_gate(n) else width) for n, p in module.named_parameters())
+    return sum(p.numel() * _param_width(n, p, dtype) for n, p in module.named_parameters())
 
 
 def attention_weight_bytes(config: ModelConfig, dtype: str, *, gate_on_attention: bool = True) -> int:

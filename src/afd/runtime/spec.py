@@ -15,6 +15,7 @@ class RunSpec:
 
     model: str = "tiny"
     dtype: str = "float32"
+    quantization: str | None = None  # "fp8": every attention/MLP linear block-scaled FP8 (afd.model.fp8)
     device: str = "cpu"
     seed: int = 0
     max_new_tokens: int = 16

@@ -155,8 +155,8 @@ def capture_safe_moe(ffn_model: torch.nn.Module) -> bool:
     fixed = getattr(ffn_model, "fixed_shape_moe", None)
     if fixed is not None:
         return bool(fixed)
-    param = next(ffn_model.parameters(), None)
-    return param is None or _grouped_mm_supported(param.device, param.dtype)
+    param = next(ffn_model.parameters(), None)  # its dtype may be FP8 storage: the compute dtype is the model's
+    return param is None or _grouped_mm_supported(param.device, getattr(ffn_model, "dtype", param.dtype))
 
 
 class DecodeGraphRunner:
