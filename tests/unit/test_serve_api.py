@@ -167,6 +167,7 @@ def test_metrics_through_prometheus_client():
     assert samples[("afd_time_to_first_token_seconds_count", (("replica", "0"),))] == 2
     assert samples[("afd_request_success_total", (("finished_reason", "stop"), ("replica", "0")))] == 1
     assert samples[("afd_healthy", ())] == 1 and samples[("afd_front_end_waiting", ())] == 0
+    assert samples[("afd_rank_restarts_total", (("replica", "1"),))] == 0
     assert "# TYPE afd_inter_token_latency_seconds histogram" in text.splitlines()
     assert sse({"a": 1}) == b'data: {"a":1}\n\n'
 
@@ -366,29 +367,40 @@ def test_overload_gets_429_and_disconnects_abort_their_requests(server):
 
 
 @pytest.mark.timeout(120)
-def test_a_dead_rank_fails_health_and_in_flight_requests_without_hanging():
+def test_a_lost_replica_ends_only_its_own_requests_and_health_says_degraded():
+    """Replica 1's link breaks mid-stream: its stream ends with an error event and [DONE], replica 0's stream
+    goes on to its end, /health answers 200 `degraded` with replica 1 not alive, and new requests go to replica 0;
+    once replica 0 is gone too, /health is 503 `down` and a request is a 503 with Retry-After."""
     srv = InProcessServer(num_replicas=2)
     try:
-        assert srv.request("GET", "/health")[0] == 200
-        conn, resp = _open_stream(srv.port, 3000)
-        srv.dead.append(
-            "ffn rank 0 (world rank 1) exited with status -9 (killed by SIGKILL)"
-        )  # what the rank supervisor reports when a rank process stops
-        rest = resp.read().decode()  # the stream ends: an error event, then [DONE]
-        events = [e[len("data: ") :] for e in rest.split("\n\n") if e.strip()]
-        assert (
-            events[-1] == "[DONE]" and "ffn rank 0 (world rank 1) exited" in json.loads(events[-2])["error"]["message"]
-        )
         status, got, _ = srv.request("GET", "/health")
-        assert status == 503 and "ffn rank 0" in got["error"]["message"]
-        assert srv.post("/v1/completions", {"prompt": "a", "max_tokens": 1})[0] == 503
-        srv.dead.clear()
-        # a replica whose link breaks: its requests end with 503, the other replica keeps its own
-        sock = socket.socket(fileno=srv.link.conns[1].fileno())
-        sock.shutdown(socket.SHUT_RDWR)
-        sock.detach()
-        _wait(lambda: not srv.state.pool.alive[1], 10, "the front end did not notice the lost link")
-        assert srv.request("GET", "/health")[0] == 503
+        assert status == 200 and got == {
+            "status": "ok",
+            "replicas": [{"index": 0, "alive": True, "restarts": 0}, {"index": 1, "alive": True, "restarts": 0}],
+        }
+        first, first_resp = _open_stream(srv.port, 3000)
+        second, second_resp = _open_stream(srv.port, 3000)
+        pool = srv.state.pool
+        assert sorted(sub.replica for sub in pool.requests.values()) == [0, 1]  # the router spread them
+        srv.cut(1)
+        events = [e[len("data: ") :] for e in second_resp.read().decode().split("\n\n") if e.strip()]
+        assert events[-1] == "[DONE]" and "replica 1 closed its link" in json.loads(events[-2])["error"]["message"]
+        lines = [first_resp.readline() for _ in range(40)]  # replica 0's stream goes on: 20 more events
+        events = [line for line in lines if line.strip()]
+        assert len(events) == 20 and all(e.startswith(b"data: {") and b'"error"' not in e for e in events)
+        status, got, _ = srv.request("GET", "/health")
+        assert status == 200 and got["status"] == "degraded" and got["replicas"][1]["alive"] is False
+        status, got, _ = srv.post("/v1/completions", {"prompt": "a", "max_tokens": 2})
+        assert status == 200, got
+        first.close()
+        second.close()
+        cut = 1
+        srv.cut(1 - cut)
+        _wait(lambda: not any(pool.alive), 10, "the front end did not notice the second lost link")
+        status, got, _ = srv.request("GET", "/health")
+        assert status == 503 and got["status"] == "down"
+        status, got, headers = srv.post("/v1/completions", {"prompt": "a", "max_tokens": 1})
+        assert status == 503 and headers.get("Retry-After") == "1" and got["error"]["code"] == 503
     finally:
         srv.close()
 

@@ -225,7 +225,7 @@ def test_a_lost_replicas_requests_end_with_the_rank_death_behind_it(death_seen_a
         pool.start()
         began = time.monotonic()
         if death_seen_after_s is not None:
-            pool.cause_of_loss = lambda: death if time.monotonic() - began > death_seen_after_s else None
+            pool.cause_of_loss = lambda r: death if time.monotonic() - began > death_seen_after_s else None
         sub = pool.submit("cmpl-1", [1, 2, 3], 4, SamplingParams(), [])
         assert replica.recv()["type"] == "add"
         replica.close()  # the replica process exits

@@ -11,6 +11,8 @@ Failures. A watchdog per rank (its own store client) bumps `alive/{rank}` every 
   server never returns, whatever its timeout (measured on torch 2.13), so a second thread times the
   last successful round instead of trusting the op timeout;
 - ends the process when `watch_pid` (the launcher) is gone.
+Ranks in the world's `expendable` set (a server's async attention replicas) may die alone: their silence is noted
+once in the log and ends no one (the server restarts them, and the FFN ranks drop them).
 `peer_silence_s` = min(timeout, max(8 s, 32 heartbeats)): on CI's 2 overloaded cores a heartbeat
 thread was seen starved for 1-2 s, so 8 s leaves a wide margin for busy-but-alive ranks, and it is
 never longer than the bound on every other wait. Gloo/NCCL timeouts (the same bound) cover the rest.
@@ -66,6 +68,7 @@ class WatchedWorld(Protocol):
     heartbeat_s: float
     hosts_store: bool
     watch_pid: int | None
+    expendable: frozenset[int]
 
     @property
     def me(self) -> Named: ...
@@ -135,6 +138,9 @@ class Watchdog:
             elif now - since > world.peer_silence_s:
                 if departed(self._store, world.keys, r):
                     del self._beats[r]  # done or failed: its silence is no news
+                elif r in world.expendable:
+                    del self._beats[r]
+                    logger.warning("%s stopped without a word; it may die alone", world.name_of(r))
                 elif not (self.finished or self.self_failed):
                     msg = f"{world.name_of(r)} stopped without a word (killed or crashed)"
                     self._exit(msg, published=f"{world.me.name}: {msg}")

@@ -137,6 +137,7 @@ class World:
     hosts_store: bool = False
     store_host: str = f"world rank {STORE_HOST_RANK}"
     watch_pid: int | None = None
+    expendable: frozenset[int] = frozenset()  # world ranks that may die alone (the watchdog ignores their silence)
     groups: dict[str, Group] = field(default_factory=dict)
     _server: dist.Store | None = None  # the TCPStore server when this rank hosts it: keep it alive
     _watchdog: Watchdog | None = None
@@ -357,14 +358,16 @@ def init_world(
     store_external: bool = False,
     secret: str | None = None,
     watch_pid: int | None = None,
+    expendable: frozenset[int] = frozenset(),
 ) -> World:
     """Join the AFD world through the store at `host:port`.
 
     The store is hosted by world rank 0, or, with `store_external`, by someone else (the launcher).
     `secret` (default: `afd.env.secret()`) must be the same on every rank. `watch_pid`: a process
     whose death ends this rank (the launcher). Ranks may start in any order; every wait is bounded
-    by `timeout` seconds. `local_host` is the address this rank's gloo connections bind to
-    (default: 127.0.0.1 when the store is on loopback, else the host's default interface).
+    by `timeout` seconds. `expendable`: world ranks whose death alone ends no other rank. `local_host`
+    is the address this rank's gloo connections bind to (default: 127.0.0.1 when the store is on
+    loopback, else the host's default interface).
     """
     if num_attention + num_ffn != world_size:
         raise RendezvousError(
@@ -425,6 +428,7 @@ def init_world(
         hosts_store=is_host,
         store_host=host_name,
         watch_pid=watch_pid,
+        expendable=expendable,
         _server=server,
     )
     # the watchdog's own client: the main thread's store may be busy in a long blocking wait

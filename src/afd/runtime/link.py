@@ -39,6 +39,7 @@ import struct
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
 
@@ -209,6 +210,7 @@ class FrontLink:
         self._unix_address = address if isinstance(address, str) else None  # the listener gives it back as bytes
         self.conns: dict[int, Connection] = {}
         self.hellos: dict[int, Message] = {}
+        self._closed = False
 
     @property
     def address(self) -> LinkAddress:
@@ -222,18 +224,9 @@ class FrontLink:
         def accept_all() -> None:
             try:
                 while len(self.conns) < num_replicas:
-                    try:
-                        conn = self._listener.accept()
-                    except AuthenticationError:  # not one of this run's processes: keep waiting for ours
-                        logger.warning("refused a connection to the front end's link that did not know the key")
-                        continue
-                    no_delay(conn)
-                    hello = conn.recv()
-                    if not isinstance(hello, dict) or hello.get("type") != "hello":
-                        conn.close()
-                        continue
-                    self.conns[int(hello["replica"])] = conn
-                    self.hellos[int(hello["replica"])] = hello
+                    got = self._accept_one()
+                    if got is not None:
+                        self.conns[got[0]], self.hellos[got[0]] = got[1], got[2]
             except (OSError, EOFError) as exc:  # the listener closed under us: the timeout below fired
                 failure.append(exc)
             finally:
@@ -246,7 +239,47 @@ class FrontLink:
             self.close()
             raise LinkError(f"replicas {missing} did not connect to the front end within {timeout_s:g} s")
 
+    def accept_later(self, on_hello: Callable[[int, Connection, Message], None]) -> None:
+        """From now until `close`, hand every replica that connects and says hello (a restarted one) to
+        `on_hello(replica, conn, hello)`, from a thread of its own."""
+
+        def accept_all() -> None:
+            while True:
+                try:
+                    got = self._accept_one()
+                except (OSError, EOFError):
+                    if self._closed:
+                        return
+                    continue  # a replica that died between its connect and its hello
+                if got is not None:
+                    previous = self.conns.get(got[0])
+                    self.conns[got[0]], self.hellos[got[0]] = got[1], got[2]
+                    if previous is not None:
+                        previous.close()  # the link of the replica this one replaces
+                    on_hello(*got)
+
+        threading.Thread(target=accept_all, name="afd-link-accept-later", daemon=True).start()
+
+    def _accept_one(self) -> tuple[int, Connection, Message] | None:
+        """One connection and its hello; None for a peer without the key or without a hello."""
+        try:
+            conn = self._listener.accept()
+        except AuthenticationError:  # not one of this run's processes: keep waiting for ours
+            logger.warning("refused a connection to the front end's link that did not know the key")
+            return None
+        no_delay(conn)
+        try:
+            hello = conn.recv()
+        except (OSError, EOFError):
+            conn.close()
+            raise
+        if not isinstance(hello, dict) or hello.get("type") != "hello":
+            conn.close()
+            return None
+        return int(hello["replica"]), conn, hello
+
     def close(self) -> None:
+        self._closed = True
         for conn in self.conns.values():
             conn.close()
         self._listener.close()

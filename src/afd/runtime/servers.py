@@ -1,10 +1,17 @@
 """The ranks behind `afd serve`: started on this host like `afd launch` starts a run, supervised while the
-front end serves, stopped on its word.
+front end serves, restarted unit by unit when they die, stopped on its word.
 
 The front end makes the run's secret first (`new_secret`), keys its link listener with it, and hands both
 to `start_server_ranks`: every attention rank (or whole-model replica, connector `none`) connects to that
 listener, and the ranks get the same secret as `AFD_SECRET`. For `p2p` and `async` this process hosts the
 world store, as the launcher does, so the ranks' watchdogs also stop them when the front end dies.
+
+A **unit** is what is restarted together: one whole-model replica (`none`), or the whole world (`p2p`, whose DP
+wave is lockstep; `async`, whose windows and world are fixed at init). `lost(unit)` says which of its replicas a
+death costs: a `none` replica itself; every replica of a `p2p` world or of an `async` world that lost an FFN rank
+(its experts); only the dead attention replicas of an `async` world otherwise, whose survivors may finish their
+requests before the world is restarted (`Loss.drain`). `restart(unit)` stops what is left of it and starts it
+afresh from the zygote, on a new world store (a new port) for a world.
 
 A server's rank takes a stop signal as "stop after this step" (`afd.runtime.online`): `stop` sends SIGTERM,
 the replicas abort what they run, end the wave or close their windows, say `bye` and exit 0.
@@ -15,6 +22,8 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from afd.config import AFDConfig
@@ -24,6 +33,7 @@ from afd.runtime.launch import (
     RankProcess,
     clean_up_run,
     describe_exit,
+    free_port,
     host_world_store,
     keep_logs,
     new_secret,
@@ -39,45 +49,143 @@ from afd.runtime.link import LinkAddress
 from afd.runtime.spec import RunSpec
 from afd.runtime.zygote import zygote_for_launch
 
-__all__ = ["ServerRanks", "new_secret", "start_server_ranks"]
+__all__ = ["Loss", "ServerRanks", "new_secret", "start_server_ranks"]
 
 log = logging.getLogger(__name__)
 
+BROKEN_STOP_GRACE_S = 1.0  # the rest of a unit that lost a rank: a broken world cannot end cleanly
+
+
+@dataclass(frozen=True)
+class Loss:
+    """What the deaths in one unit cost: `replicas` (front-end indices) can no longer serve; `drain`: the unit's
+    other replicas still serve their requests, and the unit is restarted once they are done. `why`: one sentence."""
+
+    replicas: tuple[int, ...]
+    drain: bool
+    why: str
+
+
+@dataclass
+class Unit:
+    """Ranks restarted together. `replicas`: the front-end replica indices they serve; `generation`: 0 at start,
+    one more per restart."""
+
+    index: int
+    replicas: tuple[int, ...]
+    config: AFDConfig | None  # the world's config (its store's port changes per generation), None for `none`
+    ranks: list[RankProcess] = field(default_factory=list)
+    store: object | None = None  # the world store (p2p, async), referenced while any rank may use it
+    generation: int = 0
+
 
 class ServerRanks:
-    """Every rank of one server. `names`: one per rank; `dead()`: those that exited; `stop()`: end them all."""
+    """Every rank of one server, by unit. `dead()`: lines for ranks that exited; `lost(unit)`, `restart(unit)`;
+    `stop()`: end them all."""
 
-    def __init__(self, config: AFDConfig | None, run_dir: Path, store: object | None) -> None:
-        self.config, self.run_dir = config, run_dir
-        self.ranks: list[RankProcess] = []
-        self._store = store  # the world store (p2p, async): referenced for as long as any rank may use it
+    def __init__(self, config: AFDConfig | None, spec: RunSpec, replicas: int, run_dir: Path, secret: str,
+                 serve_address: LinkAddress) -> None:  # fmt: skip
+        self.config, self.spec, self.run_dir = config, spec, run_dir
+        self.num_replicas, self.serve_address = replicas, serve_address
+        self._env = rank_environment(secret)
+        self._secret = secret
+        if config is None:
+            self.units = [Unit(r, (r,), None) for r in range(replicas)]
+        else:
+            self.units = [Unit(0, tuple(range(replicas)), config)]
         self._stopped = False
+        self._lock = threading.Lock()  # a restart and the final stop never overlap
+
+    @property
+    def ranks(self) -> list[RankProcess]:
+        return [rank for unit in self.units for rank in unit.ranks]
 
     @property
     def names(self) -> list[str]:
         return [rank.name for rank in self.ranks]
 
+    def unit_of(self, replica: int) -> Unit:
+        return next(unit for unit in self.units if replica in unit.replicas)
+
+    # --- starting
+    def start_unit(self, unit: Unit) -> None:
+        """Spawn every rank of `unit` (a fresh world store first, for a world); LaunchError when one cannot be."""
+        zygote = zygote_for_launch()
+        if unit.config is None:
+            (r,) = unit.replicas
+            cmd = replica_command(self.spec, r, self.num_replicas, self.run_dir, self.serve_address)
+            unit.ranks = [spawn_rank("replica", r, r, cmd, self.run_dir, self._env, zygote)]
+            return
+        unit.store = host_world_store(unit.config, self._secret)
+        unit.ranks = []
+        for role, role_rank in rank_order(unit.config):
+            cmd = worker_command(unit.config, self.spec, role, role_rank, self.run_dir, self.serve_address)
+            world_rank = world_rank_of(unit.config, role, role_rank)
+            unit.ranks.append(spawn_rank(role, role_rank, world_rank, cmd, self.run_dir, self._env, zygote))
+
+    # --- watching
     def dead(self) -> list[str]:
         """One line per rank that exited (any status: a server's rank never ends on its own), with the log line
         that explains it: 'ffn rank 0 (world rank 0) exited with status -9 (killed by SIGKILL)'."""
+        return [line for unit in self.units for line in self.dead_in(unit)]
+
+    def dead_in(self, unit: Unit) -> list[str]:
         lines = []
-        for rank in self.ranks:
+        for rank in unit.ranks:
             code = rank.proc.poll()
             if code is not None:
                 why = rank.last_error()
                 lines.append(f"{rank.name} exited with {describe_exit(code)}" + (f": {why}" if why else ""))
         return lines
 
+    def lost(self, unit: Unit) -> Loss | None:
+        """What the ranks of `unit` that exited cost, or None while every one runs (module docstring)."""
+        dead = [rank for rank in unit.ranks if rank.proc.poll() is not None]
+        if not dead:
+            return None
+        lines = self.dead_in(unit)
+        why = lines[0] + (f" (and {len(lines) - 1} more)" if len(lines) > 1 else "")
+        if unit.config is None or unit.config.connector == "p2p" or any(r.role != "attention" for r in dead):
+            return Loss(unit.replicas, False, why)
+        return Loss(tuple(sorted(r.role_rank for r in dead)), True, why)
+
+    # --- restarting and stopping
+    def stop_unit(self, unit: Unit, grace_s: float = BROKEN_STOP_GRACE_S) -> None:
+        """End what is left of `unit` (SIGTERM, SIGKILL after `grace_s`) and remove what a crashed rank left; the
+        logs of its ranks stay, renamed by generation."""
+        stop_all(unit.ranks, grace_s)
+        unit.store = None
+        clean_up_run(unit.config, self.run_dir, unit.ranks)
+        for rank in unit.ranks:
+            if rank.log_path.exists():
+                rank.log_path.replace(rank.log_path.with_suffix(f".{unit.generation}.log"))
+        unit.ranks = []
+
+    def restart(self, unit: Unit) -> None:
+        """Stop what is left of `unit` and start it again (a world on a fresh store port); LaunchError when a rank
+        cannot be started. Blocking: seconds at most (the new ranks load on their own and connect later)."""
+        with self._lock:
+            if self._stopped:
+                raise LaunchError("the server is stopping")
+            self.stop_unit(unit)
+            unit.generation += 1
+            if unit.config is not None:
+                unit.config = unit.config.replace(port=free_port(unit.config.host))
+            self.start_unit(unit)
+        log.info("restarted %s (generation %d)", ", ".join(r.name for r in unit.ranks), unit.generation)
+
     def stop(self, grace_s: float = STOP_GRACE_S) -> dict[str, int]:
         """SIGTERM every rank still running, SIGKILL what is left after `grace_s`; then remove what a crashed
         rank left (shared-memory windows) and the run directory — kept, and named in a warning, when a rank
         failed. Returns each rank's exit status by name (0: it ended cleanly). Calling it again is a no-op."""
-        if self._stopped:
-            return {rank.name: rank.proc.returncode for rank in self.ranks}
-        self._stopped = True
+        with self._lock:
+            if self._stopped:
+                return {rank.name: rank.proc.returncode for rank in self.ranks}
+            self._stopped = True
         stop_all(self.ranks, grace_s)
-        self._store = None  # every rank is gone: the world store can go too
-        clean_up_run(self.config, self.run_dir, self.ranks)
+        for unit in self.units:
+            unit.store = None  # every rank is gone: the world store can go too
+            clean_up_run(unit.config, self.run_dir, unit.ranks)
         codes = {rank.name: rank.proc.returncode for rank in self.ranks}
         failed = [name for name, code in codes.items() if code != 0]
         if failed:
@@ -109,22 +217,15 @@ def start_server_ranks(
         raise ValueError(f"replicas={replicas} but the config has {config.num_attention_ranks} attention ranks")
     if replicas < 1:
         raise ValueError(f"a server needs at least one replica, got {replicas}")
-    store = host_world_store(config, secret) if config is not None else None
     run_dir = Path(tempfile.mkdtemp(prefix="afd_serve_")) if run_dir is None else run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
-    server = ServerRanks(config, run_dir, store)
-    env = rank_environment(secret)
-    zygote = zygote_for_launch()
+    server = ServerRanks(config, spec, replicas, run_dir, secret, serve_address)
     try:
-        if config is None:
-            for r in range(replicas):
-                cmd = replica_command(spec, r, replicas, run_dir, serve_address)
-                server.ranks.append(spawn_rank("replica", r, r, cmd, run_dir, env, zygote))
-        else:
-            for role, role_rank in rank_order(config):
-                cmd = worker_command(config, spec, role, role_rank, run_dir, serve_address)
-                world_rank = world_rank_of(config, role, role_rank)
-                server.ranks.append(spawn_rank(role, role_rank, world_rank, cmd, run_dir, env, zygote))
+        for unit in server.units:
+            server.start_unit(unit)
+    except LaunchError:
+        server.stop()
+        raise
     except OSError as exc:  # no process could be made (resources): nothing half started stays
         server.stop()
         raise LaunchError(f"could not start the server's ranks: {exc}") from None

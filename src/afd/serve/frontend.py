@@ -4,7 +4,8 @@
 (`ReplicaPool.start` says how a busy replica still never blocks the loop); the request table, the load counts
 the router reads and the metrics are touched on the loop's thread only. A request's answers
 arrive on its own `asyncio.Queue` as `Event`s. A link that closes (the replica died) ends every request
-on it with an error event, so no client waits forever.
+on it with an error event, so no client waits forever. A restarted replica's new link replaces the old one
+(`attach`); a replica that is not `accepting` (draining, restarting) gets no new request.
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ class ReplicaPool:
         self.vocab_size = min(int(h["vocab_size"]) for h in self.hellos)
         self.max_request_tokens = min(int(h["num_cache_tokens"]) for h in self.hellos)  # one request's cache rows
         self.max_num_seqs = [int(h["max_num_seqs"]) for h in self.hellos]
-        self.alive = [True] * self.num_replicas
+        self.alive = [True] * self.num_replicas  # its link is up
+        self.accepting = [True] * self.num_replicas  # new requests may go to it (not draining, not restarting)
         self.metrics = ServeMetrics(self.num_replicas)
         self.requests: dict[str, Submitted] = {}
         self.stopping = False
@@ -86,8 +88,8 @@ class ReplicaPool:
         self._senders: list[FrameSender] = []
         self._inbuf = [bytearray() for _ in range(self.num_replicas)]
         self._loop: asyncio.AbstractEventLoop | None = None
-        # why a replica's link may have closed, in one sentence (the server: a rank that died), or None
-        self.cause_of_loss: Callable[[], str | None] = lambda: None
+        # why replica r's link may have closed, in one sentence (the server: a rank that died), or None
+        self.cause_of_loss: Callable[[int], str | None] = lambda replica: None
 
     # --- the links, on the event loop
     def start(self) -> None:
@@ -99,11 +101,37 @@ class ReplicaPool:
         request and its replica: each hand-off between threads cost ~0.1-0.3 ms of time to first token."""
         self._loop = asyncio.get_running_loop()
         for r, conn in enumerate(self.conns):
-            sock = socket.socket(fileno=os.dup(conn.fileno()))  # ours to close; the Connection stays the link's
-            sock.setblocking(False)
+            sock, sender = self._open(r, conn)
             self._socks.append(sock)
-            self._senders.append(FrameSender(sock, functools.partial(self._broken, r), f"afd-link-send-{r}"))
-            self._loop.add_reader(sock.fileno(), self._readable, r)
+            self._senders.append(sender)
+
+    def _open(self, replica: int, conn: Connection) -> tuple[socket.socket, FrameSender]:
+        assert self._loop is not None
+        sock = socket.socket(fileno=os.dup(conn.fileno()))  # ours to close; the Connection stays the link's
+        sock.setblocking(False)
+        sender = FrameSender(sock, functools.partial(self._broken, replica), f"afd-link-send-{replica}")
+        self._loop.add_reader(sock.fileno(), self._readable, replica)
+        return sock, sender
+
+    def attach(self, replica: int, conn: Connection, hello: Message) -> bool:
+        """On the loop: a restarted replica's new link replaces its lost one; it serves again at once. False (and
+        the link left alone) when the replica is still alive or the pool is closed."""
+        if self.alive[replica] or self.stopping or not self._socks:
+            logger.warning("replica %d said hello while its link is up; ignored", replica)
+            return False
+        self._stop_reading(replica)
+        self._senders[replica].close(0.0)
+        self._socks[replica].close()
+        self.conns[replica], self.hellos[replica] = conn, hello
+        self._inbuf[replica] = bytearray()
+        self._byes[replica] = threading.Event()
+        self._socks[replica], self._senders[replica] = self._open(replica, conn)
+        self.alive[replica] = self.accepting[replica] = True
+        return True
+
+    def serving(self) -> list[bool]:
+        """Per replica: whether a new request may go to it."""
+        return [a and b for a, b in zip(self.alive, self.accepting, strict=True)]
 
     def _readable(self, replica: int) -> None:
         try:
@@ -129,7 +157,7 @@ class ReplicaPool:
 
     def _stop_reading(self, replica: int) -> None:
         self._byes[replica].set()  # nothing more will come: a shutdown need not wait for it
-        if self._loop is not None and not self._loop.is_closed():
+        if self._loop is not None and not self._loop.is_closed() and self._socks[replica].fileno() >= 0:
             self._loop.remove_reader(self._socks[replica].fileno())
 
     def _broken(self, replica: int) -> None:
@@ -149,14 +177,20 @@ class ReplicaPool:
         assert self._loop is not None
         self._loop.create_task(self._end_lost(replica))
 
+    def lose(self, replica: int, why: str) -> None:
+        """On the loop: the replica cannot serve (a rank of it died, or it is being restarted): no request goes to
+        it from now on, and its requests end with `why`."""
+        self.alive[replica] = False
+        self.fail(why, replica)
+
     async def _end_lost(self, replica: int) -> None:
         """End a lost replica's requests with the cause: a replica's link usually closes because a rank of its world
         died and the replica exited after it, so the death is looked for, briefly, before the requests are told."""
         deadline = time.monotonic() + LOSS_CAUSE_WAIT_S
-        cause = self.cause_of_loss()
+        cause = self.cause_of_loss(replica)
         while cause is None and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-            cause = self.cause_of_loss()
+            cause = self.cause_of_loss(replica)
         why = cause or f"replica {replica} closed its link"
         logger.error("%s; the requests of replica %d end with an error", why, replica)
         self.fail(why, replica)
@@ -236,7 +270,7 @@ class ReplicaPool:
             per_replica[sub.replica] += 1
         pairs = list(zip(per_replica, self.max_num_seqs, strict=True))
         waiting = sum(max(0, n - cap) for n, cap in pairs)
-        free = sum(max(0, cap - n) for (n, cap), ok in zip(pairs, self.alive, strict=True) if ok)
+        free = sum(max(0, cap - n) for (n, cap), ok in zip(pairs, self.serving(), strict=True) if ok)
         return waiting + max(0, more - free)
 
     def loads(self) -> list[int]:
@@ -255,15 +289,15 @@ class ReplicaPool:
         prompt_logprobs: bool = False,
         http_stamps: dict[str, float] | None = None,
     ) -> Submitted:
-        """Send a request to the least loaded live replica; its answers come on the returned `queue`.
+        """Send a request to the least loaded serving replica; its answers come on the returned `queue`.
         `http_stamps`: its moments in the HTTP layer (`arrived`, `handler`; `time.perf_counter()`), the first of its
         stamps.
 
         Raises LookupError when no replica is alive."""
         try:
-            replica = pick_replica(self.loads(), self.alive)
+            replica = pick_replica(self.loads(), self.serving())
         except ValueError:
-            raise LookupError("no replica is alive") from None
+            raise LookupError("no replica serves now") from None
         sub = Submitted(rid, replica, len(prompt_ids), max_tokens, time.perf_counter())
         self.requests[rid] = sub
         self.metrics.replicas[replica].prompt_tokens.inc(len(prompt_ids))

@@ -48,6 +48,10 @@ class ServeMetrics:
         r = self.registry = CollectorRegistry()
         by = ["replica"]
         self.healthy = Gauge("afd_healthy", "1 while every rank of the server is alive, else 0.", registry=r)
+        self.replicas_alive = Gauge("afd_replicas_alive", "Replicas whose link to the front end is up.", registry=r)
+        self.rank_restarts = Counter(
+            "afd_rank_restarts", "Restarts of the replica's ranks after one of them died.", by, registry=r
+        )
         self.front_waiting = Gauge(
             "afd_front_end_waiting", "Requests the front end holds beyond the replicas' running capacity.", registry=r
         )
@@ -94,9 +98,13 @@ class ServeMetrics:
             registry=r,
         )
         self.replicas = [ReplicaMetrics(self, i) for i in range(num_replicas)]
+        for i in range(num_replicas):
+            self.rank_restarts.labels(str(i))  # every replica's series, at 0 before any restart
 
-    def render(self, *, healthy: bool, front_waiting: int) -> bytes:
+    def render(self, *, healthy: bool, front_waiting: int, replicas_alive: int | None = None) -> bytes:
         """The whole `/metrics` page, in the Prometheus text format."""
         self.healthy.set(int(healthy))
         self.front_waiting.set(front_waiting)
+        if replicas_alive is not None:
+            self.replicas_alive.set(replicas_alive)
         return generate_latest(self.registry)

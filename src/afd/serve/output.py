@@ -238,5 +238,5 @@ def run_request(
             http_stamps=http_stamps,
         )
     except LookupError as exc:
-        raise APIError(503, f"the server cannot take requests: {exc}") from None
+        raise APIError(503, f"the server cannot take requests: {exc}", headers={"Retry-After": "1"}) from None
     return Run(pool, rid, sub, PieceMaker(tokenizer, prepared, params, sub))

@@ -2,8 +2,9 @@
 
 The order is what makes failures clean: the HTTP port is bound first (a port in use stops everything
 before any rank starts), the ranks start next, and the front end starts answering only once every replica
-said hello. A rank that dies during start-up fails it at once with that rank's own explanation. SIGTERM,
-SIGINT and SIGHUP stop the server gracefully (`server.serve`), then the ranks are stopped and checked.
+said hello. A rank that dies during start-up fails it at once with that rank's own explanation; one that dies
+while serving is restarted (`afd.serve.healing`). SIGTERM, SIGINT and SIGHUP stop the server gracefully
+(`server.serve`), then the ranks are stopped and checked.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from afd.runtime.spec import RunSpec
 from afd.serve import DRAIN_S, loop
 
 if TYPE_CHECKING:  # the serving stack is imported only to serve (`ServerProcess` runs without it)
+    from afd.serve.healing import HealPolicy
     from afd.serve.state import ServeOptions, ServerState
     from afd.serve.tokenizer import Tokenizer
 
@@ -62,6 +64,7 @@ class ServePlan:
     options: ServeOptions
     tokenizer: Tokenizer
     startup_timeout_s: float = 600.0
+    heal: HealPolicy | None = None  # when to restart what died (default: `HealPolicy()`)
 
     def describe(self) -> str:
         if self.config is None:
@@ -110,8 +113,11 @@ def _warn_if_busy_poll_starves(plan: ServePlan) -> None:
 
 def run_server(plan: ServePlan, say: Callable[[str], None]) -> int:
     """Serve until a stop signal; returns the exit status (0: stopped on request with every rank clean)."""
+    from dataclasses import replace
+
     from afd.runtime.servers import new_secret, start_server_ranks
     from afd.serve.frontend import ReplicaPool
+    from afd.serve.healing import Healer, HealPolicy
     from afd.serve.state import ServerState
 
     _warn_if_busy_poll_starves(plan)
@@ -127,7 +133,8 @@ def run_server(plan: ServePlan, say: Callable[[str], None]) -> int:
             raise ServeError(str(exc), getattr(exc, "exit_status", 1)) from None
         _await_replicas(link, plan.replicas, ranks.dead, plan.startup_timeout_s)
         pool = ReplicaPool(link.conns, link.hellos)
-        state = ServerState(pool, plan.tokenizer, plan.options, ranks.dead)
+        policy = replace(plan.heal or HealPolicy(), hello_timeout_s=plan.startup_timeout_s)
+        state = ServerState(pool, plan.tokenizer, plan.options, Healer(ranks, pool, policy, link.accept_later))
         url_host = f"[{plan.host}]" if ":" in plan.host else plan.host
         ready = f"afd serve: ready at http://{url_host}:{sock.getsockname()[1]} ({plan.describe()})"
         died_while_serving = _serve_until_signal(state, sock, lambda: say(ready))

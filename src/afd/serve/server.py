@@ -38,13 +38,12 @@ from afd.serve.protocol import (
     validation_error,
 )
 from afd.serve.responses import Call, chat_response, completion_response, stream_chat, stream_completion
-from afd.serve.state import ServerState, rank_failure
+from afd.serve.state import ServerState
 from afd.serve.streaming import ClientGone, EventStream, unless_disconnected
 from afd.serve.tokenizer import TokenizerError
 
 logger = logging.getLogger(__name__)
 
-HEALTH_POLL_S = 0.25
 KEEP_ALIVE_S = 75.0  # an idle kept-alive connection is closed after this long
 CLOSE_S = 2.0  # after the drain: how long open connections get to finish before their tasks are cancelled
 BODY_BYTES_PER_TOKEN = 64  # a token of text as JSON, escaped character by character, with room to spare
@@ -95,14 +94,18 @@ def build_app(state: ServerState) -> FastAPI:
     async def unexpected(request: Request, exc: Exception) -> Response:  # logged by the gate
         return error_response(APIError(500, "the server failed on this request; see its log"), close=True)
 
-    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    @app.get("/health")
     async def health() -> Response:
-        problem = state.problem()
-        return error_response(APIError(503, problem)) if problem else Response(status_code=200)
+        """200 while some replica serves (status ok or degraded), 503 when none does (down)."""
+        body = state.health()
+        return Response(json.dumps(body), 503 if body["status"] == "down" else 200, media_type="application/json")
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        text = state.pool.metrics.render(healthy=state.problem() is None, front_waiting=state.pool.waiting())
+        pool = state.pool
+        text = pool.metrics.render(
+            healthy=state.status() == "ok", front_waiting=pool.waiting(), replicas_alive=sum(pool.alive)
+        )
         return Response(text, media_type=CONTENT_TYPE)
 
     @app.get("/v1/models", response_model=ModelList)
@@ -180,22 +183,24 @@ async def serve(
 ) -> None:
     """Serve on a bound socket until `stop` is set, then shut down in order: stop accepting, let in-flight
     requests finish (at most `DRAIN_S`), end the rest with an error, close the connections, say `shutdown` to
-    every replica. A rank that dies meanwhile makes /health answer 503 and ends every in-flight request with an
-    error. uvicorn's own `serve` is not used: it would take the signals, which are the caller's."""
+    every replica. Meanwhile a rank that dies ends the requests of the replicas it served, and the healer
+    (`afd.serve.healing`) restarts it. uvicorn's own `serve` is not used: it would take the signals, which are
+    the caller's."""
     state.pool.start()
     gate = Gate(build_app(state), state.options.api_key, body_limit(state.pool.max_model_len))
     server = uvicorn_server(gate)
     await server.startup(sockets=[sock])
-    watcher = asyncio.create_task(_watch_ranks(state))
+    watcher = asyncio.create_task(state.healer.run()) if state.healer is not None else None
     spinner = asyncio.create_task(spin()) if env.busy_poll() else None
     on_ready()
     try:
         await stop.wait()
     finally:
-        watcher.cancel()
+        if watcher is not None:
+            watcher.cancel()
         if spinner is not None:
             spinner.cancel()
-        state.failed_before_stop = state.problem() is not None
+        state.failed_before_stop = state.status() != "ok"
         state.draining = True  # requests on open connections get 503
         for listener in server.servers:
             listener.close()  # no new connections
@@ -212,16 +217,3 @@ async def serve(
         state.pool.close()
         if silent:
             logger.warning("replicas %s did not answer the shutdown; their ranks are stopped", silent)
-
-
-async def _watch_ranks(state: ServerState) -> None:
-    """A rank that stops ends every in-flight request with an error at once (never a hang)."""
-    failed = False
-    while True:
-        await asyncio.sleep(HEALTH_POLL_S)
-        dead = state.dead_ranks()
-        if dead and not failed:
-            failed = True
-            why = rank_failure(dead)
-            logger.error("%s", why)
-            state.pool.fail(why)

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from afd.serve import MAX_PROMPTS_PER_REQUEST
 from afd.serve.frontend import ReplicaPool
+from afd.serve.healing import Healer
 from afd.serve.protocol import APIError
 from afd.serve.tokenizer import Tokenizer, TokenizerError
 
@@ -21,33 +21,38 @@ class ServeOptions:
 
 
 class ServerState:
-    """What the handlers share: the replicas, the tokenizer, the options, and whether the server is healthy."""
+    """What the handlers share: the replicas, the tokenizer, the options, and whether the server can serve.
+    `healer`: the one that restarts dead ranks (None: replicas the server did not start, as in tests)."""
 
     def __init__(
-        self,
-        pool: ReplicaPool,
-        tokenizer: Tokenizer,
-        options: ServeOptions,
-        dead_ranks: Callable[[], list[str]] = list,
+        self, pool: ReplicaPool, tokenizer: Tokenizer, options: ServeOptions, healer: Healer | None = None
     ) -> None:
-        self.pool, self.tokenizer, self.options = pool, tokenizer, options
-        self.dead_ranks = dead_ranks  # names of ranks that stopped (the rank supervisor's `.dead()`)
-        pool.cause_of_loss = lambda: rank_failure(dead) if (dead := self.dead_ranks()) else None
+        self.pool, self.tokenizer, self.options, self.healer = pool, tokenizer, options, healer
         self.draining = False
-        self.failed_before_stop = False  # a rank or replica was gone when the stop came (the exit status says so)
+        self.failed_before_stop = False  # a replica was not whole when the stop came (the exit status says so)
         self.created = int(time.time())
 
+    def status(self) -> str:
+        """ok: every replica serves; degraded: some do; down: none does (or the server is stopping)."""
+        serving = self.pool.serving()
+        if self.draining or not any(serving):
+            return "down"
+        return "ok" if all(serving) else "degraded"
+
+    def health(self) -> dict:
+        """`GET /health`'s body: the status and each replica's link and restarts."""
+        restarts = self.healer.restarts if self.healer is not None else [0] * self.pool.num_replicas
+        replicas = [{"index": r, "alive": alive, "restarts": restarts[r]} for r, alive in enumerate(self.pool.alive)]
+        return {"status": self.status(), "replicas": replicas}
+
     def problem(self) -> str | None:
-        """Why the server cannot serve now, or None when every rank and replica is up."""
-        dead = self.dead_ranks()
-        if dead:
-            return rank_failure(dead)
-        lost = [r for r, ok in enumerate(self.pool.alive) if not ok]
-        if lost:
-            return f"replica {lost[0]} stopped; the server cannot generate"
+        """Why the server cannot take a request now, or None while some replica serves."""
         if self.draining:
             return "the server is shutting down"
-        return None
+        if any(self.pool.serving()):
+            return None
+        why = self.healer.down_because() if self.healer is not None else None
+        return why or "no replica serves now; the server cannot generate"
 
     def admit(self, model: str | None, prompts: int) -> None:
         """Refuse a request for another model (404), of more prompts than one request may carry (400), while
@@ -68,7 +73,7 @@ class ServerState:
             )
         problem = self.problem()
         if problem:
-            raise APIError(503, problem)
+            raise APIError(503, problem, headers={} if self.draining else {"Retry-After": "1"})
         would_wait = self.pool.waiting(prompts)
         if would_wait > self.options.max_waiting:
             raise APIError(
@@ -85,12 +90,6 @@ class ServerState:
             return self.tokenizer.encode(prompt)
         except TokenizerError as exc:
             raise APIError(400, str(exc), param="prompt") from None
-
-
-def rank_failure(dead: list[str]) -> str:
-    """One sentence for ranks that stopped (the supervisor's lines, e.g. 'ffn rank 0 ... exited with status -9')."""
-    more = f" (and {len(dead) - 1} more)" if len(dead) > 1 else ""
-    return f"{dead[0]}{more}; the server cannot generate until it is restarted"
 
 
 # ---------------------------------------------------------------- responses

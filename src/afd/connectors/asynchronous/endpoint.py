@@ -125,6 +125,7 @@ class AsyncEndpoint:
             self._abandon()
             raise
         self.peers_closed: set[int] = set()  # opposite-role ranks that announced shutdown
+        self.drop_dead_peers = False  # a dead peer: PeerDied (False) or counted as shut down (True)
         self._last_liveness = time.monotonic()
         self.timeline = Timeline.from_env(f"async_{self.role}{role_rank}", self.device)  # AFD_TIMELINE=DIR
 
@@ -137,10 +138,20 @@ class AsyncEndpoint:
         return self.topology.world_rank(self.opposite, peer)
 
     def check_peers_alive(self, peers: list[int] | None = None) -> None:
-        """Raise PeerDied naming the first opposite-role rank whose process is gone."""
+        """Raise PeerDied naming the first opposite-role rank whose process is gone; with `drop_dead_peers`, count
+        it as shut down instead (a server's FFN rank outlives an attention replica that died alone), and raise
+        ConnectorShutdown once no peer is left."""
         self._last_liveness = time.monotonic()
         for p in peers if peers is not None else range(self.num_peers):
             if p not in self.peers_closed and not is_alive(self._peer_proc[p]):
+                if self.drop_dead_peers:
+                    logger.warning(
+                        "%s rank %d: %s rank %d died; serving the others", self.role, self.role_rank, self.opposite, p
+                    )
+                    self.peers_closed.add(p)
+                    if len(self.peers_closed) == self.num_peers:
+                        raise ConnectorShutdown(f"every {self.opposite} rank shut down or died")
+                    continue
                 raise PeerDied(
                     f"{self.opposite} rank {p} (world rank {self.peer_world(p)}, pid {self._peer_proc[p]['pid']}) "
                     f"died without announcing shutdown; {self.role} rank {self.role_rank} gives up"

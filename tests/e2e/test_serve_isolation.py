@@ -1,0 +1,134 @@
+"""Failure isolation of the real `afd serve --model tiny` under load: a rank killed with -9 ends only the requests
+of the replicas it served (each with a clean error that names it), every other request completes with the reference
+engine's greedy tokens, none hangs, and the server restarts what died and is whole again (/health `ok`) within the
+issue's bounds; at the end SIGTERM leaves no rank and no shared-memory segment."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import pytest
+from helpers.chaos import Load, await_whole, health, kill_rank
+from helpers.e2e import TEST_TAG_VAR, Leftovers
+
+from afd.runtime.launch import free_port
+from afd.serve.run import ServerProcess
+
+log = logging.getLogger(__name__)
+
+MODEL = "tiny"
+PROMPTS = [[5, 17, 33, 2, 9, 41, 7, 3, 19, 23, 11], [4, 8], [100, 3, 77, 12, 9, 250], [1, 2, 3]]
+MAX_TOKENS = 24
+SMALL = ["--max-num-seqs", "16", "--max-model-len", "512", "--max-num-batched-tokens", "512"]
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list[int]]:
+    from afd.engine.generate import generate
+
+    return [out.token_ids for out in generate(MODEL, PROMPTS, max_new_tokens=MAX_TOKENS)]
+
+
+class Served:
+    def __init__(self, flags: list[str], tag: str, monkeypatch) -> None:
+        monkeypatch.setenv(TEST_TAG_VAR, tag)  # the ranks inherit it: Leftovers sees exactly this server's
+        self.leftovers = Leftovers()
+        self.port = free_port()
+        argv = ["--model", MODEL, "--port", str(self.port), *SMALL, *flags]
+        self.server = ServerProcess(argv, timeout_s=120)
+
+    def stop_clean(self) -> None:
+        assert self.server.stop(timeout_s=30) == 0  # whole again: a clean stop
+        self.leftovers.check()
+
+    def close(self) -> None:
+        try:
+            self.server.stop(timeout_s=5)
+        finally:
+            self.leftovers.cleanup()
+
+
+def _kill_under_load(srv: Served, load: Load, role: str, rank: int, restarts: int, heal_bound_s: float) -> float:
+    """Requests complete first; then kill the rank, wait for the server to be whole, and let requests complete on it
+    again. Returns the seconds from the kill to whole again."""
+    right = load.count("right")
+    deadline = time.monotonic() + 60
+    while load.count("right") < right + 4:
+        assert time.monotonic() < deadline, "no request completed under load"
+        time.sleep(0.05)
+    kill_rank(role, rank)
+    killed = time.monotonic()
+    healed_s = await_whole(srv.port, restarts, heal_bound_s, since=killed)
+    right = load.count("right")
+    while load.count("right") < right + 4:  # and it serves again
+        assert time.monotonic() < deadline + 60, "no request completed after the restart"
+        time.sleep(0.05)
+    log.warning("%s rank %d killed: whole again after %.1f s", role, rank, healed_s)
+    return healed_s
+
+
+@pytest.mark.timeout(240)
+def test_none_a_killed_replica_costs_only_its_requests_and_is_restarted(monkeypatch, reference):
+    srv = Served(["--connector", "none", "--replicas", "2"], f"isolnone{os.getpid()}", monkeypatch)
+    try:
+        load = Load(srv.port, PROMPTS, reference, MAX_TOKENS, clients=4)
+        try:
+            healed_s = _kill_under_load(srv, load, "replica", 1, restarts=1, heal_bound_s=10)
+        finally:
+            load.stop()
+        assert load.count("wrong") == 0 and load.count("hung") == 0
+        failures = load.errors()
+        assert all("replica 1 exited with status -9" in e for e in failures), failures  # none of replica 0's
+        print(f"none R=2: whole again {healed_s:.1f} s after the kill; {load.count('right')} right, "
+              f"{len(failures)} failed (all on the killed replica)")  # fmt: skip
+        assert health(srv.port)["replicas"][1]["restarts"] == 1
+        srv.stop_clean()
+    finally:
+        srv.close()
+
+
+@pytest.mark.timeout(300)
+def test_async_a_killed_attention_replica_or_ffn_rank_is_restarted(monkeypatch, reference):
+    flags = ["--connector", "async", "--attention", "2", "--ffn", "1"]
+    srv = Served(flags, f"isolasync{os.getpid()}", monkeypatch)
+    try:
+        load = Load(srv.port, PROMPTS, reference, MAX_TOKENS, clients=4)
+        try:
+            attention_s = _kill_under_load(srv, load, "attention", 1, restarts=2, heal_bound_s=60)
+            failures_after_attention = load.errors()
+            ffn_s = _kill_under_load(srv, load, "ffn", 0, restarts=4, heal_bound_s=15)
+        finally:
+            load.stop()
+        assert load.count("wrong") == 0 and load.count("hung") == 0
+        # the attention kill: only attention replica 1's requests failed (replica 0's were drained, not failed)
+        assert all("attention rank 1" in e for e in failures_after_attention), failures_after_attention
+        later = load.errors()[len(failures_after_attention) :]
+        assert all("ffn rank 0" in e or "restarted" in e for e in later), later
+        print(
+            f"async 2A1F: attention rank 1 killed: whole again after {attention_s:.1f} s, "
+            f"{len(failures_after_attention)} failed (all on it); ffn rank 0 killed: whole again after "
+            f"{ffn_s:.1f} s; {load.count('right')} right, {load.count('refused')} refused while restarting"
+        )
+        srv.stop_clean()
+    finally:
+        srv.close()
+
+
+@pytest.mark.timeout(240)
+def test_p2p_a_killed_rank_stops_the_group_which_is_restarted_whole(monkeypatch, reference):
+    srv = Served(["--connector", "p2p", "--attention", "1", "--ffn", "1"], f"isolp2p{os.getpid()}", monkeypatch)
+    try:
+        load = Load(srv.port, PROMPTS, reference, MAX_TOKENS, clients=2)
+        try:
+            healed_s = _kill_under_load(srv, load, "ffn", 0, restarts=1, heal_bound_s=60)
+        finally:
+            load.stop()
+        assert load.count("wrong") == 0 and load.count("hung") == 0
+        failures = load.errors()
+        assert all("ffn rank 0" in e or "restarted" in e for e in failures), failures
+        print(f"p2p 1A1F: ffn rank 0 killed: whole again after {healed_s:.1f} s; {len(failures)} failed")
+        srv.stop_clean()
+    finally:
+        srv.close()

@@ -1,0 +1,89 @@
+"""The healer over in-process replicas (`helpers.serve.InProcessServer`) and a stand-in rank supervisor: a lost
+replica's requests end with the death's words, it is restarted after its backoff and serves again (/health back to
+ok, its restart counted), and one that dies too often is given up on in one log line."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import pytest
+from helpers.serve import InProcessServer
+
+from afd.runtime.servers import Loss
+from afd.serve.healing import Healer, HealPolicy
+
+
+@dataclass
+class FakeUnit:
+    index: int
+    replicas: tuple[int, ...]
+
+
+class FakeRanks:
+    """A rank supervisor whose deaths the test declares; `restart` starts the replica's thread again."""
+
+    def __init__(self, num_replicas: int) -> None:
+        self.units = [FakeUnit(r, (r,)) for r in range(num_replicas)]
+        self.dead: dict[int, str] = {}
+        self.restarted: list[int] = []
+        self.server: InProcessServer | None = None
+
+    def lost(self, unit: FakeUnit) -> Loss | None:
+        why = self.dead.get(unit.index)
+        return Loss(unit.replicas, False, why) if why else None
+
+    def stop_unit(self, unit: FakeUnit) -> None:
+        pass
+
+    def restart(self, unit: FakeUnit) -> None:
+        (r,) = unit.replicas
+        assert self.server is not None
+        self.server.threads[r].join(10)  # the lost replica's loop has ended (its link was cut)
+        self.dead.pop(unit.index, None)
+        self.restarted.append(r)
+        self.server.start_replica(r)
+
+
+def _wait(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} within {timeout_s} s"
+        time.sleep(0.02)
+
+
+def test_backoff_doubles_and_is_capped() -> None:
+    policy = HealPolicy(backoff_s=0.5, max_backoff_s=3.0)
+    assert [policy.delay(n) for n in (1, 2, 3, 4, 5)] == [0.5, 1.0, 2.0, 3.0, 3.0]
+
+
+@pytest.mark.timeout(120)
+def test_a_dead_replica_is_restarted_and_one_that_dies_too_often_is_given_up(caplog) -> None:
+    ranks = FakeRanks(2)
+    policy = HealPolicy(max_restarts=2, window_s=60.0, backoff_s=0.2)
+    srv = InProcessServer(2, healer=lambda pool, link: Healer(ranks, pool, policy, link.accept_later))
+    ranks.server = srv
+    pool = srv.state.pool
+    try:
+        ranks.dead[1] = "replica 1 exited with status -9 (killed by SIGKILL)"
+        srv.cut(1)
+        _wait(lambda: ranks.restarted == [1], 30, "replica 1 was not restarted")
+        _wait(lambda: srv.request("GET", "/health")[1]["status"] == "ok", 30, "the server was not whole again")
+        status, health, _ = srv.request("GET", "/health")
+        assert status == 200 and health["replicas"][1] == {"index": 1, "alive": True, "restarts": 1}
+        status, page, _ = srv.request("GET", "/metrics")
+        assert 'afd_rank_restarts_total{replica="1"} 1.0' in page and "afd_replicas_alive 2.0" in page
+        for _ in range(4):  # requests reach both replicas again
+            assert srv.post("/v1/completions", {"prompt": "a", "max_tokens": 2})[0] == 200
+        with caplog.at_level(logging.ERROR, logger="afd.serve.healing"):
+            ranks.dead[1] = "replica 1 exited with status 1"
+            srv.cut(1)
+            _wait(lambda: "giving up on replica 1" in caplog.text, 30, "replica 1 was not given up on")
+        assert ranks.restarted == [1]  # the second death within the window: no restart
+        assert sum("giving up" in r.message for r in caplog.records) == 1
+        status, health, _ = srv.request("GET", "/health")
+        assert status == 200 and health["status"] == "degraded" and not pool.alive[1]
+        assert srv.post("/v1/completions", {"prompt": "a", "max_tokens": 2})[0] == 200  # replica 0 serves
+    finally:
+        srv.close()
