@@ -110,12 +110,23 @@ def add_serve_parser(sub) -> None:
         help="prompts one /v1/completions request may carry; more is a 400 (default: one replica's running batch "
         "at vLLM's default --max-num-seqs)",
     )
+    p.add_argument(
+        "--max-restarts",
+        type=non_negative_int,
+        default=5,
+        help="a replica (or world) whose ranks die this many times within --restart-window is not restarted again; "
+        "0: never restart",
+    )
+    p.add_argument(
+        "--restart-window", type=positive_seconds, default=60.0, help="seconds over which --max-restarts counts"
+    )
     p.set_defaults(func=cmd_serve, starts_ranks=True)
 
 
 def build_plan(args: argparse.Namespace):
     """The checked `ServePlan` of the flags (UsageError in one sentence otherwise)."""
     from afd import env
+    from afd.serve.healing import HealPolicy
     from afd.serve.run import ServePlan
     from afd.serve.state import ServeOptions
     from afd.serve.tokenizer import TokenizerError, load_tokenizer
@@ -159,7 +170,8 @@ def build_plan(args: argparse.Namespace):
         max_waiting=args.max_waiting,
         max_prompts_per_request=args.max_prompts_per_request,
     )
-    return ServePlan(spec, config, replicas, args.host, args.port, options, tokenizer, args.startup_timeout)
+    heal = HealPolicy(max_restarts=args.max_restarts, window_s=args.restart_window)
+    return ServePlan(spec, config, replicas, args.host, args.port, options, tokenizer, args.startup_timeout, heal)
 
 
 def run_spec(args: argparse.Namespace, max_model_len: int | None):

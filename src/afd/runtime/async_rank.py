@@ -66,6 +66,8 @@ def run_async_rank(job: RankJob) -> None:
         num_attention=cfg.num_attention_ranks,
         num_ffn=cfg.num_ffn_ranks,
         world_order="attention_first",
+        # a server's attention replica may die alone: the FFN ranks drop it and the server restarts the instance
+        expendable=frozenset(range(cfg.num_attention_ranks)) if job.serve_address is not None else frozenset(),
         **world_options(job),
     )
     endpoint_args = dict(
@@ -119,6 +121,7 @@ def run_async_rank(job: RankJob) -> None:
             )
             warm_up_ffn(ffn_model, device, max_num_batched_tokens=job.spec.max_num_batched_tokens)  # before any item
             server = AsyncFFNServer(world.store, topo, job.role_rank, **endpoint_args)
+            server.drop_dead_peers = job.serve_address is not None  # serving: the others' requests go on
             # 1A1F on CUDA: whole passes enqueued on the device at decode sizes; what the host serves (elsewhere
             # everything, there the rest) replays one graph per pass up to the token budget
             chained = server.chain_to(ffn_model, graphs_usable=ExpertPassGraphs.usable(ffn_model))
