@@ -15,7 +15,13 @@ from dataclasses import replace
 from pathlib import Path
 
 from afd.bench.workload import WORKLOADS
-from afd.cli.args import add_shared_experts_flag, check_resources, launch_config, shared_experts_keys
+from afd.cli.args import (
+    add_quantization_flag,
+    add_shared_experts_flag,
+    check_resources,
+    launch_config,
+    shared_experts_keys,
+)
 from afd.cli.input import (
     UsageError,
     batched_tokens,
@@ -42,6 +48,7 @@ def add_server_arguments(p: argparse.ArgumentParser, default_model: str | None =
         help="checkpoint directory (config.json + *.safetensors) or preset",
     )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights dtype")
+    add_quantization_flag(p)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the ranks compute")
     p.add_argument("--seed", type=non_negative_int, default=0, help="seed of preset weights")
     p.add_argument("--max-num-seqs", type=max_num_seqs, default=256, help="sequences a replica runs at once")
@@ -188,6 +195,7 @@ def run_spec(args: argparse.Namespace, max_model_len: int | None):
     return RunSpec(
         model=args.model,
         dtype=args.dtype,
+        quantization=args.quantization,
         device=args.device,
         seed=args.seed,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -365,6 +373,7 @@ def _fraction(text: str) -> float:
 
 
 _SERVER_FLAGS = ("model", "dtype", "device", "seed", "max_num_seqs", "max_num_batched_tokens", "block_size")
+_SERVER_FLAGS += ("quantization",)
 _SERVER_FLAGS += ("gpu_memory_utilization", "num_gpu_blocks_override", "config", "startup_timeout")
 
 

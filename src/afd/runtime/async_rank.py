@@ -82,6 +82,7 @@ def run_async_rank(job: RankJob) -> None:
         timeout_s=job.timeout_s,
     )
     load_args = dict(dtype=job.spec.dtype, device=device, gate_on_attention=True, seed=job.spec.seed)
+    load_args["quantization"] = job.spec.quantization
     shared_on_attention = cfg.connector_extra_config.shared_experts_on_attention  # where the shared experts run
     try:
         if job.role == "attention":

@@ -210,6 +210,8 @@ def _spec_flags(spec: RunSpec, run_dir: Path) -> list[str]:
         "--run-token",
         run_token(run_dir),
     ]
+    if spec.quantization is not None:
+        cmd += ["--quantization", spec.quantization]
     if spec.prompt_logprobs:
         cmd.append("--prompt-logprobs")
     if spec.max_model_len is not None:

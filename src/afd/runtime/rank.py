@@ -203,6 +203,7 @@ def local_replica_engine(job: RankJob) -> Engine:
     from afd.model.weights import load_attention_model, load_ffn_model
 
     load = dict(dtype=job.spec.dtype, device=select_device(job, job.role_rank), seed=job.spec.seed)
+    load["quantization"] = job.spec.quantization
     attn, ffn = load_attention_model(job.spec.model, **load), load_ffn_model(job.spec.model, **load)
     return engine_for(job, attn, LocalExchange(ffn))
 

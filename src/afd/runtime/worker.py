@@ -65,6 +65,7 @@ def run_p2p_rank(job: RankJob) -> None:
     )
     try:
         common = dict(dtype=job.spec.dtype, device=device, gate_on_attention=gate_on_attention, seed=job.spec.seed)
+        common["quantization"] = job.spec.quantization
         if job.role == "attention":
             model = load_attention_model(job.spec.model, **common)
             exchange = P2pAttentionExchange(
