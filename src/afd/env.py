@@ -2,9 +2,6 @@
 
 - `AFD_SECRET`: the run's shared secret; every rank of a run must be given the same one. `afd launch`
   mints one per run and hands it to its ranks through the environment (never on a command line).
-- `AFD_LAUNCHER_PID`: set by `afd launch` for its ranks; a rank whose launcher is gone stops.
-- `AFD_ZYGOTE`: set to 0 to start every rank of a launch as a process of its own instead of forking it from one
-  process that imported torch once (`afd.runtime.zygote`). `AFD_ZYGOTE_PID` is set in a forked rank (its parent).
 - `LOCAL_RANK`: torchrun's convention for which local GPU a hand-started rank uses.
 - `CUDA_VISIBLE_DEVICES`: which GPUs this process may see.
 - `AFD_PROFILE`: a folder; every rank profiles its serving part into it (`profiling.profiler`). Keep such runs short.
@@ -16,31 +13,12 @@ from __future__ import annotations
 import os
 
 SECRET_VAR = "AFD_SECRET"
-LAUNCHER_PID_VAR = "AFD_LAUNCHER_PID"
-ZYGOTE_PID_VAR = "AFD_ZYGOTE_PID"
 API_KEY_VAR = "AFD_API_KEY"
 
 
 def secret() -> str:
     """The run's shared secret, or '' when none was given (then ranks are not authenticated)."""
     return os.environ.get(SECRET_VAR, "")
-
-
-def launcher_pid() -> int | None:
-    """The pid of the `afd launch` that started this rank, or None for a rank started by hand."""
-    value = os.environ.get(LAUNCHER_PID_VAR, "")
-    return int(value) if value.isdigit() else None
-
-
-def zygote_enabled() -> bool:
-    """`AFD_ZYGOTE=0`: a launcher starts each rank as a process of its own (`afd.runtime.zygote` says why not)."""
-    return os.environ.get("AFD_ZYGOTE", "") != "0"
-
-
-def zygote_pid() -> int | None:
-    """The pid of the zygote that forked this rank (its parent), or None for a rank started as a process."""
-    value = os.environ.get(ZYGOTE_PID_VAR, "")
-    return int(value) if value.isdigit() else None
 
 
 def local_rank() -> int | None:

@@ -26,6 +26,7 @@ from helpers.e2e import (
     hand_config,
     kill_all,
     reference,
+    role_of,
     start_long_launch,
     wait_for_workers,
     wait_gone,
@@ -159,7 +160,7 @@ def test_killed_rank_fails_the_run_naming_it() -> None:
     try:
         pids = wait_for_workers(len(before) + 4) - before
         time.sleep(3)
-        victim = next(p for p in pids if b"\0--role\0ffn\0" in Path(f"/proc/{p}/cmdline").read_bytes())
+        victim = next(p for p in pids if role_of(p) == "ffn")
         os.kill(victim, signal.SIGKILL)
         _, err = launcher.communicate(timeout=45)
         assert launcher.returncode == 1

@@ -1,5 +1,5 @@
 """The zygote a launch forks its ranks from (`afd.runtime.zygote`): real forks of real `afd` commands, their exit
-statuses, command lines and parents, and what happens when the zygote goes."""
+statuses, titles and parents, the environment /proc shows, and what happens when the zygote goes."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.e2e import MODEL, PROMPTS, assert_matches_reference, hand_config, launch_checked, reference, zygote_pids
+from helpers.e2e import MODEL, hand_config, zygote_pids
 
 from afd.distributed.watchdog import process_alive
 from afd.runtime import zygote as zygotes
@@ -25,10 +25,10 @@ def _parent_of(pid: int) -> int:
 
 
 def _wait_for_command(pid: int, cmd: list[str], timeout_s: float = 60) -> None:
-    """Until /proc shows `cmd` as the process's command line: the fork has set itself up as the rank."""
+    """Until /proc shows `cmd` as the process's title: the fork has set itself up as the rank."""
     deadline = time.monotonic() + timeout_s
-    while (shown := Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")) != [c.encode() for c in cmd]:
-        assert time.monotonic() < deadline, f"the rank's command line is still {shown[:4]}"
+    while (shown := Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0")) != " ".join(cmd).encode():
+        assert time.monotonic() < deadline, f"the rank's command line is still {shown[:80]}"
         time.sleep(0.05)
 
 
@@ -41,14 +41,18 @@ def _waiting_ffn_rank() -> list[str]:
     ]
 
 
-def test_set_cmdline_rewrites_what_proc_shows() -> None:
+def test_set_title_rewrites_the_command_line_and_keeps_the_environment() -> None:
+    """With room on its command line and SPT_NOENV (as the zygote starts), the title fits there and
+    /proc/PID/environ still shows the environment (the tests find their ranks by it)."""
     code = (
-        "from afd.runtime.zygote import set_cmdline; set_cmdline(['afd-test', 'worker', '--role', 'ffn']); "
-        "print(open('/proc/self/cmdline', 'rb').read().rstrip(b'\\0').split(b'\\0'))"
+        "from afd.runtime.zygote import set_title; set_title(['afd-test', 'worker', '--role', 'ffn']); "
+        "print(open('/proc/self/cmdline', 'rb').read().rstrip(b'\\0')); "
+        "print(b'AFD_TEST_RANK_MARK=m' in open('/proc/self/environ', 'rb').read().split(b'\\0'))"
     )
-    out = subprocess.run([sys.executable, "-c", code, " " * 200], capture_output=True, text=True, timeout=60)
+    env = {**os.environ, "SPT_NOENV": "1", "AFD_TEST_RANK_MARK": "m"}
+    out = subprocess.run([sys.executable, "-c", code, " " * 200], capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[b'afd-test', b'worker', b'--role', b'ffn']"
+    assert out.stdout.split() == ["b'afd-test", "worker", "--role", "ffn'", "True"]
 
 
 @pytest.mark.timeout(120)
@@ -85,9 +89,9 @@ def test_a_forked_rank_shows_its_command_has_its_own_session_and_reports_its_sig
 @pytest.mark.timeout(120)
 def test_a_rank_ends_when_its_zygote_dies_and_its_status_is_unknown(tmp_path: Path) -> None:
     zygote = zygotes.Zygote()
-    rank_env = rank_environment(new_secret())  # with this process as the launcher: the rank asks for a death signal
+    rank_env = rank_environment(new_secret())
     try:
-        cmd = _waiting_ffn_rank()
+        cmd = [*_waiting_ffn_rank(), "--launcher-pid", str(os.getpid())]  # the rank asks for a death signal
         rank = zygote.spawn(cmd, rank_env, tmp_path / "ffn0.log")
         _wait_for_command(rank.pid, cmd)
         # whenever it dies: after the rank asked for a parent-death signal, that ends it; before, its check does
@@ -99,32 +103,33 @@ def test_a_rank_ends_when_its_zygote_dies_and_its_status_is_unknown(tmp_path: Pa
 
 
 @pytest.mark.timeout(120)
-def test_one_zygote_serves_every_launch_and_each_rank_shows_its_own_environment(tmp_path: Path) -> None:
+def test_one_zygote_serves_every_launch_and_its_ranks_show_the_launchers_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """/proc/PID/environ of a forked rank is its zygote's: this process's environment when the zygote started (the
+    tests' tags are found there), never the run's secret. Another environment here gets another zygote."""
+    monkeypatch.setenv("AFD_TEST_RANK_MARK", "mark-1")
     first = zygotes.zygote_for_launch()
     assert first is not None and zygotes.zygote_for_launch() is first
     cmd = _waiting_ffn_rank()
-    rank = first.spawn(cmd, {**os.environ, "AFD_TEST_RANK_MARK": "mark-1"}, tmp_path / "ffn0.log")
+    rank = first.spawn(cmd, rank_environment(new_secret()), tmp_path / "ffn0.log")
     try:
         _wait_for_command(rank.pid, cmd)
         shown = Path(f"/proc/{rank.pid}/environ").read_bytes().split(b"\0")
         assert b"AFD_TEST_RANK_MARK=mark-1" in shown  # what finds ranks by environment (the tests' tags) reads
-        assert not any(entry.startswith(zygotes.ROOM_VAR.encode()) for entry in shown)
+        assert not any(entry.startswith(b"AFD_SECRET=") for entry in shown)
+        monkeypatch.setenv("AFD_TEST_RANK_MARK", "mark-2")  # a new environment: a new zygote; the first keeps its rank
+        second = zygotes.zygote_for_launch()
+        assert second is not first and first.usable() and rank.poll() is None
         os.killpg(rank.pid, signal.SIGKILL)
         assert rank.wait(30) == -signal.SIGKILL
-        first.proc.kill()  # a zygote that died is replaced
-        first.proc.wait(10)
-        second = zygotes.zygote_for_launch()
-        assert second is not first and second.usable()
+        second.proc.kill()  # a zygote that died is replaced
+        second.proc.wait(10)
+        third = zygotes.zygote_for_launch()
+        assert third is not second and third.usable()
+        assert not first.usable()  # retired once its rank ended
     finally:
         zygotes.close_shared()
-
-
-@pytest.mark.timeout(120)
-def test_without_the_zygote_ranks_start_as_processes_and_match_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("AFD_ZYGOTE", "0")
-    assert zygotes.zygote_for_launch() is None
-    outputs, _ = launch_checked("async", 1, 1, PROMPTS, max_new_tokens=5, max_num_batched_tokens=64)
-    assert_matches_reference(outputs, reference())
 
 
 @pytest.mark.timeout(180)

@@ -136,8 +136,10 @@ def _tagged(pid: int, tag: str) -> bool:
 
 
 def _cmdline(pid: int) -> list[bytes]:
+    """The words of the process's command line: its arguments, or a forked rank's title (one string, spaces
+    between its words: `afd.runtime.zygote.set_title`)."""
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").split()
     except OSError:
         return []
 

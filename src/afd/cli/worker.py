@@ -70,6 +70,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         device_index=worker_gpu(args),
         serve_address=args.serve_address,
         num_replicas=args.replicas,
+        launcher_pid=args.launcher_pid,
     )
     name = f"{role} rank {args.rank}"
     log = logging.getLogger("afd.worker")
@@ -143,3 +144,9 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
         help="CUDA: this rank's local GPU (default: LOCAL_RANK, else the only visible GPU; afd launch sets it)",
     )
     p.add_argument("--run-token", default="afd", help="names this run's shared resources (set by afd launch)")
+    p.add_argument(
+        "--launcher-pid",
+        type=positive_int,
+        help="the afd launch or afd serve that started this rank (set by them): the rank is a client of its world "
+        "store and stops when it is gone",
+    )

@@ -1,7 +1,7 @@
 """`afd launch`: start a whole topology on this host, one OS process per rank, and gather the outputs.
 
 Each rank is `python -m afd worker ...` (the same entry a user runs by hand on another host), forked from
-the process's zygote, which imported torch once (`afd.runtime.zygote`; `AFD_ZYGOTE=0`: a process of its own). The
+the process's zygote, which imported torch once (`afd.runtime.zygote`). The
 launcher hands every rank the run's files through one run directory: `prompts_attn{r}.jsonl` in, one
 `outputs_attn{r}.json` out per attention replica, and one log per rank.
 
@@ -9,7 +9,8 @@ The launcher owns the run:
 - it hosts the world store itself (bound to the configured host only), before any rank starts, so
   the store outlives every rank; a port already in use fails the run at once, alone;
 - it mints a random secret per run and gives it to its ranks in the environment (`AFD_SECRET`, never
-  argv), with its own pid (`AFD_LAUNCHER_PID`): ranks die with it (parent-death signal + watchdog);
+  argv), and its own pid on their command lines (`--launcher-pid`): ranks die with it (parent-death signal +
+  watchdog);
 - a rank that fails ends the run (the others are stopped); the error names the rank, quotes only the
   log lines that explain the failure, and points at the run directory, which a failed run keeps;
 - SIGTERM, SIGINT and SIGHUP stop every rank it started and raise `Interrupted` (the CLI exits
@@ -40,7 +41,7 @@ from afd.distributed.signals import Interrupted
 from afd.distributed.store import RendezvousError, host_store
 from afd.engine.engine import Output
 from afd.engine.sampling import SamplingParams
-from afd.env import LAUNCHER_PID_VAR, SECRET_VAR
+from afd.env import SECRET_VAR
 from afd.model.kv_cache import CacheOptions
 from afd.runtime.link import LinkAddress, format_address
 from afd.runtime.spec import RunSpec
@@ -353,8 +354,8 @@ def host_world_store(config: AFDConfig, secret: str):
 
 
 def rank_environment(secret: str) -> dict[str, str]:
-    """A rank's environment: the run's secret (never on a command line) and this launcher's pid (it dies with us)."""
-    return {**env.child_environ(), "PYTHONUNBUFFERED": "1", SECRET_VAR: secret, LAUNCHER_PID_VAR: str(os.getpid())}
+    """A rank's environment: this process's, with the run's secret (never on a command line)."""
+    return {**env.child_environ(), "PYTHONUNBUFFERED": "1", SECRET_VAR: secret}
 
 
 def rank_order(config: AFDConfig) -> list[tuple[Role, int]]:
@@ -368,8 +369,9 @@ def spawn_rank(
     role: str, role_rank: int, world_rank: int, cmd: list[str], run_dir: Path, env: dict, zygote: Zygote | None = None
 ) -> RankProcess:
     """Start one rank in its own process group (stop_all reaches its children too), logging to the run dir:
-    forked from `zygote`, or (None) as a process of its own."""
+    forked from `zygote`, or (None) as a process of its own. It is told this process's pid: it dies with us."""
     log_path = run_dir / f"{role}{role_rank}.log"
+    cmd = [*cmd, "--launcher-pid", str(os.getpid())]
     if zygote is not None:
         try:
             return RankProcess(role, role_rank, world_rank, zygote.spawn(cmd, env, log_path), log_path)

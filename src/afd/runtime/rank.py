@@ -3,8 +3,8 @@
 The role runtimes depend on this module one way: `worker` (p2p ranks and the entry), `async_rank` and
 `online` import it, and it imports none of them.
 
-A rank started by a launcher (`afd launch`, or `afd serve`'s front end: it finds `AFD_LAUNCHER_PID` in
-its environment) is a client of the launcher's world store, asks the kernel for SIGTERM when the
+A rank started by a launcher (`afd launch`, or `afd serve`'s front end: it is given `--launcher-pid`) is a
+client of the launcher's world store, asks the kernel for SIGTERM when the
 launcher dies (`PR_SET_PDEATHSIG`), and its watchdog also stops it when the launcher is gone: a launcher
 killed with -9 orphans nothing. A rank started by hand hosts the store itself when it is world rank 0.
 """
@@ -34,6 +34,7 @@ from afd.engine.engine import Engine, Output, Request
 from afd.profiling.profiler import profiled, watching_compiles
 from afd.runtime.link import LinkAddress
 from afd.runtime.spec import RunSpec
+from afd.runtime.zygote import forked_from
 from afd.topology import local_gpu_index
 from afd.transport.symm_heap import wait_keys
 
@@ -59,6 +60,7 @@ class RankJob:
     device_index: int | None = None  # CUDA: this rank's local GPU (afd launch sets it; by hand: LOCAL_RANK, ...)
     serve_address: LinkAddress | None = None  # the front end's link; None: run `prompts` and exit
     num_replicas: int = 1  # role "replica": how many run side by side (they share this host's cores)
+    launcher_pid: int | None = None  # the `afd launch` / `afd serve` that started it (it dies with it); None: by hand
 
     @property
     def backend(self) -> str:
@@ -107,14 +109,14 @@ def die_with_launcher(launcher_pid: int | None) -> None:
         if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
             log.warning("no parent-death signal (errno %d); the watchdog still checks the launcher", ctypes.get_errno())
     # a rank forked by the launch's zygote (afd.runtime.zygote) is the zygote's child; the zygote dies with the launcher
-    parent = env.zygote_pid() or launcher_pid
+    parent = forked_from() or launcher_pid
     if os.getppid() != parent or (parent != launcher_pid and not process_alive(launcher_pid)):
         raise LauncherGone(f"the launcher that started this rank (pid {launcher_pid}) is gone")
 
 
 def world_options(job: RankJob) -> dict:
     """How this rank joins the world: a client of the launcher's store, or (by hand) world rank 0 hosts it."""
-    launcher = env.launcher_pid()
+    launcher = job.launcher_pid
     return {"local_host": job.local_host, "store_external": launcher is not None, "watch_pid": launcher}
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import os
 
-from afd import env
 from afd.engine.warm_up import warm_up_ffn, warm_up_wave_exchange
 from afd.runtime.online import run_online, stop_on_signals
 from afd.runtime.rank import (  # noqa: F401 - RankJob and drive_replica are also imported from here
@@ -143,7 +142,7 @@ def run_local_replica(job: RankJob) -> None:
 # ---------------------------------------------------------------- entry
 def run_rank(job: RankJob) -> int:
     """Run one rank; exit status 0 on a normal end. Leaves through os._exit to skip a gloo teardown hang."""
-    die_with_launcher(env.launcher_pid())
+    die_with_launcher(job.launcher_pid)
     if job.role == "replica":
         run_local_replica(job)
     elif job.config.connector == "p2p":

@@ -4,9 +4,10 @@
 of A + F ranks paid it A + F times over, on top of the launcher's own. So the launcher starts one zygote per launch
 (`Zygote`): `python -m afd.cli.zygote` imports torch and the rank runtime, then forks each rank on request. A
 forked rank becomes what `python -m afd worker ...` would have been: its own session (process group), its log as
-stdout and stderr, the environment and working directory the launcher gave it, and that command line and
-environment in /proc/PID/cmdline and /proc/PID/environ (the zygote starts with room for both), so `ps`, and the
-tests that find ranks by role and by environment, see them.
+stdout and stderr, the environment and working directory the launcher gave it, and that command line as its
+process title (`setproctitle`, within the zygote's command line, which starts with room for it), so `ps` and the
+tests that find ranks by role see it. /proc/PID/environ shows the zygote's environment: the launcher's when it
+started the zygote (a launcher whose environment has changed since gets a new zygote), without the run's secret.
 
 Nothing that starts threads, CUDA or a communicator runs before the fork; the zygote imports modules only.
 
@@ -14,14 +15,13 @@ The ranks are the zygote's children, not the launcher's: the zygote reaps them a
 its pipe, and `RankHandle` gives the launcher what it used of `subprocess.Popen` (pid, poll, wait, returncode).
 The zygote ends when its launcher does (the launcher's end of the pipe closes with it, however it ends), and each
 rank with the zygote (its parent-death signal, set by `afd.runtime.rank.die_with_launcher`, which accepts the
-zygote as its parent through `AFD_ZYGOTE_PID`).
-`AFD_ZYGOTE=0` starts every rank as a process of its own, as before.
+zygote as its parent: `forked_from()`, inherited through the fork).
+Off Linux, where no parent-death signal exists, every rank starts as a process of its own.
 """
 
 from __future__ import annotations
 
 import atexit
-import ctypes
 import logging
 import math
 import os
@@ -43,8 +43,7 @@ from afd import env
 log = logging.getLogger(__name__)
 
 READY_S = 180.0  # the zygote's imports, at most (a loaded 2-core host took ~3 s)
-ROOM = 32768  # bytes of command line, and of environment, a forked rank can show beyond the zygote's own
-ROOM_VAR = "AFD_ZYGOTE_ROOM"  # the zygote's environment holds ROOM spaces in it
+ROOM = 32768  # bytes of command line a forked rank can show beyond the zygote's own (its title's room)
 ENTRY_MODULE = "afd.cli.zygote"  # its `python -m` entry: `main` here, with the CLI as what a rank runs
 REAP_S = 0.02  # how often an idle zygote looks for ranks that ended
 
@@ -54,25 +53,40 @@ class ZygoteError(RuntimeError):
 
 
 def zygote_available() -> bool:
-    """Forking ranks needs Linux (/proc shows what a forked rank writes there) and is on unless `AFD_ZYGOTE=0`."""
-    return sys.platform.startswith("linux") and env.zygote_enabled()
+    """Forking ranks needs Linux: a forked rank must die with its zygote (a parent-death signal)."""
+    return sys.platform.startswith("linux")
+
+
+_forked_from: int | None = None  # in a forked rank: the zygote's pid (set before the rank's command runs)
+
+
+def forked_from() -> int | None:
+    """The pid of the zygote that forked this process, or None for a process started on its own."""
+    return _forked_from
 
 
 # ---------------------------------------------------------------- the launcher's side
 _shared: Zygote | None = None
+_retired: list[Zygote] = []  # replaced while ranks of theirs still ran
 _shared_lock = threading.Lock()
 
 
 def zygote_for_launch() -> Zygote | None:
     """This process's zygote, started now or earlier (`prestart`); None where ranks start as processes of their own.
-    One zygote serves every launch of a process (`afd demo` launches each connector in turn; a test session many
-    runs); one that died is replaced."""
+    One zygote serves every launch of a process (`afd demo` launches each connector in turn); one that died is
+    replaced, and so is one started under another environment than this process has now (its ranks show the
+    zygote's environment: a test's tag, say). A replaced zygote with ranks still running ends at exit."""
     global _shared
     if not zygote_available():
         return None
     with _shared_lock:
+        _retired[:] = [z for z in _retired if not z.close_if_idle()]
         if _shared is not None and not _shared.usable():
             _shared.close()
+            _shared = None
+        if _shared is not None and _shared.environ != env.child_environ():
+            if not _shared.close_if_idle():
+                _retired.append(_shared)
             _shared = None
         if _shared is None:
             _shared = Zygote()
@@ -86,12 +100,13 @@ def prestart() -> None:
 
 @atexit.register
 def close_shared() -> None:
-    """End this process's zygote, if it has one (at exit; its launches are over)."""
+    """End this process's zygotes, if it has any (at exit; its launches are over)."""
     global _shared
     with _shared_lock:
-        if _shared is not None:
-            _shared.close()
-            _shared = None
+        for zygote in [*_retired, *([_shared] if _shared is not None else [])]:
+            zygote.close()
+        _retired.clear()
+        _shared = None
 
 
 class Zygote:
@@ -107,7 +122,10 @@ class Zygote:
         self._poller.register(self._conn.fileno(), select.POLLIN)
         fd, name = tempfile.mkstemp(prefix="afd_zygote_", suffix=".log")
         self.log_path = Path(name)
+        self.environ = env.child_environ()  # what its ranks show in /proc/PID/environ
         cmd = [sys.executable, "-m", ENTRY_MODULE, str(theirs.fileno()), str(os.getpid()), " " * ROOM]
+        # SPT_NOENV: setproctitle writes titles within the command line only, so /proc/PID/environ stays readable
+        zygote_env = {**self.environ, "PYTHONUNBUFFERED": "1", "SPT_NOENV": "1"}
         try:
             self.proc = subprocess.Popen(
                 cmd,
@@ -116,13 +134,14 @@ class Zygote:
                 stdout=fd,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # a Ctrl-C at the terminal is the launcher's to handle, not ours
-                env={**env.child_environ(), "PYTHONUNBUFFERED": "1", ROOM_VAR: " " * ROOM},
+                env=zygote_env,
             )
         finally:
             os.close(fd)
             theirs.close()
         self._lock = threading.Lock()
         self._spawned: list[int | str] = []
+        self._live: set[int] = set()  # ranks forked and not yet reported ended
         self._exited: dict[int, int] = {}
         self._lost = False
         self._failed = False  # a spawn failed: the log stays for the user to read
@@ -145,7 +164,18 @@ class Zygote:
             answer = self._spawned.pop(0)
         if isinstance(answer, str):
             raise self._error(f"could not fork a rank ({answer})")
+        self._live.add(answer)
         return RankHandle(self, answer, cmd)
+
+    def close_if_idle(self) -> bool:
+        """Close the zygote if none of its ranks still runs; returns whether it did (or it was gone)."""
+        with self._lock:
+            while self._receive(0.0):
+                pass
+            idle = self._lost or not self._live
+        if idle:
+            self.close()
+        return idle
 
     def returncode(self, pid: int) -> int | None:
         """The rank's exit status once the zygote has reported it (Popen's convention: -N for signal N)."""
@@ -205,6 +235,7 @@ class Zygote:
             self._spawned.append(message[1])
         elif kind == "exited":
             self._exited[message[1]] = message[2]
+            self._live.discard(message[1])
         return True
 
 
@@ -237,26 +268,12 @@ class RankHandle:
 
 
 # ---------------------------------------------------------------- the zygote's side
-def _overwrite_area(first_field: int, strings: list[str]) -> None:
-    """Write `strings`, NUL-terminated and NUL-padded, over the memory /proc shows from field `first_field` of
-    /proc/self/stat to the next (proc(5): 48-49 the command line, 50-51 the environment); what does not fit is cut."""
-    stat = Path("/proc/self/stat").read_text()
-    fields = stat[stat.rindex(")") + 2 :].split()  # fields 3.. of proc(5)
-    start, end = int(fields[first_field - 3]), int(fields[first_field - 2])
-    text = b"".join(s.encode(errors="replace") + b"\0" for s in strings)[: end - start - 1]
-    ctypes.memmove(start, text.ljust(end - start, b"\0"), end - start)
+def set_title(args: list[str]) -> None:
+    """Show `args`, joined by spaces, as this process's title: what `ps`, `pgrep -f` and /proc/PID/cmdline show.
+    It fits within the process's original command line (the zygote's is `ROOM` longer than it needs)."""
+    import setproctitle
 
-
-def set_cmdline(args: list[str]) -> None:
-    """Show `args` as this process's command line in /proc/PID/cmdline (what `ps` and `pgrep -f` read), written
-    over the original one, which must be long enough (the zygote's is `ROOM` longer than it needs)."""
-    _overwrite_area(48, args)
-
-
-def set_environ(environ: dict[str, str]) -> None:
-    """Show `environ` in /proc/PID/environ (what tools that find processes by their environment read), written over
-    the original one, which must be long enough (the zygote's holds `ROOM_VAR`)."""
-    _overwrite_area(50, [f"{k}={v}" for k, v in environ.items()])
+    setproctitle.setproctitle(" ".join(args))
 
 
 def _serve(conn: Connection) -> tuple | None:
@@ -321,9 +338,9 @@ def _become_rank(
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(rank_env)
-    os.environ[env.ZYGOTE_PID_VAR] = str(os.getppid())
-    set_cmdline(cmd)
-    set_environ(dict(os.environ))
+    global _forked_from
+    _forked_from = os.getppid()
+    set_title(cmd)
     sys.argv = [cmd[0], *cmd[3:]]
     return run_command(cmd[3:])
 
@@ -335,7 +352,7 @@ def main(run_command: Callable[[list[str]], int]) -> None:
     conn = Connection(int(sys.argv[1]))
     if os.getppid() != int(sys.argv[2]):
         raise SystemExit(f"afd zygote: its launcher (pid {sys.argv[2]}) is gone")
-    set_cmdline([sys.executable, "-m", ENTRY_MODULE])
+    set_title([sys.executable, "-m", ENTRY_MODULE])
     import torch  # noqa: F401 - the point of the zygote: imported once, before any fork
 
     job = _serve(conn)
