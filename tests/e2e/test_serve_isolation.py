@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import time
 
 import pytest
-from helpers.chaos import Load, await_whole, health, kill_rank
+from helpers.chaos import Load, await_whole, health, kill_rank, random_rank
 from helpers.e2e import TEST_TAG_VAR, Leftovers
 
 from afd.runtime.launch import free_port
@@ -129,6 +130,39 @@ def test_p2p_a_killed_rank_stops_the_group_which_is_restarted_whole(monkeypatch,
         failures = load.errors()
         assert all("ffn rank 0" in e or "restarted" in e for e in failures), failures
         print(f"p2p 1A1F: ffn rank 0 killed: whole again after {healed_s:.1f} s; {len(failures)} failed")
+        srv.stop_clean()
+    finally:
+        srv.close()
+
+
+CHAOS = {"none-R2": ["--connector", "none", "--replicas", "2"],
+         "async-2A1F": ["--connector", "async", "--attention", "2", "--ffn", "1"]}  # fmt: skip
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", list(CHAOS))
+def test_chaos_random_kills_under_load(monkeypatch, reference, name):
+    """Three kills of a random rank, each once the server is whole again: every request is right or ends with an
+    error naming a killed rank (or refused while none serves), none hangs, nothing is left behind."""
+    srv = Served(CHAOS[name], f"chaos{name.replace('-', '')}{os.getpid()}", monkeypatch)
+    rng = random.Random(0)
+    try:
+        load = Load(srv.port, PROMPTS, reference, MAX_TOKENS, clients=4)
+        killed, heal_s = [], []
+        try:
+            restarts = 0
+            for _ in range(3):
+                role, rank = random_rank(rng)
+                restarts += 1 if role == "replica" else 2  # an async world restarts both of its replicas
+                killed.append(f"replica {rank}" if role == "replica" else f"{role} rank {rank}")
+                heal_s.append(_kill_under_load(srv, load, role, rank, restarts, heal_bound_s=30))
+        finally:
+            load.stop()
+        assert load.count("wrong") == 0 and load.count("hung") == 0
+        stray = [e for e in load.errors() if not any(k in e for k in killed) and "restarted" not in e]
+        assert not stray, stray
+        print(f"chaos {name}: killed {killed}; whole again after {[f'{s:.1f}' for s in heal_s]} s; "
+              f"{load.count('right')} right, {len(load.errors())} failed, {load.count('refused')} refused")  # fmt: skip
         srv.stop_clean()
     finally:
         srv.close()
