@@ -244,6 +244,18 @@ def _fill(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
         _assign(model, n, tensors[_hf_key(n)])
 
 
+def preset_checkpoint(name: str, *, dtype: str | torch.dtype = "float32", seed: int = 0) -> dict[str, torch.Tensor]:
+    """Every tensor of preset `name` under its Hugging Face name (both roles, every expert), on the CPU, as a
+    checkpoint directory holds them: the tensors `load_*_model(name, seed=seed)` build (`afd export`)."""
+    config, dtype, device = load_model_config(name), resolve_dtype(dtype), torch.device("cpu")
+    with torch.device("meta"):
+        attention = AttentionModel(config, dtype=dtype)
+        ffn = FFNModel(config)
+    out = _read(name, config, attention_keys(config), dtype=dtype, device=device, seed=seed, model=attention)
+    out.update(_read(name, config, ffn_keys(config), dtype=dtype, device=device, seed=seed, model=ffn))
+    return out
+
+
 def load_attention_model(
     model: str | Path,
     *,
