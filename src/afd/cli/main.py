@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from afd.cli import bench as cli_bench
+from afd.cli import export as cli_export
 from afd.cli import generate as cli_generate
 from afd.cli import info as cli_info
 from afd.cli import planning as cli_planning
@@ -57,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_serve.add_serve_parser(sub)
     cli_generate.add_demo_parser(sub)
     cli_bench.add_bench_parser(sub)  # bench, and under it step, exchange, serve
+    cli_export.add_export_parser(sub)
     cli_planning.add_planning_parsers(sub)  # simulate, plan, profile
     return parser
 
