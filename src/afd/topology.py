@@ -1,10 +1,10 @@
 """Topology arithmetic for both connectors: pure functions, no torch.distributed.
 
-`p2p` (DESIGN.md §1.1): world ranks FFN-first, `G = min(A, F)` sync groups, attention
+`p2p`: world ranks FFN-first, `G = min(A, F)` sync groups, attention
 rank `a` in group `a*G//A`, FFN rank `f` in group `f*G//F`. The smaller role has one
 member per group (the hub); the others are spokes.
 
-`async` (DESIGN.md §1.2): world ranks attention-first, `num_regions = max(A, F)`,
+`async`: world ranks attention-first, `num_regions = max(A, F)`,
 routed experts owned in contiguous ranges per FFN rank, shared-expert rows round-robin.
 """
 

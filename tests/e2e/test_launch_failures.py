@@ -175,7 +175,7 @@ def test_killed_rank_fails_the_run_naming_it() -> None:
         kill_all([launcher])
 
 
-# ---------------------------------------------------------------- issue 9: store, launcher, failure messages
+# ---------------------------------------------------------------- store, launcher, failure messages
 def _reference(prompts: list[list[int]], max_new_tokens: int) -> list:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # other tests' ranks share the cores: oversubscribed threads are much slower

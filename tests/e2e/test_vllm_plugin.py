@@ -1,4 +1,4 @@
-"""The vLLM adapter (`afd[vllm]`, issue 13): vLLM runs attention (its scheduler, paged cache, API server) and hands
+"""The vLLM adapter (`afd[vllm]`): vLLM runs attention (its scheduler, paged cache, API server) and hands
 every MoE layer to afd FFN ranks (`afd worker --role ffn`) through afd's connectors.
 
 The end-to-end tests start real processes: afd FFN ranks, and vLLM in a child Python (`vllm.LLM`, or its OpenAI

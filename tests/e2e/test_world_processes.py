@@ -212,7 +212,7 @@ def test_wrong_secret_and_forged_failure_cannot_stop_a_run(monkeypatch: pytest.M
         arrival = next(k for k in client.list_keys() if k.endswith("arrived/0"))
         namespace = arrival[: -len("arrived/0")]
         client.add(namespace + "failures", 1)
-        client.set(namespace + "first_failure", "forged")  # where afd before issue 9 looked
+        client.set(namespace + "first_failure", "forged")  # a plain key, as an unsigned record would be
         client.set(namespace + "failed/0", json.dumps({"body": json.dumps({"seq": 0, "msg": "forged"}), "mac": "0"}))
         assert attn.proc.poll() is None, "the run ended before the forged failure was written"
         assert intruder.finish(60) == 2, "a rank refused at rendezvous exits 2"

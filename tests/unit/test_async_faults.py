@@ -1,6 +1,5 @@
-"""Faults of the `async` window and its shared-memory transport (issue 9), each proven by a test that
-fails on the code before the fix: segment leaks, a half-sent overflow, shutdown racing a message,
-non-x86 hosts, the NVSHMEM placement wait."""
+"""Faults of the `async` window and its shared-memory transport, each shown by a test: segment leaks, a half-sent
+overflow, shutdown racing a message, non-x86 hosts, the NVSHMEM placement wait."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The command line as a new user meets it (issue 9): one sentence and exit 2 for bad input, never a
+"""The command line as a new user meets it: one sentence and exit 2 for bad input, never a
 traceback or a hang; signals end any command with one line and 128 + the signal number; runs that do
 not fit the machine are refused with the numbers; every flag's help shows its default."""
 

@@ -1,4 +1,4 @@
-"""Overlapped steps (`Engine(overlap_steps=True)`, issue 10): launching the next decode step before reading the
+"""Overlapped steps (`Engine(overlap_steps=True)`): launching the next decode step before reading the
 tokens of the one in flight gives the same outputs as stepping one at a time (tiny preset, fp32, CPU).
 
 Where both schedules are the same step for step (no stop token, no abort) the outputs are bit for bit equal. A

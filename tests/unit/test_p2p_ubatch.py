@@ -1,4 +1,4 @@
-"""Micro-batch ping-pong over the p2p connector (issue 11 item 3, `p2p_ubatching`): the config, the control
+"""Micro-batch ping-pong over the p2p connector (`p2p_ubatching`): the config, the control
 message and the serve order without processes, and launched runs against the reference."""
 
 from __future__ import annotations

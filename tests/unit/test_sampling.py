@@ -1,4 +1,4 @@
-"""Sampling beyond greedy (issue 10, item 6): temperature 0 stays the greedy path bit for bit, a seed
+"""Sampling beyond greedy: temperature 0 stays the greedy path bit for bit, a seed
 reproduces a request's tokens whatever shares its batch, top-k / top-p restrict the support, bad values are
 one sentence, and launched ranks sample exactly as the single process does."""
 

@@ -1,4 +1,4 @@
-"""Micro-batch ping-pong on the attention side (issue 11 item 3, `async_moe_ubatching`): the split, the driver,
+"""Micro-batch ping-pong on the attention side (`async_moe_ubatching`): the split, the driver,
 the engine's split steps, out-of-order replies in the async exchange, and launched runs against the reference."""
 
 from __future__ import annotations

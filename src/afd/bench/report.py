@@ -13,7 +13,7 @@ from afd.bench.serve_client import QUANTILES, format_rate
 
 PLOT_PANELS = (("ttft", "TTFT"), ("tpot", "time per output token"), ("e2e", "end-to-end latency"))
 # A capacity run (rate inf) shorter than this is a warning, not a ranking: 64 requests, about a second of load on
-# an H200 pair, gave the same servers up to ±25% apart between runs (docs/performance.md, round 16); 512 did not.
+# an H200 pair, gave the same servers up to ±25% apart between runs (docs/performance.md); 512 did not.
 SHORT_CAPACITY_RUN_S = 5.0
 
 

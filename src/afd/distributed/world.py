@@ -7,8 +7,7 @@ so the store lives exactly as long as the run. For ranks started by hand, world 
 and on a normal close it stays for as long as any peer is still working (its heartbeat advances),
 so a rank that finished early never brings down the ranks still working. Every subgroup (p2p sync
 groups, the expert-parallel group, the wave group, control channels) is a gloo/NCCL process group
-built on `PrefixStore(prefix, store)`: no other port is ever opened by hand, so multi-host works
-(DESIGN.md §1.1, §4).
+built on `PrefixStore(prefix, store)`: no other port is ever opened by hand, so multi-host works.
 
 Security. torch's TCPStore server would listen on every interface; `host_store` binds the listening
 socket to the configured host itself and hands it over (`master_listen_fd`). A shared secret

@@ -34,19 +34,19 @@ logger = logging.getLogger(__name__)
 # counts and batch sizes (2 and 16) of both kinds are compiled before timed or served work.
 PROMPT_LENS = ((17, 5), (32, 16), (1,) * 16)
 # every tile configuration of the MoE kernels, the grouped-GEMM path, token counts of both kinds; on CUDA also the
-# counts that reach every compiled variant of the routed-experts kernels (`moe.warm_up_token_counts`: round 19b's
+# counts that reach every compiled variant of the routed-experts kernels (`moe.warm_up_token_counts`: without them a
 # fresh machine compiled the pair sort three times mid-run, at pair tiles these counts had not reached)
 FFN_TOKEN_COUNTS = (1, 8, 17, 64, 256, 1000, 1024)
 # Then one step of the engine's whole token budget. Why: cuBLAS and the grouped GEMM pick other kernels for a
 # full prefill step than for the sizes above, and CUDA loads each kernel's module on its first use. Measured on
-# an H200 (round 14, `AFD_TIMELINE`): the first 8,192-token prefill step of a fresh process took 170 ms more on
+# an H200 (`AFD_TIMELINE`): the first 8,192-token prefill step of a fresh process took 170 ms more on
 # its host before its first exchange than the steps after it.
 FULL_STEP_PROMPT_LEN = 1024  # the budget step's prompts: long enough for the prefill kernels' long-query tiles
 # Then each prompt set continues as a server's steps do: the first prompt's next chunk of this many tokens beside the
 # others' decodes, then another chunk alone. Why: a prompt with cached context takes another path through each layer
 # (its keys gathered from the cache, its queries gathered and scattered around the decodes), whose kernels then load
-# before serving. (Round 19a's mid-run prefill compile was another thing: the key-length table's alignment, fixed
-# in `MLAttention`; round 19c's fresh machine compiled nothing while serving.)
+# before serving. (The key-length table's alignment, another cause of a mid-run prefill compile, is kept fixed in
+# `MLAttention`.)
 CONTINUE_TOKENS = 8
 
 
@@ -152,8 +152,8 @@ WARM_UP_SAMPLING = (None, SamplingParams(temperature=0.7, top_p=0.9, top_k=50, s
 
 def warm_up_sampling(model: AttentionModel, hidden: torch.Tensor) -> None:
     """The sampling path after a forward: lm_head on a few rows, log-softmax, both samplers, the pinned copy to the
-    host. Why: a fresh process's first step spent ~20 ms after its last exchange (round 15's timeline: the step's
-    tail, 17.7 ms on the first step, 0.24 ms on later ones) loading these kernels and its first pinned buffer."""
+    host. Why: a fresh process's first step spent ~20 ms after its last exchange (a timeline of the step's tail:
+    17.7 ms on the first step, 0.24 ms on later ones) loading these kernels and its first pinned buffer."""
     n = len(WARM_UP_SAMPLING)
     if hidden.shape[0] < n:
         return
@@ -219,7 +219,7 @@ def warm_up_wave_exchange(exchange: WaveExchange, model: AttentionModel) -> None
     attention rank at once (the DP wave makes it one step of the FFN ranks too).
 
     Why: torch creates an NCCL communicator on a group's first operation, and on the GPU that took 569 ms inside the
-    first send of round 14's first request (`AFD_TIMELINE`). The row is zeros with expert 0 at weight 0: the FFN
+    first send of a server's first request (`AFD_TIMELINE`). The row is zeros with expert 0 at weight 0: the FFN
     ranks compute it like any row, and nothing of it reaches a request."""
     start = time.perf_counter()
     config, device = model.config, model.embed_tokens.weight.device

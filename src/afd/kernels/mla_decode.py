@@ -216,7 +216,7 @@ def warm_up_shapes(block_n: int) -> list[tuple[int, int]]:
 def warm_up(q_latent: torch.Tensor, q_pe: torch.Tensor, cache_layer: torch.Tensor, softmax_scale: float) -> None:
     """Compile every variant the decode kernels can need for these heads and this dtype (`warm_up_shapes`), on
     one sequence that reads the cache's first row. Why: the split count follows the batch and context, so a
-    server meets new ones long after its first steps; round 19's fresh machine compiled four mid-run."""
+    server meets new ones long after its first steps (a fresh machine compiled four mid-run without this)."""
     block_n = BLOCK_N_FP32 if q_latent.dtype == torch.float32 else BLOCK_N
     q_latent, q_pe = q_latent[:1], q_pe[:1]
     for context, splits in warm_up_shapes(block_n):

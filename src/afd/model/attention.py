@@ -213,7 +213,7 @@ class MLAttention(nn.Module):
         k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)  # [Lk, nh, Dn], [Lk, nh, Dv]: views
         S = len(seqs)
         # the key table starts 16-byte aligned whatever S is: Triton compiles a kernel again for each alignment of a
-        # pointer argument (round 19b: a fresh server compiled the prefill kernel mid-run for this)
+        # pointer argument, so an unaligned table made a fresh server compile the prefill kernel mid-run
         k_at = -(-(S + 1) // 4) * 4
         meta = batch.varlen_meta.get(tuple(seqs))  # the same for every layer of the step: built by the first
         if meta is None:

@@ -53,8 +53,8 @@ def profiled(name: str, folder: str | None) -> Iterator[None]:
 class CompileWatch:
     """The Triton kernel variants this process compiles (or loads from Triton's disk cache) before its serving part
     starts and after. One after is a first use inside timed or served work that the warm-up (`afd.engine.warm_up`, the
-    graph captures) did not cover: it lands in some request's latency (round 18: a fresh machine's first run paid
-    ~260 ms of TTFT). Triton calls it after each compile (`triton.knobs.runtime.jit_post_compile_hook`)."""
+    graph captures) did not cover: it lands in some request's latency (a fresh machine's first run once paid
+    ~260 ms of TTFT for it). Triton calls it after each compile (`triton.knobs.runtime.jit_post_compile_hook`)."""
 
     def __init__(self, chained: Callable[..., object] | None = None) -> None:
         self.before = 0

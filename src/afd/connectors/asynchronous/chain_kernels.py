@@ -16,7 +16,7 @@ the host (capturable):
    window with a system-scope release, so the rows and the header are visible first.
 
 The attention side's send is one launch too (`send_request`: rows, ids, weights, header, flag), measured at
-~10 µs per layer as three copies and a stamp kernel (round 17).
+~10 µs per layer as three copies and a stamp kernel.
 
 `afd.connectors.asynchronous.ffn_chain` keeps the same steps in PyTorch as the CPU path and the oracle of
 `tests/test_chain_kernels.py` (on CPU through Triton's interpreter, on a GPU compiled).
@@ -143,7 +143,7 @@ def reply_item(
     arrive: torch.Tensor,  # [1] int32 scratch, 0 between launches
 ) -> None:
     """The reply (rows, header) and the item's bookkeeping (flags, counters) in one launch; before, two (a kernel
-    boundary and ~2 µs more per item, round 17)."""
+    boundary and ~2 µs more per item)."""
     n, hidden = routed.shape
     _reply_kernel[(n,)](
         routed, routed if shared is None else shared, mask, out, header, reply_header, flag, stats, ok, reply_flag,

@@ -1,4 +1,4 @@
-"""The `p2p` connector: synchronous attention <-> FFN exchange for any A:F ratio (DESIGN.md §1.1).
+"""The `p2p` connector: synchronous attention <-> FFN exchange for any A:F ratio.
 
 Per engine step every attention replica (in lockstep: the DP wave) tells the FFN members of its
 sync group its token count; per boundary layer it sends its MoE input rows (plus the routing when

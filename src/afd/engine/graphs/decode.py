@@ -7,9 +7,9 @@ instead from a graph captured for its layout, with the inputs copied into static
 Layout key: `(batch bucket, context bucket)`. The batch is padded up to the smallest bucket of
 `batch_buckets(max_num_seqs)`; the context rows every decode token gathers are padded up to
 `context_bucket(...)` blocks (a quarter-octave grid, so at most ~25% more rows are read). Keying by the
-token count alone would alias layouts (DESIGN.md §1.3), so only all-decode steps are graphed and the
-context width is part of the key. Graphs are captured lazily, once per key, logged at INFO with their
-duration; a caller that times steps captures first (`capture_for`).
+token count alone would alias layouts (two steps of one token count may differ in sequences and context), so
+only all-decode steps are graphed and the context width is part of the key. Graphs are captured lazily, once
+per key, logged at INFO with their duration; a caller that times steps captures first (`capture_for`).
 
 Padding rows never touch real data: their token id and position are 0, their cache write goes to the
 cache's scratch row (`PagedLatentCache.scratch_row`, never read), their context is the zero row of the

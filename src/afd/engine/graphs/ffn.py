@@ -12,7 +12,7 @@ op is row-wise), so one graph serves every row count up to its bucket. Padding r
 no rank holds: their pairs sort after every group and cost no expert FLOPs.
 
 Prefill sizes (`max_rows`: the buckets of `afd.engine.graphs.decode.token_buckets` above the decode ones) matter because
-the FFN host spent 0.7-1.2 ms enqueueing a 2,048-4,096-row pass that the GPU ran in 1.0-1.5 ms (round 16), so
+the FFN host spent 0.7-1.2 ms enqueueing a 2,048-4,096-row pass that the GPU ran in 1.0-1.5 ms, so
 two micro-batches left the FFN host-bound. Their graphs write one shared fp32 output buffer (a copy inside the
 graph) instead of keeping an output per (layer, bucket), which at these sizes would be gigabytes.
 A GEMM over a bucket may tile differently than over the real rows: a row's result may move by float rounding,

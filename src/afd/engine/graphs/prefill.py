@@ -2,7 +2,7 @@
 
 Why: at a few thousand tokens per step the attention rank's host spends about as long enqueueing a layer's
 kernels (norms, projections, rope, router: some twenty launches) as the GPU spends running them, so its
-stream waits for the host (docs/performance.md, round 15). Decode steps already replay graphs
+stream waits for the host (docs/performance.md). Decode steps already replay graphs
 (afd.engine.graphs.decode), but a prefill step's layout (how many sequences, their lengths and cached context) varies
 from step to step. Most of a layer does not care: everything but the attention core is row-wise, so it
 depends on the token count alone.
