@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Correctness on the device machine, from the repo root, with the nvshmem4py wheel carried in .whl/; results into $OUT.
-#   bash scripts/gpu_check.sh [tests|oracle|sweep|faults|all] [ARGS...]
+#   bash scripts/gpu_check.sh [tests|oracle|sweep|faults|isolation|all] [ARGS...]
 #   tests [PYTEST ARGS]  the `gpu`-marked tests (`pytest -m gpu`, default over tests/), output in $OUT/gpu_tests.txt
 #   oracle               the fp32 oracle: `afd generate --model tiny ... --prompt-logprobs` on CUDA as one process (the
 #                        reference), then async 1A1F (one and two micro-batches), 1A2F or 2A2F, prompts in chunks of
@@ -9,6 +9,8 @@
 #   sweep ["RUNS"]       scripts/topology_sweep.sh on CUDA (default: the topologies two GPUs hold) into $OUT/sweep
 #   faults               two GPUs: p2p 1A1F as two hand-started `afd worker`s, then kill -9 of an FFN rank of a
 #                        hand-started p2p 1A1F and 2A2F run: the other ranks must stop by themselves and name it
+#   isolation [SECONDS]  `afd serve` none R=2 co-located on GPU 0 under the mixed workload (10 requests/s), replica 1
+#                        killed after SECONDS of load: failed requests, time until /health is "ok" again
 #   all                  tests, then oracle (the default)
 # Exit status: that of the last check (compare_outputs.py's for the oracle).
 set -u
@@ -109,13 +111,42 @@ run_faults() {
   echo "== leftover segments:"; ls /dev/shm | grep afd || echo none
 }
 
+# run_isolation [SECONDS]: `afd serve` none R=2 co-located on GPU 0 (V2-Lite bf16) under the mixed workload at 10
+# requests/s through `afd bench serve --url`; replica 1 is killed (kill -9) after SECONDS (default 6) of load. Prints
+# the requests that failed, how long /health took to say "ok" with replica 1 restarted, and the bench's table.
+run_isolation() {
+  local port=$((8100 + RANDOM % 800)) url pid victim t_kill
+  url=http://127.0.0.1:$port
+  CUDA_VISIBLE_DEVICES=0 timeout 400 python3 -m afd serve "${LITE[@]}" --connector none --replicas 2 --port $port \
+    >"$B/isolation_serve.out" 2>"$B/isolation_serve.err" &
+  pid=$!
+  for _ in $(seq 600); do curl -sf "$url/health" >/dev/null && break; sleep 0.5; done
+  curl -s "$url/health"; echo
+  timeout 300 python3 -m afd bench serve --url "$url" --workload mixed --short-len 64 --long-len 1024 --max-tokens 64 \
+    --requests 300 --rates 10 --json "$OUT/isolation_bench.json" >"$OUT/isolation_bench.txt" 2>"$B/isolation_bench.err" &
+  local bench=$!
+  sleep "${1:-6}"
+  victim=$(pgrep -f "afd worker.*--role replica --rank 1" | head -n 1)
+  t_kill=$(date +%s.%N); kill -9 "$victim"; echo "killed replica 1 (pid $victim)"
+  until curl -s "$url/health" | python3 -c "import json,sys; h=json.load(sys.stdin)
+sys.exit(0 if h['status'] == 'ok' and h['replicas'][1]['restarts'] >= 1 else 1)" 2>/dev/null; do
+    (( $(date +%s) - ${t_kill%.*} > 120 )) && { echo "not whole within 120 s"; break; }
+    sleep 0.1
+  done
+  echo "whole again after $(python3 -c "import time; print(round(time.time() - $t_kill, 2))") s: $(curl -s "$url/health")"
+  wait $bench; echo "bench rc=$?"; cat "$OUT/isolation_bench.txt"; grep -v "^\[afd" "$B/isolation_bench.err" | tail -n 3
+  kill -TERM $pid; wait $pid; echo "serve exit status $?"
+  grep -h "replica 1\|restart" "$B/isolation_serve.err" | tail -n 5
+}
+
 case $CHECK in
   tests) run_tests "$@" ;;
   oracle) run_oracle ;;
   sweep) run_sweep "$@" ;;
   faults) run_faults ;;
+  isolation) run_isolation "$@" ;;
   all) run_tests; run_oracle ;;
-  *) echo "usage: bash scripts/gpu_check.sh [tests|oracle|sweep|faults|all] [ARGS...]" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/gpu_check.sh [tests|oracle|sweep|faults|isolation|all] [ARGS...]" >&2; exit 2 ;;
 esac
 rc=$?
 leftovers
