@@ -40,7 +40,12 @@ def add_planning_parsers(sub) -> None:
     """Register `simulate`, `plan` and `profile` under `afd`'s sub-commands."""
     p = sub.add_parser("simulate", help="simulate afd serving a workload on a profiled machine (bench serve's report)")
     _add_workload(p, 1000)
-    p.add_argument("--connector", choices=["none", "p2p", "async", "ep"], default="none")
+    p.add_argument(
+        "--connector",
+        choices=["none", "p2p", "async", "ep"],
+        default="none",
+        help="none: whole replicas; p2p, async: AFD groups; ep: data-parallel attention with expert-parallel MoE",
+    )
     p.add_argument("--attention", type=positive_int, default=1, help="attention ranks per group (ep: GPUs)")
     p.add_argument("--ffn", type=positive_int, default=1, help="FFN ranks per group")
     p.add_argument("--replicas", type=positive_int, default=1, help="none: replicas; p2p/async: groups")
