@@ -68,8 +68,10 @@ def add_planning_parsers(sub) -> None:
 
     p = sub.add_parser("profile", help="measure this machine's step parts with afd's own code and fit a profile")
     p.add_argument("--model", default="tiny", help="a preset (tiny on CPU, deepseek-v2-lite on GPU)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="the weights' and compute dtype"
+    )
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the parts are measured")
     p.add_argument("--no-exchange", action="store_true", help="leave the p2p / async round trips out")
     p.add_argument("--output", "-o", required=True, help="the profile JSON to write")
     p.set_defaults(func=cmd_profile, starts_ranks=False)
