@@ -6,18 +6,7 @@ import subprocess
 import sys
 
 import pytest
-
-WRAPPED = {
-    "afd": {
-        "afd_role": "ffn",
-        "afd_connector": "GpuAsyncAFDConnector",
-        "afd_host": "10.0.0.2",
-        "afd_port": 7000,
-        "num_attention_ranks": 3,
-        "num_ffn_ranks": 2,
-        "connector_extra_config": {"ring_depth": 2},
-    }
-}
+from helpers.config_cases import WRAPPED
 
 
 def run_afd(*args: str) -> subprocess.CompletedProcess:

@@ -26,6 +26,7 @@ import pytest
 import torch
 from helpers.e2e import afd_worker, kill_all, mapped_windows
 from helpers.hf import spread_weights
+from helpers.vllm_shapes import SHAPES
 
 from afd.engine.generate import generate
 from afd.runtime.launch import free_port
@@ -58,25 +59,6 @@ ENGINE = dict(  # vLLM's arguments; tiny and float32 so its tokens can equal tra
     # vLLM picks its AMX MLA kernels on a CPU with AMX tiles, and they refuse the tiny model's 16-wide heads
     # ("invalid weight input features 16"); the reference CPU backend takes any shape, on any x86 host
     attention_backend="CPU_MLA",
-)
-# Shapes vLLM's CPU kernels accept: a 576-wide MLA latent (kv_lora_rank 512 + rope 64).
-SHAPES = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=96,
-    moe_intermediate_size=32,
-    num_hidden_layers=3,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    kv_lora_rank=512,
-    qk_nope_head_dim=16,
-    qk_rope_head_dim=64,
-    v_head_dim=16,
-    n_routed_experts=8,
-    n_shared_experts=1,
-    num_experts_per_tok=2,
-    first_k_dense_replace=1,
-    max_position_embeddings=256,
 )
 KINDS = {  # grouped top-k with a scaling factor (V2); the V3 correction bias, sigmoid, normalized weights
     "v2": dict(

@@ -3,20 +3,9 @@
 import json
 
 import pytest
+from helpers.config_cases import WRAPPED
 
 from afd.config import AsyncExtraConfig, ConfigError, P2pExtraConfig, parse_config
-
-WRAPPED = {
-    "afd": {
-        "afd_role": "ffn",
-        "afd_connector": "GpuAsyncAFDConnector",
-        "afd_host": "10.0.0.2",
-        "afd_port": 7000,
-        "num_attention_ranks": 3,
-        "num_ffn_ranks": 2,
-        "connector_extra_config": {"ring_depth": 2},
-    }
-}
 
 
 def test_wrapped_shape_with_aliases_folds_to_canonical() -> None:

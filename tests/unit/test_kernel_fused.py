@@ -2,8 +2,8 @@
 
 Small tests: fp32, tiny shapes (edge cases: no rows, one row, rows and widths not multiple of a block, strided views,
 in-place into q, a whole two-layer forward) in Triton's interpreter on CPU, compiled where there is a GPU.
-GPU tests (`-m gpu`): bf16 at DeepSeek-V2-Lite shapes, T in {1, 8, 256, 8192}, and under CUDA-graph capture.
-`python tests/test_kernel_fused.py` on the GPU prints one JSON line per op and T: eager vs kernel time.
+GPU tests (`-m gpu`, tests/e2e/test_kernel_fused_gpu.py): bf16 at DeepSeek-V2-Lite shapes, T in {1, 8, 256, 8192}, and
+under CUDA-graph capture.
 """
 
 from __future__ import annotations

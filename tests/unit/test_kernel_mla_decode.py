@@ -4,10 +4,8 @@ CPU (Triton's interpreter, fp32, tiny shapes): the kernel equals the einsum math
 `MLAttention._decode_attention` within 1e-5, for every split count, with padded rows pointing at the zero
 row (the CUDA-graph layout) and contexts spanning several blocks of a real `PagedLatentCache`; the model's
 decode path takes the kernel without gathering the context. GPU (`-m gpu`, bf16, DeepSeek-V2-Lite shapes):
-against an fp32 reference, bit-identical across runs, and the same bits from a CUDA-graph replay.
-
-`python tests/test_kernel_mla_decode.py` on the GPU prints one JSON line per (batch, context): eager
-gather + einsum time, kernel time, latent bytes read and the kernel's achieved GB/s.
+against an fp32 reference, bit-identical across runs, and the same bits from a CUDA-graph replay
+(tests/e2e/test_kernel_mla_decode_gpu.py).
 """
 
 from __future__ import annotations

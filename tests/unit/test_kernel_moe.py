@@ -2,9 +2,8 @@
 
 CPU: Triton's interpreter, fp32, tiny shapes (H=64, I=48, E=8), within 1e-5 of `routed_experts(fixed_shape=False)`
 and of the eager grouped loop. GPU (`-m gpu`): DeepSeek-V2-Lite shapes in bf16 against an fp32 oracle and the
-`torch._grouped_mm` path, bit-identical reruns, CUDA-graph capture + replay equal to eager, no host sync.
-`python tests/test_kernel_moe.py [--sweep]` on the GPU prints one JSON line per batch size: `torch._grouped_mm`
-path vs kernels, 26 layers of distinct expert weights in one CUDA graph, and the GB/s of each.
+`torch._grouped_mm` path, bit-identical reruns, CUDA-graph capture + replay equal to eager, no host sync
+(tests/e2e/test_kernel_moe_gpu.py).
 """
 
 from __future__ import annotations

@@ -3,11 +3,8 @@
 CPU: Triton's interpreter, fp32, tiny shapes, within 1e-5 — the kernel alone (fresh prompts, chunks after
 cached context, lone decodes, tiles not multiples of the block, padding rows, empty inputs) and
 `MLAttention`'s kernel path against its SDPA loop over a real paged cache (mixed with batched decodes).
-GPU (`-m gpu`): bf16 at DeepSeek-V2-Lite shapes, fp32 exactness, CUDA-graph capture, the model path.
-
-`python tests/test_kernel_prefill_attention.py [--sweep]` on the GPU prints one JSON line of timings;
-`TRITON_INTERPRET=0 python tests/test_kernel_prefill_attention.py --compile-sm90` (any machine) compiles the
-kernel for Hopper and prints its shared memory.
+The GPU half (bf16 at DeepSeek-V2-Lite shapes, fp32 exactness, CUDA-graph capture, the model path) is
+tests/e2e/test_kernel_prefill_attention_gpu.py.
 """
 
 from __future__ import annotations

@@ -4,8 +4,7 @@ CPU: fp32, tiny shapes in Triton's interpreter (compiled where there is a GPU): 
 scores are within 1e-5, a tie-tolerant check on plain random inputs, the tie rule (lower expert / group id first)
 on exact ties, every supported method, H split over programs, the dispatch in `Gate.forward` and its fallback.
 GPU (`-m gpu`): DeepSeek-V2-Lite / V3 / V2 shapes, bf16 rows, bf16 and fp32 (as loaded) gate weights, T in
-{1, 8, 64, 256, 4096}, and CUDA-graph capture and replay.
-`python tests/test_kernel_router.py bench` on the GPU prints one JSON line per (model, weight dtype, T).
+{1, 8, 64, 256, 4096}, and CUDA-graph capture and replay (tests/e2e/test_kernel_router_gpu.py).
 """
 
 from __future__ import annotations
