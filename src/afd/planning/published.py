@@ -24,7 +24,7 @@ PREFILL_8X1024_MS = 94.75
 ROUTED_26_LAYERS_MS = {1: 0.95, 8: 3.84, 64: 7.06, 256: 7.81}
 # "Two attention replicas' rows in one FFN pass", h200, 2026-11-30: one layer, routed + shared, one item
 ONE_ITEM_MS = {1: 0.063, 8: 0.176, 32: 0.293, 64: 0.307}
-# "Prefill: micro-batches", x2, round 14 (architecture.md): the FFN pass of an 8,192-token prefill layer
+# docs/architecture.md (shared experts on the attention rank), x2: the FFN pass of an 8,192-token prefill layer
 PREFILL_FFN_LAYER_MS = 2.7
 # "The exchange", x2, 2026-12-01: one layer's round trip, (bytes, p50 µs)
 EXCHANGE_ASYNC = [(8240, 21.7), (65920, 22.1), (527360, 22.4), (4218880, 35.3), (33751040, 159.0)]
@@ -38,7 +38,7 @@ H200_MEMORY_BYTES = 139 * (1 << 30)  # what the device reports usable
 CONTEXT = 512
 SOURCE = (
     "fitted from docs/performance.md's figures (h200 2026-12-01 step table and capacity run, h200 2026-11-30 "
-    "kernel and cross-replica tables, x2 2026-12-01 exchange table, round 14 prefill FFN layer), "
+    "kernel and cross-replica tables, x2 2026-12-01 exchange table, the prefill FFN layer in architecture.md), "
     "DeepSeek-V2-Lite bf16; not measured by afd profile (python -m afd.planning.published)"
 )
 
