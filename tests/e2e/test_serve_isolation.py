@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import time
 
 import pytest
-from helpers.chaos import Load, await_whole, health, kill_rank, random_rank
+from helpers.chaos import Load, await_whole, health
 from helpers.e2e import TEST_TAG_VAR, Leftovers
 
+from afd.bench.chaos import kill_rank
+from afd.bench.chaos_run import format_chaos
 from afd.runtime.launch import free_port
 from afd.serve.run import ServerProcess
 
@@ -59,7 +60,7 @@ def _kill_under_load(srv: Served, load: Load, role: str, rank: int, restarts: in
     while load.count("right") < right + 4:
         assert time.monotonic() < deadline, "no request completed under load"
         time.sleep(0.05)
-    kill_rank(role, rank)
+    kill_rank(srv.server.proc.pid, role, rank)
     killed = time.monotonic()
     healed_s = await_whole(srv.port, restarts, heal_bound_s, since=killed)
     right = load.count("right")
@@ -136,33 +137,30 @@ def test_p2p_a_killed_rank_stops_the_group_which_is_restarted_whole(monkeypatch,
 
 
 CHAOS = {"none-R2": ["--connector", "none", "--replicas", "2"],
-         "async-2A1F": ["--connector", "async", "--attention", "2", "--ffn", "1"]}  # fmt: skip
+         "async-2A1F": ["--connector", "async", "--attention", "2", "--ffn", "1"],
+         "p2p-2A2F": ["--connector", "p2p", "--attention", "2", "--ffn", "2"]}  # fmt: skip
+CHAOS_S, CHAOS_INTERVAL_S = 20.0, 3.0
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(90)
 @pytest.mark.parametrize("name", list(CHAOS))
-def test_chaos_random_kills_under_load(monkeypatch, reference, name):
-    """Three kills of a random rank, each once the server is whole again: every request is right or ends with an
-    error naming a killed rank (or refused while none serves), none hangs, nothing is left behind."""
-    srv = Served(CHAOS[name], f"chaos{name.replace('-', '')}{os.getpid()}", monkeypatch)
-    rng = random.Random(0)
+def test_chaos_random_kills_under_load(monkeypatch, name):
+    """`afd bench serve --chaos`'s code path for 20 s: a random rank killed every 3 s under Poisson load, each
+    time once the server is whole again. Every request is right or ends with an error naming a killed rank (or
+    refused while none serves), none hangs, every kill heals, nothing is left behind."""
+    from afd.bench.chaos_run import chaos_server
+
+    monkeypatch.setenv(TEST_TAG_VAR, f"chaos{name.replace('-', '')}{os.getpid()}")
+    leftovers = Leftovers()
+    argv = ["--model", MODEL, *SMALL, *CHAOS[name], "--restart-window", str(CHAOS_INTERVAL_S / 2)]
     try:
-        load = Load(srv.port, PROMPTS, reference, MAX_TOKENS, clients=4)
-        killed, heal_s = [], []
-        try:
-            restarts = 0
-            for _ in range(3):
-                role, rank = random_rank(rng)
-                restarts += 1 if role == "replica" else 2  # an async world restarts both of its replicas
-                killed.append(f"replica {rank}" if role == "replica" else f"{role} rank {rank}")
-                heal_s.append(_kill_under_load(srv, load, role, rank, restarts, heal_bound_s=30))
-        finally:
-            load.stop()
-        assert load.count("wrong") == 0 and load.count("hung") == 0
-        stray = [e for e in load.errors() if not any(k in e for k in killed) and "restarted" not in e]
-        assert not stray, stray
-        print(f"chaos {name}: killed {killed}; whole again after {[f'{s:.1f}' for s in heal_s]} s; "
-              f"{load.count('right')} right, {len(load.errors())} failed, {load.count('refused')} refused")  # fmt: skip
-        srv.stop_clean()
+        chaos = dict(rate=4.0, seconds=CHAOS_S, interval_s=CHAOS_INTERVAL_S, bound_s=30.0, heal_bound_s=30.0)
+        got = chaos_server(argv, PROMPTS, [MAX_TOKENS] * len(PROMPTS), {"model": MODEL}, startup_timeout_s=60, **chaos)
+        print(format_chaos(name, got))
+        assert got["wrong"] == 0 and got["hung"] == 0 and got["num_stray_failures"] == 0, got
+        assert len(got["kills"]) >= 2 and got["not_healed"] == 0, got["kills"]
+        assert got["completed"] > 0 and got["server_exit_status"] == 0
+        assert got["leftovers"] == {"processes": [], "segments": []}
+        leftovers.check()
     finally:
-        srv.close()
+        leftovers.cleanup()

@@ -1,26 +1,18 @@
-"""Load and kills for the failure-isolation tests of `afd serve`: closed-loop clients that send greedy completions
-(streamed or whole) and sort every answer into right / wrong / failed (a clean error) / hung, the ranks of a server
-by role, and the wait for the server to be whole again after a kill."""
+"""Load and kills for the failure-isolation tests of `afd serve`, over the product's own pieces
+(`afd.bench.chaos`: the request body, the sorting of answers, the ranks of a server, its health): closed-loop
+clients that send greedy completions (streamed or whole) one after another, and the wait for the server to be
+whole again after a kill."""
 
 from __future__ import annotations
 
 import http.client
 import json
-import random
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from helpers.e2e import kill_pids, worker_pids
-from helpers.http_client import http_request
-
-
-@dataclass
-class Outcome:
-    kind: str  # right | wrong | failed (ended with an error) | refused (503 + Retry-After, never started) | hung
-    error: str = ""
-    streamed: bool = False
+from afd.bench import chaos
+from afd.bench.chaos import Outcome, classify, request_body
 
 
 @dataclass
@@ -69,8 +61,7 @@ class Load:
                 time.sleep(0.05)  # a server without a serving replica answers at once: do not spin
 
     def _one(self, i: int, stream: bool) -> Outcome:
-        body = {"prompt": self.prompts[i], "max_tokens": self.max_tokens, "temperature": 0, "logprobs": 0,
-                "return_tokens_as_token_ids": True, "ignore_eos": True, "stream": stream}  # fmt: skip
+        body = request_body(self.prompts[i], self.max_tokens, stream)
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=self.bound_s)
         try:
             conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
@@ -82,64 +73,19 @@ class Load:
             return Outcome("failed", f"connection: {exc}", stream)
         finally:
             conn.close()
-        if resp.status != 200:
-            kind = "refused" if resp.status == 503 and resp.getheader("Retry-After") else "failed"
-            return Outcome(kind, json.loads(raw)["error"]["message"], stream)
-        if not stream:
-            ids = [int(t.split(":")[1]) for t in json.loads(raw)["choices"][0]["logprobs"]["tokens"]]
-            return Outcome("right" if ids == self.reference[i] else "wrong", streamed=False)
-        events = [e[len("data: ") :] for e in raw.split("\n\n") if e.strip()]
-        if events[-1] != "[DONE]":
-            return Outcome("failed", "the stream did not end with [DONE]", True)
-        ids = []
-        for e in events[:-1]:
-            got = json.loads(e)
-            if "error" in got:
-                return Outcome("failed", got["error"]["message"], True)
-            logprobs = got["choices"][0]["logprobs"] if got.get("choices") else None
-            ids += [int(t.split(":")[1]) for t in logprobs["tokens"]] if logprobs else []
-        return Outcome("right" if ids == self.reference[i] else "wrong", streamed=True)
+        return classify(resp.status, resp.getheader("Retry-After"), raw, stream, self.reference[i])
 
 
-def _argv(pid: int) -> list[str]:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").replace("\0", " ").split()
-    except OSError:
-        return []
-
-
-def rank_pids() -> dict[tuple[str, int], int]:
-    """The current test's live ranks by (role, role rank): ("replica", 1), ("attention", 0), ("ffn", 0)."""
-    found = {}
-    for pid in worker_pids():
-        argv = _argv(pid)
-        if "--role" in argv and "--rank" in argv:
-            found[(argv[argv.index("--role") + 1], int(argv[argv.index("--rank") + 1]))] = pid
-    return found
-
-
-def kill_rank(role: str, rank: int) -> int:
-    """kill -9 that rank (its process group); its pid."""
-    pid = rank_pids()[(role, rank)]
-    kill_pids({pid})
-    return pid
+def url(port: int) -> str:
+    return f"http://127.0.0.1:{port}"
 
 
 def health(port: int) -> dict:
-    return http_request(port, "GET", "/health")[1]
+    return chaos.health(url(port))
 
 
 def await_whole(port: int, restarts: int, timeout_s: float, since: float | None = None) -> float:
     """Until /health says ok with every replica alive and `restarts` restarts in all; seconds since `since`."""
-    since = time.monotonic() if since is None else since
-    deadline = since + timeout_s
-    while True:
-        got = health(port)
-        if got["status"] == "ok" and sum(r["restarts"] for r in got["replicas"]) >= restarts:
-            return time.monotonic() - since
-        assert time.monotonic() < deadline, f"the server was not whole again within {timeout_s} s: {got}"
-        time.sleep(0.05)
-
-
-def random_rank(rng: random.Random) -> tuple[str, int]:
-    return rng.choice(sorted(rank_pids()))
+    healed_s = chaos.await_whole(url(port), restarts, timeout_s, since)
+    assert healed_s is not None, f"the server was not whole again within {timeout_s} s: {health(port)}"
+    return healed_s

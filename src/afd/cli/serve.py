@@ -22,6 +22,7 @@ from afd.cli.args import (
     launch_config,
     shared_experts_keys,
 )
+from afd.cli.chaos import add_chaos_arguments, cmd_bench_chaos
 from afd.cli.input import (
     UsageError,
     batched_tokens,
@@ -358,6 +359,7 @@ def add_bench_serve_parser(steps) -> None:
     )
     s.add_argument("--json", help="also write the raw results (JSON) to this file")
     s.add_argument("--plot", metavar="FILE.png", help="latency vs rate per server config (matplotlib, afd[bench])")
+    add_chaos_arguments(s)
     s.set_defaults(func=cmd_bench_serve, starts_ranks=False)
 
 
@@ -454,6 +456,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
             require_matplotlib()
         except PlotUnavailable as exc:
             raise UsageError(str(exc)) from None
+    if args.chaos:
+        return cmd_bench_chaos(args, workload, rates, server_argv(args, limit), model_config.vocab_size)
     progress = Progress(sys.stderr)
     common = dict(vocab_size=model_config.vocab_size, timeout_s=args.startup_timeout)
     try:
