@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 
+from afd import env
 from afd.cli.args import (
     add_run_arguments,
     add_skip_resource_check,
@@ -27,6 +28,7 @@ from afd.cli.input import (
     rank_count,
     read_prompts,
 )
+from afd.cli.nodes import add_node_arguments, check_node_flags, is_multi_node, node_spec
 from afd.distributed import signals
 
 
@@ -35,12 +37,13 @@ def add_generate_parsers(sub) -> None:
     p = sub.add_parser("generate", help="generation (greedy by default), in one process or through a connector")
     add_run_arguments(p)
     p.set_defaults(func=cmd_generate)
-    p = sub.add_parser("launch", help="start a whole topology on this host and gather the outputs")
+    p = sub.add_parser("launch", help="start a whole topology (with --nnodes: this host's share) and gather outputs")
     add_run_arguments(p)
+    add_node_arguments(p)
     p.set_defaults(func=cmd_generate, launch=True, starts_ranks=True)
 
 
-def run_generate(args: argparse.Namespace) -> tuple[list, dict]:
+def run_generate(args: argparse.Namespace) -> tuple[list, dict] | None:
     prompts = read_prompts(args)
     model_config = check_prompts(args.model, prompts, args.device, args.max_new_tokens)
     check_cache_fits(args, prompts)
@@ -79,15 +82,26 @@ def run_generate(args: argparse.Namespace) -> tuple[list, dict]:
         return outputs, {}
     from afd.runtime.launch import launch
 
+    world_size = args.attention + args.ffn
+    if getattr(args, "launch", False):
+        check_node_flags(args, world_size)
     config = launch_config(
         args.config,
         args.connector,
-        port=args.port,
+        port=args.port or getattr(args, "master_port", None),
         shared_experts=args.shared_experts,
         num_attention_ranks=args.attention,
         num_ffn_ranks=args.ffn,
         compute_gate_on_attention=not args.gate_on_ffn,
     )
+    if getattr(args, "master_addr", None):
+        config = config.replace(host=args.master_addr)
+    if is_multi_node(args):  # this host's share: the memory check of a whole world on one host does not apply
+        from afd.runtime.nodes import launch_node
+
+        signals.raise_if_signalled()
+        node = node_spec(args, config.host, config.port, world_size)
+        return launch_node(config, run_spec(args, prompts, timeout_s=args.timeout), prompts, node, env.secret())
     check_resources(
         args,
         model_config,
@@ -111,7 +125,10 @@ def output_json(output, with_prompt_logprobs: bool) -> dict:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    outputs, _ = run_generate(args)
+    run = run_generate(args)
+    if run is None:  # a node K > 0 of a run over several hosts: node 0 prints the run's outputs
+        return 0
+    outputs, _ = run
     if args.json:
         print(json.dumps({"outputs": [output_json(o, args.prompt_logprobs) for o in outputs]}))
     else:

@@ -143,12 +143,14 @@ def worker_command(
     role_rank: int,
     run_dir: Path,
     serve_address: LinkAddress | None = None,
+    placement: list[int] | None = None,
 ) -> list[str]:
-    """The `afd worker` command of one rank: its prompts and output files, or (a server's) the front end."""
+    """The `afd worker` command of one rank: its prompts and output files, or (a server's) the front end.
+    `placement`: the local GPU of each world rank (-1: another host's), default the whole world on this host's."""
     cmd = [sys.executable, "-m", "afd", "worker", "--config", json.dumps(config.to_dict()), "--role", role]
     cmd += ["--rank", str(role_rank)] + _spec_flags(spec, run_dir)
     cache = spec.cache
-    if spec.device == "cuda":  # the launcher packs the whole world onto this host's GPUs
+    if spec.device == "cuda" and placement is None:  # the launcher packs the whole world onto this host's GPUs
         import torch
 
         from afd.topology import gpu_placement
@@ -156,6 +158,7 @@ def worker_command(
         placement = gpu_placement(
             config.connector, config.num_attention_ranks, config.num_ffn_ranks, torch.cuda.device_count()
         )
+    if spec.device == "cuda":
         gpu = placement[world_rank_of(config, role, role_rank)]
         cmd += ["--device-index", str(gpu)]
         cache = cache.shared_by(placement.count(gpu))  # co-located ranks split the GPU's memory
