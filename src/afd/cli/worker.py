@@ -56,6 +56,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         raise UsageError("prompts go to attention ranks; an FFN rank takes none")
     if prompts and args.serve_address:
         raise UsageError("a rank serving a front end (--serve-address) takes its requests from it, not prompts")
+    dtype_given = args.dtype is not None  # an FFN rank without it takes the attention side's at rendezvous
+    args.dtype = args.dtype or "float32"
     check_prompts(args.model, prompts, args.device, args.max_new_tokens)
     check_cache_fits(args, prompts)
     job = RankJob(
@@ -71,6 +73,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         serve_address=args.serve_address,
         num_replicas=args.replicas,
         launcher_pid=args.launcher_pid,
+        dtype_given=dtype_given,
     )
     name = f"{role} rank {args.rank}"
     log = logging.getLogger("afd.worker")
@@ -136,6 +139,13 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", help="host of the world store (overrides the config's)")
     p.add_argument("--port", type=port_number, help="port of the world store (overrides the config's)")
     add_model_arguments(p, prompts_required=False)  # prompts: attention ranks only, this replica's
+    for action in p._actions:  # an FFN rank's dtype comes from the attention side unless given
+        if action.dest == "dtype":
+            action.default = None
+            action.help = (
+                "weights dtype (default: float32; an FFN rank takes the attention ranks' dtype at rendezvous, and "
+                "refuses to start when given another one)"
+            )
     p.add_argument("--output", help="attention ranks: write this replica's outputs (JSON) here")
     p.add_argument("--bind-host", help="the address this rank binds to (default: derived from the config's host)")
     p.add_argument(

@@ -1,30 +1,28 @@
 """The AFD world: one store per run, a private namespace, prefixed subgroups, bounded waits, failures that name a rank.
 
-Store. Every rank of a topology connects to ONE TCPStore at the configured `host:port`. Under
-`afd launch` the launcher process hosts it (`host_store`; every rank is a client, `store_external`),
-so the store lives exactly as long as the run. For ranks started by hand, world rank 0
-(`STORE_HOST_RANK`; FFN rank 0 in the `p2p` order, attention rank 0 in the `async` order) hosts it,
-and on a normal close it stays for as long as any peer is still working (its heartbeat advances),
-so a rank that finished early never brings down the ranks still working. Every subgroup (p2p sync
-groups, the expert-parallel group, the wave group, control channels) is a gloo/NCCL process group
-built on `PrefixStore(prefix, store)`: no other port is ever opened by hand, so multi-host works.
+Store. Every rank of a topology connects to ONE TCPStore at the configured `host:port`. Under `afd launch` the
+launcher process hosts it (`host_store`; every rank is a client, `store_external`), so the store lives exactly as long
+as the run. For ranks started by hand, world rank 0 (`STORE_HOST_RANK`; FFN rank 0 in the `p2p` order, attention rank
+0 in the `async` order) hosts it, and on a normal close it stays for as long as any peer is still working (its
+heartbeat advances), so a rank that finished early never brings down the ranks still working. Every subgroup (p2p sync
+groups, the expert-parallel group, the wave group, control channels) is a gloo/NCCL process group built on
+`PrefixStore(prefix, store)`: no other port is ever opened by hand, so multi-host works.
 
-Security. torch's TCPStore server would listen on every interface; `host_store` binds the listening
-socket to the configured host itself and hands it over (`master_listen_fd`). A shared secret
-(`AFD_SECRET`, `afd.env.secret()`; `afd launch` mints one per run) yields, by HMAC-SHA256, a
-private namespace (every world key lives under it, so two runs on one store never meet) and a
-public run tag that the store's creator writes under `RUN_TAG_KEY`: a rank that finds another tag
-stops at once (`ForeignRunError`). Arrival, done and failure records carry an HMAC of their key
-and content; a record that does not verify is logged and never trusted, so nobody without the
-secret can stop the run or pose as a rank. (TCPStore can list its keys: the namespace keeps runs
-apart, it is not hidden; on an untrusted network, bind a private address.)
+Security. torch's TCPStore server would listen on every interface; `host_store` binds the listening socket to the
+configured host itself and hands it over (`master_listen_fd`). A shared secret (`AFD_SECRET`, `afd.env.secret()`;
+`afd launch` mints one per run) yields, by HMAC-SHA256, a private namespace (every world key lives under it, so two
+runs on one store never meet) and a public run tag that the store's creator writes under `RUN_TAG_KEY`: a rank that
+finds another tag stops at once (`ForeignRunError`). Arrival, done and failure records carry an HMAC of their key and
+content; a record that does not verify is logged and never trusted, so nobody without the secret can stop the run or
+pose as a rank. (TCPStore can list its keys: the namespace keeps runs apart, it is not hidden; on an untrusted
+network, bind a private address.)
 
-Rendezvous: each rank claims `claim/{rank}`, publishes `arrived/{rank}` (role, role rank, A, F,
-world order, host, pid) and waits, bounded, for every other rank; a rank that never arrives is
-named, and so is one started with different A/F.
+Rendezvous: each rank claims `claim/{rank}`, publishes `arrived/{rank}` (role, role rank, A, F, world order, host,
+pid; an attention rank's dtype, which the FFN ranks take) and waits, bounded, for every other rank; a rank that never
+arrives is named, and so is one started with different A/F.
 
-Failures: a watchdog per rank (`afd.distributed.watchdog`) ends the process, saying why, when another rank failed,
-a peer went silent, the store host stopped answering or the launcher is gone.
+Failures: a watchdog per rank (`afd.distributed.watchdog`) ends the process, saying why, when another rank failed, a
+peer went silent, the store host stopped answering or the launcher is gone.
 """
 
 from __future__ import annotations
@@ -88,6 +86,7 @@ class RankInfo:
     world_order: WorldOrder
     host: str
     pid: int
+    dtype: str | None = None  # an attention rank's compute dtype: the FFN ranks take it
 
     @property
     def name(self) -> str:
@@ -358,6 +357,7 @@ def init_world(
     secret: str | None = None,
     watch_pid: int | None = None,
     expendable: frozenset[int] = frozenset(),
+    dtype: str | None = None,
 ) -> World:
     """Join the AFD world through the store at `host:port`.
 
@@ -366,7 +366,7 @@ def init_world(
     whose death ends this rank (the launcher). Ranks may start in any order; every wait is bounded
     by `timeout` seconds. `expendable`: world ranks whose death alone ends no other rank. `local_host`
     is the address this rank's gloo connections bind to (default: 127.0.0.1 when the store is on
-    loopback, else the host's default interface).
+    loopback, else the host's default interface). `dtype`: an attention rank's compute dtype (`RankInfo`).
     """
     if num_attention + num_ffn != world_size:
         raise RendezvousError(
@@ -376,7 +376,9 @@ def init_world(
     if not 0 <= world_rank < world_size:
         raise RendezvousError(f"world rank {world_rank} is outside a world of {world_size} ranks")
     role, role_rank = role_of_world(world_rank, num_attention, num_ffn, world_order)
-    me = RankInfo(world_rank, role, role_rank, num_attention, num_ffn, world_order, socket.gethostname(), os.getpid())
+    me = RankInfo(
+        world_rank, role, role_rank, num_attention, num_ffn, world_order, socket.gethostname(), os.getpid(), dtype
+    )
     td = timedelta(seconds=timeout)
     secret = env.secret() if secret is None else secret
     keys = RunKeys.from_secret(secret)

@@ -28,6 +28,7 @@ from afd.runtime.rank import (
     announce_ffn_ready,
     drive_replica,
     engine_for,
+    ffn_dtype,
     profile_rank,
     select_device,
     wait_ffn_ready,
@@ -68,23 +69,25 @@ def run_async_rank(job: RankJob) -> None:
         world_order="attention_first",
         # a server's attention replica may die alone: the FFN ranks drop it and the server restarts the instance
         expendable=frozenset(range(cfg.num_attention_ranks)) if job.serve_address is not None else frozenset(),
+        dtype=job.spec.dtype if job.role == "attention" else None,
         **world_options(job),
     )
-    endpoint_args = dict(
-        hidden_size=model_config.hidden_size,
-        topk=model_config.num_experts_per_tok,
-        num_layers=model_config.num_hidden_layers,
-        dtype=resolve_dtype(job.spec.dtype),
-        device=device,
-        max_num_batched_tokens=job.spec.max_num_batched_tokens,
-        extra_config=cfg.connector_extra_config,
-        heap_factory=heap_factory(job, world, device),
-        timeout_s=job.timeout_s,
-    )
-    load_args = dict(dtype=job.spec.dtype, device=device, gate_on_attention=True, seed=job.spec.seed)
-    load_args["quantization"] = job.spec.quantization
     shared_on_attention = cfg.connector_extra_config.shared_experts_on_attention  # where the shared experts run
     try:
+        dtype = job.spec.dtype if job.role == "attention" else ffn_dtype(job, world)  # before loading
+        endpoint_args = dict(
+            hidden_size=model_config.hidden_size,
+            topk=model_config.num_experts_per_tok,
+            num_layers=model_config.num_hidden_layers,
+            dtype=resolve_dtype(dtype),
+            device=device,
+            max_num_batched_tokens=job.spec.max_num_batched_tokens,
+            extra_config=cfg.connector_extra_config,
+            heap_factory=heap_factory(job, world, device),
+            timeout_s=job.timeout_s,
+        )
+        load_args = dict(dtype=dtype, device=device, gate_on_attention=True, seed=job.spec.seed)
+        load_args["quantization"] = job.spec.quantization
         if job.role == "attention":
             model = load_attention_model(job.spec.model, shared_experts=shared_on_attention, **load_args)
             exchange = AsyncAttentionExchange(

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from afd import env
 from afd.config import AFDConfig
 from afd.distributed.watchdog import process_alive
+from afd.distributed.world import World
 from afd.engine.engine import Engine, Output, Request
 from afd.profiling.profiler import profiled, watching_compiles
 from afd.runtime.link import LinkAddress
@@ -61,6 +62,7 @@ class RankJob:
     serve_address: LinkAddress | None = None  # the front end's link; None: run `prompts` and exit
     num_replicas: int = 1  # role "replica": how many run side by side (they share this host's cores)
     launcher_pid: int | None = None  # the `afd launch` / `afd serve` that started it (it dies with it); None: by hand
+    dtype_given: bool = True  # False: an FFN rank started without --dtype takes the attention side's (`ffn_dtype`)
 
     @property
     def backend(self) -> str:
@@ -208,6 +210,24 @@ def local_replica_engine(job: RankJob) -> Engine:
     load["quantization"] = job.spec.quantization
     attn, ffn = load_attention_model(job.spec.model, **load), load_ffn_model(job.spec.model, **load)
     return engine_for(job, attn, LocalExchange(ffn))
+
+
+def ffn_dtype(job: RankJob, world: World) -> str:
+    """The dtype an FFN rank loads and exchanges in: the one the attention ranks published at rendezvous (a vLLM
+    engine's may differ from what it was asked: vLLM runs float32 as bfloat16 on CPU). A `--dtype` given to the
+    FFN rank must name the same; without any published (attention ranks of another build) the job's own."""
+    published = {p.dtype for p in world.peers.values() if p.role == "attention" and p.dtype}
+    if len(published) > 1:
+        raise ValueError(f"the attention ranks run different dtypes ({', '.join(sorted(published))}); give them one")
+    if not published:
+        return job.spec.dtype
+    (attention,) = published
+    if job.dtype_given and job.spec.dtype != attention:
+        raise ValueError(
+            f"ffn rank {job.role_rank} was started with --dtype {job.spec.dtype} but the attention side runs "
+            f"{attention}; leave --dtype out (an FFN rank takes the attention side's) or give {attention}"
+        )
+    return attention
 
 
 FFN_READY_KEY = "afd/ffn_ready"  # + "/<ffn rank>": set once the rank's kernels are compiled and its graphs captured

@@ -24,6 +24,7 @@ from afd.runtime.rank import (  # noqa: F401 - RankJob and drive_replica are als
     die_with_launcher,
     drive_replica,
     engine_for,
+    ffn_dtype,
     local_replica_engine,
     profile_rank,
     select_device,
@@ -60,10 +61,12 @@ def run_p2p_rank(job: RankJob) -> None:
         job.timeout_s,
         num_attention=cfg.num_attention_ranks,
         num_ffn=cfg.num_ffn_ranks,
+        dtype=job.spec.dtype if job.role == "attention" else None,
         **world_options(job),
     )
     try:
-        common = dict(dtype=job.spec.dtype, device=device, gate_on_attention=gate_on_attention, seed=job.spec.seed)
+        dtype = job.spec.dtype if job.role == "attention" else ffn_dtype(job, world)  # before loading
+        common = dict(dtype=dtype, device=device, gate_on_attention=gate_on_attention, seed=job.spec.seed)
         common["quantization"] = job.spec.quantization
         if job.role == "attention":
             model = load_attention_model(job.spec.model, **common)
@@ -107,7 +110,7 @@ def run_p2p_rank(job: RankJob) -> None:
                 num_experts=model_config.n_routed_experts,
                 topk=model_config.num_experts_per_tok,
                 hidden_size=model_config.hidden_size,
-                dtype=resolve_dtype(job.spec.dtype),
+                dtype=resolve_dtype(dtype),
                 boundary_layers=boundary,
                 gate_on_attention=gate_on_attention,
                 dense_layers=dense,

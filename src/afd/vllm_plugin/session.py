@@ -133,6 +133,7 @@ class AFDSession(Exchange):
             num_attention=self.cfg.num_attention_ranks,
             num_ffn=self.cfg.num_ffn_ranks,
             world_order=order,
+            dtype=str(self.dtype).removeprefix("torch."),  # the FFN ranks take vLLM's (float32 runs as bfloat16 on CPU)
         )
 
     def _build(self, make: Callable[[], _T]) -> _T:
