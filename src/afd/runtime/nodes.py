@@ -232,6 +232,7 @@ def launch_node(
 def _reach_store(config: AFDConfig, node: NodeSpec, keys: RunKeys, timeout_s: float) -> dist.Store:
     """A client of node 0's world store, once node 0 is there (bounded); refuses a store of another run."""
     where = f"{config.host}:{config.port}"
+    log.info("node %d: waiting for node 0's world store at %s", node.node_rank, where)
     try:  # plain sockets first: a TCPStore client that cannot connect yet logs C++ tracebacks
         wait_until(lambda: _accepts(config.host, config.port), timeout_s, f"node 0 at {where}", poll_s=0.2)
         wait = timedelta(seconds=timeout_s)
@@ -264,6 +265,7 @@ def _join(nodes: NodeStore, node: NodeSpec, digest: str, timeout_s: float) -> st
         nodes.put("joined/0", {"digest": digest, "token": token})
     else:
         nodes.put(f"joined/{node.node_rank}", {"digest": digest})
+    log.info("node %d: joined; waiting for the other nodes", node.node_rank)
     deadline = time.monotonic() + timeout_s
     joined: dict[int, dict] = {}
     while True:
