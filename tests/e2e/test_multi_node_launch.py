@@ -8,13 +8,24 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from helpers.e2e import MAX_NEW_TOKENS, MODEL, PROMPTS, Leftovers, assert_matches_reference, kill_all, reference
+from helpers.e2e import (
+    MAX_NEW_TOKENS,
+    MODEL,
+    PROMPTS,
+    Leftovers,
+    assert_matches_reference,
+    kill_all,
+    reference,
+    role_of,
+    wait_for_workers,
+)
 
 from afd.engine.engine import Output
 from afd.env import SECRET_VAR
@@ -101,6 +112,44 @@ def test_a_node_that_never_comes_is_named(present: int, tmp_path: Path) -> None:
         leftovers.check()
     finally:
         kill_all([proc])
+        leftovers.cleanup()
+
+
+def attention_log(pids: set[int]) -> Path:
+    """The log of an attention rank among `pids`: beside its outputs file, in its node's run directory."""
+    for pid in pids:
+        if role_of(pid) == "attention":
+            words = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().split()
+            return Path(words[words.index("--output") + 1]).parent / "attention0.log"
+    raise AssertionError("no attention rank among the workers")
+
+
+@pytest.mark.timeout(180)
+def test_a_node_killed_mid_run_ends_the_run_everywhere(tmp_path: Path) -> None:
+    """`kill -9` of node 1's afd launch once the world is formed: its ranks go with it, node 0 exits 1 naming a
+    rank of node 1, and no rank of either node is left."""
+    port, secret = free_port(), os.urandom(16).hex()
+    config = json.dumps({"connector_extra_config": {"timeout_s": 20}})
+    long_run = ["--config", config, "--max-new-tokens", "4000", "--max-num-batched-tokens", "4100"]
+    logs = [tmp_path / "node0.err", tmp_path / "node1.err"]
+    leftovers = Leftovers()
+    procs = [start_node(node_command(port, "p2p", k, *long_run), logs[k], secret) for k in (0, 1)]
+    try:
+        log = attention_log(wait_for_workers(4))  # p2p 2A2F: node 1 hosts the attention ranks
+        deadline = time.monotonic() + 120
+        while not (log.exists() and "joined a world of 4 ranks" in log.read_text(errors="replace")):
+            assert all(p.poll() is None for p in procs), "a node ended before the world was formed"
+            assert time.monotonic() < deadline, "the world did not form within 120 s"
+            time.sleep(0.05)
+        os.kill(procs[1].pid, signal.SIGKILL)
+        procs[1].wait(10)
+        out, _ = procs[0].communicate(timeout=120)
+        error = logs[0].read_text().strip().splitlines()[-1]
+        assert procs[0].returncode == 1 and out == ""
+        assert error.startswith("afd: error: ") and "attention" in error, error
+        leftovers.check(timeout_s=30)
+    finally:
+        kill_all(procs)
         leftovers.cleanup()
 
 
