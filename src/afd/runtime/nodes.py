@@ -19,6 +19,7 @@ then closes the store. Records are signed with the run's key: a process without 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -29,6 +30,7 @@ import socket
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -134,21 +136,37 @@ def run_digest(config: AFDConfig, spec: RunSpec, prompts: list[list[int]], node:
 
 
 class NodeStore:
-    """This node's launcher's view of the `nodes/` records in the run's namespace of the world store."""
+    """This node's launcher's view of the `nodes/` records in the run's namespace of the world store; a store op
+    that fails (its host, node 0, is gone) raises LaunchError saying so."""
 
-    def __init__(self, root: dist.Store, keys: RunKeys) -> None:
+    def __init__(self, root: dist.Store, keys: RunKeys, store_host: str) -> None:
         self.store = dist.PrefixStore(f"{keys.namespace}nodes/", root)
         self.keys = keys
+        self.store_host = store_host
 
     def put(self, key: str, body: dict | str) -> None:
         text = body if isinstance(body, str) else json.dumps(body)
-        self.store.set(key, self.keys.sign(key, text))
+        with self._op():
+            self.store.set(key, self.keys.sign(key, text))
 
     def get(self, key: str) -> str | None:
-        return read_record(self.store, self.keys, key)
+        with self._op():
+            return read_record(self.store, self.keys, key)
 
-    def beat(self, node_rank: int) -> int:
-        return int(self.store.add(f"alive/{node_rank}", 1))
+    def beat(self, node_rank: int) -> None:
+        with self._op():
+            self.store.add(f"alive/{node_rank}", 1)
+
+    def beats(self, node_rank: int) -> int:
+        with self._op():
+            return int(self.store.add(f"alive/{node_rank}", 0))
+
+    @contextlib.contextmanager
+    def _op(self) -> Iterator[None]:
+        try:
+            yield
+        except Exception:  # noqa: BLE001 - torch raises several types when the store's host is gone
+            raise LaunchError(f"{self.store_host}, the world store's host, stopped answering") from None
 
 
 class _Stop:
@@ -187,8 +205,10 @@ def launch_node(
     digest = run_digest(config, spec, prompts, node)
     timeout_s = world_timeout(config)
     server = host_world_store(config, secret) if node.node_rank == 0 else None
-    nodes = NodeStore(server if server is not None else _reach_store(config, node, keys, timeout_s), keys)
+    root = server if server is not None else _reach_store(config, node, keys, timeout_s)
+    nodes = NodeStore(root, keys, node.describe(0))
     parent = Path(tempfile.mkdtemp(prefix=f"afd_node{node.node_rank}_"))
+    run_dir: Path | None = None
     ranks: list[RankProcess] = []
     keep = False  # a run that started ranks and failed keeps its directory (logs) for the user to read
     try:
@@ -221,10 +241,11 @@ def launch_node(
                 raise
     finally:
         stop_all(ranks)
-        clean_up_run(config, parent, ranks)
-        del nodes, server  # every local rank is gone, and every other node is done, failed or gone
+        if run_dir is not None:
+            clean_up_run(config, run_dir, ranks)
+        del nodes, root, server  # every local rank is gone, and every other node is done, failed or gone
         if not keep:
-            for run_dir in parent.iterdir():
+            if run_dir is not None:
                 keep_logs(run_dir)
             shutil.rmtree(parent, ignore_errors=True)
 
@@ -339,15 +360,10 @@ def _wait_local(ranks: list[RankProcess], nodes: NodeStore, node: NodeSpec, run_
 
 def _check_nodes(nodes: NodeStore, node: NodeSpec) -> None:
     """Beat, and fail at once when another node said it failed (before its ranks could say why, say)."""
-    try:
-        nodes.beat(node.node_rank)
-        for k in range(node.nnodes):
-            if k != node.node_rank and (why := nodes.get(f"failed/{k}")) is not None:
-                raise LaunchError(f"{node.describe(k)} failed: {why}")
-    except LaunchError:
-        raise
-    except Exception:  # noqa: BLE001 - a store op failed: its host is gone
-        raise LaunchError(f"{node.describe(0)}, the world store's host, stopped answering") from None
+    nodes.beat(node.node_rank)
+    for k in range(node.nnodes):
+        if k != node.node_rank and (why := nodes.get(f"failed/{k}")) is not None:
+            raise LaunchError(f"{node.describe(k)} failed: {why}")
 
 
 def _post_outputs(nodes: NodeStore, config: AFDConfig, node: NodeSpec, run_dir: Path) -> None:
@@ -369,7 +385,7 @@ def _await_nodes_done(nodes: NodeStore, node: NodeSpec, silence_s: float, run_ti
                 pending.discard(k)
                 continue
             beat, since = last[k]
-            now_beat = int(nodes.store.add(f"alive/{k}", 0))
+            now_beat = nodes.beats(k)
             if now_beat != beat:
                 last[k] = (now_beat, time.monotonic())
             elif time.monotonic() - since > silence_s:
