@@ -129,7 +129,7 @@ def test_a_node_killed_mid_run_ends_the_run_everywhere(tmp_path: Path) -> None:
     """`kill -9` of node 1's afd launch once the world is formed: its ranks go with it, node 0 exits 1 naming a
     rank of node 1, and no rank of either node is left."""
     port, secret = free_port(), os.urandom(16).hex()
-    config = json.dumps({"connector_extra_config": {"timeout_s": 20}})
+    config = json.dumps({"connector_extra_config": {"timeout_s": 60}})
     long_run = ["--config", config, "--max-new-tokens", "4000", "--max-num-batched-tokens", "4100"]
     logs = [tmp_path / "node0.err", tmp_path / "node1.err"]
     leftovers = Leftovers()
