@@ -18,8 +18,11 @@ from afd.serve import streaming
 BODY = json.dumps({"prompt": "a", "max_tokens": 1}).encode()
 
 
-def exchange(port: int, data: bytes, *, wait_s: float = 5.0) -> tuple[bytes, bool]:
-    """Send `data` on a fresh connection; (every byte the server sent back, whether it closed the connection)."""
+def exchange(port: int, data: bytes, *, wait_s: float = 30.0) -> tuple[bytes, bool]:
+    """Send `data` on a fresh connection; (every byte the server sent back, whether it closed the connection).
+
+    An answer "at once" is one before `wait_s` of silence, far below the minute a server that waits for more bytes
+    would stay quiet: no premise on the machine's speed."""
     sock = socket.create_connection(("127.0.0.1", port))
     sock.settimeout(wait_s)
     try:
@@ -67,10 +70,8 @@ MALFORMED = {
 @pytest.mark.parametrize("case", list(MALFORMED))
 def test_a_malformed_head_gets_400_at_once_and_the_connection_closes(server, case: str) -> None:
     data = MALFORMED[case]
-    started = time.monotonic()
     got, closed = exchange(server.port, data + (BODY if data.startswith(HEAD) else b""))
     assert got.startswith(b"HTTP/1.1 400 ") and closed, (case, got[:200])
-    assert time.monotonic() - started < 3, case
     assert http_request(server.port, "GET", "/health")[0] == 200  # and the server serves on
 
 
@@ -126,27 +127,28 @@ def test_a_body_beyond_what_the_model_length_allows_is_refused_before_it_is_read
     from afd.serve.server import body_limit
 
     limit = body_limit(server.state.pool.max_model_len)
-    assert limit < 2 << 20  # 4,096 tokens: 1.25 MiB, not the 64 MiB of before
+    assert limit < 2 << 20  # 4,096 tokens: 1.25 MiB
     head = b"POST /v1/completions HTTP/1.1\r\nHost: a\r\nContent-Type: application/json\r\n"
-    started = time.monotonic()
     got, closed = exchange(server.port, head + b"Content-Length: %d\r\n\r\n{" % (60 << 20))  # no body follows
-    assert got.startswith(b"HTTP/1.1 413 ") and closed and time.monotonic() - started < 3, got[:300]
+    assert got.startswith(b"HTTP/1.1 413 ") and closed, got[:300]
     assert b"RequestTooLargeError" in got
-    # a chunked body has no length to read up front: it is cut off where it passes the limit
+    # a chunked body has no length to read up front: it is cut off where it passes the limit. The client offers far
+    # more than the limit plus what the kernel's buffers on both ends can hold (a few MiB on loopback), so the send
+    # fails only because the server stopped reading and closed, whatever the machine's speed.
     sock = socket.create_connection(("127.0.0.1", server.port))
-    sock.settimeout(10)
+    sock.settimeout(30)
     sock.sendall(head + b"Transfer-Encoding: chunked\r\n\r\n")
     chunk = b"%x\r\n%s\r\n" % (1 << 16, b" " * (1 << 16))
-    sent = 0
+    offered, sent = 64 * limit, 0
     try:
-        while sent < 4 * limit:
+        while sent < offered:
             sock.sendall(chunk)
             sent += 1 << 16
     except OSError:  # the server answered and closed
         pass
     answer = sock.recv(65536)
     sock.close()
-    assert answer.startswith(b"HTTP/1.1 413 ") and sent < 4 * limit, answer[:200]
+    assert answer.startswith(b"HTTP/1.1 413 ") and sent < offered, answer[:200]
 
 
 @pytest.mark.timeout(120)
@@ -199,9 +201,8 @@ def test_the_api_key_is_checked_before_any_body_is_read() -> None:
             b"POST /v1/completions HTTP/1.1\r\nHost: a\r\nContent-Type: application/json\r\n"
             b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % (60 << 20)
         )
-        started = time.monotonic()
         got, closed = exchange(keyed.port, head)
-        assert got.startswith(b"HTTP/1.1 401 ") and closed and time.monotonic() - started < 3, got[:300]
+        assert got.startswith(b"HTTP/1.1 401 ") and closed, got[:300]
         assert b"100 Continue" not in got and b"www-authenticate: Bearer" in got.lower().replace(b"bearer", b"Bearer")
         right = {"Authorization": "Bearer sesame"}
         assert keyed.post("/v1/completions", {"prompt": "a", "max_tokens": 1}, headers=right)[0] == 200
