@@ -16,7 +16,7 @@ from helpers.async_fakes import (
     HIDDEN,
     NUM_EXPERTS,
     NUM_LAYERS,
-    StandInFFN,
+    AsyncStandInFFN,
     dims,
     reference,
     routing,
@@ -95,7 +95,7 @@ def ffn_main(port: int, num_attn: int, num_ffn: int, ffn_rank: int) -> None:
     try:
         topo = AsyncTopology(num_attn, num_ffn, NUM_EXPERTS)
         server = AsyncFFNServer(client(port), topo, ffn_rank, **dims())
-        run_ffn_loop(server, StandInFFN(topo.expert_ranges[ffn_rank]))
+        run_ffn_loop(server, AsyncStandInFFN(topo.expert_ranges[ffn_rank]))
         results.put(("ffn_ok", ffn_rank, str(server.items_served)))
     except BaseException as e:  # noqa: BLE001
         results.put(("ffn_error", ffn_rank, f"{type(e).__name__}: {e}"))

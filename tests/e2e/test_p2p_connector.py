@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.p2p_fakes import DENSE, LAYERS, E, H, K, StandInFFN
+from helpers.p2p_fakes import DENSE, LAYERS, E, H, K, P2pStandInFFN
 
 from afd.connectors.p2p.attention import P2pAttentionExchange
 from afd.connectors.p2p.ffn import P2pFFNLoop
@@ -39,7 +39,7 @@ def rows(attn_rank: int, step: int, num_tokens: int) -> torch.Tensor:
     return torch.randn(num_tokens, H, generator=torch.Generator().manual_seed(1000 * attn_rank + step))
 
 
-def attention_forward(exchange, model: StandInFFN, x: torch.Tensor, gate_on_attention: bool) -> torch.Tensor:
+def attention_forward(exchange, model: P2pStandInFFN, x: torch.Tensor, gate_on_attention: bool) -> torch.Tensor:
     """A stand-in model forward: the residual stream through every boundary layer."""
     for layer in LAYERS:
         if gate_on_attention and layer in DENSE:
@@ -93,7 +93,7 @@ def rank_main(spec: dict) -> None:
         for phase, gate_on_attention in enumerate(spec["gates"]):
             name = f"p2p{phase}"
             if world.me.role == "ffn":
-                model = StandInFFN(expert_ranges(E, num_ffn)[world.me.role_rank])
+                model = P2pStandInFFN(expert_ranges(E, num_ffn)[world.me.role_rank])
                 loop = P2pFFNLoop(
                     world,
                     topo,
@@ -128,7 +128,7 @@ def rank_main(spec: dict) -> None:
                 num_tokens = busy[step] if step < len(busy) else 0
                 ex.begin_step(num_tokens)
                 x = rows(a, step, num_tokens).to(device)
-                outs.append(attention_forward(ex, StandInFFN(), x, gate_on_attention).cpu())
+                outs.append(attention_forward(ex, P2pStandInFFN(), x, gate_on_attention).cpu())
                 step += 1
             torch.save(outs, Path(spec["out"], f"attn{a}_{phase}.pt"))
         world.close()
@@ -203,7 +203,7 @@ def test_outputs_match_single_process(tmp_path: Path, num_attn: int, num_ffn: in
     )
     assert_ok(results)
     wave = max(len(schedule(a)) for a in range(num_attn))
-    model = StandInFFN()
+    model = P2pStandInFFN()
     for phase, gate_on_attention in enumerate(gates):
         for f in range(num_ffn):
             assert json.loads((tmp_path / f"ffn{f}_{phase}.json").read_text()) == wave
@@ -236,7 +236,7 @@ def test_nccl_1a1f_matches_single_process(tmp_path: Path) -> None:
     for phase, gate_on_attention in enumerate(gates):
         outs = torch.load(tmp_path / f"attn0_{phase}.pt")
         for step, num_tokens in enumerate(schedule(0)):
-            want = attention_forward(None, StandInFFN(), rows(0, step, num_tokens), gate_on_attention)
+            want = attention_forward(None, P2pStandInFFN(), rows(0, step, num_tokens), gate_on_attention)
             torch.testing.assert_close(outs[step], want, atol=1e-4, rtol=1e-4)
 
 
@@ -301,5 +301,5 @@ def test_ranks_on_distinct_loopback_hosts(tmp_path: Path) -> None:
         s["local_host"] = {0: "127.0.0.2", 1: "127.0.0.3"}.get(s["world_rank"], "127.0.0.1")
     assert_ok(run_ranks(tmp_path, specs, limit_s=20))
     outs = torch.load(tmp_path / "attn0_0.pt")
-    want = attention_forward(None, StandInFFN(), rows(0, 1, schedule(0)[1]), gate_on_attention=False)
+    want = attention_forward(None, P2pStandInFFN(), rows(0, 1, schedule(0)[1]), gate_on_attention=False)
     torch.testing.assert_close(outs[1], want, atol=1e-5, rtol=1e-5)

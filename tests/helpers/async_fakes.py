@@ -34,7 +34,7 @@ def dims(poll_ms: int = 50) -> dict:
     )
 
 
-class StandInFFN:
+class AsyncStandInFFN:
     """Deterministic per-expert math: expert e(x) = tanh(x) * (1 + 0.1 e) + 0.01 (e + layer)."""
 
     def __init__(self, expert_range: range) -> None:
@@ -61,7 +61,7 @@ def expert_fn(layer_idx: int, x: torch.Tensor, ids: torch.Tensor) -> torch.Tenso
 
 def reference(layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
     """Direct computation: sum_k w[t, k] * expert_{ids[t, k]}(x[t]) + shared(x[t])."""
-    out = StandInFFN(range(0)).shared(layer_idx, x)
+    out = AsyncStandInFFN(range(0)).shared(layer_idx, x)
     for k in range(topk_ids.shape[1]):
         out = out + topk_weights[:, k : k + 1] * expert_fn(layer_idx, x, topk_ids[:, k])
     return out
@@ -105,5 +105,5 @@ def endpoints(num_ffn: int, **extra: object) -> Iterator[tuple[AsyncAttentionExc
         cleanup_segments(ex.window.heap.run_token)
 
 
-def models(num_ffn: int) -> list[StandInFFN]:
-    return [StandInFFN(r) for r in AsyncTopology(1, num_ffn, NUM_EXPERTS).expert_ranges]
+def models(num_ffn: int) -> list[AsyncStandInFFN]:
+    return [AsyncStandInFFN(r) for r in AsyncTopology(1, num_ffn, NUM_EXPERTS).expert_ranges]

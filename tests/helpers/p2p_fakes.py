@@ -33,7 +33,7 @@ def _weight(seed: int, cols: int, device: torch.device | None = None) -> torch.T
     return _WEIGHTS[seed].to(device) if device is not None else _WEIGHTS[seed]
 
 
-class StandInFFN:
+class P2pStandInFFN:
     """FFNModel's p2p-facing surface; expert e of layer l: tanh(x @ W[l, e]) * (e + 1)."""
 
     def __init__(self, expert_range: range = range(E)) -> None:

@@ -15,7 +15,7 @@ from helpers.async_fakes import (
     HIDDEN,
     NUM_EXPERTS,
     TOPK,
-    StandInFFN,
+    AsyncStandInFFN,
     dims,
     reference,
     routing,
@@ -105,7 +105,7 @@ def test_partials_are_added_in_ffn_rank_order_whatever_order_they_arrive_in() ->
     first flag read, so it reads them 2, 0, 1. The result is still zeros + p0 + p1 + p2 in fp32, bit for bit
     (two partials per token would add the same either way)."""
     with in_process(1, 3, topk=3) as ((ex,), servers):
-        models = [StandInFFN(r) for r in AsyncTopology(1, 3, NUM_EXPERTS).expert_ranges]
+        models = [AsyncStandInFFN(r) for r in AsyncTopology(1, 3, NUM_EXPERTS).expert_ranges]
         g = torch.Generator().manual_seed(11)
         x = torch.randn(12, HIDDEN, generator=g) * 100
         ids = torch.tensor([[0, 2, 4], [3, 5, 1], [1, 4, 2]] * 4)  # experts 0-1, 2-3, 4-5 on FFN 0, 1, 2
@@ -143,7 +143,7 @@ def test_items_of_one_layer_from_two_replicas_share_one_expert_pass() -> None:
     """2A1F in one process: both replicas' layer-1 requests wait together; one FFN step answers both
     with one expert pass, each answer equal to the direct computation and to the answer served alone."""
     with in_process(2, 1) as ((ex0, ex1), (server,)):
-        model = StandInFFN(range(NUM_EXPERTS))
+        model = AsyncStandInFFN(range(NUM_EXPERTS))
         calls: list[int] = []
         real = model.experts_topk
         model.experts_topk = lambda layer, x, r: calls.append(x.shape[0]) or real(layer, x, r)

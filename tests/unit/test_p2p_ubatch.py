@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers.p2p_fakes import RecordingPG, StandInFFN, fake_world
+from helpers.p2p_fakes import P2pStandInFFN, RecordingPG, fake_world
 
 from afd.config import ConfigError, parse_config
 from afd.connectors.p2p.attention import TAG_CTRL, TAG_OUT, TAG_ROWS, P2pAttentionExchange, RowPayload
@@ -96,7 +96,7 @@ def test_ffn_serves_every_slot_of_a_layer_in_send_order(monkeypatch: pytest.Monk
     """2A1F, m = 3: attention 0 runs micro-batches of 3 and 2 tokens, attention 1 one of 4 (its slot 1 empty,
     slot 2 empty everywhere). Per layer the hub serves slot 0 (both spokes, concatenated) then slot 1 (spoke 0
     alone) and not slot 2; each answer equals the layer's reference on that micro-batch's rows."""
-    topo, model = SyncTopology(2, 1), StandInFFN()
+    topo, model = SyncTopology(2, 1), P2pStandInFFN()
     layout, g = RowPayload(H, K, torch.float32), torch.Generator().manual_seed(0)
     slots = {0: [3, 2], 1: [4, 0]}  # attention rank -> rows per slot
     a0, a1 = topo.world_rank("attention", 0), topo.world_rank("attention", 1)

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers.p2p_fakes import RecordingPG, StandInFFN, fake_world
+from helpers.p2p_fakes import P2pStandInFFN, RecordingPG, fake_world
 
 from afd.connectors.p2p.attention import (
     TAG_OUT,
@@ -197,7 +197,7 @@ def test_ffn_hub_takes_one_fused_message_per_spoke_and_answers_each(monkeypatch:
     """2A1F: the FFN hub receives one message per attention spoke, concatenates, computes once, answers."""
     topo = SyncTopology(2, 1)
     g = torch.Generator().manual_seed(0)
-    model, layout, inbox, want = StandInFFN(), RowPayload(16, 3, torch.float32), {}, []
+    model, layout, inbox, want = P2pStandInFFN(), RowPayload(16, 3, torch.float32), {}, []
     for a, n in enumerate((4, 2)):
         x = torch.randn(n, 16, generator=g)
         routing = model.route(1, x)
