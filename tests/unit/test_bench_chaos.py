@@ -56,3 +56,15 @@ def test_poisson_arrivals_are_seeded_and_within_the_run():
     arrivals = poisson_arrivals(4.0, 100.0, seed=1)
     assert arrivals == poisson_arrivals(4.0, 100.0, seed=1) and arrivals == sorted(arrivals)
     assert 300 < len(arrivals) < 500 and arrivals[-1] < 100.0
+
+
+def test_the_server_behind_a_port_is_found_by_its_listening_socket():
+    """`--chaos --url`: the ranks to kill are found through the pid of the process that listens on the port."""
+    import os
+    import socket
+
+    from afd.bench.chaos import rank_pids, server_pid_of
+
+    with socket.create_server(("127.0.0.1", 0)) as sock:
+        assert server_pid_of(sock.getsockname()[1]) == os.getpid()
+    assert rank_pids(os.getpid()) == {}  # this process launched no rank
