@@ -64,7 +64,10 @@ serve_mixed() {
 # the front end's share of TTFT (p50, p90), the part inside the server, and the stages
 front_end() {
   local name=$1
-  AFD_BUSY_POLL=${BUSY_POLL:-1} timeout 150 python3 -m afd bench serve "${LITE[@]}" --workload uniform --short-len 128 \
+  local busy=()  # the flag where this tree has it; an older tree (front_end_ab) reads AFD_BUSY_POLL instead
+  [[ ${BUSY_POLL:-1} != 0 ]] && grep -q -- '"--busy-poll"' src/afd/cli/serve.py && busy=(--busy-poll)
+  AFD_BUSY_POLL=${BUSY_POLL:-1} timeout 150 python3 -m afd bench serve "${LITE[@]}" "${busy[@]}" --workload uniform \
+    --short-len 128 \
     --long-len 128 --max-tokens 32 --requests "${FRONT_REQUESTS:-32}" --rates 1 --compare none:R=1 --warmups 4 \
     --json "$OUT/$name.json" 2>"$B/$name.err" >/dev/null
   echo "$name rc=$?"; grep -v "^\[afd" "$B/$name.err" | grep -iv warn | tail -n 2

@@ -41,12 +41,6 @@ def log_dir() -> str | None:
     return os.environ.get("AFD_LOG_DIR") or None
 
 
-def busy_poll() -> bool:
-    """`AFD_BUSY_POLL=1`: a server's front end and its replicas poll without sleeping while idle (a core each), so
-    a request and its first token skip the wake-ups from idle (~0.1-0.25 ms each) on their way."""
-    return os.environ.get("AFD_BUSY_POLL", "") == "1"
-
-
 def profile_dir() -> str | None:
     """`AFD_PROFILE=DIR`: each rank writes a profile of its serving part to DIR (`afd.profiling.profiler.profiled`)."""
     return os.environ.get("AFD_PROFILE") or None

@@ -143,10 +143,9 @@ def cpu_seconds(pid: int) -> float:
 
 @pytest.mark.timeout(180)
 def test_busy_poll_serves_the_same_answers_and_spins_while_idle(monkeypatch, reference):
-    """AFD_BUSY_POLL=1: an idle replica polls its link without sleeping (its CPU time grows while nothing is asked;
-    without the variable it would block), answers stay the reference's, and SIGTERM still leaves nothing behind."""
-    monkeypatch.setenv("AFD_BUSY_POLL", "1")
-    srv = Served(["--connector", "none"], f"servebusy{os.getpid()}")
+    """`--busy-poll`: an idle replica polls its link without sleeping (its CPU time grows while nothing is asked;
+    without the flag it would block), answers stay the reference's, and SIGTERM still leaves nothing behind."""
+    srv = Served(["--connector", "none", "--busy-poll"], f"servebusy{os.getpid()}")
     try:
         monkeypatch.setenv(TEST_TAG_VAR, srv.tag)
         (replica,) = srv.workers

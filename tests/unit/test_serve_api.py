@@ -410,7 +410,7 @@ def test_bench_serve_pieces():
     from afd.bench.report import slo_throughput
     from afd.bench.serve_client import percentile
     from afd.bench.workload import Workload
-    from afd.cli.serve import compare_list, rate_list
+    from afd.cli.input import compare_list, rate_list
 
     assert compare_list("none:R=2,async:A=2,F=2") == [
         ("none R=2", ["--connector", "none", "--replicas", "2"]),

@@ -22,7 +22,6 @@ from typing import TextIO
 import aiohttp
 from tqdm import tqdm
 
-from afd import env
 from afd.bench.workload import Workload
 from afd.serve import loop
 from afd.serve.busy_poll import spin
@@ -229,11 +228,12 @@ async def _run(
     api_key: str | None,
     progress: Progress,
     timeout_s: float,
+    busy_poll: bool,
 ) -> dict:
     same_clock = is_this_host(url)
     prompts, arrivals, max_tokens = workload.prompts(vocab_size), workload.arrivals(rate), workload.max_tokens_of()
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    spinner = asyncio.create_task(spin()) if env.busy_poll() else None
+    spinner = asyncio.create_task(spin()) if busy_poll else None
     try:
         async with client_session() as session:
             start = time.perf_counter()
@@ -273,15 +273,17 @@ def bench_url(
     progress: Progress | None = None,
     timeout_s: float = 600.0,
     label: str = "",
+    busy_poll: bool = False,
 ) -> list[dict]:
-    """One run per rate against the server at `url` (one run for a timed trace); the raw results."""
+    """One run per rate against the server at `url` (one run for a timed trace); the raw results. `busy_poll`: this
+    client's event loop never sleeps either (as the server's under `--busy-poll`)."""
     progress = progress or Progress()
     http_floor = loop.run(_warm_up(url, model, api_key, timeout_s, workload.warm_up_requests(vocab_size)))
     runs = []
     for rate in run_rates(workload, rates):
         progress.start(f"{label}rate {format_rate(rate)}", workload.num_requests)
         try:
-            runs.append(loop.run(_run(url, workload, rate, vocab_size, model, api_key, progress, timeout_s)))
+            runs.append(loop.run(_run(url, workload, rate, vocab_size, model, api_key, progress, timeout_s, busy_poll)))
         finally:
             progress.finish()
         runs[-1]["http_floor_p50_s"] = http_floor
@@ -347,6 +349,7 @@ def bench_servers(
                 timeout_s=timeout_s,
                 progress=progress,
                 label=f"{label}: ",
+                busy_poll="--busy-poll" in argv,
             )
         finally:
             code = server.stop()

@@ -279,3 +279,56 @@ def prefill_list(text: str) -> list[tuple[int, int]]:
             raise argparse.ArgumentTypeError(f"--prefill takes BxC pairs separated by ',' (e.g. 8x1024), got {text!r}")
         out.append((parsed[0], parsed[1]))
     return out
+
+
+# ---------------------------------------------------------------- afd bench serve
+def rate_list(text: str) -> list[float]:
+    """An argparse type: request rates per second, comma-separated (`inf`: every request at once)."""
+    rates = []
+    for item in text.split(","):
+        try:
+            rate = float(item)
+        except ValueError:
+            rate = math.nan
+        if not rate > 0:  # also nan
+            raise argparse.ArgumentTypeError(f"--rates takes positive request rates per second or inf, got {text!r}")
+        rates.append(rate)
+    return rates
+
+
+SERVER_KEYS = {"R": "--replicas", "A": "--attention", "F": "--ffn", "U": "--ubatches"}
+# async servers by where their shared experts run: the default (attention), +sa on the attention ranks, +sf on the
+# FFN ranks
+ASYNC_PLACEMENTS = {"async": None, "async+sa": "attention", "async+sf": "ffn"}
+
+
+def compare_list(text: str) -> list[tuple[str, list[str]]]:
+    """`none:R=2,async:A=2,F=2` -> [("none R=2", [flags]), ("async A=2,F=2", [flags])]: server configs to compare."""
+    configs: list[tuple[str, dict[str, int]]] = []
+    for item in (t.strip() for t in text.split(",")):
+        name, sep, rest = item.partition(":")
+        if name in ("none", "p2p", *ASYNC_PLACEMENTS):
+            configs.append((name, {}))
+            item = rest if sep else ""
+        if not item:
+            continue
+        key, eq, value = item.partition("=")
+        if not configs or key not in SERVER_KEYS or not eq or not value.isdigit() or int(value) < 1:
+            raise argparse.ArgumentTypeError(
+                "--compare takes connector:KEY=N items with KEY one of R, A, F, U "
+                f"(e.g. none:R=2,async:A=2,F=2,U=2), got {text!r}"
+            )
+        configs[-1][1][key] = int(value)
+    out = []
+    for connector, keys in configs:
+        if connector == "none" and ({"A", "F", "U"} & set(keys)) or connector != "none" and "R" in keys:
+            raise argparse.ArgumentTypeError(
+                f"--compare: connector none takes R=N, p2p and async take A=N,F=N and U=N micro-batches ({text!r})"
+            )
+        flags = ["--connector", connector.partition("+")[0]]
+        where = ASYNC_PLACEMENTS.get(connector)
+        flags += ["--shared-experts", where] if where else []
+        flags += [f for k, v in keys.items() for f in (SERVER_KEYS[k], str(v))]
+        label = connector + (" " + ",".join(f"{k}={v}" for k, v in keys.items()) if keys else "")
+        out.append((label, flags))
+    return out

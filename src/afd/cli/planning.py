@@ -9,8 +9,7 @@ import math
 import sys
 from pathlib import Path
 
-from afd.cli.input import UsageError, non_negative_int, positive_int, positive_seconds
-from afd.cli.serve import rate_list
+from afd.cli.input import UsageError, non_negative_int, positive_int, positive_seconds, rate_list
 
 WORKLOAD_KINDS = ("uniform", "uneven", "mixed")
 

@@ -28,6 +28,7 @@ from afd.cli.input import (
     batched_tokens,
     block_size,
     check_prompts,
+    compare_list,
     max_num_seqs,
     memory_fraction,
     non_negative_int,
@@ -35,6 +36,7 @@ from afd.cli.input import (
     positive_int,
     positive_seconds,
     rank_count,
+    rate_list,
 )
 from afd.serve import MAX_PROMPTS_PER_REQUEST
 
@@ -53,6 +55,7 @@ def add_server_arguments(p: argparse.ArgumentParser, default_model: str | None =
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the ranks compute")
     p.add_argument("--seed", type=non_negative_int, default=0, help="seed of preset weights")
     p.add_argument("--max-num-seqs", type=max_num_seqs, default=256, help="sequences a replica runs at once")
+    p.add_argument("--busy-poll", action="store_true", help="the front end and idle replicas poll without sleeping")
     p.add_argument(
         "--max-model-len",
         type=positive_int,
@@ -177,6 +180,7 @@ def build_plan(args: argparse.Namespace):
         api_key=args.api_key or env.api_key(),
         max_waiting=args.max_waiting,
         max_prompts_per_request=args.max_prompts_per_request,
+        busy_poll=args.busy_poll,
     )
     heal = HealPolicy(max_restarts=args.max_restarts, window_s=args.restart_window)
     return ServePlan(spec, config, replicas, args.host, args.port, options, tokenizer, args.startup_timeout, heal)
@@ -202,6 +206,7 @@ def run_spec(args: argparse.Namespace, max_model_len: int | None):
         max_num_batched_tokens=args.max_num_batched_tokens,
         cache=cache,
         max_model_len=max_model_len,
+        busy_poll=args.busy_poll,
     )
 
 
@@ -249,58 +254,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------- afd bench serve
-def rate_list(text: str) -> list[float]:
-    """An argparse type: request rates per second, comma-separated (`inf`: every request at once)."""
-    rates = []
-    for item in text.split(","):
-        try:
-            rate = float(item)
-        except ValueError:
-            rate = math.nan
-        if not rate > 0:  # also nan
-            raise argparse.ArgumentTypeError(f"--rates takes positive request rates per second or inf, got {text!r}")
-        rates.append(rate)
-    return rates
-
-
-SERVER_KEYS = {"R": "--replicas", "A": "--attention", "F": "--ffn", "U": "--ubatches"}
-# async servers by where their shared experts run: the default (attention), +sa on the attention ranks, +sf on the
-# FFN ranks
-ASYNC_PLACEMENTS = {"async": None, "async+sa": "attention", "async+sf": "ffn"}
-
-
-def compare_list(text: str) -> list[tuple[str, list[str]]]:
-    """`none:R=2,async:A=2,F=2` -> [("none R=2", [flags]), ("async A=2,F=2", [flags])]: server configs to compare."""
-    configs: list[tuple[str, dict[str, int]]] = []
-    for item in (t.strip() for t in text.split(",")):
-        name, sep, rest = item.partition(":")
-        if name in ("none", "p2p", *ASYNC_PLACEMENTS):
-            configs.append((name, {}))
-            item = rest if sep else ""
-        if not item:
-            continue
-        key, eq, value = item.partition("=")
-        if not configs or key not in SERVER_KEYS or not eq or not value.isdigit() or int(value) < 1:
-            raise argparse.ArgumentTypeError(
-                "--compare takes connector:KEY=N items with KEY one of R, A, F, U "
-                f"(e.g. none:R=2,async:A=2,F=2,U=2), got {text!r}"
-            )
-        configs[-1][1][key] = int(value)
-    out = []
-    for connector, keys in configs:
-        if connector == "none" and ({"A", "F", "U"} & set(keys)) or connector != "none" and "R" in keys:
-            raise argparse.ArgumentTypeError(
-                f"--compare: connector none takes R=N, p2p and async take A=N,F=N and U=N micro-batches ({text!r})"
-            )
-        flags = ["--connector", connector.partition("+")[0]]
-        where = ASYNC_PLACEMENTS.get(connector)
-        flags += ["--shared-experts", where] if where else []
-        flags += [f for k, v in keys.items() for f in (SERVER_KEYS[k], str(v))]
-        label = connector + (" " + ",".join(f"{k}={v}" for k, v in keys.items()) if keys else "")
-        out.append((label, flags))
-    return out
-
-
 DEFAULT_RATES, DEFAULT_OVERHEAD_RATES = [4.0], [1.0]
 
 
@@ -382,6 +335,7 @@ _SERVER_FLAGS += ("gpu_memory_utilization", "num_gpu_blocks_override", "config",
 def server_argv(args: argparse.Namespace, max_model_len: int) -> list[str]:
     """The `afd serve` flags of `add_server_arguments` as given to `bench serve` (the connector comes later)."""
     argv = ["--max-model-len", str(max_model_len)] + ["--skip-resource-check"] * args.skip_resource_check
+    argv += ["--busy-poll"] * args.busy_poll
     for name in _SERVER_FLAGS:
         if getattr(args, name) is not None:
             argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
@@ -465,7 +419,12 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
             key = args.api_key or env.api_key()
             url = args.url.rstrip("/")
             results = [
-                {"name": args.url, "runs": bench_url(url, workload, rates, api_key=key, progress=progress, **common)}
+                {
+                    "name": args.url,
+                    "runs": bench_url(
+                        url, workload, rates, api_key=key, progress=progress, busy_poll=args.busy_poll, **common
+                    ),
+                }
             ]
         elif args.overhead:
             from afd.bench.overhead import bench_overhead

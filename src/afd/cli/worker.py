@@ -64,7 +64,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         config=config,
         role=role,
         role_rank=args.rank,
-        spec=run_spec(args, prompts, max_model_len=args.max_model_len),
+        spec=run_spec(args, prompts, max_model_len=args.max_model_len, busy_poll=args.busy_poll),
         prompts=tuple(tuple(p) for p in prompts),
         output_path=Path(args.output) if args.output else None,
         run_token=args.run_token,
@@ -133,6 +133,9 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
         "replicas serve its requests instead of a prompts file (set by afd serve; the link is keyed with AFD_SECRET)",
     )
     p.add_argument("--max-model-len", type=positive_int, help="positions a request may take (default: the model's)")
+    p.add_argument(
+        "--busy-poll", action="store_true", help="with --serve-address: poll the link without sleeping while idle"
+    )
     p.add_argument("--connector", choices=["p2p", "async"], help="overrides the config's connector")
     p.add_argument("--attention", type=rank_count, help="num_attention_ranks (overrides the config's)")
     p.add_argument("--ffn", type=rank_count, help="num_ffn_ranks (overrides the config's)")

@@ -216,6 +216,8 @@ def _spec_flags(spec: RunSpec, run_dir: Path) -> list[str]:
     ]
     if spec.quantization is not None:
         cmd += ["--quantization", spec.quantization]
+    if spec.busy_poll:
+        cmd.append("--busy-poll")
     if spec.prompt_logprobs:
         cmd.append("--prompt-logprobs")
     if spec.max_model_len is not None:

@@ -6,7 +6,7 @@ steps the engine and sends what the step made — one `tokens` message per step,
 request, `load` whenever running / waiting / cache usage changed.
 
 When idle, a replica of its own (`async`, `none`) blocks on its link, so an idle server burns no CPU (with
-`AFD_BUSY_POLL=1` it polls without sleeping instead: a core, for a request taken up without a wake-up).
+`--busy-poll` it polls without sleeping instead: a core, for a request taken up without a wake-up).
 A `p2p` replica belongs to a DP wave: every replica and FFN rank steps together, so it keeps stepping
 (0 tokens) while the server runs, pausing `IDLE_WAVE_S` between waves in which no replica had work.
 
@@ -176,7 +176,11 @@ class OnlineReplica:
 
 
 def serve_replica(
-    engine: Engine, link: ReplicaLink, wave: Wave | None = None, stop_requested: Callable[[], bool] = lambda: False
+    engine: Engine,
+    link: ReplicaLink,
+    wave: Wave | None = None,
+    stop_requested: Callable[[], bool] = lambda: False,
+    busy_poll: bool = False,
 ) -> None:
     """Serve the front end until it says `shutdown`, closes the link, or `stop_requested()` (a signal).
 
@@ -188,7 +192,7 @@ def serve_replica(
     while True:
         received = False
         if not replica.stopping:
-            received = replica.receive(_poll_timeout(engine, wave))
+            received = replica.receive(_poll_timeout(engine, wave, busy_poll))
             if stop_requested():
                 log.info("a stop signal ends serving")
                 replica.stopping = True
@@ -213,11 +217,11 @@ def serve_replica(
     log.info("served until the end; said bye")
 
 
-def _poll_timeout(engine: Engine, wave: Wave | None) -> float:
+def _poll_timeout(engine: Engine, wave: Wave | None, busy_poll: bool) -> float:
     if engine.has_work():
         return 0.0
     if wave is None:
-        return 0.0 if env.busy_poll() else IDLE_POLL_S
+        return 0.0 if busy_poll else IDLE_POLL_S
     return IDLE_WAVE_S if wave.wave_idle else 0.0  # another replica's work: do not hold up its wave
 
 
@@ -259,7 +263,7 @@ def run_online(engine: Engine, job: RankJob, wave: Wave | None = None) -> None:
     log.info("%s rank %d serves the front end at %s", job.role, job.role_rank, format_address(job.serve_address))
     try:
         with profile_rank(job):
-            serve_replica(engine, link, wave, stop.is_set)
+            serve_replica(engine, link, wave, stop.is_set, busy_poll=job.spec.busy_poll)
     finally:
         link.close()
     if engine.num_ubatches > 1:

@@ -25,3 +25,4 @@ class RunSpec:
     cache: CacheOptions = CacheOptions()
     sampling: SamplingParams = SamplingParams()  # every request's (greedy by default)
     max_model_len: int | None = None  # positions a request may take (default: the model's)
+    busy_poll: bool = False  # a server's idle replicas poll their link without sleeping (a core each)

@@ -1,4 +1,4 @@
-"""`AFD_BUSY_POLL=1`: an event loop that never sleeps (the server's front end, and `afd bench serve`'s client)."""
+"""`--busy-poll`: an event loop that never sleeps (the server's front end, and `afd bench serve`'s client)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,6 @@ async def spin() -> None:
     """A task that is always ready keeps the event loop out of a sleeping select, so a request or a replica's tokens
     are taken up on the next turn of the loop, not after a wake-up from idle (the server's front end; `afd bench
     serve`'s client too, so that its own wake-ups stay out of what it measures)."""
-    logger.info("busy polling: the event loop never sleeps (AFD_BUSY_POLL=1)")
+    logger.info("busy polling: the event loop never sleeps (--busy-poll)")
     while True:
         await asyncio.sleep(0)

@@ -23,7 +23,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from afd import env
 from afd.config import AFDConfig
 from afd.distributed import signals
 from afd.runtime.launch import LaunchError
@@ -95,15 +94,15 @@ def bind_http(host: str, port: int) -> socket.socket:
 
 
 def _warn_if_busy_poll_starves(plan: ServePlan) -> None:
-    """AFD_BUSY_POLL=1 takes a core for the front end and each replica; where the model computes on the CPU, or
+    """`--busy-poll` takes a core for the front end and each replica; where the model computes on the CPU, or
     the host has fewer cores than that plus one, the spinning steals the compute's cores (on a 2-core host it
     measured TTFT p50 11.6 s against 16 ms without)."""
-    if not env.busy_poll():
+    if not plan.spec.busy_poll:
         return
     cores = len(os.sched_getaffinity(0))
     if plan.spec.device == "cpu" or cores < plan.replicas + 2:
         logger.warning(
-            "AFD_BUSY_POLL=1 spins a core for the front end and one for each replica (%d), and this server has %d "
+            "--busy-poll spins a core for the front end and one for each replica (%d), and this server has %d "
             "cores%s: expect it to be slower, not faster",
             plan.replicas,
             cores,

@@ -21,7 +21,6 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
-from afd import env
 from afd.serve import DRAIN_S
 from afd.serve.busy_poll import spin
 from afd.serve.gate import ARRIVED, Gate, body_too_large
@@ -191,7 +190,7 @@ async def serve(
     server = uvicorn_server(gate)
     await server.startup(sockets=[sock])
     watcher = asyncio.create_task(state.healer.run()) if state.healer is not None else None
-    spinner = asyncio.create_task(spin()) if env.busy_poll() else None
+    spinner = asyncio.create_task(spin()) if state.options.busy_poll else None
     on_ready()
     try:
         await stop.wait()

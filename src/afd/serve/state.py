@@ -18,6 +18,7 @@ class ServeOptions:
     api_key: str | None = None
     max_waiting: int = 1024  # prompts allowed to wait for a replica; a request that would pass it gets 429
     max_prompts_per_request: int = MAX_PROMPTS_PER_REQUEST  # more in one request is a 400
+    busy_poll: bool = False  # the front end's event loop never sleeps (a core)
 
 
 class ServerState:
