@@ -19,7 +19,7 @@ from afd.planning.profile import Profile
 from afd.planning.simulator import simulate_rate
 
 RATE_STEPS = 7  # bisection steps of the SLO-compliant rate
-AFD_PER_CONNECTOR = 3  # AFD shapes per connector and group size kept after the closed-form narrowing
+SHAPES_KEPT_PER_CONNECTOR = 3  # AFD shapes per connector and group size kept after the closed-form narrowing
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ def candidates(num_gpus: int, s: Shapes, p: Profile, base: Deployment, ctx: int)
                     phi = ratio.per_gpu(p, s, connector, ffn, base.max_num_seqs, ctx, r, m)
                     shapes.append((abs(math.log(r / max(rule.r_star, 1e-3))), -phi, d, rule.bound))
                 shapes.sort(key=lambda x: (x[0], x[1]))
-                out += [(d, bound) for _, _, d, bound in shapes[:AFD_PER_CONNECTOR]]
+                out += [(d, bound) for _, _, d, bound in shapes[:SHAPES_KEPT_PER_CONNECTOR]]
     return out
 
 
