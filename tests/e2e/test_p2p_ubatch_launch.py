@@ -37,7 +37,7 @@ def test_cli_refuses_a_bad_micro_batch_count_in_one_sentence() -> None:
 # ---------------------------------------------------------------- launched runs
 
 # The launched runs of every topology (1A1F, 2A2F, 3A1F, 1A3F) with 2 and 3 micro-batches, against the reference,
-# are `tests/test_ubatch.py::test_launched_micro_batches_equal_the_reference[p2p-...]`.
+# are `tests/e2e/test_ubatch_launch.py`.
 
 
 @pytest.mark.timeout(120)

@@ -19,7 +19,8 @@ The attention side's send is one launch too (`send_request`: rows, ids, weights,
 ~10 µs per layer as three copies and a stamp kernel.
 
 `afd.connectors.asynchronous.ffn_chain` keeps the same steps in PyTorch as the CPU path and the oracle of
-`tests/test_chain_kernels.py` (on CPU through Triton's interpreter, on a GPU compiled).
+`tests/unit/test_chain_kernels_steps.py` and `tests/e2e/test_chain_kernels.py` (on CPU through Triton's interpreter, on
+a GPU compiled).
 """
 
 from __future__ import annotations
