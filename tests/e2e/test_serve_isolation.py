@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 from helpers.chaos import Load, await_whole, health
@@ -39,17 +41,22 @@ class Served:
         self.leftovers = Leftovers()
         self.port = free_port()
         argv = ["--model", MODEL, "--port", str(self.port), *SMALL, *flags]
-        self.server = ServerProcess(argv, timeout_s=120)
+        self.log_path = tempfile.mkstemp(prefix=f"afd_{tag}_", suffix=".log")[1]  # the server's log, for failures
+        self.server = ServerProcess(argv, timeout_s=120, log_path=self.log_path)
 
     def stop_clean(self) -> None:
         assert self.server.stop(timeout_s=30) == 0  # whole again: a clean stop
         self.leftovers.check()
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-lines:])
 
     def close(self) -> None:
         try:
             self.server.stop(timeout_s=5)
         finally:
             self.leftovers.cleanup()
+            Path(self.log_path).unlink(missing_ok=True)
 
 
 def _kill_under_load(srv: Served, load: Load, role: str, rank: int, restarts: int, heal_bound_s: float) -> float:
@@ -82,7 +89,10 @@ def test_none_a_killed_replica_costs_only_its_requests_and_is_restarted(monkeypa
             load.stop()
         assert load.count("wrong") == 0 and load.count("hung") == 0
         failures = load.errors()
-        assert all("replica 1 exited with status -9" in e for e in failures), failures  # none of replica 0's
+        assert all("replica 1 exited with status -9" in e for e in failures), (
+            failures,
+            srv.log_tail(),
+        )  # none of replica 0's
         print(f"none R=2: whole again {healed_s:.1f} s after the kill; {load.count('right')} right, "
               f"{len(failures)} failed (all on the killed replica)")  # fmt: skip
         assert health(srv.port)["replicas"][1]["restarts"] == 1
@@ -105,9 +115,12 @@ def test_async_a_killed_attention_replica_or_ffn_rank_is_restarted(monkeypatch, 
             load.stop()
         assert load.count("wrong") == 0 and load.count("hung") == 0
         # the attention kill: only attention replica 1's requests failed (replica 0's were drained, not failed)
-        assert all("attention rank 1" in e for e in failures_after_attention), failures_after_attention
+        assert all("attention rank 1" in e for e in failures_after_attention), (
+            failures_after_attention,
+            srv.log_tail(),
+        )
         later = load.errors()[len(failures_after_attention) :]
-        assert all("ffn rank 0" in e or "restarted" in e for e in later), later
+        assert all("ffn rank 0" in e or "restarted" in e for e in later), (later, srv.log_tail())
         print(
             f"async 2A1F: attention rank 1 killed: whole again after {attention_s:.1f} s, "
             f"{len(failures_after_attention)} failed (all on it); ffn rank 0 killed: whole again after "
@@ -129,7 +142,7 @@ def test_p2p_a_killed_rank_stops_the_group_which_is_restarted_whole(monkeypatch,
             load.stop()
         assert load.count("wrong") == 0 and load.count("hung") == 0
         failures = load.errors()
-        assert all("ffn rank 0" in e or "restarted" in e for e in failures), failures
+        assert all("ffn rank 0" in e or "restarted" in e for e in failures), (failures, srv.log_tail())
         print(f"p2p 1A1F: ffn rank 0 killed: whole again after {healed_s:.1f} s; {len(failures)} failed")
         srv.stop_clean()
     finally:
