@@ -87,3 +87,29 @@ def test_a_dead_replica_is_restarted_and_one_that_dies_too_often_is_given_up(cap
         assert srv.post("/v1/completions", {"prompt": "a", "max_tokens": 2})[0] == 200  # replica 0 serves
     finally:
         srv.close()
+
+
+def test_a_loss_is_read_from_one_look_at_the_ranks_while_a_restart_replaces_them(tmp_path) -> None:
+    """The server's loop asks `lost` while a restart, on another thread, swaps the unit's rank list: the answer
+    comes from one list, never a dead rank found in the old list and then looked up in the new one."""
+    from afd.runtime.launch import RankProcess
+    from afd.runtime.servers import ServerRanks
+    from afd.runtime.spec import RunSpec
+
+    ranks = ServerRanks(None, RunSpec(), 1, tmp_path, "s", "@x")
+    unit = ranks.units[0]
+
+    class Proc:
+        def __init__(self, code: int | None, then=None) -> None:
+            self.code, self.then = code, then
+
+        def poll(self) -> int | None:
+            if self.then is not None:
+                self.then()  # the restart lands between two looks at the list
+            return self.code
+
+    fresh = [RankProcess("replica", 0, 0, Proc(None), tmp_path / "new.log")]
+    unit.ranks = [RankProcess("replica", 0, 0, Proc(-9, lambda: setattr(unit, "ranks", fresh)), tmp_path / "old.log")]
+    loss = ranks.lost(unit)
+    assert loss is not None and loss.replicas == (0,) and "replica 0 exited" in loss.why
+    assert ranks.lost(unit) is None  # the new list: every rank runs

@@ -130,24 +130,19 @@ class ServerRanks:
         return [line for unit in self.units for line in self.dead_in(unit)]
 
     def dead_in(self, unit: Unit) -> list[str]:
-        lines = []
-        for rank in unit.ranks:
-            code = rank.proc.poll()
-            if code is not None:
-                why = rank.last_error()
-                lines.append(f"{rank.name} exited with {describe_exit(code)}" + (f": {why}" if why else ""))
-        return lines
+        return [_death_line(rank, code) for rank, code in _exited(unit)]
 
     def lost(self, unit: Unit) -> Loss | None:
         """What the ranks of `unit` that exited cost, or None while every one runs (module docstring)."""
-        dead = [rank for rank in unit.ranks if rank.proc.poll() is not None]
+        dead = _exited(unit)
         if not dead:
             return None
-        lines = self.dead_in(unit)
+        lines = [_death_line(rank, code) for rank, code in dead]
         why = lines[0] + (f" (and {len(lines) - 1} more)" if len(lines) > 1 else "")
-        if unit.config is None or unit.config.connector == "p2p" or any(r.role != "attention" for r in dead):
+        config = unit.config
+        if config is None or config.connector == "p2p" or any(rank.role != "attention" for rank, _ in dead):
             return Loss(unit.replicas, False, why)
-        return Loss(tuple(sorted(r.role_rank for r in dead)), True, why)
+        return Loss(tuple(sorted(rank.role_rank for rank, _ in dead)), True, why)
 
     # --- restarting and stopping
     def stop_unit(self, unit: Unit, grace_s: float = BROKEN_STOP_GRACE_S) -> None:
@@ -234,3 +229,14 @@ def start_server_ranks(
         raise
     log.info("started %s; logs in %s", ", ".join(server.names), run_dir)
     return server
+
+
+def _exited(unit: Unit) -> list[tuple[RankProcess, int]]:
+    """The ranks of `unit` that exited, with their exit status, from one look at its rank list: a restart on another
+    thread replaces that list, and a caller on the server's loop must not see two different ones."""
+    return [(rank, code) for rank in list(unit.ranks) if (code := rank.proc.poll()) is not None]
+
+
+def _death_line(rank: RankProcess, code: int) -> str:
+    why = rank.last_error()
+    return f"{rank.name} exited with {describe_exit(code)}" + (f": {why}" if why else "")
