@@ -36,6 +36,8 @@ from afd.topology import SyncTopology, expert_ranges
 
 log = logging.getLogger(__name__)
 
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer")  # gloo, when the other end died
+
 
 # ---------------------------------------------------------------- p2p
 def run_p2p_rank(job: RankJob) -> None:
@@ -125,9 +127,13 @@ def run_p2p_rank(job: RankJob) -> None:
             log.info("ffn rank %d served %d steps", job.role_rank, steps)
         world.close()
     except BaseException as exc:
-        log.error("%s failed: %s", world.me.name, exc)
-        world.close(error=exc)
-        raise
+        # an op posted to a pair whose peer is gone fails before any wait could name that peer: blame it now
+        error = world.fail("a connection to a peer closed") if any(s in str(exc) for s in PEER_GONE) else exc
+        log.error("%s failed: %s", world.me.name, error)
+        world.close(error=error)
+        if error is exc:
+            raise
+        raise error from exc
 
 
 # ---------------------------------------------------------------- none
