@@ -133,9 +133,10 @@ def rank_main(spec: dict) -> None:
             torch.save(outs, Path(spec["out"], f"attn{a}_{phase}.pt"))
         world.close()
     except BaseException as exc:  # noqa: BLE001 - report, tell the world, and leave without gloo teardown
-        log.error("rank failed: %s", exc)
         if world is not None:
+            exc = world.blame(exc)
             world.close(error=exc)
+        log.error("rank failed: %s", exc)
         logging.shutdown()
         os._exit(1)
 
@@ -290,7 +291,7 @@ def test_killed_rank_is_named_by_the_others(tmp_path: Path, killed: int, name: s
     assert results[killed].exitcode == -signal.SIGKILL
     for r in set(results) - {killed}:
         assert results[r].exitcode not in (0, None), f"world rank {r}: {results[r].stderr[-2000:]}"
-        assert name in results[r].stderr, f"world rank {r}: {results[r].stderr[-2000:]}"
+        assert name in results[r].stderr, f"world rank {r}: {results[r].stderr[:6000]}"
 
 
 @pytest.mark.timeout(30)

@@ -9,8 +9,9 @@ from types import SimpleNamespace
 import pytest
 
 from afd.config import parse_config
+from afd.distributed.rendezvous import RankInfo
 from afd.distributed.store import host_store
-from afd.distributed.world import RankInfo, World, init_world
+from afd.distributed.world import World, init_world
 from afd.runtime.launch import free_port
 from afd.runtime.rank import RankJob, ffn_dtype
 from afd.runtime.spec import RunSpec

@@ -8,18 +8,10 @@ heartbeat advances), so a rank that finished early never brings down the ranks s
 groups, the expert-parallel group, the wave group, control channels) is a gloo/NCCL process group built on
 `PrefixStore(prefix, store)`: no other port is ever opened by hand, so multi-host works.
 
-Security. torch's TCPStore server would listen on every interface; `host_store` binds the listening socket to the
-configured host itself and hands it over (`master_listen_fd`). A shared secret (`AFD_SECRET`, `afd.env.secret()`;
-`afd launch` mints one per run) yields, by HMAC-SHA256, a private namespace (every world key lives under it, so two
-runs on one store never meet) and a public run tag that the store's creator writes under `RUN_TAG_KEY`: a rank that
-finds another tag stops at once (`ForeignRunError`). Arrival, done and failure records carry an HMAC of their key and
-content; a record that does not verify is logged and never trusted, so nobody without the secret can stop the run or
-pose as a rank. (TCPStore can list its keys: the namespace keeps runs apart, it is not hidden; on an untrusted
-network, bind a private address.)
+Security (the store listens on one address; a per-run secret keeps runs apart and signs every record a rank
+trusts): `afd.distributed.store`.
 
-Rendezvous: each rank claims `claim/{rank}`, publishes `arrived/{rank}` (role, role rank, A, F, world order, host,
-pid; an attention rank's dtype, which the FFN ranks take) and waits, bounded, for every other rank; a rank that never
-arrives is named, and so is one started with different A/F.
+Rendezvous (`afd.distributed.rendezvous`): every rank publishes who it is and waits, bounded, for the others.
 
 Failures: a watchdog per rank (`afd.distributed.watchdog`) ends the process, saying why, when another rank failed, a
 peer went silent, the store host stopped answering or the launcher is gone.
@@ -27,13 +19,13 @@ peer went silent, the store host stopped answering or the launcher is gone.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Literal
 
@@ -41,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from afd import env
+from afd.distributed.rendezvous import RankInfo, WorldOrder, rendezvous, role_of_world
 from afd.distributed.store import (
     RendezvousError,
     RunKeys,
@@ -49,51 +42,19 @@ from afd.distributed.store import (
     host_store,
     publish_failure,
     read_first_failure,
-    read_record,
     wait_until,
 )
 from afd.distributed.watchdog import FAILING_LINGER_S, Watchdog, peer_silence_bound
-from afd.topology import Role
 
 logger = logging.getLogger(__name__)
 
 STORE_HOST_RANK = 0
-WorldOrder = Literal["ffn_first", "attention_first"]
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer")  # gloo, when the other end died
 Backend = Literal["gloo", "nccl"]
 
 
 class PeerFailure(RuntimeError):
     """A communication op failed; the message names the rank(s) that caused it."""
-
-
-def role_of_world(world_rank: int, num_attention: int, num_ffn: int, world_order: WorldOrder) -> tuple[Role, int]:
-    """(role, role rank) of a world rank under a world order."""
-    first: Role = "ffn" if world_order == "ffn_first" else "attention"
-    second: Role = "attention" if first == "ffn" else "ffn"
-    num_first = num_ffn if first == "ffn" else num_attention
-    return (first, world_rank) if world_rank < num_first else (second, world_rank - num_first)
-
-
-@dataclass(frozen=True)
-class RankInfo:
-    """What a rank publishes at rendezvous."""
-
-    world_rank: int
-    role: Role
-    role_rank: int
-    num_attention: int
-    num_ffn: int
-    world_order: WorldOrder
-    host: str
-    pid: int
-    dtype: str | None = None  # an attention rank's compute dtype: the FFN ranks take it
-
-    @property
-    def name(self) -> str:
-        return f"world rank {self.world_rank} ({self.role} {self.role_rank})"
-
-    def sizes(self) -> tuple[int, int, str]:
-        return self.num_attention, self.num_ffn, self.world_order
 
 
 @dataclass
@@ -217,6 +178,13 @@ class World:
         logger.error("%s", msg)
         return PeerFailure(msg)
 
+    def blame(self, exc: BaseException) -> BaseException:
+        """The error a rank ends with: one raised by torch.distributed (a store op, or an op posted to a pair
+        whose peer closed) before any wait could name the culprit becomes `fail`'s diagnosis; others stay."""
+        if isinstance(exc, dist.DistError) or any(s in str(exc) for s in PEER_GONE):
+            return self.fail(f"{type(exc).__name__} from torch.distributed")
+        return exc
+
     def diagnose(self) -> str:
         """One sentence on why the world broke: an earlier published failure, or ranks gone silent."""
         try:
@@ -271,6 +239,20 @@ class World:
             logger.debug("%s: could not publish failure", self.me.name)
 
     # -- shutdown -------------------------------------------------------------------------------
+    @contextmanager
+    def session(self) -> Iterator[World]:
+        """Leave the world when the block ends: cleanly, or with its error (as `blame` puts it) published."""
+        try:
+            yield self
+        except BaseException as exc:
+            error = self.blame(exc)
+            logger.error("%s failed: %s", self.me.name, error)
+            self.close(error=error)
+            if error is exc:
+                raise
+            raise error from exc
+        self.close()
+
     def close(self, error: BaseException | None = None) -> None:
         """Leave the world. With `error`, publish it first so the other ranks stop and name us.
 
@@ -407,7 +389,7 @@ def init_world(
     store = dist.PrefixStore(keys.namespace, root)
     try:
         check_run_tag(root, keys, host, port, timeout, me.name)
-        peers = _rendezvous(store, keys, me, world_size, timeout, is_host)
+        peers = rendezvous(store, keys, me, world_size, timeout, is_host)
     except RendezvousError:
         raise
     except Exception as exc:  # noqa: BLE001 - a store op failed: its host went away
@@ -442,57 +424,6 @@ def init_world(
     world._watchdog = Watchdog(world, watchdog_client)
     logger.info("%s joined a world of %d ranks at %s:%d (%s)", me.name, world_size, host, port, backend)
     return world
-
-
-def _rendezvous(
-    store: dist.Store, keys: RunKeys, me: RankInfo, world_size: int, timeout: float, is_host: bool
-) -> dict[int, RankInfo]:
-    """Publish `arrived/{rank}` and collect every other rank's, checking they agree on the sizes."""
-    if int(store.add(f"claim/{me.world_rank}", 1)) > 1:
-        raise RendezvousError(f"two processes were started as {me.name}; each world rank must be started once")
-    key = f"arrived/{me.world_rank}"
-    store.set(key, keys.sign(key, json.dumps(asdict(me))))
-    peers = {me.world_rank: me}
-    # The store host gives up last, so the others can still read the store when they give up.
-    deadline = time.monotonic() + timeout + (1.0 if is_host else 0.0)
-    while True:
-        _collect_arrivals(store, keys, me, world_size, peers)  # a store error: init_world names the host
-        if len(peers) == world_size:
-            return peers
-        if time.monotonic() >= deadline:
-            raise RendezvousError(
-                f"{me.name}: {_missing(me, world_size, peers)} did not arrive within {timeout:.1f}s at the AFD "
-                "world store; start them, or check their host, port, sizes and AFD_SECRET"
-            )
-        time.sleep(0.02)
-
-
-def _collect_arrivals(
-    store: dist.Store, keys: RunKeys, me: RankInfo, world_size: int, peers: dict[int, RankInfo]
-) -> None:
-    for r in range(world_size):
-        if r in peers:
-            continue
-        body = read_record(store, keys, f"arrived/{r}")
-        if body is None:
-            continue
-        info = RankInfo(**json.loads(body))
-        if info.sizes() != me.sizes():
-            raise RendezvousError(
-                f"{info.name} (pid {info.pid} on {info.host}) was started with num_attention="
-                f"{info.num_attention}, num_ffn={info.num_ffn}, world order {info.world_order}, but "
-                f"{me.name} with num_attention={me.num_attention}, num_ffn={me.num_ffn}, world order "
-                f"{me.world_order}; start every rank with the same sizes"
-            )
-        peers[r] = info
-
-
-def _missing(me: RankInfo, world_size: int, peers: dict[int, RankInfo]) -> str:
-    return ", ".join(
-        "world rank {} ({} {})".format(r, *role_of_world(r, me.num_attention, me.num_ffn, me.world_order))
-        for r in range(world_size)
-        if r not in peers
-    )
 
 
 def device_for(backend: Backend) -> torch.device:

@@ -73,7 +73,7 @@ def run_async_rank(job: RankJob) -> None:
         **world_options(job),
     )
     shared_on_attention = cfg.connector_extra_config.shared_experts_on_attention  # where the shared experts run
-    try:
+    with world.session():
         dtype = job.spec.dtype if job.role == "attention" else ffn_dtype(job, world)  # before loading
         endpoint_args = dict(
             hidden_size=model_config.hidden_size,
@@ -140,8 +140,3 @@ def run_async_rank(job: RankJob) -> None:
             with profile_rank(job):
                 run_ffn_loop(server, ffn_model)
             log.info("ffn rank %d: every attention rank shut down", job.role_rank)
-        world.close()
-    except BaseException as exc:
-        log.error("%s failed: %s", world.me.name, exc)
-        world.close(error=exc)
-        raise

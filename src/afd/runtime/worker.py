@@ -36,8 +36,6 @@ from afd.topology import SyncTopology, expert_ranges
 
 log = logging.getLogger(__name__)
 
-PEER_GONE = ("Connection closed by peer", "Connection reset by peer")  # gloo, when the other end died
-
 
 # ---------------------------------------------------------------- p2p
 def run_p2p_rank(job: RankJob) -> None:
@@ -66,7 +64,7 @@ def run_p2p_rank(job: RankJob) -> None:
         dtype=job.spec.dtype if job.role == "attention" else None,
         **world_options(job),
     )
-    try:
+    with world.session():
         dtype = job.spec.dtype if job.role == "attention" else ffn_dtype(job, world)  # before loading
         common = dict(dtype=dtype, device=device, gate_on_attention=gate_on_attention, seed=job.spec.seed)
         common["quantization"] = job.spec.quantization
@@ -125,15 +123,6 @@ def run_p2p_rank(job: RankJob) -> None:
             with profile_rank(job):
                 steps = loop.run()
             log.info("ffn rank %d served %d steps", job.role_rank, steps)
-        world.close()
-    except BaseException as exc:
-        # an op posted to a pair whose peer is gone fails before any wait could name that peer: blame it now
-        error = world.fail("a connection to a peer closed") if any(s in str(exc) for s in PEER_GONE) else exc
-        log.error("%s failed: %s", world.me.name, error)
-        world.close(error=error)
-        if error is exc:
-            raise
-        raise error from exc
 
 
 # ---------------------------------------------------------------- none
