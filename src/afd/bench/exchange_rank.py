@@ -272,13 +272,8 @@ def rank_main(spec: dict, world_rank: int, out: str) -> None:
             num_ffn=1,
             world_order=order,
         )
-        try:
-            with profiled(f"{spec['connector']}_{role}", env.profile_dir()):
-                rows = (_run_async if is_async else _run_p2p)(world, spec, device)
-        except BaseException as exc:
-            world.close(error=exc)
-            raise
-        world.close()
+        with world.session(), profiled(f"{spec['connector']}_{role}", env.profile_dir()):
+            rows = (_run_async if is_async else _run_p2p)(world, spec, device)
         Path(out).write_text(json.dumps({"rows": rows}))
         code = 0
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which names the rank

@@ -141,7 +141,7 @@ class AFDSession(Exchange):
         try:
             return make()
         except BaseException as exc:
-            self.world.close(error=exc)
+            self.world.close(error=self.world.blame(exc))
             raise
 
     # --- the forward pass ---
