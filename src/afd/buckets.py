@@ -7,12 +7,16 @@ DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 def batch_buckets(max_num_seqs: int, candidates: tuple[int, ...] = DEFAULT_BATCH_BUCKETS) -> list[int]:
-    """The batch sizes graphs are captured for: the candidates below `max_num_seqs`, then the cap itself
-    (at most the largest candidate), so every batch up to that cap has a bucket."""
+    """The batch sizes graphs are captured for, so that every batch up to `max_num_seqs` has one: the candidates
+    below `max_num_seqs`, then quarter octaves above the largest candidate (256, 320, 384, 448, 512, 640, ...: a
+    batch is padded by at most 25%), then `max_num_seqs` itself."""
     if max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
-    cap = min(max_num_seqs, candidates[-1])
-    return sorted({b for b in candidates if b < cap} | {cap})
+    sizes, size = {b for b in candidates if b < max_num_seqs}, candidates[-1]
+    while size < max_num_seqs:
+        sizes.add(size)
+        size += 1 << max(0, size.bit_length() - 3)
+    return sorted(sizes | {max_num_seqs})
 
 
 SMALLEST_BUCKET = 128
@@ -49,3 +53,35 @@ def context_bucket(num_blocks: int, max_blocks: int) -> int:
         raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
     step = 1 << max(0, num_blocks.bit_length() - 3)
     return max(num_blocks, min(-(-num_blocks // step) * step, max_blocks))
+
+
+def context_buckets(max_blocks: int) -> list[int]:
+    """Every value `context_bucket(n, max_blocks)` takes for n in 1..max_blocks, ascending."""
+    buckets, n = [], 1
+    while n <= max_blocks:
+        buckets.append(context_bucket(n, max_blocks))
+        n = buckets[-1] + 1
+    return buckets
+
+
+def decode_graph_keys(
+    batch_sizes: list[int], block_size: int, max_blocks: int, max_context: int, num_blocks: int
+) -> list[tuple[int, int]]:
+    """The decode graph keys `(batch bucket, context rows)` of every batch bucket at every context bucket that
+    holds a context of up to `max_context` tokens, context-major (the short contexts, which every sequence
+    passes through, first), without the keys no step can have: a batch of n sequences whose longest context
+    needs b blocks holds at least b + n - 1 of the cache's `num_blocks`.
+
+    `max_blocks` is the block-table width (`context_bucket`'s cap); keys are those `DecodeGraphRunner.key`
+    gives, context rows = context blocks x `block_size`.
+    """
+    if block_size < 1 or max_blocks < 1 or max_context < 1:
+        raise ValueError("block_size, max_blocks and max_context must be at least 1")
+    last = context_bucket(min(-(-max_context // block_size), max_blocks), max_blocks)
+    keys, shortest = [], 1  # the fewest blocks a context of this bucket needs
+    for blocks in context_buckets(max_blocks):
+        if blocks > last:
+            break
+        keys += [(n, blocks * block_size) for n in batch_sizes if shortest + n - 1 <= num_blocks]
+        shortest = blocks + 1
+    return keys

@@ -147,6 +147,11 @@ class Engine:
         self.runner.cuda_graphs = runner
 
     @property
+    def graphs_captured_while_serving(self) -> int:
+        """Decode CUDA graphs captured inside a step, on a miss, rather than at warm-up (0 without graphs)."""
+        return self.cuda_graphs.captured_while_serving if self.cuda_graphs is not None else 0
+
+    @property
     def prefill_graphs(self) -> list[PrefillGraphRunner]:
         return self.runner.prefill_graphs
 
@@ -270,4 +275,6 @@ class Engine:
         while self.has_work():
             for out in self.step():
                 outputs[out.request_id] = out
+        if self.cuda_graphs is not None:
+            logger.info("decode CUDA graphs captured while serving: %d", self.graphs_captured_while_serving)
         return [outputs[k] for k in sorted(outputs)]

@@ -8,8 +8,12 @@ Layout key: `(batch bucket, context bucket)`. The batch is padded up to the smal
 `batch_buckets(max_num_seqs)`; the context rows every decode token gathers are padded up to
 `context_bucket(...)` blocks (a quarter-octave grid, so at most ~25% more rows are read). Keying by the
 token count alone would alias layouts (two steps of one token count may differ in sequences and context), so
-only all-decode steps are graphed and the context width is part of the key. Graphs are captured lazily, once
-per key, logged at INFO with their duration; a caller that times steps captures first (`capture_for`).
+only all-decode steps are graphed and the context width is part of the key. The warm-up captures the keys a
+server meets first (`capture_keys` of `warm_up_keys`: every batch bucket up to `max_num_seqs` at every context
+bucket up to a context length, `afd.engine.warm_up.warm_up_decode_graphs`); a caller that times steps captures
+first (`capture_for`). A step whose key is missing is captured on first use, inside that step (some 160-290 ms
+on an H200): each such capture is logged at INFO with its key and duration and counted in
+`captured_while_serving`, which stays 0 on a warmed server whose contexts stay within the warm-up's.
 
 Padding rows never touch real data: their token id and position are 0, their cache write goes to the
 cache's scratch row (`PagedLatentCache.scratch_row`, never read), their context is the zero row of the
@@ -31,11 +35,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from afd.buckets import batch_buckets, context_bucket, pick_bucket
+from afd.buckets import batch_buckets, context_bucket, decode_graph_keys, pick_bucket
 from afd.connectors.base import Exchange
 from afd.model.attention_side import (
     AttentionCore,
@@ -162,10 +167,11 @@ def capture_safe_moe(ffn_model: torch.nn.Module) -> bool:
 class DecodeGraphRunner:
     """Captures and replays decode steps of one `AttentionModel` + in-process exchange over one paged cache.
 
-    Owns the static input buffers (sized for the largest bucket; context-row buffers one per context
-    width, shared by every batch bucket) and one graph per layout key, all captured into one memory pool:
-    graphs never replay concurrently (one engine, one stream). `capture=False` runs the padded batch
-    eagerly instead (CPU tests of the padding; the engine never uses it).
+    Owns the static input buffers (sized for the largest bucket; the context rows of every key are a view
+    of one flat buffer sized for the largest `n x L` captured, since every replay refills its rows first) and
+    one graph per layout key, all captured into one memory pool: graphs never replay concurrently (one
+    engine, one stream). `capture=False` runs the padded batch eagerly instead (CPU tests of the padding
+    and of the warm-up's keys and the miss counter; the engine never uses it).
     """
 
     def __init__(
@@ -192,8 +198,11 @@ class DecodeGraphRunner:
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
         self.slot_mapping = torch.zeros(n, dtype=torch.long, device=device)
         self.token_rows = torch.arange(n, device=device)
-        self._rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # context rows L -> ([n, L], [n, L])
+        # flat context rows and their valid flags: key (n, L) reads the first n * L of each as [n, L]
+        self._flat_rows = torch.empty(0, dtype=torch.long, device=device)
+        self._flat_valid = torch.empty(0, dtype=torch.bool, device=device)
         self._graphs: dict[tuple[int, int], _Graph] = {}
+        self.captured_while_serving = 0  # graphs captured on a miss inside a step (not ahead of it)
         self._pool = torch.cuda.graph_pool_handle() if capture else None
 
     @property
@@ -222,14 +231,26 @@ class DecodeGraphRunner:
     def captured(self) -> list[tuple[int, int]]:
         return sorted(self._graphs)
 
+    def warm_up_keys(self, max_context: int) -> list[tuple[int, int]]:
+        """The keys of every batch bucket at every context bucket up to `max_context` tokens that a step over
+        this cache can have (`afd.buckets.decode_graph_keys`), short contexts first."""
+        cache = self.kv_cache
+        width = cache.block_tables.shape[1]
+        return decode_graph_keys(self.buckets, cache.block_size, width, max_context, cache.pool.num_blocks)
+
+    def _reserve_rows(self, cells: int) -> None:
+        """Flat context-row buffers of at least `cells` entries. A larger one replaces the current one for later
+        keys only: graphs captured earlier keep reading the buffers they were captured with."""
+        if cells > self._flat_rows.numel():
+            device = self.kv_cache.device
+            self._flat_rows = torch.full((cells,), NULL_BLOCK, dtype=torch.long, device=device)
+            self._flat_valid = torch.zeros(cells, dtype=torch.bool, device=device)
+
     def _static(self, n: int, L: int) -> StaticInputs:
-        if L not in self._rows:
-            full = self.max_batch
-            rows = torch.full((full, L), NULL_BLOCK, dtype=torch.long, device=self.kv_cache.device)
-            self._rows[L] = (rows, torch.zeros(full, L, dtype=torch.bool, device=self.kv_cache.device))
-        rows, valid = self._rows[L]
+        self._reserve_rows(n * L)
+        rows, valid = self._flat_rows[: n * L].view(n, L), self._flat_valid[: n * L].view(n, L)
         return StaticInputs(
-            self.input_ids[:n], self.positions[:n], self.slot_mapping[:n], self.token_rows[:n], rows[:n], valid[:n]
+            self.input_ids[:n], self.positions[:n], self.slot_mapping[:n], self.token_rows[:n], rows, valid
         )
 
     def capture_for(self, num_seqs: int, max_len: int) -> None:
@@ -238,7 +259,21 @@ class DecodeGraphRunner:
         if key not in self._graphs and not self.disabled:
             self._capture(key)
 
-    def _capture(self, key: tuple[int, int]) -> _Graph | None:
+    def capture_keys(self, keys: list[tuple[int, int]], room: Callable[[], bool] | None = None) -> int:
+        """Capture the graphs of `keys` ahead of the steps that replay them (the warm-up), in order, while
+        `room()` says the device has memory for another; returns how many were captured. One row buffer for
+        them all, sized for the largest first. Stops early when a capture fails (decode then runs eager)."""
+        todo = [k for k in keys if k not in self._graphs]
+        if todo:
+            self._reserve_rows(max(n * L for n, L in todo))
+        captured = 0
+        for key in todo:
+            if self.disabled or (room is not None and not room()):
+                break
+            captured += self._capture(key, serving=False) is not None
+        return captured
+
+    def _capture(self, key: tuple[int, int], *, serving: bool = False) -> _Graph | None:
         n, L = key
         static = self._static(n, L)
         empty = torch.empty(0, dtype=torch.long, device=self.kv_cache.device)
@@ -252,10 +287,9 @@ class DecodeGraphRunner:
             scratch_row=self.kv_cache.scratch_row,
         )
         batch = static.batch()
-        if not self.capture:
-            self._graphs[key] = _Graph(static, batch, [], None)
-            return self._graphs[key]
         start = time.perf_counter()
+        if not self.capture:  # the padded step runs eagerly at replay: nothing to capture
+            return self._captured(key, _Graph(static, batch, [], None), start, serving)
         exchange = zero_exchange if self.segmented or self.remote else self.exchange  # nothing crosses processes
         try:
             side = torch.cuda.Stream()
@@ -272,14 +306,20 @@ class DecodeGraphRunner:
             )
             self.disabled = True
             return None
+        return self._captured(key, graph, start, serving)
+
+    def _captured(self, key: tuple[int, int], graph: _Graph, start: float, serving: bool) -> _Graph:
+        """Keep a captured graph; count and log (at INFO) one captured inside a step, at DEBUG one captured ahead."""
         self._graphs[key] = graph
-        logger.info(
-            "captured the decode CUDA graph%s of %d sequences x %d context rows in %.0f ms (%d layouts)",
+        self.captured_while_serving += serving
+        logger.log(
+            logging.INFO if serving else logging.DEBUG,
+            "captured the decode CUDA graph%s of %d sequences x %d context rows in %.0f ms (%d layouts%s)",
             f"s ({len(graph.graphs)} pieces)" if self.segmented else "",
-            n,
-            L,
+            *key,
             (time.perf_counter() - start) * 1e3,
             len(self._graphs),
+            f"; {self.captured_while_serving} captured while serving" if serving else "",
         )
         return graph
 
@@ -324,7 +364,7 @@ class DecodeGraphRunner:
             raise ValueError("a graphed step must be all single-token decodes, prepared with batch_decodes=True")
         B = len(batch.query_lens)
         key = self.key(B, batch.decode_rows.shape[1])
-        graph = self._graphs.get(key) or self._capture(key)
+        graph = self._graphs.get(key) or self._capture(key, serving=True)
         if graph is None:
             return None
         fill_static_inputs(
