@@ -15,7 +15,7 @@ import pytest
 from helpers.chaos import Load, await_whole, health
 from helpers.e2e import TEST_TAG_VAR, Leftovers
 
-from afd.bench.chaos import kill_rank
+from afd.bench.chaos import kill_rank, rank_pids
 from afd.bench.chaos_run import format_chaos
 from afd.runtime.launch import free_port
 from afd.serve.run import ServerProcess
@@ -103,18 +103,25 @@ def test_none_a_killed_replica_costs_only_its_requests_and_is_restarted(monkeypa
 
 @pytest.mark.timeout(300)
 def test_async_a_killed_attention_replica_or_ffn_rank_is_restarted(monkeypatch, reference):
+    """On CPU a dead attention replica is restarted alone: the FFN rank and the other replica serve on throughout."""
     flags = ["--connector", "async", "--attention", "2", "--ffn", "1"]
     srv = Served(flags, f"isolasync{os.getpid()}", monkeypatch)
     try:
         load = Load(srv.port, PROMPTS, reference, MAX_TOKENS, clients=4)
         try:
-            attention_s = _kill_under_load(srv, load, "attention", 1, restarts=2, heal_bound_s=60)
-            failures_after_attention = load.errors()
-            ffn_s = _kill_under_load(srv, load, "ffn", 0, restarts=4, heal_bound_s=15)
+            before = rank_pids(srv.server.proc.pid)
+            attention_s = _kill_under_load(srv, load, "attention", 1, restarts=1, heal_bound_s=15)
+            after = rank_pids(srv.server.proc.pid)
+            failures_after_attention, refused_after_attention = load.errors(), load.count("refused")
+            ffn_s = _kill_under_load(srv, load, "ffn", 0, restarts=3, heal_bound_s=15)
         finally:
             load.stop()
         assert load.count("wrong") == 0 and load.count("hung") == 0
-        # the attention kill: only attention replica 1's requests failed (replica 0's were drained, not failed)
+        # the attention kill: only that process was replaced, and only its requests failed; none was refused
+        assert after[("ffn", 0)] == before[("ffn", 0)] and after[("attention", 0)] == before[("attention", 0)]
+        assert after[("attention", 1)] != before[("attention", 1)]
+        assert refused_after_attention == 0, srv.log_tail()
+        assert [r["restarts"] for r in health(srv.port)["replicas"]] == [1, 2]
         assert all("attention rank 1" in e for e in failures_after_attention), (
             failures_after_attention,
             srv.log_tail(),

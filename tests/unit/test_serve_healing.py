@@ -113,3 +113,78 @@ def test_a_loss_is_read_from_one_look_at_the_ranks_while_a_restart_replaces_them
     loss = ranks.lost(unit)
     assert loss is not None and loss.replicas == (0,) and "replica 0 exited" in loss.why
     assert ranks.lost(unit) is None  # the new list: every rank runs
+
+
+class OneWorld(FakeRanks):
+    """Both replicas in one unit (an `async` world); a dead attention replica is restarted alone."""
+
+    def __init__(self) -> None:
+        super().__init__(2)
+        self.units = [FakeUnit(0, (0, 1))]
+        self.alone: list[tuple[int, ...]] = []
+
+    def lost(self, unit: FakeUnit) -> Loss | None:
+        why = self.dead.get(1)
+        return Loss((1,), False, why, alone=True) if why else None
+
+    def restart(self, unit: FakeUnit) -> None:
+        raise AssertionError("the whole world was restarted")
+
+    def restart_alone(self, unit: FakeUnit, replicas: tuple[int, ...]) -> None:
+        assert self.server is not None
+        self.server.threads[1].join(10)
+        self.dead.pop(1, None)
+        self.alone.append(replicas)
+        self.server.start_replica(1)
+
+
+@pytest.mark.timeout(120)
+def test_a_replica_restarted_alone_leaves_the_others_serving() -> None:
+    ranks = OneWorld()
+    policy = HealPolicy(backoff_s=1.0)
+    srv = InProcessServer(2, healer=lambda pool, link: Healer(ranks, pool, policy, link.accept_later))
+    ranks.server = srv
+    pool = srv.state.pool
+    try:
+        ranks.dead[1] = "attention rank 1 (world rank 1) exited with status -9 (killed by SIGKILL)"
+        srv.cut(1)
+        _wait(lambda: not pool.alive[1], 30, "replica 1 was not lost")
+        assert pool.accepting[0]  # no drain: replica 0 takes requests through the backoff
+        assert srv.post("/v1/completions", {"prompt": "a", "max_tokens": 2})[0] == 200
+        _wait(lambda: srv.request("GET", "/health")[1]["status"] == "ok", 30, "the server was not whole again")
+        assert ranks.alone == [(1,)]
+        assert [r["restarts"] for r in srv.request("GET", "/health")[1]["replicas"]] == [0, 1]
+    finally:
+        srv.close()
+
+
+@pytest.mark.parametrize(("device", "dead", "replicas", "alone", "drain"), [
+    ("cpu", {1}, (1,), True, False),  # shared memory: the replica rejoins the running world
+    ("cuda", {1}, (1,), False, True),  # NVSHMEM: its world is fixed at init, the survivors drain
+    ("cpu", {2}, (0, 1), False, False),  # an FFN rank: its experts are gone for every replica
+    ("cpu", {0, 1}, (0, 1), False, True),  # no replica left to serve: the world restarts
+])  # fmt: skip
+def test_what_an_async_death_costs(tmp_path, device, dead, replicas, alone, drain) -> None:
+    from afd.config import parse_config
+    from afd.runtime.launch import RankProcess
+    from afd.runtime.servers import ServerRanks
+    from afd.runtime.spec import RunSpec
+
+    config = parse_config({"connector": "async", "num_attention_ranks": 2, "num_ffn_ranks": 1})
+    ranks = ServerRanks(config, RunSpec(device=device), 2, tmp_path, "s", "@x")
+
+    class Proc:
+        def __init__(self, code: int | None) -> None:
+            self.code = code
+
+        def poll(self) -> int | None:
+            return self.code
+
+    unit = ranks.units[0]
+    roles = [("attention", 0), ("attention", 1), ("ffn", 0)]
+    unit.ranks = [
+        RankProcess(role, rr, w, Proc(-9 if w in dead else None), tmp_path / f"{w}.log")
+        for w, (role, rr) in enumerate(roles)
+    ]
+    loss = ranks.lost(unit)
+    assert loss is not None and (loss.replicas, loss.alone, loss.drain) == (replicas, alone, drain)

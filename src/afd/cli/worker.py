@@ -56,6 +56,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
         raise UsageError("prompts go to attention ranks; an FFN rank takes none")
     if prompts and args.serve_address:
         raise UsageError("a rank serving a front end (--serve-address) takes its requests from it, not prompts")
+    rejoins = role == "attention" and config.connector == "async" and args.device == "cpu" and args.serve_address
+    if args.rejoin and not rejoins:
+        raise UsageError("--rejoin restarts a server's async attention rank on CPU (--serve-address); not this rank")
     dtype_given = args.dtype is not None  # an FFN rank without it takes the attention side's at rendezvous
     args.dtype = args.dtype or "float32"
     check_prompts(args.model, prompts, args.device, args.max_new_tokens)
@@ -74,6 +77,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         num_replicas=args.replicas,
         launcher_pid=args.launcher_pid,
         dtype_given=dtype_given,
+        generation=args.rejoin or 0,
     )
     name = f"{role} rank {args.rank}"
     log = logging.getLogger("afd.worker")
@@ -157,6 +161,13 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
         help="CUDA: this rank's local GPU (default: LOCAL_RANK, else the only visible GPU; afd launch sets it)",
     )
     p.add_argument("--run-token", default="afd", help="names this run's shared resources (set by afd launch)")
+    p.add_argument(
+        "--rejoin",
+        type=positive_int,
+        metavar="GENERATION",
+        help="an async attention replica on CPU restarted alone: join the running world as this restart (set by "
+        "afd serve)",
+    )
     p.add_argument(
         "--launcher-pid",
         type=positive_int,

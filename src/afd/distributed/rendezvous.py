@@ -47,10 +47,17 @@ class RankInfo:
 
 
 def rendezvous(
-    store: dist.Store, keys: RunKeys, me: RankInfo, world_size: int, timeout: float, is_host: bool
+    store: dist.Store,
+    keys: RunKeys,
+    me: RankInfo,
+    world_size: int,
+    timeout: float,
+    is_host: bool,
+    rejoin: bool = False,
 ) -> dict[int, RankInfo]:
-    """Publish `arrived/{rank}` and collect every other rank's, checking they agree on the sizes."""
-    if int(store.add(f"claim/{me.world_rank}", 1)) > 1:
+    """Publish `arrived/{rank}` and collect every other rank's, checking they agree on the sizes. `rejoin`: this
+    process restarts a rank of a running world (its earlier claim is the dead incarnation's)."""
+    if int(store.add(f"claim/{me.world_rank}", 1)) > 1 and not rejoin:
         raise RendezvousError(f"two processes were started as {me.name}; each world rank must be started once")
     key = f"arrived/{me.world_rank}"
     store.set(key, keys.sign(key, json.dumps(asdict(me))))

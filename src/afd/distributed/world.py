@@ -340,15 +340,17 @@ def init_world(
     watch_pid: int | None = None,
     expendable: frozenset[int] = frozenset(),
     dtype: str | None = None,
+    rejoin: bool = False,
 ) -> World:
     """Join the AFD world through the store at `host:port`.
 
     The store is hosted by world rank 0, or, with `store_external`, by someone else (the launcher).
     `secret` (default: `afd.env.secret()`) must be the same on every rank. `watch_pid`: a process
     whose death ends this rank (the launcher). Ranks may start in any order; every wait is bounded
-    by `timeout` seconds. `expendable`: world ranks whose death alone ends no other rank. `local_host`
-    is the address this rank's gloo connections bind to (default: 127.0.0.1 when the store is on
-    loopback, else the host's default interface). `dtype`: an attention rank's compute dtype (`RankInfo`).
+    by `timeout` seconds. `expendable`: world ranks whose death alone ends no other rank (`rejoin`: this
+    process restarts one of them). `local_host` is the address this rank's gloo connections bind to
+    (default: 127.0.0.1 when the store is on loopback, else the host's default interface). `dtype`: an
+    attention rank's compute dtype (`RankInfo`).
     """
     if num_attention + num_ffn != world_size:
         raise RendezvousError(
@@ -389,7 +391,7 @@ def init_world(
     store = dist.PrefixStore(keys.namespace, root)
     try:
         check_run_tag(root, keys, host, port, timeout, me.name)
-        peers = rendezvous(store, keys, me, world_size, timeout, is_host)
+        peers = rendezvous(store, keys, me, world_size, timeout, is_host, rejoin)
     except RendezvousError:
         raise
     except Exception as exc:  # noqa: BLE001 - a store op failed: its host went away

@@ -11,7 +11,6 @@ every other rank is done, so an early finish never ends the others. `timeout_s` 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import torch
 
@@ -38,16 +37,23 @@ from afd.runtime.rank import (
 from afd.topology import AsyncTopology
 from afd.transport.factory import default_heap_factory
 from afd.transport.shm import ShmHeap
-from afd.transport.symm_heap import SymmetricHeap
+from afd.transport.symm_heap import HeapFactory
 
 log = logging.getLogger(__name__)
 
 
-def heap_factory(job: RankJob, world: World, device: torch.device) -> Callable[[int], SymmetricHeap]:
-    """Shared memory named after the launcher's run token (so it can clean up after a crash), or NVSHMEM."""
+def heap_factory(job: RankJob, world: World, device: torch.device, topo: AsyncTopology) -> HeapFactory:
+    """Shared memory named after the launcher's run token (so it can clean up after a crash), or NVSHMEM. A server's
+    FFN ranks keep their windows' names, so that an attention replica restarted alone can map them again."""
     rank, size = world.me.world_rank, world.world_size
+    if job.generation and (device.type != "cpu" or job.role != "attention"):
+        raise ValueError("only an attention replica on CPU shared memory can join a running async world")
     if device.type == "cpu" and job.run_token != "afd":
-        return lambda nbytes: ShmHeap(world.store, rank, size, nbytes, run_token=job.run_token, timeout_s=job.timeout_s)
+        ffn_ranks = [topo.world_rank("ffn", f) for f in range(topo.num_ffn)]
+        options = dict(run_token=job.run_token, timeout_s=job.timeout_s, generation=job.generation)
+        options["keep_name"] = job.serve_address is not None and job.role == "ffn"
+        options["peers"] = ffn_ranks if job.generation else None  # a restarted replica writes to the FFN ranks only
+        return lambda nbytes: ShmHeap(world.store, rank, size, nbytes, **options)
     return default_heap_factory(world.store, rank, size, device, job.timeout_s)
 
 
@@ -70,6 +76,7 @@ def run_async_rank(job: RankJob) -> None:
         # a server's attention replica may die alone: the FFN ranks drop it and the server restarts the instance
         expendable=frozenset(range(cfg.num_attention_ranks)) if job.serve_address is not None else frozenset(),
         dtype=job.spec.dtype if job.role == "attention" else None,
+        rejoin=job.generation > 0,
         **world_options(job),
     )
     shared_on_attention = cfg.connector_extra_config.shared_experts_on_attention  # where the shared experts run
@@ -83,7 +90,7 @@ def run_async_rank(job: RankJob) -> None:
             device=device,
             max_num_batched_tokens=job.spec.max_num_batched_tokens,
             extra_config=cfg.connector_extra_config,
-            heap_factory=heap_factory(job, world, device),
+            heap_factory=heap_factory(job, world, device, topo),
             timeout_s=job.timeout_s,
         )
         load_args = dict(dtype=dtype, device=device, gate_on_attention=True, seed=job.spec.seed)

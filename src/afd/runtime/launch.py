@@ -144,9 +144,11 @@ def worker_command(
     run_dir: Path,
     serve_address: LinkAddress | None = None,
     placement: list[int] | None = None,
+    generation: int = 0,
 ) -> list[str]:
     """The `afd worker` command of one rank: its prompts and output files, or (a server's) the front end.
-    `placement`: the local GPU of each world rank (-1: another host's), default the whole world on this host's."""
+    `placement`: the local GPU of each world rank (-1: another host's), default the whole world on this host's.
+    `generation` > 0: a server's async attention replica restarted alone, joining its running world."""
     cmd = [sys.executable, "-m", "afd", "worker", "--config", json.dumps(config.to_dict()), "--role", role]
     cmd += ["--rank", str(role_rank)] + _spec_flags(spec, run_dir)
     cache = spec.cache
@@ -163,6 +165,8 @@ def worker_command(
         cmd += ["--device-index", str(gpu)]
         cache = cache.shared_by(placement.count(gpu))  # co-located ranks split the GPU's memory
     cmd += cache_flags(cache) + sampling_flags(spec.sampling)
+    if generation:
+        cmd += ["--rejoin", str(generation)]
     if serve_address is not None:
         cmd += serve_flags(serve_address)
     elif role == "attention":

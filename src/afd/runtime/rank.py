@@ -63,6 +63,7 @@ class RankJob:
     num_replicas: int = 1  # role "replica": how many run side by side (they share this host's cores)
     launcher_pid: int | None = None  # the `afd launch` / `afd serve` that started it (it dies with it); None: by hand
     dtype_given: bool = True  # False: an FFN rank started without --dtype takes the attention side's (`ffn_dtype`)
+    generation: int = 0  # > 0: a server's async attention replica restarted alone, joining its running world
 
     @property
     def backend(self) -> str:

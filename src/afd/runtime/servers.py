@@ -7,11 +7,12 @@ listener, and the ranks get the same secret as `AFD_SECRET`. For `p2p` and `asyn
 world store, as the launcher does, so the ranks' watchdogs also stop them when the front end dies.
 
 A **unit** is what is restarted together: one whole-model replica (`none`), or the whole world (`p2p`, whose DP
-wave is lockstep; `async`, whose windows and world are fixed at init). `lost(unit)` says which of its replicas a
-death costs: a `none` replica itself; every replica of a `p2p` world or of an `async` world that lost an FFN rank
-(its experts); only the dead attention replicas of an `async` world otherwise, whose survivors may finish their
-requests before the world is restarted (`Loss.drain`). `restart(unit)` stops what is left of it and starts it
-afresh from the zygote, on a new world store (a new port) for a world.
+wave is lockstep; `async`). `lost(unit)` says which of its replicas a death costs: a `none` replica itself; every
+replica of a `p2p` world or of an `async` world that lost an FFN rank (its experts); only the dead attention
+replicas of an `async` world otherwise. Those are restarted alone on CPU, where a restarted replica maps the
+running world's shared-memory windows again (`Loss.alone`, `restart_alone`); on NVSHMEM, whose world is fixed at
+init, the survivors finish their requests and the world is then restarted (`Loss.drain`). `restart(unit)` stops
+what is left of it and starts it afresh from the zygote, on a new world store (a new port) for a world.
 
 A server's rank takes a stop signal as "stop after this step" (`afd.runtime.online`): `stop` sends SIGTERM,
 the replicas abort what they run, end the wave or close their windows, say `bye` and exit 0.
@@ -59,11 +60,13 @@ BROKEN_STOP_GRACE_S = 1.0  # the rest of a unit that lost a rank: a broken world
 @dataclass(frozen=True)
 class Loss:
     """What the deaths in one unit cost: `replicas` (front-end indices) can no longer serve; `drain`: the unit's
-    other replicas still serve their requests, and the unit is restarted once they are done. `why`: one sentence."""
+    other replicas still serve their requests, and the unit is restarted once they are done; `alone`: only the dead
+    replicas are restarted, and the others serve on. `why`: one sentence."""
 
     replicas: tuple[int, ...]
     drain: bool
     why: str
+    alone: bool = False
 
 
 @dataclass
@@ -77,6 +80,7 @@ class Unit:
     ranks: list[RankProcess] = field(default_factory=list)
     store: object | None = None  # the world store (p2p, async), referenced while any rank may use it
     generation: int = 0
+    rejoins: int = 0  # attention replicas restarted alone into this unit's running world (async on CPU)
 
 
 class ServerRanks:
@@ -142,7 +146,10 @@ class ServerRanks:
         config = unit.config
         if config is None or config.connector == "p2p" or any(rank.role != "attention" for rank, _ in dead):
             return Loss(unit.replicas, False, why)
-        return Loss(tuple(sorted(rank.role_rank for rank, _ in dead)), True, why)
+        replicas = tuple(sorted(rank.role_rank for rank, _ in dead))
+        if self.spec.device == "cpu" and len(replicas) < len(unit.replicas):
+            return Loss(replicas, False, why, alone=True)
+        return Loss(replicas, True, why)
 
     # --- restarting and stopping
     def stop_unit(self, unit: Unit, grace_s: float = BROKEN_STOP_GRACE_S) -> None:
@@ -168,6 +175,26 @@ class ServerRanks:
                 unit.config = unit.config.replace(port=free_port(unit.config.host))
             self.start_unit(unit)
         log.info("restarted %s (generation %d)", ", ".join(r.name for r in unit.ranks), unit.generation)
+
+    def restart_alone(self, unit: Unit, replicas: tuple[int, ...]) -> None:
+        """Start the dead attention ranks of `replicas` again, into the unit's running world (`Loss.alone`); each
+        new process is a restart generation of its own. LaunchError when one cannot be started."""
+        assert unit.config is not None
+        with self._lock:
+            if self._stopped:
+                raise LaunchError("the server is stopping")
+            zygote = zygote_for_launch()
+            for i, rank in enumerate(list(unit.ranks)):
+                if rank.role != "attention" or rank.role_rank not in replicas or rank.proc.poll() is None:
+                    continue
+                unit.rejoins += 1
+                if rank.log_path.exists():
+                    rank.log_path.replace(rank.log_path.with_suffix(f".{unit.generation}.{unit.rejoins}.log"))
+                cmd = worker_command(unit.config, self.spec, "attention", rank.role_rank, self.run_dir,
+                                     self.serve_address, generation=unit.rejoins)  # fmt: skip
+                unit.ranks[i] = spawn_rank("attention", rank.role_rank, rank.world_rank, cmd, self.run_dir, self._env,
+                                           zygote)  # fmt: skip
+                log.info("restarted %s alone (restart %d of the running world)", unit.ranks[i].name, unit.rejoins)
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> dict[str, int]:
         """SIGTERM every rank still running, SIGKILL what is left after `grace_s`; then remove what a crashed

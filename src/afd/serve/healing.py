@@ -4,8 +4,9 @@ restarted from the zygote while the rest of the server keeps serving.
 `Healer` runs on the server's event loop. Every `POLL_S` it asks the rank supervisor (`afd.runtime.servers`)
 whether a unit (what is restarted together) lost a rank, and heals it in a task of its own:
 1. the replicas the death costs stop taking requests, and their in-flight requests end with the death as the error;
-2. a unit whose other replicas still serve (an `async` world that lost an attention replica: its windows and world
-   are fixed at init) drains them: they take no new request and finish what they run (at most `DRAIN_S`);
+2. dead replicas that can be restarted alone (an `async` attention replica on CPU) are, after a backoff, while the
+   others serve on; otherwise a unit whose other replicas still serve (`async` on NVSHMEM: its world is fixed at
+   init) drains them: they take no new request and finish what they run (at most `DRAIN_S`);
 3. after a backoff (`HealPolicy.delay`), the unit is stopped and started again; its replicas serve as soon as each
    says hello again (`ReplicaPool.attach`);
 4. a unit that died `max_restarts` times within `window_s` is given up on, in one log line, and the server serves
@@ -60,6 +61,7 @@ class Supervised(Protocol):
 
     def lost(self, unit) -> Loss | None: ...
     def restart(self, unit) -> None: ...
+    def restart_alone(self, unit, replicas: tuple[int, ...]) -> None: ...
     def stop_unit(self, unit) -> None: ...
 
 
@@ -144,24 +146,31 @@ class Healer:
                     await asyncio.to_thread(self.ranks.stop_unit, unit)
                 return
             started = time.monotonic()
-            await self._drain(survivors, started + policy.delay(len(state.deaths)))
-            for r in unit.replicas:
+            restarted = loss.replicas if loss.alone else unit.replicas
+            if loss.alone:
+                await asyncio.sleep(policy.delay(len(state.deaths)))
+            else:
+                await self._drain(survivors, started + policy.delay(len(state.deaths)))
+            for r in restarted:
                 pool.accepting[r] = False  # each serves again when it says hello (`ReplicaPool.attach`)
                 if pool.alive[r]:
                     pool.lose(r, "the replica is being restarted")
             try:
-                await asyncio.to_thread(self.ranks.restart, unit)
+                if loss.alone:
+                    await asyncio.to_thread(self.ranks.restart_alone, unit, loss.replicas)
+                else:
+                    await asyncio.to_thread(self.ranks.restart, unit)
             except LaunchError as exc:
                 loss = Loss(unit.replicas, False, f"replica {_names(unit.replicas)} could not be restarted: {exc}")
                 continue
-            for r in unit.replicas:
+            for r in restarted:
                 self.restarts[r] += 1
                 pool.metrics.rank_restarts.labels(str(r)).inc()
             loss = await self._await_hellos(unit)
             if loss is None:
                 state.status = "serving"
                 logger.warning(
-                    "replica %s serves again, %.1f s after the restart began", _names(unit.replicas),
+                    "replica %s serves again, %.1f s after the restart began", _names(restarted),
                     time.monotonic() - started,
                 )  # fmt: skip
                 return

@@ -10,6 +10,11 @@ name at once: the memory lives on in the mappings and goes away with the last pr
 that crashes afterwards (even `kill -9`) leaves nothing in /dev/shm. Only a crash during init can
 leave a name behind; the launcher removes those with `cleanup_segments(run_token)`.
 
+Rejoining. A server's FFN ranks keep their names (`keep_name`, unlinked at close or by the server's
+cleanup) so that a restarted attention replica can join the running world: it creates a segment of a
+new generation (`afd_<run_token>_<world_rank>.<generation>`), maps only the ranks it writes to
+(`peers`), passes no barrier, and drops its name once every one of them mapped it (`remap`).
+
 Segments are opened with shm_open + mmap, not `multiprocessing.shared_memory`: Python's
 `resource_tracker` (shared by spawned children) registers every attach and unlinks or warns at
 exit about segments the process does not own. Here only the creator unlinks its segment.
@@ -28,6 +33,7 @@ import mmap
 import os
 import platform
 import uuid
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -57,8 +63,8 @@ def check_store_ordering(machine: str | None = None) -> None:
         )
 
 
-def segment_name(run_token: str, world_rank: int) -> str:
-    return f"{SEGMENT_PREFIX}{run_token}_{world_rank}"
+def segment_name(run_token: str, world_rank: int, generation: int = 0) -> str:
+    return f"{SEGMENT_PREFIX}{run_token}_{world_rank}" + (f".{generation}" if generation else "")
 
 
 def new_run_token() -> str:
@@ -129,9 +135,16 @@ class ShmHeap(SymmetricHeap):
         *,
         run_token: str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        keep_name: bool = False,
+        generation: int = 0,
+        peers: Sequence[int] | None = None,
     ) -> None:
+        """`keep_name`: leave this rank's segment name in place until `close` (a server's FFN rank, which a
+        restarted replica maps later). `generation` > 0: join a running world (module docstring), mapping only
+        `peers` (default every rank); the name stays until `release_name`."""
         check_store_ordering()
         super().__init__(store, world_rank, world_size, nbytes)
+        self.generation = generation
         if run_token is None:
             if world_rank == 0:
                 store.set(RUN_TOKEN_KEY, new_run_token())
@@ -151,14 +164,13 @@ class ShmHeap(SymmetricHeap):
             self.local = torch.frombuffer(self._maps[world_rank], dtype=torch.uint8, count=nbytes)  # [nbytes]
             self._views[world_rank] = self.local
             self.barrier("shm_created", timeout_s)
-            for r in range(world_size):
+            for r in range(world_size) if peers is None else peers:
                 if r != world_rank:
-                    self._maps[r] = _map(segment_name(run_token, r), nbytes, create=False)
-                    self._views[r] = torch.frombuffer(self._maps[r], dtype=torch.uint8, count=nbytes)
+                    self._map_peer(r, segment_name(run_token, r))
             # nobody unlinks before every peer has mapped every segment
             self.barrier("shm_mapped", timeout_s)
-            # every peer holds a mapping now: drop the name, so no crash from here on leaks the segment
-            self._unlink_own()
+            if not (keep_name or generation):
+                self._unlink_own()  # every peer holds a mapping now: no crash from here on leaks the segment
         except BaseException:
             self.close()
             raise
@@ -166,7 +178,27 @@ class ShmHeap(SymmetricHeap):
 
     @property
     def segment(self) -> str:
-        return segment_name(self.run_token, self.world_rank)
+        return segment_name(self.run_token, self.world_rank, self.generation)
+
+    def _map_peer(self, world_rank: int, name: str) -> None:
+        self._maps[world_rank] = _map(name, self.nbytes, create=False)
+        self._views[world_rank] = torch.frombuffer(self._maps[world_rank], dtype=torch.uint8, count=self.nbytes)
+
+    def remap(self, world_rank: int, generation: int) -> None:
+        """Map the segment of `world_rank`'s restart `generation` in place of its previous one (whose views the
+        caller dropped: a view still held keeps the old mapping alive until it goes)."""
+        old = self._maps.pop(world_rank, None)
+        self._views.pop(world_rank, None)
+        if old is not None:
+            try:
+                old.close()
+            except BufferError:
+                pass
+        self._map_peer(world_rank, segment_name(self.run_token, world_rank, generation))
+
+    def release_name(self) -> None:
+        """Unlink this rank's segment name (its peers mapped it): a crash from here on leaves nothing behind."""
+        self._unlink_own()
 
     def _unlink_own(self) -> None:
         if self._owns_segment:

@@ -89,6 +89,7 @@ class SymmetricHeap(ABC):
         self._barrier_count = 0
         self._views: dict[int, torch.Tensor] = {}
         self._closed = False
+        self.generation = 0  # > 0: a restarted rank that joined a running world (only `ShmHeap` can)
 
     @property
     def device(self) -> torch.device:
@@ -104,7 +105,10 @@ class SymmetricHeap(ABC):
             raise ValueError(f"no window for world rank {world_rank} in a world of {self.world_size}") from None
 
     def barrier(self, tag: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        """Store barrier over the whole world; every rank must call it with the same tags in order."""
+        """Store barrier over the whole world; every rank must call it with the same tags in order. A rank that
+        joined a running world (`generation` > 0) passes at once: the others are past their barriers."""
+        if self.generation:
+            return
         self._barrier_count += 1
         store_barrier(
             self.store,
@@ -122,6 +126,14 @@ class SymmetricHeap(ABC):
         raise NotImplementedError(f"{type(self).__name__} has no device-side wait; poll from the host")
 
     device_waits = False  # whether `wait_on_stream` exists (the window's receivers then skip the host poll)
+
+    def remap(self, world_rank: int, generation: int) -> None:
+        """Map restart `generation` of `world_rank`'s window in place of the old one (`ShmHeap` only)."""
+        raise NotImplementedError(f"a {type(self).__name__} cannot map a restarted rank: its world is fixed at init")
+
+    def release_name(self) -> None:
+        """Drop this rank's window name once its peers mapped it (a heap without names has nothing to drop)."""
+        return None
 
     @abstractmethod
     def close(self) -> None:

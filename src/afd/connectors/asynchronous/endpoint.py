@@ -126,6 +126,11 @@ class AsyncEndpoint:
             raise
         self.peers_closed: set[int] = set()  # opposite-role ranks that announced shutdown
         self.drop_dead_peers = False  # a dead peer: PeerDied (False) or counted as shut down (True)
+        self._store, self._namespace = store, namespace
+        self._peer_generation = [0] * self.num_peers  # restarts of each peer admitted so far
+        self._rejoins_seen = 0
+        if self.window.heap.generation:
+            self._rejoin()
         self._last_liveness = time.monotonic()
         self.timeline = Timeline.from_env(f"async_{self.role}{role_rank}", self.device)  # AFD_TIMELINE=DIR
 
@@ -133,6 +138,46 @@ class AsyncEndpoint:
         """Release the window of an endpoint whose construction failed (no peer was told anything)."""
         self._closed = True
         self.window.close()
+
+    # -- a restarted attention replica joins a running world (CPU shared memory; `afd.transport.shm`) ----
+    def _rejoin(self) -> None:
+        """Announce this restart and wait, bounded, until every opposite-role rank mapped its new window."""
+        generation, ns = self.window.heap.generation, self._namespace
+        self._store.set(f"{ns}/rejoin/{self.world_rank}", str(generation))
+        self._store.add(f"{ns}/rejoins", 1)
+        acks = [f"{ns}/rejoin_ack/{self.world_rank}/{generation}/{p}" for p in range(self.num_peers)]
+        try:
+            what = f"the {self.opposite} ranks to admit restart {generation} of {self.role} rank {self.role_rank}"
+            wait_keys(self._store, acks, self.timeout_s, what)
+        except BaseException:
+            self._abandon()
+            raise
+        self.window.heap.release_name()
+        logger.info("%s rank %d joined the running world (restart %d)", self.role, self.role_rank, generation)
+
+    def admit_restarted_peers(self) -> None:
+        """Take back every peer that restarted since the last look: its new process for liveness, its new window
+        mapped, what its dead incarnation left in ours ignored; then tell it (one store read when none did)."""
+        ns = self._namespace
+        rejoins = int(self._store.add(f"{ns}/rejoins", 0))
+        if rejoins == self._rejoins_seen:
+            return
+        self._rejoins_seen = rejoins
+        for p in range(self.num_peers):
+            world_rank = self.peer_world(p)
+            key = f"{ns}/rejoin/{world_rank}"
+            if not self._store.check([key]) or int(self._store.get(key)) <= self._peer_generation[p]:
+                continue
+            generation = int(self._store.get(key))
+            self._peer_proc[p] = json.loads(self._store.get(f"{ns}/proc/{world_rank}"))
+            self.window.reset_region(p)
+            self.window.forget_peer(world_rank)
+            self.window.heap.remap(world_rank, generation)
+            self._peer_generation[p] = generation
+            self.peers_closed.discard(p)
+            self._store.set(f"{ns}/rejoin_ack/{world_rank}/{generation}/{self.role_rank}", "1")
+            logger.warning("%s rank %d: %s rank %d is back (restart %d)", self.role, self.role_rank, self.opposite,
+                           p, generation)  # fmt: skip
 
     def peer_world(self, peer: int) -> int:
         return self.topology.world_rank(self.opposite, peer)
@@ -142,6 +187,8 @@ class AsyncEndpoint:
         it as shut down instead (a server's FFN rank outlives an attention replica that died alone), and raise
         ConnectorShutdown once no peer is left."""
         self._last_liveness = time.monotonic()
+        if self.drop_dead_peers:
+            self.admit_restarted_peers()
         for p in peers if peers is not None else range(self.num_peers):
             if p not in self.peers_closed and not is_alive(self._peer_proc[p]):
                 if self.drop_dead_peers:

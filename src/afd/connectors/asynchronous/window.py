@@ -43,6 +43,7 @@ logger = logging.getLogger("afd.connectors.asynchronous.window")
 
 BUSY_POLL_S = 0.05  # CUDA receivers poll without sleeping this long after a message
 STAGING_DEPTH = 16  # header/flag source buffers per peer: how far a sender's host may run ahead of its stream
+GENERATION_SEQ_BITS = 40  # a restart's seqs start at generation << 40 (2**40 messages per incarnation)
 
 
 @dataclass
@@ -80,8 +81,9 @@ class Window:
         self._seen = [0] * geometry.num_flags  # host mirror of the flag values already returned
         self._scan = 0
         # this rank's send counter: every flag it writes is a new, larger int64 (never wraps in practice:
-        # 2**63 messages); headers carry its low 32 bits and compare them mod 2**32
-        self._seq = 0
+        # 2**63 messages); headers carry its low 32 bits and compare them mod 2**32. A restarted rank counts from
+        # above anything its previous incarnation could have stamped, so no flag it writes equals an old one.
+        self._seq = heap.generation << GENERATION_SEQ_BITS
         self._peer_flags: dict[int, torch.Tensor] = {}
         self._peer_slots: dict[tuple[int, int], SlotViews] = {}
         self._staging: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]]] = {}
@@ -289,6 +291,25 @@ class Window:
         """Forget the flag value last seen in slot (region, stage): its next nonzero flag is a message again (the
         slot was served on the device, which resets its flag to 0; afd.connectors.asynchronous.ffn_chain)."""
         self._seen[self.geometry.slot_index(region, stage)] = 0
+
+    def forget_peer(self, peer: int) -> None:
+        """Drop the views of world rank `peer`'s window (it is about to be mapped anew: a restarted rank)."""
+        self._peer_flags.pop(peer, None)
+        for key in [k for k in self._peer_slots if k[0] == peer]:
+            del self._peer_slots[key]
+        self._staging.pop(peer, None)
+        self._staging_turn.pop(peer, None)
+        self._shutdown_staging.pop(peer, None)
+
+    def reset_region(self, region: int) -> None:
+        """Take what `region`'s sender left in this window as seen: a restarted sender's first message is the first
+        one read from that region again (what its dead incarnation wrote is never served)."""
+        flags = self._read_flags()
+        for stage in range(self.geometry.ring_depth):
+            idx = self.geometry.slot_index(region, stage)
+            self._seen[idx] = flags[idx]
+        sd = self.geometry.shutdown_index(region)
+        self._seen[sd] = flags[sd]
 
     def _read_flags(self) -> list[int]:
         if self._poll_stream is None:
