@@ -74,3 +74,28 @@ def test_graph_replay_equals_eager_for_every_bucket_bf16() -> None:
             worst[size] = (_max_diff(got, padded), _max_diff(got, eager))
             assert not engine.kv_cache.cache[:, :BLOCK].any()
     print("max |dlogprob| graph vs padded eager, graph vs eager, by batch:", worst)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_warmed_engine_captures_no_decode_graph_while_generating() -> None:
+    """The warm-up (as a server runs it) captures every batch bucket's decode graphs; then batches of 1 to 100
+    sequences with prompts of 1-300 tokens decode through graphs only: 0 captured while serving."""
+    from afd.engine.warm_up import warm_up_engine
+
+    attn = load_attention_model("tiny", dtype="bfloat16", device="cuda")
+    ffn = load_ffn_model("tiny", dtype="bfloat16", device="cuda")
+    engine = Engine(attn, LocalExchange(ffn), 4096, max_num_seqs=256, num_blocks=2048)
+    warm_up_engine(engine)
+    runner = engine.cuda_graphs
+    assert runner is not None and not runner.disabled
+    assert {n for n, _ in runner.captured} == set(runner.buckets) == set(batch_buckets(256))
+    warmed = len(runner.captured)
+    rng = random.Random(1)
+    for size in (1, 7, 100):
+        for _ in range(size):
+            engine.add(Request([rng.randrange(256) for _ in range(rng.randint(1, 300))], rng.randint(1, 24)))
+        outputs = engine.run()
+        assert len(outputs) == size and all(out.token_ids for out in outputs)
+    assert engine.graphs_captured_while_serving == 0 and len(runner.captured) == warmed

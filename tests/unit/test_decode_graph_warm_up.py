@@ -102,6 +102,7 @@ def test_a_key_the_warm_up_left_out_is_captured_in_the_step_and_counted(tiny, ca
     with caplog.at_level("INFO", logger="afd"):
         engine.run()
     assert engine.graphs_captured_while_serving == engine.cuda_graphs.captured_while_serving > 0
+    assert engine.load().graphs_captured == engine.graphs_captured_while_serving  # what the replica reports
     captures = [r.getMessage() for r in caplog.records if "context rows in" in r.getMessage()]
     assert len(captures) == engine.graphs_captured_while_serving and "1 captured while serving" in captures[0]
 

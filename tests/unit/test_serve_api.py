@@ -147,6 +147,7 @@ def test_metrics_through_prometheus_client():
     m = served.replicas[0]
     m.running.set(2)
     m.cache_usage.set(0.25)
+    m.graphs_captured.set(3)
     m.generation_tokens.inc(7)
     m.ttft.observe(0.003)
     m.ttft.observe(100.0)
@@ -160,6 +161,7 @@ def test_metrics_through_prometheus_client():
     assert samples[("afd_num_requests_running", (("replica", "0"),))] == 2
     assert samples[("afd_num_requests_running", (("replica", "1"),))] == 0
     assert samples[("afd_kv_cache_usage_perc", (("replica", "0"),))] == 0.25
+    assert samples[("afd_decode_graphs_captured_while_serving", (("replica", "0"),))] == 3
     assert samples[("afd_generation_tokens_total", (("replica", "0"),))] == 7
     assert samples[("afd_time_to_first_token_seconds_bucket", (("le", "0.001"), ("replica", "0")))] == 0
     assert samples[("afd_time_to_first_token_seconds_bucket", (("le", "0.005"), ("replica", "0")))] == 1

@@ -206,7 +206,8 @@ class Engine:
         return self._in_flight is not None
 
     def load(self) -> EngineLoad:
-        return EngineLoad(len(self.running), len(self.waiting), self.block_manager.usage)
+        usage = self.block_manager.usage
+        return EngineLoad(len(self.running), len(self.waiting), usage, self.graphs_captured_while_serving)
 
     # --- scheduling and cache bookkeeping (the parts' check-then-act pairs) ---
 

@@ -63,3 +63,4 @@ class EngineLoad:
     running: int
     waiting: int
     cache_usage: float
+    graphs_captured: int = 0  # decode CUDA graphs captured while serving (`Engine.graphs_captured_while_serving`)

@@ -214,6 +214,7 @@ class ReplicaPool:
             m.running.set(int(message["running"]))
             m.waiting.set(int(message["waiting"]))
             m.cache_usage.set(float(message["cache_usage"]))
+            m.graphs_captured.set(int(message.get("graphs_captured", 0)))
         else:
             logger.warning("replica %d sent an unknown message %r", replica, kind)
 

@@ -27,6 +27,7 @@ class ReplicaMetrics:
         self.running = families.running.labels(label)
         self.waiting = families.waiting.labels(label)
         self.cache_usage = families.cache_usage.labels(label)
+        self.graphs_captured = families.graphs_captured.labels(label)
         self.prompt_tokens = families.prompt_tokens.labels(label)
         self.generation_tokens = families.generation_tokens.labels(label)
         self.ttft = families.ttft.labels(label)
@@ -61,6 +62,12 @@ class ServeMetrics:
         )
         self.cache_usage = Gauge(
             "afd_kv_cache_usage_perc", "Fraction of the replica's KV-cache blocks in use (0..1).", by, registry=r
+        )
+        self.graphs_captured = Gauge(
+            "afd_decode_graphs_captured_while_serving",
+            "Decode CUDA graphs the replica captured inside a step rather than at warm-up (0 when warmed).",
+            by,
+            registry=r,
         )
         self.prompt_tokens = Counter(
             "afd_prompt_tokens", "Prompt tokens of the requests sent to the replica.", by, registry=r
