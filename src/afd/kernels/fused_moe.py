@@ -12,9 +12,15 @@ reading the weights, not by the matmuls, and `torch._grouped_mm` streams them at
 
 The eager PyTorch code in `afd.model.moe` stays the CPU path and the oracle of the tests (`test_kernel_moe.py`).
 Tile shapes come from the fixed table in `moe_tiles`.
+
+Block-scaled FP8 experts (DeepSeek-V3's format: `w13`/`w2` float8_e4m3fn, one fp32 scale per `(b0, b1)` block, passed
+as `w13_scale`/`w2_scale`/`block`) take the same four launches: the GEMMs read the fp8 bytes and apply the scales
+in registers (`moe_gate_up`), half the bytes of bf16 weights and nothing dequantized in memory.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -45,12 +51,33 @@ def warm_up_token_counts(top_k: int, num_local_experts: int, max_tokens: int) ->
     return sorted(first.values())
 
 
-def _check_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> tuple[int, int, int]:
-    """(E, H, I) of stacked experts `w13 [E, 2I, H]`, `w2 [E, H, I]`, checked against rows `x [., H]`."""
-    num_experts, hidden, inter = check_gate_up(x, w13)
-    if w2.dtype != x.dtype or tuple(w2.shape) != (num_experts, hidden, inter):
+@dataclass(frozen=True)
+class ExpertScales:
+    """fp32 block scales of FP8 experts: `w13 [E, 2 * ceil(I/b0), ceil(H/b1)]` (gate's rows, then up's), `w2 [E,
+    ceil(H/b0), ceil(I/b1)]`, `block = (b0, b1)` (b1 a multiple of 16: `moe_tiles.fp8_block_supported`)."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    block: tuple[int, int]
+
+
+def _check_experts(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None
+) -> tuple[int, int, int]:
+    """(E, H, I) of stacked experts `w13 [E, 2I, H]`, `w2 [E, H, I]`, checked against rows `x [., H]`: both in x's
+    dtype, or both float8_e4m3fn with `scales`."""
+    block = scales.block if scales is not None else None
+    num_experts, hidden, inter = check_gate_up(x, w13, scales.w13 if scales else None, block)
+    if w2.dtype != w13.dtype or tuple(w2.shape) != (num_experts, hidden, inter):
         raise ValueError(f"w2 {tuple(w2.shape)} {w2.dtype} does not fit w13 {tuple(w13.shape)} {w13.dtype}")
     return num_experts, hidden, inter
+
+
+def _scale_args(scales: ExpertScales | None) -> tuple[dict, dict]:
+    """Keyword arguments of `expert_gate_up` and `expert_down` for the experts' scales (none for 16/32-bit)."""
+    if scales is None:
+        return {}, {}
+    return {"scale": scales.w13, "block": scales.block}, {"scale": scales.w2, "block": scales.block}
 
 
 def fused_grouped_expert_mlp(
@@ -60,16 +87,18 @@ def fused_grouped_expert_mlp(
     w2: torch.Tensor,
     *,
     configs: tuple[TileConfig, TileConfig] | None = None,
+    scales: ExpertScales | None = None,
 ) -> torch.Tensor:
     """`afd.model.moe.grouped_expert_mlp_offsets` in two launches: x [N, H] grouped by `offs` [E] int32 (device
-    cumulative ends), w13 [E, 2I, H], w2 [E, H, I] -> [N, H] in x.dtype, unweighted; rows at and past
-    `offs[-1]` are not written (undefined), as there."""
-    num_experts, _, _ = _check_experts(x, w13, w2)
+    cumulative ends), w13 [E, 2I, H], w2 [E, H, I] (x's dtype, or FP8 with `scales`) -> [N, H] in x.dtype,
+    unweighted; rows at and past `offs[-1]` are not written (undefined), as there."""
+    num_experts, _, _ = _check_experts(x, w13, w2, scales)
     hint = rows_per_expert_hint(x.shape[0], 1, num_experts)
     up_cfg, down_cfg = configs or (None, None)
-    act = expert_gate_up(x, offs, w13, rows_hint=hint, config=up_cfg)  # [N, I]
+    up_scale, down_scale = _scale_args(scales)
+    act = expert_gate_up(x, offs, w13, rows_hint=hint, config=up_cfg, **up_scale)  # [N, I]
     out = torch.empty_like(x)  # [N, H]
-    return expert_down(act, offs, w2, out=out, rows_hint=hint, config=down_cfg)
+    return expert_down(act, offs, w2, out=out, rows_hint=hint, config=down_cfg, **down_scale)
 
 
 def fused_routed_experts(
@@ -81,14 +110,16 @@ def fused_routed_experts(
     expert_start: int = 0,
     *,
     configs: tuple[TileConfig, TileConfig] | None = None,
+    scales: ExpertScales | None = None,
 ) -> torch.Tensor:
     """`afd.model.moe.routed_experts` in four launches: x [T, H] -> fp32 [T, H], the sum over the (t, k) pairs whose
     expert is one of the stacked `[expert_start, expert_start + E)` of `topk_weights[t, k] * expert(x[t])`.
 
-    topk_ids: [T, K] int; topk_weights: [T, K] fp32; w13: [E, 2I, H]; w2: [E, H, I]. No host sync and shapes
-    that depend only on (T, K): capturable in a CUDA graph; no atomics: the same bits every run.
+    topk_ids: [T, K] int; topk_weights: [T, K] fp32; w13: [E, 2I, H]; w2: [E, H, I] (x's dtype, or FP8 with
+    `scales`). No host sync and shapes that depend only on (T, K): capturable in a CUDA graph; no atomics: the same
+    bits every run.
     """
-    num_experts, hidden, inter = _check_experts(x, w13, w2)
+    num_experts, hidden, inter = _check_experts(x, w13, w2, scales)
     num_tokens, top_k = topk_ids.shape
     out = torch.empty(num_tokens, hidden, dtype=torch.float32, device=x.device)  # [T, H]
     if num_tokens == 0:
@@ -98,8 +129,11 @@ def fused_routed_experts(
     pair_idx, token_idx, offs = sort_pairs(topk_ids, expert_start, num_experts)  # [P], [P], [E]
     hint = rows_per_expert_hint(num_tokens, top_k, num_experts)
     up_cfg, down_cfg = configs or (None, None)
-    act = expert_gate_up(x, offs, w13, token_idx=token_idx, rows_hint=hint, config=up_cfg)  # [P, I]
+    up_scale, down_scale = _scale_args(scales)
+    act = expert_gate_up(x, offs, w13, token_idx=token_idx, rows_hint=hint, config=up_cfg, **up_scale)  # [P, I]
     by_pair = torch.empty(num_tokens * top_k, hidden, dtype=torch.float32, device=x.device)  # [P, H]
     weights = topk_weights.reshape(-1).float().contiguous()  # [P]
-    expert_down(act, offs, w2, out=by_pair, dest_idx=pair_idx, weights=weights, rows_hint=hint, config=down_cfg)
+    expert_down(
+        act, offs, w2, out=by_pair, dest_idx=pair_idx, weights=weights, rows_hint=hint, config=down_cfg, **down_scale
+    )
     return combine_pairs(by_pair, topk_ids, out, expert_start, num_experts)

@@ -5,6 +5,11 @@ loop iterations and reads no weights), then for each BLOCK_M chunk of its rows s
 rows of the same I columns of `w13[e]` (once per chunk; one chunk at decode) and keeps SwiGLU in registers:
 `act = silu(x @ w_gate.T) * (x @ w_up.T)`. The weight tile is the MMA's M side and the rows its N side
 ("swap AB"), so 1..16 rows still fill a tensor-core tile. fp32 accumulation.
+
+FP8 weights (`HAS_SCALE`): `w13` float8_e4m3fn with fp32 block scales (gate's scale rows, then up's). Each K step
+converts the fp8 tile to the rows' dtype (exact: every e4m3 value is a bf16/fp16/fp32 value), takes the MMA, and
+adds it times the weight rows' scales of that K block (`moe_tiles.scaled_block_k` keeps a step inside one scale
+block), so only fp8 bytes leave memory and no dequantized weight is ever written.
 """
 
 from __future__ import annotations
@@ -15,12 +20,15 @@ import triton.language as tl
 
 from afd.kernels.moe_tiles import (
     DTYPES,
+    FP8_DTYPE,
     TileConfig,
+    check_fp8_weight,
     dot_precision,
     fit_dtype,
     gate_up_config,
     load_2d,
     rows_per_expert_hint,
+    scaled_block_k,
 )
 
 
@@ -31,6 +39,7 @@ def _gate_up_kernel(
     offs_ptr,  # [E] int32 cumulative group ends
     w_ptr,  # [E, 2I, H] gate rows then up rows
     act_ptr,  # [N, I] out
+    scale_ptr,  # [E, 2 * ceil(I/SCALE_N), ceil(H/SCALE_K)] fp32 (HAS_SCALE): gate's rows from 0, up's from up_scale_row
     inter,
     hidden,
     stride_xm,
@@ -40,6 +49,10 @@ def _gate_up_kernel(
     stride_wk,
     stride_am,
     stride_an,
+    stride_se,
+    stride_sn,
+    stride_sk,
+    up_scale_row,
     HAS_TOKEN_IDX: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -47,6 +60,9 @@ def _gate_up_kernel(
     EVEN_N: tl.constexpr,
     EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    SCALE_N: tl.constexpr,
+    SCALE_K: tl.constexpr,
 ):
     e = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -57,6 +73,8 @@ def _gate_up_kernel(
     k = tl.arange(0, BLOCK_K)  # [BK]
     w_gate = w_ptr + e.to(tl.int64) * stride_we + n[:, None].to(tl.int64) * stride_wn + k[None, :] * stride_wk
     w_up = w_gate + inter * stride_wn  # [BN, BK] pointers each
+    s_gate = scale_ptr + e.to(tl.int64) * stride_se + (n // SCALE_N) * stride_sn  # [BN] (HAS_SCALE only)
+    s_up = s_gate + up_scale_row * stride_sn
     for m0 in range(start, end, BLOCK_M):  # one chunk at decode sizes; none for an expert without rows
         rows = m0 + tl.arange(0, BLOCK_M)  # [BM]
         r_mask = rows < end
@@ -73,20 +91,37 @@ def _gate_up_kernel(
             wg = load_2d(w_gate + k0 * stride_wk, n_mask, k_mask, EVEN_N, EVEN_K)  # [BN, BK]
             wu = load_2d(w_up + k0 * stride_wk, n_mask, k_mask, EVEN_N, EVEN_K)  # [BN, BK]
             xt_t = tl.trans(xt)  # [BK, BM]
-            acc_gate = tl.dot(wg, xt_t, acc_gate, input_precision=PRECISION)  # [BN, BM]
-            acc_up = tl.dot(wu, xt_t, acc_up, input_precision=PRECISION)
+            if HAS_SCALE:  # one scale per weight row in this K step; the fp8 -> x dtype conversion is exact
+                s_k = (k0 // SCALE_K) * stride_sk
+                sg = tl.load(s_gate + s_k, mask=n_mask, other=0.0)  # [BN] fp32
+                su = tl.load(s_up + s_k, mask=n_mask, other=0.0)
+                part_gate = tl.dot(wg.to(xt.dtype), xt_t, input_precision=PRECISION)  # [BN, BM] fp32
+                part_up = tl.dot(wu.to(xt.dtype), xt_t, input_precision=PRECISION)
+                acc_gate += part_gate * sg[:, None]
+                acc_up += part_up * su[:, None]
+            else:
+                acc_gate = tl.dot(wg, xt_t, acc_gate, input_precision=PRECISION)  # [BN, BM]
+                acc_up = tl.dot(wu, xt_t, acc_up, input_precision=PRECISION)
         act = acc_gate * tl.sigmoid(acc_gate) * acc_up  # [BN, BM] SwiGLU in fp32
         out = act_ptr + rows[None, :].to(tl.int64) * stride_am + n[:, None] * stride_an
         tl.store(out, act.to(act_ptr.dtype.element_ty), mask=r_mask[None, :] & n_mask[:, None])
 
 
-def check_gate_up(x: torch.Tensor, w13: torch.Tensor) -> tuple[int, int, int]:
-    """(E, H, I) of stacked gate/up weights `w13 [E, 2I, H]`, checked against rows `x [., H]`."""
-    if x.dtype not in DTYPES or w13.dtype != x.dtype:
-        raise ValueError(f"rows {x.dtype}, w13 {w13.dtype}: need one dtype of {DTYPES}")
+def check_gate_up(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,
+) -> tuple[int, int, int]:
+    """(E, H, I) of stacked gate/up weights `w13 [E, 2I, H]`, checked against rows `x [., H]`: w13 in x's dtype,
+    or float8_e4m3fn with fp32 `scale [E, 2 * ceil(I/b0), ceil(H/b1)]` in `block`s."""
+    if x.dtype not in DTYPES or w13.dtype not in (x.dtype, FP8_DTYPE):
+        raise ValueError(f"rows {x.dtype}, w13 {w13.dtype}: need one dtype of {DTYPES} (or fp8 weights)")
     num_experts, two_inter, hidden = w13.shape
     if x.shape[-1] != hidden or two_inter % 2:
         raise ValueError(f"x {tuple(x.shape)} and w13 {tuple(w13.shape)} do not fit together")
+    if w13.dtype == FP8_DTYPE:
+        check_fp8_weight(w13, scale, block, 2 * -(-(two_inter // 2) // block[0]) if block else 0)
     return num_experts, hidden, two_inter // 2
 
 
@@ -98,6 +133,8 @@ def expert_gate_up(
     token_idx: torch.Tensor | None = None,
     rows_hint: int | None = None,
     config: TileConfig | None = None,
+    scale: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """SwiGLU of grouped rows: `act[r] = silu(x[src] @ w13[e, :I].T) * (x[src] @ w13[e, I:].T)`.
 
@@ -105,13 +142,20 @@ def expert_gate_up(
     `offs[e-1] <= r < offs[e]`); w13: [E, 2I, H]; token_idx: [N] int, the row of x of each grouped row
     (None: x is already grouped, `src = r`, N = T). Returns act [N, I] in x.dtype; rows at and past `offs[-1]`
     are not written. `rows_hint`: expected largest group (picks the tile table's row), default N / E based.
+    FP8 `w13` (float8_e4m3fn): `w13[e, i, j]` means `w13[e, i, j] * scale[e, r(i), j // b1]` with `block = (b0, b1)`,
+    `r(i) = i // b0` for gate rows, `scale.shape[1] // 2 + (i - I) // b0` for up rows.
     """
-    num_experts, hidden, inter = check_gate_up(x, w13)
+    num_experts, hidden, inter = check_gate_up(x, w13, scale, block)
     num_rows = x.shape[0] if token_idx is None else token_idx.shape[0]
     act = x.new_empty(num_rows, inter)  # [N, I]
     if num_rows == 0 or num_experts == 0:
         return act
     cfg = config or fit_dtype(gate_up_config(rows_hint or rows_per_expert_hint(num_rows, 1, num_experts)), x.dtype)
+    has_scale = w13.dtype == FP8_DTYPE
+    block_k = scaled_block_k(cfg.block_k, block[1]) if has_scale else cfg.block_k
+    scale_n, scale_k = block if has_scale else (1, 1)
+    s = scale if has_scale else offs  # unused without HAS_SCALE
+    s_strides = (s.stride(0), s.stride(1), s.stride(2), s.shape[1] // 2) if has_scale else (0, 0, 0, 0)
     grid = (num_experts, triton.cdiv(inter, cfg.block_n))
     _gate_up_kernel[grid](
         x,
@@ -119,6 +163,7 @@ def expert_gate_up(
         offs,
         w13,
         act,
+        s,
         inter,
         hidden,
         x.stride(0),
@@ -128,13 +173,17 @@ def expert_gate_up(
         w13.stride(2),
         act.stride(0),
         act.stride(1),
+        *s_strides,
         HAS_TOKEN_IDX=token_idx is not None,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
+        BLOCK_K=block_k,
         EVEN_N=inter % cfg.block_n == 0,
-        EVEN_K=hidden % cfg.block_k == 0,
+        EVEN_K=hidden % block_k == 0,
         PRECISION=dot_precision(x.dtype),
+        HAS_SCALE=has_scale,
+        SCALE_N=scale_n,
+        SCALE_K=scale_k,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

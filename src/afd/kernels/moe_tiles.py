@@ -1,7 +1,9 @@
 """Tile shapes of the decode MoE GEMMs (`moe_gate_up`, `moe_down`) and the Triton helper both share.
 
 Block sizes come from a small fixed table by rows per expert: no autotuning at run time, so every run is
-deterministic and capturable.
+deterministic and capturable. Block-scaled FP8 weights (float8_e4m3fn, one fp32 scale per `(b0, b1)` block) take
+the same table with the reduction step cut to divide `b1` (`scaled_block_k`), so a weight tile never straddles
+two scale blocks along K and its scales are one per weight row.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import triton
 import triton.language as tl
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FP8_DTYPE = torch.float8_e4m3fn
+MIN_BLOCK_K = 16  # tl.dot's smallest reduction step
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,36 @@ def fit_dtype(cfg: TileConfig, dtype: torch.dtype) -> TileConfig:
     if dtype.itemsize <= 2:
         return cfg
     return TileConfig(cfg.block_m, cfg.block_n, max(16, cfg.block_k // 2), cfg.num_warps, cfg.num_stages)
+
+
+def fp8_block_supported(block: tuple[int, int]) -> bool:
+    """Whether the kernels take FP8 weights in `(b0, b1)` blocks: any b0; b1 a multiple of `MIN_BLOCK_K`, so a
+    power-of-two reduction step of at least 16 divides it (DeepSeek-V3's 128 x 128 does)."""
+    return block[0] > 0 and block[1] > 0 and block[1] % MIN_BLOCK_K == 0
+
+
+def scaled_block_k(block_k: int, scale_k: int) -> int:
+    """The reduction step for weights scaled in blocks `scale_k` wide along K: the largest power of two up to
+    `block_k` that divides `scale_k`, so each K step reads one scale per weight row."""
+    if scale_k % MIN_BLOCK_K:
+        raise ValueError(f"an fp8 scale block {scale_k} wide along K is not a multiple of {MIN_BLOCK_K}")
+    step = block_k
+    while scale_k % step:
+        step //= 2
+    return step
+
+
+def check_fp8_weight(
+    w: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None, scale_rows: int
+) -> None:
+    """A float8_e4m3fn weight `[E, N, K]` needs fp32 `scale [E, scale_rows, ceil(K/b1)]` and a supported block."""
+    if scale is None or block is None:
+        raise ValueError(f"an {w.dtype} weight needs its block scales and block size")
+    if not fp8_block_supported(block):
+        raise ValueError(f"fp8 block {block} is not supported by the kernels (b1 must be a multiple of 16)")
+    want = (w.shape[0], scale_rows, -(-w.shape[2] // block[1]))
+    if scale.dtype != torch.float32 or tuple(scale.shape) != want:
+        raise ValueError(f"fp8 scales {tuple(scale.shape)} {scale.dtype} do not fit weight {tuple(w.shape)}, {want}")
 
 
 def dot_precision(dtype: torch.dtype) -> str:

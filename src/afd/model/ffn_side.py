@@ -7,9 +7,16 @@ import torch
 from torch import nn
 
 from afd.model.config import ModelConfig, scaled
-from afd.model.fp8 import FP8_DTYPE, dequantize, scale_shape
+from afd.model.fp8 import FP8_DTYPE, FP8Experts, scale_shape
 from afd.model.layers import MLP, Gate
-from afd.model.moe import grouped_expert_mlp, grouped_expert_mlp_offsets, routed_experts
+from afd.model.moe import (
+    fp8_grouped_expert_mlp,
+    fp8_grouped_expert_mlp_offsets,
+    fp8_routed_experts,
+    grouped_expert_mlp,
+    grouped_expert_mlp_offsets,
+    routed_experts,
+)
 from afd.routing import Routing
 
 
@@ -18,7 +25,7 @@ class Experts(nn.Module):
     `w13: [E, 2I, H]` (gate rows, then up rows) and `w2: [E, H, I]` in the model dtype, or, when the model's
     linears are FP8 (`config.fp8_block`), in float8_e4m3fn with `w13_scale_inv: [E, 2 * ceil(I/b0), ceil(H/b1)]`
     (gate's scale rows, then up's: each half keeps its own ragged edge) and `w2_scale_inv: [E, ceil(H/b0),
-    ceil(I/b1)]` float32, dequantized per call by `weights`."""
+    ceil(I/b1)]` float32 (`fp8()` hands them to the MoE, which runs them in FP8 kernels on CUDA or dequantizes)."""
 
     def __init__(self, config: ModelConfig, num_local_experts: int) -> None:
         super().__init__()
@@ -35,21 +42,17 @@ class Experts(nn.Module):
             self.w13_scale_inv = nn.Parameter(torch.empty(shape13), requires_grad=False)
             self.w2_scale_inv = nn.Parameter(torch.empty(scale_shape(tuple(self.w2.shape), block)), requires_grad=False)
 
+    def fp8(self) -> FP8Experts | None:
+        """The stacked FP8 weights and their scales (None for 16/32-bit experts)."""
+        if self.block is None:
+            return None
+        return FP8Experts(self.w13, self.w13_scale_inv, self.w2, self.w2_scale_inv, self.block)
+
     def weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """`(w13 [E, 2I, H], w2 [E, H, I])` in `dtype`: the stacked tensors themselves, or their dequantized copies
-        (FP8: every call expands them; the CPU path and the future kernels' oracle, correct rather than fast)."""
-        if self.block is None:
-            return self.w13, self.w2
-        inter, s13 = self.intermediate_size, self.w13_scale_inv
-        half = s13.shape[1] // 2
-        w13 = torch.cat(
-            [
-                dequantize(self.w13[:, :inter], s13[:, :half], self.block, dtype),  # gate [E, I, H]
-                dequantize(self.w13[:, inter:], s13[:, half:], self.block, dtype),  # up [E, I, H]
-            ],
-            dim=1,
-        )
-        return w13, dequantize(self.w2, self.w2_scale_inv, self.block, dtype)
+        (FP8: every call expands them; the CPU path and the kernels' oracle, correct rather than fast)."""
+        fp8 = self.fp8()
+        return (self.w13, self.w2) if fp8 is None else fp8.dequantized(dtype)
 
 
 class FFNLayer(nn.Module):
@@ -126,20 +129,27 @@ class FFNModel(nn.Module):
 
     def experts(self, layer_idx: int, x_grouped: torch.Tensor, group_sizes: list[int]) -> torch.Tensor:
         """Rows grouped by local expert [N, H] -> unweighted expert outputs [N, H] (the async form)."""
-        return grouped_expert_mlp(x_grouped, group_sizes, *self._layer(layer_idx).experts.weights(x_grouped.dtype))
+        experts = self._layer(layer_idx).experts
+        if (fp8 := experts.fp8()) is not None:
+            return fp8_grouped_expert_mlp(x_grouped, group_sizes, fp8)
+        return grouped_expert_mlp(x_grouped, group_sizes, *experts.weights(x_grouped.dtype))
 
     def experts_offsets(self, layer_idx: int, x_grouped: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """Like `experts` with the groups given as cumulative ends `offs [E_local] int32` on x's device, so
         the sizes never go through the host; rows at and past `offs[-1]` come back undefined.
         Needs `torch._grouped_mm` (native on CUDA sm90+ in bf16)."""
-        return grouped_expert_mlp_offsets(x_grouped, offs, *self._layer(layer_idx).experts.weights(x_grouped.dtype))
+        experts = self._layer(layer_idx).experts
+        if (fp8 := experts.fp8()) is not None:
+            return fp8_grouped_expert_mlp_offsets(x_grouped, offs, fp8)
+        return grouped_expert_mlp_offsets(x_grouped, offs, *experts.weights(x_grouped.dtype))
 
     def experts_topk(self, layer_idx: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """x [T, H] -> fp32 [T, H]: weighted sum over the (t, k) pairs whose expert is local (the p2p form)."""
-        w13, w2 = self._layer(layer_idx).experts.weights(x.dtype)
-        return routed_experts(
-            x, routing.topk_ids, routing.topk_weights, w13, w2, self.expert_start, fixed_shape=self.fixed_shape_moe
-        )
+        experts, ids, weights = self._layer(layer_idx).experts, routing.topk_ids, routing.topk_weights
+        if (fp8 := experts.fp8()) is not None:
+            return fp8_routed_experts(x, ids, weights, fp8, self.expert_start, fixed_shape=self.fixed_shape_moe)
+        w13, w2 = experts.weights(x.dtype)
+        return routed_experts(x, ids, weights, w13, w2, self.expert_start, fixed_shape=self.fixed_shape_moe)
 
     def shared(self, layer_idx: int, x: torch.Tensor) -> torch.Tensor:
         """Shared experts: [T, H] -> [T, H] (zeros when the model has none)."""

@@ -9,16 +9,19 @@ plus `weight_scale_inv: [ceil(out/b0), ceil(in/b1)] float32`, and means
 `W_fp8 = round_to_nearest_e4m3(W / scale)`, so a model quantized at load equals the same weights shipped in FP8.
 
 Where dequantization happens: the weights stay FP8 in the model (`FP8Linear`, and the experts' stacked `w13`/`w2`
-with their scales in `afd.model.ffn_side.Experts`), and each matmul dequantizes them to its compute dtype just
-before it runs (`dequantize`). Why not dequantize once at load: the memory a rank holds is then the FP8 bytes
+with their scales in `afd.model.ffn_side.Experts`, handed to the MoE as `FP8Experts`). On CUDA the routed experts of
+a decode-sized batch run afd's Triton kernels on the FP8 bytes, scales applied in the kernel
+(`afd.model.moe.fp8_routed_experts`); every other matmul dequantizes its weight to the compute dtype just before it
+runs (`dequantize`). Why not dequantize once at load: the memory a rank holds is then the FP8 bytes
 (what lets DeepSeek-V3 fit one node, and what `afd.runtime.resources` and `afd bench step`'s floor count), and the
 tensors a block-scaled FP8 kernel reads later (weight, scale, block size) are already where the matmul is, so a
 kernel replaces `dequantize` + matmul in place and nothing about loading changes. The eager dequantization is the
-CPU path and will be those kernels' test oracle; it is correct, not fast (it re-expands the weight every call).
+CPU path and the kernels' test oracle; it is correct, not fast (it re-expands the weight every call).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -127,6 +130,45 @@ class FP8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}"
+
+
+@dataclass(frozen=True)
+class FP8Experts:
+    """A layer's stacked routed experts in FP8: `w13 [E, 2I, H]` (gate rows, then up rows) and `w2 [E, H, I]`
+    float8_e4m3fn, `w13_scale_inv [E, 2 * ceil(I/b0), ceil(H/b1)]` (gate's scale rows, then up's: each half keeps
+    its own ragged edge) and `w2_scale_inv [E, ceil(H/b0), ceil(I/b1)]` float32, in blocks of `block = (b0, b1)`."""
+
+    w13: torch.Tensor
+    w13_scale_inv: torch.Tensor
+    w2: torch.Tensor
+    w2_scale_inv: torch.Tensor
+    block: tuple[int, int]
+
+    def dequantized(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(w13 [E, 2I, H], w2 [E, H, I])` in `dtype` (every call expands them: the CPU path and the oracle)."""
+        inter, half = self.w13.shape[1] // 2, self.w13_scale_inv.shape[1] // 2
+        gate = dequantize(self.w13[:, :inter], self.w13_scale_inv[:, :half], self.block, dtype)  # [E, I, H]
+        up = dequantize(self.w13[:, inter:], self.w13_scale_inv[:, half:], self.block, dtype)  # [E, I, H]
+        return torch.cat([gate, up], dim=1), dequantize(self.w2, self.w2_scale_inv, self.block, dtype)
+
+    def shard(self, start: int, stop: int) -> FP8Experts:
+        """Experts `[start, stop)` of the stack (views, no copy)."""
+        return FP8Experts(
+            self.w13[start:stop],
+            self.w13_scale_inv[start:stop],
+            self.w2[start:stop],
+            self.w2_scale_inv[start:stop],
+            self.block,
+        )
+
+
+def quantize_experts(w13: torch.Tensor, w2: torch.Tensor, block: tuple[int, int]) -> FP8Experts:
+    """Stacked 16/32-bit experts `w13 [E, 2I, H]`, `w2 [E, H, I]` -> `FP8Experts`, gate and up quantized apart (as
+    the checkpoint stores `gate_proj` and `up_proj`)."""
+    inter = w13.shape[1] // 2
+    (gate, s_gate), (up, s_up) = quantize(w13[:, :inter], block), quantize(w13[:, inter:], block)
+    q2, s2 = quantize(w2, block)
+    return FP8Experts(torch.cat([gate, up], 1), torch.cat([s_gate, s_up], 1), q2, s2, block)
 
 
 def linear(in_features: int, out_features: int, block: tuple[int, int] | None, bias: bool = False) -> nn.Module:

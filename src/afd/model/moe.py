@@ -19,6 +19,12 @@ afd's Triton kernels (`afd.kernels.fused_moe`) in the fixed-shape path and in `g
 `afd.kernels.enabled` allows them: a counting sort, gate/up + SwiGLU, down + weighting straight into (t, k)
 order, and a sum over k — four launches, no host sync, no atomics, each touched expert's weights read once.
 Larger batches keep `torch._grouped_mm`, the better GEMM once every expert has many rows.
+
+FP8 experts (`afd.model.fp8.FP8Experts`, DeepSeek-V3's block-scaled format) go through the `fp8_*` twins of the three
+entry points: where the 16-bit weights would take the Triton decode kernels, the same kernels read the FP8 bytes and
+apply the block scales in registers (half the bytes streamed, nothing dequantized in memory, capturable the same
+way); everywhere else (CPU, prefill-sized batches, block sizes the kernels do not take) the weights are dequantized
+to the compute dtype and the 16/32-bit path runs.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from afd import kernels
+from afd.model.fp8 import FP8Experts
 from afd.routing import Routing
 
 logger = logging.getLogger(__name__)
@@ -288,3 +295,65 @@ def routed_experts(
     # replayed from a CUDA graph.
     by_pair = torch.empty_like(contrib).index_copy_(0, pairs.pair_idx, contrib)  # [T*K, H]
     return by_pair.view(x.shape[0], topk_ids.shape[1], -1).sum(dim=1)  # [T, H]
+
+
+def _fp8_kernels_take(x: torch.Tensor, num_rows: int, experts: FP8Experts) -> bool:
+    """Whether FP8 experts run in afd's Triton kernels: where 16-bit ones would (`_fused_moe_enabled`) and for a
+    block size the kernels take."""
+    if not _fused_moe_enabled(x, num_rows):
+        return False
+    from afd.kernels.moe_tiles import fp8_block_supported
+
+    return fp8_block_supported(experts.block)
+
+
+def _scales(experts: FP8Experts):  # -> afd.kernels.fused_moe.ExpertScales (imports triton: only once enabled)
+    from afd.kernels.fused_moe import ExpertScales
+
+    return ExpertScales(experts.w13_scale_inv, experts.w2_scale_inv, experts.block)
+
+
+def fp8_routed_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    experts: FP8Experts,
+    expert_start: int = 0,
+    *,
+    fixed_shape: bool | None = None,
+) -> torch.Tensor:
+    """`routed_experts` with FP8 experts: the fused kernels on the FP8 weights where the fixed-shape path would run
+    them (CUDA, decode-sized), else `routed_experts` on the dequantized weights."""
+    if fixed_shape is None:
+        fixed_shape = _grouped_mm_supported(x.device, x.dtype)
+    num_local = experts.w13.shape[0]
+    if fixed_shape and x.shape[0] > 0 and num_local > 0 and _fp8_kernels_take(x, topk_ids.numel(), experts):
+        from afd.kernels.fused_moe import fused_routed_experts
+
+        w13, w2 = experts.w13, experts.w2
+        return fused_routed_experts(x, topk_ids, topk_weights, w13, w2, expert_start, scales=_scales(experts))
+    w13, w2 = experts.dequantized(x.dtype)
+    return routed_experts(x, topk_ids, topk_weights, w13, w2, expert_start, fixed_shape=fixed_shape)
+
+
+def fp8_grouped_expert_mlp_offsets(x: torch.Tensor, offs: torch.Tensor, experts: FP8Experts) -> torch.Tensor:
+    """`grouped_expert_mlp_offsets` with FP8 experts (same contract): the fused kernels on the FP8 weights for a
+    decode-sized group on CUDA, else the dequantized weights through `torch._grouped_mm`."""
+    if _fp8_kernels_take(x, x.shape[0], experts):
+        from afd.kernels.fused_moe import fused_grouped_expert_mlp
+
+        return fused_grouped_expert_mlp(x, offs, experts.w13, experts.w2, scales=_scales(experts))
+    return grouped_expert_mlp_offsets(x, offs, *experts.dequantized(x.dtype))
+
+
+def fp8_grouped_expert_mlp(
+    x: torch.Tensor, group_sizes: list[int], experts: FP8Experts, *, use_grouped_mm: bool | None = None
+) -> torch.Tensor:
+    """`grouped_expert_mlp` with FP8 experts: where it would take the device-offsets path and the fused kernels
+    apply, those on the FP8 weights; else `grouped_expert_mlp` on the dequantized weights."""
+    if use_grouped_mm is None:
+        use_grouped_mm = _grouped_mm_supported(x.device, x.dtype)
+    fits = len(group_sizes) == experts.w13.shape[0] and sum(group_sizes) == x.shape[0]
+    if fits and use_grouped_mm and x.shape[0] > 0 and _fp8_kernels_take(x, x.shape[0], experts):
+        return fp8_grouped_expert_mlp_offsets(x, _offsets_on(group_sizes, x.device), experts)
+    return grouped_expert_mlp(x, group_sizes, *experts.dequantized(x.dtype), use_grouped_mm=use_grouped_mm)
