@@ -38,6 +38,7 @@ from afd.cli.input import (
     rank_count,
     rate_list,
 )
+from afd.cli.limits import Shape, add_profile_flag, apply_step_limits, compare_with_limits
 from afd.serve import MAX_PROMPTS_PER_REQUEST
 
 
@@ -54,7 +55,12 @@ def add_server_arguments(p: argparse.ArgumentParser, default_model: str | None =
     add_quantization_flag(p)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the ranks compute")
     p.add_argument("--seed", type=non_negative_int, default=0, help="seed of preset weights")
-    p.add_argument("--max-num-seqs", type=max_num_seqs, default=256, help="sequences a replica runs at once")
+    p.add_argument(
+        "--max-num-seqs",
+        type=max_num_seqs,
+        help="sequences a replica runs at once (default: 1024 on a GPU of 70 GiB or more whose KV cache holds that "
+        "many, else 256)",
+    )
     p.add_argument("--busy-poll", action="store_true", help="the front end and idle replicas poll without sleeping")
     p.add_argument(
         "--max-model-len",
@@ -64,9 +70,10 @@ def add_server_arguments(p: argparse.ArgumentParser, default_model: str | None =
     p.add_argument(
         "--max-num-batched-tokens",
         type=batched_tokens,
-        default=2048,
-        help="token budget of one engine step; longer prompts are prefilled in chunks",
+        help="token budget of one engine step; longer prompts are prefilled in chunks (default: --profile's pick, "
+        "else 8192 on a GPU of 70 GiB or more, 2048 below that and on CPU)",
     )
+    add_profile_flag(p)
     p.add_argument(
         "--gpu-memory-utilization",
         type=memory_fraction,
@@ -99,9 +106,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument(
         "--ubatches",
         type=positive_int,
-        default=1,
         help="p2p/async: micro-batches a prefill or mixed step runs in, in ping-pong, so attention and FFN ranks "
-        "overlap (1: off; all-decode steps replayed from CUDA graphs are not split)",
+        "overlap (1: off; all-decode steps replayed from CUDA graphs are not split; default: async: --profile's "
+        "pick, else 1)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address the HTTP server listens on")
     p.add_argument("--port", type=port_number, default=8000, help="HTTP port")
@@ -148,17 +155,20 @@ def build_plan(args: argparse.Namespace):
         raise UsageError(f"--max-model-len {args.max_model_len} is more than the {limit} positions of {args.model!r}")
     shared_experts_keys(args.connector, args.shared_experts)
     if args.connector == "none":
-        if (args.attention, args.ffn) != (1, 1) or args.gate_on_ffn or args.ubatches != 1:
+        if (args.attention, args.ffn) != (1, 1) or args.gate_on_ffn or args.ubatches not in (None, 1):
             raise UsageError(
                 "--attention, --ffn, --gate-on-ffn and --ubatches need --connector p2p or async; none takes --replicas"
             )
         replicas, config = args.replicas or 1, None
+        apply_step_limits(args, model_config, Shape(replicas=replicas))
     else:
         if args.replicas is not None and args.replicas != args.attention:
             raise UsageError(
                 f"with --connector {args.connector} the replicas are the attention ranks; "
                 "leave --replicas out or make it equal to --attention"
             )
+        shape = Shape(args.connector, args.attention, args.ffn, args.attention, not args.gate_on_ffn)
+        apply_step_limits(args, model_config, shape, ubatches=args.ubatches)
         config = launch_config(
             args.config,
             args.connector,
@@ -410,9 +420,16 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
             require_matplotlib()
         except PlotUnavailable as exc:
             raise UsageError(str(exc)) from None
+    progress = Progress(sys.stderr)
+    chosen = {}
+    if args.url and args.profile:
+        raise UsageError("--profile picks the step limits of the servers bench serve starts; leave it out with --url")
+    if args.overhead:  # one none R=1 server, then its engine alone, with the same limits
+        chosen["none R=1"] = apply_step_limits(args, model_config, Shape(), say=progress.note)
+    elif not args.url:
+        args.compare, chosen = compare_with_limits(args, model_config, progress.note)
     if args.chaos:
         return cmd_bench_chaos(args, workload, rates, server_argv(args, limit), model_config.vocab_size)
-    progress = Progress(sys.stderr)
     common = dict(vocab_size=model_config.vocab_size, timeout_s=args.startup_timeout)
     try:
         if args.url:
@@ -442,6 +459,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         raw["workload"]["trace_file"] = args.trace
     for res in results:
         res["slo"] = slo_summary(res["runs"], args.slo_ttft)
+        if res["name"] in chosen:
+            res["step_limits"] = chosen[res["name"]]
     if args.overhead:
         from afd.bench.overhead import format_overhead, front_end_overhead
 

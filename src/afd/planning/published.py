@@ -109,7 +109,11 @@ def calibrated_host(profile: Profile, s: Shapes) -> Part:
 
 def h200_profile() -> Profile:
     s = _shapes()
-    machine = {"device": "NVIDIA H200 (1 GPU; exchange on 2x H200 NVLink)", "torch": "2.11.0+cu130"}
+    machine = {
+        "device": "NVIDIA H200 (1 GPU; exchange on 2x H200 NVLink)",
+        "torch": "2.11.0+cu130",
+        "model": "deepseek-v2-lite",
+    }
     p = Profile(machine, fitted_parts(s), SOURCE, "bfloat16", H200_MEMORY_BYTES, FRONT_END_MS * MS, Link())
     host = calibrated_host(p, s)
     return Profile(p.machine, {**p.parts, "host": host}, SOURCE, "bfloat16", H200_MEMORY_BYTES, FRONT_END_MS * MS)

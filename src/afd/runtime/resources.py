@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from afd.model.attention_side import ModelConfig
+from afd.runtime.limits import DEFAULT_MAX_NUM_SEQS, ReplicaMemory
 from afd.topology import expert_ranges
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ CPU_PROCESS_OVERHEAD = 256 * MiB
 CUDA_HOST_OVERHEAD = 1 * GiB
 # GPU memory of a rank beyond its tensors: the CUDA context, NCCL buffers or the NVSHMEM heap, activations.
 CUDA_DEVICE_OVERHEAD = 2 * GiB
-MAX_RUNNING_SEQS = 256  # the engine's max_num_seqs: at most this many KV caches are allocated at once
+MAX_RUNNING_SEQS = DEFAULT_MAX_NUM_SEQS  # the engine's max_num_seqs: at most this many KV caches at once
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GPU_PROBE_TIMEOUT_S = 60.0
 
@@ -267,6 +268,60 @@ def free_gpu_memory(timeout_s: float = GPU_PROBE_TIMEOUT_S) -> tuple[int, ...] |
         reason = str(exc)
     log.warning("GPU memory was not checked: the probe failed (%s)", reason)
     return None
+
+
+_GPU_INFO_PROBE = (
+    "import json, torch; print(json.dumps([[torch.cuda.get_device_name(i), torch.cuda.get_device_properties(i)"
+    ".total_memory] for i in range(torch.cuda.device_count())]))"
+)
+
+
+def gpu_info(timeout_s: float = GPU_PROBE_TIMEOUT_S) -> list[tuple[str, int]] | None:
+    """(name, total bytes) per visible GPU, asked in a child process as `free_gpu_memory` does; None (and a
+    warning) when the probe fails."""
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", _GPU_INFO_PROBE], capture_output=True, text=True, timeout=timeout_s, check=False
+        )
+        if proc.returncode == 0:
+            return [(str(n), int(t)) for n, t in json.loads(proc.stdout.strip().splitlines()[-1])]
+        reason = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    except subprocess.TimeoutExpired:
+        reason = f"no answer within {timeout_s:.0f} s"
+    except (OSError, ValueError, IndexError, TypeError) as exc:
+        reason = str(exc)
+    log.warning("the GPU's name and memory are unknown: the probe failed (%s)", reason)
+    return None
+
+
+def replica_memory(
+    config: ModelConfig,
+    *,
+    dtype: str,
+    device_bytes: int,
+    gpu_memory_utilization: float,
+    whole_model: bool,
+    ranks_on_gpu: int = 1,
+    gate_on_attention: bool = True,
+) -> ReplicaMemory:
+    """One replica's memory on a GPU of `device_bytes`, as its engine will size its cache: its share of the GPU
+    (`gpu_memory_utilization` over the ranks on that GPU) less its weights (`whole_model`: attention and every
+    expert; else the attention side) and the fixed overhead; the activations per budget token as the engine
+    estimates them (with one prefill graph runner)."""
+    import torch
+
+    from afd.engine.model_runner import step_activation_bytes
+
+    weights = attention_weight_bytes(config, dtype, gate_on_attention=gate_on_attention)
+    if whole_model:
+        weights += ffn_weight_bytes(config, dtype, gate_on_attention=gate_on_attention)
+    share = int(device_bytes * gpu_memory_utilization / max(1, ranks_on_gpu))
+    return ReplicaMemory(
+        device_bytes=device_bytes,
+        cache_bytes=share - weights - CUDA_DEVICE_OVERHEAD,
+        kv_bytes_per_token=kv_bytes_per_token(config, dtype),
+        activation_bytes_per_token=step_activation_bytes(config, getattr(torch, dtype), 1, 1),
+    )
 
 
 def probe_machine(*, gpus: bool) -> Machine:

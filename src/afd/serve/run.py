@@ -70,7 +70,8 @@ class ServePlan:
             shape = f"connector none, {self.replicas} replica{'s' if self.replicas > 1 else ''}"
         else:
             shape = f"connector {self.config.connector}, {self.config.num_attention_ranks}A{self.config.num_ffn_ranks}F"
-        return f"model {self.options.model_name}, {shape}, {self.spec.dtype} on {self.spec.device}"
+        limits = f"{self.spec.max_num_batched_tokens} tokens per step, {self.spec.cache.max_num_seqs} sequences"
+        return f"model {self.options.model_name}, {shape}, {self.spec.dtype} on {self.spec.device}, {limits}"
 
 
 def bind_http(host: str, port: int) -> socket.socket:
