@@ -25,10 +25,10 @@ def case(batch: int, context: int, gen: torch.Generator) -> tuple:
     cache = torch.randn(blocks * BLOCK, C + R, generator=gen).to("cuda", torch.bfloat16)  # [rows, C + R]
     order = torch.randperm(blocks - 1, generator=gen)[: batch * context // BLOCK] + 1  # scattered blocks
     rows = (order.view(batch, -1, 1) * BLOCK + torch.arange(BLOCK)).view(batch, context).cuda()  # [B, L]
-    valid = torch.ones(batch, context, dtype=torch.bool, device="cuda")
+    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     q_latent = torch.randn(batch, NH, C, generator=gen).to("cuda", torch.bfloat16)
     q_pe = torch.randn(batch, NH, R, generator=gen).to("cuda", torch.bfloat16)
-    return q_latent, q_pe, cache, rows, valid
+    return q_latent, q_pe, cache, rows, lens
 
 
 def time_us(fn, calls: int = 20, replays: int = 10) -> float:
@@ -75,9 +75,9 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     shapes = [(8, 512), (64, 512), (256, 512), (64, 4096)] if not quick else [(256, 512)]
     for batch, context in shapes:
-        q_latent, q_pe, cache, rows, valid = case(batch, context, gen)
+        q_latent, q_pe, cache, rows, lens = case(batch, context, gen)
         scale = 1 / (192**0.5)
-        ref = mla_decode(q_latent, q_pe, cache, rows, valid, scale).float()
+        ref = mla_decode(q_latent, q_pe, cache, rows, lens, scale).float()
         nbytes = batch * context * (C + R) * 2
         default = num_splits_for(batch, 1, context, sms)
         for splits, block_n, warps, stages in itertools.product(
@@ -85,7 +85,7 @@ def main() -> None:
         ):
             try:
                 kwargs = dict(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages)
-                args = (q_latent, q_pe, cache, rows, valid, scale)
+                args = (q_latent, q_pe, cache, rows, lens, scale)
                 out = mla_decode(*args, **kwargs)
                 us = time_us(functools.partial(mla_decode, *args, **kwargs))
                 diff = (out.float() - ref).abs().max().item()

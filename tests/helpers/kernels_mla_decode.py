@@ -69,3 +69,57 @@ def make_case(
     q_latent = torch.randn(B, nh, C, **kw) * q_std
     q_pe = torch.randn(B, nh, R, **kw) * q_std
     return q_latent.to(dtype), q_pe.to(dtype), cache_layer.to(dtype), rows, valid
+
+
+def lengths(valid: torch.Tensor) -> torch.Tensor:
+    """[B] int32 context lengths of a prefix `valid` [B, L], the kernel's `lens`."""
+    return valid.sum(1, dtype=torch.int32)
+
+
+def make_ragged_case(
+    lens: list[int],
+    nh: int,
+    C: int,
+    R: int,
+    *,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    poison: bool = False,
+    seed: int = 0,
+) -> tuple[torch.Tensor, ...]:
+    """(q_latent, q_pe, cache_layer, table [B, W] of blocks of `block_size` rows, lens [B] int32, rows [B, L],
+    valid [B, L]) for one batch whose sequences have the context lengths `lens`: each sequence's blocks scattered
+    over the pool, the table as wide as the longest sequence needs (its unused entries: a block nobody owns),
+    `rows`/`valid` the same contexts per position for the reference. `poison`: every cache row no sequence owns
+    within its length (the tails of last blocks, the unowned blocks) holds NaN; the null block stays zero."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    kw = {"device": device, "generator": g}
+    B = len(lens)
+    nblks = [-(-n // block_size) for n in lens]
+    W = max(nblks)
+    pool_blocks = 1 + sum(nblks) + 3  # three blocks nobody owns
+    cache_layer = torch.randn(pool_blocks * block_size, C + R, **kw)
+    cache_layer[:block_size] = 0
+    order = (torch.randperm(pool_blocks - 1, **kw) + 1).tolist()
+    spare = order[-1]  # a block nobody owns: the table's unused entries point at it
+    table = torch.full((B, W), spare, dtype=torch.int64, device=device)
+    owned = torch.zeros(pool_blocks * block_size, dtype=torch.bool, device=device)
+    for b, (n, k) in enumerate(zip(lens, nblks, strict=True)):
+        blocks, order = order[:k], order[k:]
+        table[b, :k] = torch.tensor(blocks, device=device)
+        for p in range(n):
+            owned[blocks[p // block_size] * block_size + p % block_size] = True
+    if poison:
+        owned[:block_size] = True  # the null block stays zero: the reference reads it for padding
+        cache_layer[~owned] = float("nan")
+    L = W * block_size
+    offsets = torch.arange(block_size, device=device)
+    rows = (table[:, :, None] * block_size + offsets).reshape(B, L)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=device)
+    valid = torch.arange(L, device=device)[None, :] < lens_t[:, None]
+    rows = rows.masked_fill(~valid, 0)
+    q_latent = torch.randn(B, nh, C, **kw)
+    q_pe = torch.randn(B, nh, R, **kw)
+    cast = cache_layer.to(dtype)
+    return q_latent.to(dtype), q_pe.to(dtype), cast, table, lens_t, rows, valid

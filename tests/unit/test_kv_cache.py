@@ -188,6 +188,11 @@ def test_cache_rows_follow_the_block_table():
     step = Batch(slots=[third, second], query_lens=[1, 1], context_lens=[10, 3])
     cache.prepare(step)
     assert step.decode_token_rows.tolist() == [0, 1]
+    # the decode kernel's inputs: block-table rows as wide as the longest context needs, each own length
+    assert step.decode_tables.tolist() == [[1, 2, 4], [3, 0, 0]] and step.decode_lens.tolist() == [11, 4]
+    assert step.decode_lens.dtype == torch.int32 and step.decode_rows is None  # per-position rows: graphs only
+    step = Batch(slots=[third, second], query_lens=[1, 1], context_lens=[10, 3], batch_decodes=True)
+    cache.prepare(step)
     assert step.decode_rows.tolist() == [[4, 5, 6, 7, 8, 9, 10, 11, 16, 17, 18], [12, 13, 14, 15] + [0] * 7]
     assert step.decode_valid.sum(1).tolist() == [11, 4]
     new = torch.randn(2, width)

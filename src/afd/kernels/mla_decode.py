@@ -1,22 +1,32 @@
-"""Absorbed MLA decode attention that reads the latents in place from the paged cache (flash-decoding).
+"""Absorbed MLA decode attention that reads the latents in place from the paged cache (flash-decoding), each
+sequence over its own context length.
 
 Why: the eager path gathers every decode token's context latents out of the paged pool into a
 `[B, L, C + R]` tensor before its einsums (at batch 256 a 2.9 ms copy per step that the memory floor does
 not have). Here each program gathers the cache rows it needs tile by tile, straight from the pool, and
-keeps the online softmax in registers, so each latent row is read once per sequence and head tile.
+keeps the online softmax in registers, so each latent row is read once per sequence and head tile. A
+program walks only the tiles of its own sequence's length (read from a device tensor), so a batch mixing
+short and long contexts costs the sum of its contexts, not batch x longest.
 
-Math (per sequence b, head h; `kv_c = latent[:C]`, `k_pe = latent[C:]`):
-    s_l = (q_latent[h] . kv_c[l] + q_pe[h] . k_pe[l]) * softmax_scale     (invalid l: -inf)
+Math (per sequence b, head h; `kv_c = latent[:C]`, `k_pe = latent[C:]`, l < lens[b]):
+    s_l = (q_latent[h] . kv_c[l] + q_pe[h] . k_pe[l]) * softmax_scale
     o[h] = sum_l softmax(s)_l kv_c[l]                                       -> o_latent [B, nh, C]
 Scores, softmax (base 2) and accumulation are fp32; the probabilities enter the second product in the
 input dtype, as the eager path's `probs.to(kv_c.dtype)` does.
 
-Grid: `(head tiles, splits, B)`. A program owns `BLOCK_H` heads of one sequence and one contiguous split
-of its context; head tiles of the same (sequence, split) are neighbours in launch order, so with several
-head tiles (V3: 128 heads) the repeated reads of a row hit L2. With one split a program normalises and
-writes the output itself; with several it writes a partial (acc, max, sum) and `_combine_kernel` merges
-the splits in a fixed order. The split count is a function of the shapes and the SM count only (no
-device data), so a launch is capturable in a CUDA graph and gives the same bits every run.
+Where rows live: `table[b, p]` is the cache block of page p of sequence b, `page` rows a block, so
+position l sits at row `table[b, l // page] * page + l % page` (`page` = 1: the table holds the rows
+themselves, the CUDA-graph runner's layout). Positions past `lens[b]` are never read, so whatever their
+slots hold (stale or uninitialised rows, NaN) cannot reach the output.
+
+Grid: `(head tiles, splits, B)`, fixed by the shapes (batch, heads, the table's capacity) and the SM
+count, never by the lengths: a launch is capturable in a CUDA graph and a replay only sees new lengths.
+A sequence's tiles are shared among the splits (`split_tiles`: equal shares of whole tiles, at least
+`min_split_rows` rows each), so a short sequence uses fewer splits and its other programs exit without a
+load. With one split a program normalises and writes the output itself; with several it writes a partial
+(acc, max, sum) and `_combine_kernel` merges that sequence's live splits in a fixed order (the same bits
+every run). Head tiles of the same (sequence, split) are neighbours in launch order, so with several head
+tiles (V3: 128 heads) the repeated reads of a row hit L2.
 """
 
 from __future__ import annotations
@@ -27,8 +37,6 @@ from functools import cache
 import torch
 import triton
 import triton.language as tl
-
-from afd.kernels import int_kind
 
 # Tile shapes, checked by compiling for sm_90 (ptxas -v, C = 512, R = 64): 16-bit inputs take 32 context rows
 # per tile (a 32 KiB latent tile), 16 or 32 heads per program at 4 or 8 warps, no register spills. fp32 inputs
@@ -41,27 +49,33 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
+def _split_share(length, num_splits, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr):
+    """(tiles of the sequence, tiles per split): the device twin of `split_tiles`."""
+    tiles = (length + BLOCK_N - 1) // BLOCK_N
+    share = tl.maximum((tiles + num_splits - 1) // num_splits, MIN_TILES)
+    return tiles, share
+
+
+@triton.jit(do_not_specialize=["page", "stride_tb"])
 def _split_kernel(
     q_ptr,  # [B, NH, C]
     qpe_ptr,  # [B, NH, R]
     cache_ptr,  # [rows, C + R]
-    rows_ptr,  # [B, L] int64
-    valid_ptr,  # [B, L] uint8
+    table_ptr,  # [B, W] int64, cache block of each page
+    lens_ptr,  # [B] int32, context length of each sequence
     out_ptr,  # [B, NH, C] (DIRECT)
     part_o_ptr,  # [B, S, NH, C] fp32 (not DIRECT)
     part_m_ptr,  # [B, S, NH] fp32, running max (base 2)
     part_l_ptr,  # [B, S, NH] fp32, running sum
     qk_scale,  # softmax_scale * log2(e)
-    L,
-    chunk,  # rows per split, a multiple of BLOCK_N
+    page,  # rows per block of the table
     NH,
     stride_qb,
     stride_qh,
     stride_pb,
     stride_ph,
     stride_cache,
-    stride_rb,
-    stride_vb,
+    stride_tb,
     stride_ob,
     stride_oh,
     C: tl.constexpr,
@@ -70,6 +84,7 @@ def _split_kernel(
     R_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    MIN_TILES: tl.constexpr,
     DIRECT: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -77,6 +92,11 @@ def _split_kernel(
     split = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     num_splits = tl.num_programs(1)
+    length = tl.load(lens_ptr + b)
+    tiles, share = _split_share(length, num_splits, BLOCK_N, MIN_TILES)
+    first = split * share
+    end = tl.minimum(first + share, tiles)
+    live = first < end  # a split past the sequence's tiles loads nothing and writes nothing
 
     heads = ht * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
     head_ok = heads < NH
@@ -85,35 +105,34 @@ def _split_kernel(
     c_ok = c < C
     r_ok = r < R
     q_mask = head_ok[:, None] & c_ok[None, :]
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + c[None, :], mask=q_mask, other=0.0)
-    pe_mask = head_ok[:, None] & r_ok[None, :]
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + c[None, :], mask=q_mask & live, other=0.0)
+    pe_mask = head_ok[:, None] & r_ok[None, :] & live
     qpe = tl.load(qpe_ptr + b * stride_pb + heads[:, None] * stride_ph + r[None, :], mask=pe_mask, other=0.0)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, C_PAD], tl.float32)
-    start = split * chunk
-    for n0 in range(start, start + chunk, BLOCK_N):  # the last split's tail past L is masked
+    table = table_ptr + b * stride_tb
+    for n0 in range(first * BLOCK_N, end * BLOCK_N, BLOCK_N):  # this split's tiles of this sequence only
         n = n0 + tl.arange(0, BLOCK_N)  # [BN]
-        in_range = n < L
-        row = tl.load(rows_ptr + b * stride_rb + n, mask=in_range, other=0)  # [BN] int64
-        ok = tl.load(valid_ptr + b * stride_vb + n, mask=in_range, other=0) != 0  # [BN]
+        ok = n < length  # the last tile's tail: never read
+        blk = tl.load(table + n // page, mask=ok, other=0)  # [BN] int64
+        row = blk * page + n % page
         base = cache_ptr + row[:, None] * stride_cache
-        kv = tl.load(base + c[None, :], mask=ok[:, None] & c_ok[None, :], other=0.0)  # [BN, C]: invalid rows unread
+        kv = tl.load(base + c[None, :], mask=ok[:, None] & c_ok[None, :], other=0.0)  # [BN, C]
         kpe = tl.load(base + C + r[None, :], mask=ok[:, None] & r_ok[None, :], other=0.0)  # [BN, R]
         s = tl.dot(q, tl.trans(kv), input_precision=PRECISION)
         s = tl.dot(qpe, tl.trans(kpe), acc=s, input_precision=PRECISION)  # [BH, BN] fp32
         s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing valid yet: keep exp2 away from -inf - -inf
-        alpha = tl.math.exp2(m_i - m_safe)
-        p = tl.math.exp2(s - m_safe[:, None])  # [BH, BN]
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite from the first tile on: its first row is in range
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])  # [BH, BN]
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = tl.dot(p.to(kv.dtype), kv, acc=acc * alpha[:, None], input_precision=PRECISION)  # [BH, C]
         m_i = m_new
 
     if DIRECT:
-        o = acc / l_i[:, None]
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty context gives zeros
         tl.store(
             out_ptr + b * stride_ob + heads[:, None] * stride_oh + c[None, :],
             o.to(out_ptr.dtype.element_ty),
@@ -121,17 +140,18 @@ def _split_kernel(
         )
     else:
         at = (b * num_splits + split) * NH + heads  # [BH]
-        tl.store(part_o_ptr + at[:, None] * C + c[None, :], acc, mask=q_mask)
-        tl.store(part_m_ptr + at, m_i, mask=head_ok)
-        tl.store(part_l_ptr + at, l_i, mask=head_ok)
+        tl.store(part_o_ptr + at[:, None] * C + c[None, :], acc, mask=q_mask & live)
+        tl.store(part_m_ptr + at, m_i, mask=head_ok & live)
+        tl.store(part_l_ptr + at, l_i, mask=head_ok & live)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S"])
 def _combine_kernel(
     out_ptr,  # [B, NH, C]
     part_o_ptr,  # [B, S, NH, C] fp32
     part_m_ptr,  # [B, S, NH] fp32
     part_l_ptr,  # [B, S, NH] fp32
+    lens_ptr,  # [B] int32
     NH,
     S,
     stride_ob,
@@ -139,20 +159,25 @@ def _combine_kernel(
     C: tl.constexpr,
     C_PAD: tl.constexpr,
     S_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MIN_TILES: tl.constexpr,
 ):
     h = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
+    tiles, share = _split_share(tl.load(lens_ptr + b), S, BLOCK_N, MIN_TILES)
+    live = (tiles + share - 1) // share  # the splits that wrote a partial; the others left theirs unwritten
     s = tl.arange(0, S_PAD)
     at = (b * S + s) * NH + h  # [S_PAD]
-    m_s = tl.load(part_m_ptr + at, mask=s < S, other=float("-inf"))  # [S_PAD]
-    l_s = tl.load(part_l_ptr + at, mask=s < S, other=0.0)  # [S_PAD]
+    m_s = tl.load(part_m_ptr + at, mask=s < live, other=float("-inf"))  # [S_PAD]
+    l_s = tl.load(part_l_ptr + at, mask=s < live, other=0.0)  # [S_PAD]
     m_max = tl.max(m_s, 0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # a split with no valid row has m = -inf, l = 0
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # no live split (an empty context)
     denom = tl.sum(tl.math.exp2(m_s - m_max) * l_s, 0)
+    denom = tl.where(denom > 0, denom, 1.0)
     c = tl.arange(0, C_PAD)
     c_ok = c < C
     acc = tl.zeros([C_PAD], tl.float32)
-    for i in range(0, S):  # a fixed order: the same bits every run
+    for i in range(0, live):  # a fixed order: the same bits every run
         at_i = (b * S + i) * NH + h
         w = tl.math.exp2(tl.load(part_m_ptr + at_i) - m_max)
         acc += w * tl.load(part_o_ptr + at_i * C + c, mask=c_ok, other=0.0)
@@ -176,9 +201,10 @@ def _cuda_sms(index: int) -> int:
 
 
 def num_splits_for(batch: int, head_tiles: int, context: int, num_sms: int) -> int:
-    """How many splits the context of each sequence gets: enough programs to fill the SMs once, rounded up to a
-    power of two (on an H200 3 splits at batch 64 ran 29% slower than 4: `scripts/gpu_mla_sweep.py`), each split
-    at least `MIN_SPLIT_ROWS` rows. A function of shapes only (capturable, deterministic)."""
+    """How many splits the grid gives each sequence, for a table of `context` rows: enough programs to fill the
+    SMs once, rounded up to a power of two (on an H200 3 splits at batch 64 ran 29% slower than 4:
+    `scripts/gpu_mla_sweep.py`), each split at least `MIN_SPLIT_ROWS` rows. A function of shapes only
+    (capturable, deterministic)."""
     programs = batch * head_tiles
     if programs == 0 or programs >= num_sms:
         return 1
@@ -186,72 +212,73 @@ def num_splits_for(batch: int, head_tiles: int, context: int, num_sms: int) -> i
     return max(1, min(fill, _cdiv(context, MIN_SPLIT_ROWS), MAX_SPLITS))
 
 
-def split_rows(context: int, num_splits: int, block_n: int) -> tuple[int, int]:
-    """(rows per split, splits) for a context of `context` rows asked to split `num_splits` ways: whole tiles per
-    split, and never an empty split (so there may be fewer than asked)."""
-    chunk = _cdiv(_cdiv(context, max(1, num_splits)), block_n) * block_n
-    return chunk, _cdiv(context, chunk)
+def split_tiles(length: int, num_splits: int, block_n: int, min_split_rows: int = MIN_SPLIT_ROWS) -> list[range]:
+    """The tiles (of `block_n` rows) each of `num_splits` splits reads of a sequence of `length` rows: equal shares
+    of whole tiles, at least `min_split_rows` rows a share, in order; the splits past the last tile get an empty
+    range (they read nothing, and the combine skips them). The host twin of the kernels' `_split_share`."""
+    tiles = _cdiv(length, block_n)
+    share = max(_cdiv(tiles, max(1, num_splits)), _cdiv(min_split_rows, block_n), 1)
+    return [range(min(s * share, tiles), min((s + 1) * share, tiles)) for s in range(num_splits)]
 
 
-def compile_key(context: int, splits: int) -> tuple:
-    """What decides which compiled variant of the two kernels a launch with these sizes uses (the head count,
-    strides and dtypes are fixed for a model): the context width (`L`, also the stride of `rows` and
-    `valid`), whether the output is written directly, and for the combine the split count and its padding."""
-    if splits == 1:
-        return (int_kind(context), "direct")
-    return (int_kind(context), int_kind(splits), triton.next_power_of_2(splits))
+def compile_key(splits: int) -> tuple:
+    """What decides which compiled variant of the two kernels a launch uses (heads, strides, dtypes and tile
+    sizes are fixed for a model; the table's width, the page size and the split count are not specialized on):
+    whether the output is written directly, else the split count's power-of-two padding in the combine."""
+    return ("direct",) if splits == 1 else ("combine", triton.next_power_of_2(splits))
 
 
-def warm_up_shapes(block_n: int) -> list[tuple[int, int]]:
-    """(context width, splits) pairs that between them reach every `compile_key` a launch can have: a direct
-    launch with a context of each kind, then every padded split count up to `MAX_SPLITS`, with a split count
-    that is a multiple of 16 and one that is not, each with a context of both kinds."""
-    shapes = [(1, 1), (block_n - 1, 1), (block_n, 1)]
-    for s in (2, 3, 5, 9, 16, 17, 32, 33, 64):
-        if s <= MAX_SPLITS:
-            shapes += [(s * block_n, s), (s * block_n - 1, s)]  # each gives exactly s splits (`split_rows`)
-    return shapes
+def warm_up_splits() -> list[int]:
+    """Split counts that between them reach every `compile_key` a launch can have (1, then each padding up to
+    `MAX_SPLITS`)."""
+    pads = [1 << k for k in range(1, MAX_SPLITS.bit_length())]  # 2, 4, ..., MAX_SPLITS
+    return [1] + [p // 2 + 1 for p in pads]
 
 
 def warm_up(q_latent: torch.Tensor, q_pe: torch.Tensor, cache_layer: torch.Tensor, softmax_scale: float) -> None:
-    """Compile every variant the decode kernels can need for these heads and this dtype (`warm_up_shapes`), on
-    one sequence that reads the cache's first row. Why: the split count follows the batch and context, so a
-    server meets new ones long after its first steps (a fresh machine compiled four mid-run without this)."""
-    block_n = BLOCK_N_FP32 if q_latent.dtype == torch.float32 else BLOCK_N
+    """Compile every variant the decode kernels can need for these heads and this dtype (`warm_up_splits`), on
+    one sequence that reads the cache's first row. Why: the split count follows the batch and the table's width,
+    so a server meets new ones long after its first steps (a fresh machine compiled four mid-run without this)."""
     q_latent, q_pe = q_latent[:1], q_pe[:1]
-    for context, splits in warm_up_shapes(block_n):
-        rows = torch.zeros(1, context, dtype=torch.int64, device=q_latent.device)
-        valid = torch.ones(1, context, dtype=torch.bool, device=q_latent.device)
-        mla_decode(q_latent, q_pe, cache_layer, rows, valid, softmax_scale, num_splits=splits)
+    lens = torch.ones(1, dtype=torch.int32, device=q_latent.device)
+    for splits in warm_up_splits():
+        table = torch.zeros(1, splits, dtype=torch.int64, device=q_latent.device)
+        mla_decode(q_latent, q_pe, cache_layer, table, lens, softmax_scale, num_splits=splits)
 
 
 def mla_decode(
     q_latent: torch.Tensor,
     q_pe: torch.Tensor,
     cache_layer: torch.Tensor,
-    rows: torch.Tensor,
-    valid: torch.Tensor,
+    table: torch.Tensor,
+    lens: torch.Tensor,
     softmax_scale: float,
     *,
+    page: int = 1,
     num_splits: int | None = None,
+    min_split_rows: int = MIN_SPLIT_ROWS,
     block_n: int | None = None,
     block_h: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> torch.Tensor:
-    """Absorbed MLA decode attention over paged latents, read in place.
+    """Absorbed MLA decode attention over paged latents, read in place, each sequence over its own length.
 
     q_latent: [B, nh, C] (q_nope through W_uk), q_pe: [B, nh, R] (roped), cache_layer: [rows, C + R] (one
-    layer of the pool, a view), rows: [B, L] int64 flat cache rows, valid: [B, L] bool (invalid columns are
-    neither read nor weighted; a sequence needs one valid column) -> o_latent [B, nh, C] in q's dtype.
-    `num_splits` (default: from the shapes and the SM count), `block_n`, `block_h`, `num_warps` and `num_stages`
-    exist for tests and tuning sweeps (`scripts/gpu_mla_sweep.py`).
+    layer of the pool, a view), table: [B, W] int64 the cache block of each `page`-row page of a sequence
+    (`page` = 1: the cache row of each position), lens: [B] int32 each sequence's context length on the device
+    (at most W * page; a length of 0 gives zeros) -> o_latent [B, nh, C] in q's dtype. Nothing past a
+    sequence's length is read. `num_splits` (default: from the shapes and the SM count), `min_split_rows`,
+    `block_n`, `block_h`, `num_warps` and `num_stages` exist for tests and tuning sweeps
+    (`scripts/gpu_mla_sweep.py`).
     """
     B, nh, C = q_latent.shape
     R = q_pe.shape[-1]
-    L = rows.shape[1]
+    W = table.shape[1]
     assert q_pe.shape == (B, nh, R) and cache_layer.shape[1] == C + R, (q_pe.shape, cache_layer.shape)
-    assert rows.shape == valid.shape == (B, L) and rows.dtype == torch.int64 and valid.dtype == torch.bool
+    assert table.shape[0] == B and table.dtype == torch.int64, (table.shape, table.dtype)
+    assert lens.shape == (B,) and lens.dtype == torch.int32, (lens.shape, lens.dtype)
+    assert page >= 1, f"page={page}"
     dtype = q_latent.dtype
     assert q_pe.dtype == cache_layer.dtype == dtype and dtype in _DTYPES, "one dtype of fp16/bf16/fp32"
     fp32 = dtype == torch.float32
@@ -260,20 +287,20 @@ def mla_decode(
     out = q_latent.new_empty(B, nh, C)  # [B, nh, C]
     if B == 0 or nh == 0:
         return out
-    if L == 0:  # as the eager einsum over an empty context
+    if W == 0:  # as the eager einsum over an empty context
         return out.zero_()
     q_latent = q_latent if q_latent.stride(-1) == 1 else q_latent.contiguous()
     q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
     assert cache_layer.stride(1) == 1, "cache rows must be contiguous"
-    rows, valid = rows.contiguous(), valid.contiguous().view(torch.uint8)
+    table, lens = table.contiguous(), lens.contiguous()
 
     block_h = block_h or (16 if nh <= 16 or fp32 else 32)  # tl.dot needs >= 16 rows; [32, C] fp32 acc at most
     assert block_h in (16, 32), f"block_h={block_h}: 16 or 32"
     head_tiles = _cdiv(nh, block_h)
     if num_splits is None:
-        sms = _num_sms(q_latent.device)
-        num_splits = num_splits_for(B, head_tiles, L, sms)
-    chunk, splits = split_rows(L, num_splits, block_n)
+        num_splits = num_splits_for(B, head_tiles, W * page, _num_sms(q_latent.device))
+    splits = max(1, min(num_splits, MAX_SPLITS))
+    min_tiles = max(1, _cdiv(min_split_rows, block_n))
     direct = splits == 1
     if direct:
         part_o = part_m = part_l = out  # unused
@@ -282,35 +309,35 @@ def mla_decode(
         part_m = torch.empty(B, splits, nh, dtype=torch.float32, device=out.device)
         part_l = torch.empty(B, splits, nh, dtype=torch.float32, device=out.device)
     precision = "ieee" if fp32 else None  # fp32 products stay fp32 (no tf32)
+    c_pad = max(16, triton.next_power_of_2(C))
     _split_kernel[(head_tiles, splits, B)](
         q_latent,
         q_pe,
         cache_layer,
-        rows,
-        valid,
+        table,
+        lens,
         out,
         part_o,
         part_m,
         part_l,
         softmax_scale * math.log2(math.e),
-        L,
-        chunk,
+        page,
         nh,
         q_latent.stride(0),
         q_latent.stride(1),
         q_pe.stride(0),
         q_pe.stride(1),
         cache_layer.stride(0),
-        rows.stride(0),
-        valid.stride(0),
+        table.stride(0),
         out.stride(0),
         out.stride(1),
         C=C,
         R=R,
-        C_PAD=max(16, triton.next_power_of_2(C)),
+        C_PAD=c_pad,
         R_PAD=max(16, triton.next_power_of_2(R)),
         BLOCK_H=block_h,
         BLOCK_N=block_n,
+        MIN_TILES=min_tiles,
         DIRECT=direct,
         PRECISION=precision,
         num_warps=num_warps or (4 if block_h == 16 else 8),
@@ -322,13 +349,16 @@ def mla_decode(
             part_o,
             part_m,
             part_l,
+            lens,
             nh,
             splits,
             out.stride(0),
             out.stride(1),
             C=C,
-            C_PAD=max(16, triton.next_power_of_2(C)),
+            C_PAD=c_pad,
             S_PAD=triton.next_power_of_2(splits),
+            BLOCK_N=block_n,
+            MIN_TILES=min_tiles,
             num_warps=4,
         )
     return out

@@ -17,7 +17,7 @@ from afd import kernels
 from afd.model.batch import Batch
 from afd.model.config import ModelConfig
 from afd.model.fp8 import linear, linear_weight
-from afd.model.kv_cache import PagedLatentCache
+from afd.model.kv_cache import DecodeContext, PagedLatentCache, context_rows, decode_context
 from afd.model.layers import RMSNorm, apply_rope
 
 # --- attention side --------------------------------------------------------------------------------
@@ -91,12 +91,13 @@ class MLAttention(nn.Module):
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         batched = set(batch.decode_seqs) if kv_cache is not None else set()
         if batched and len(batched) == len(batch.query_lens):  # all decodes (graphed steps): rows in order
-            o = self._decode_attention(q_nope, q_pe, kv_cache, batch.decode_rows, batch.decode_valid)
+            o = self._decode_attention(q_nope, q_pe, kv_cache, decode_context(batch, kv_cache.block_size))
             return o if out is None else out.copy_(o)
         out = q.new_empty(T, nh, c.v_head_dim) if out is None else out  # [T, nh, Dv]
         if batched:  # one pass over every single-token sequence instead of a loop over them
             rows = batch.decode_token_rows  # [Bd]
-            o = self._decode_attention(q_nope[rows], q_pe[rows], kv_cache, batch.decode_rows, batch.decode_valid)
+            context = decode_context(batch, kv_cache.block_size)
+            o = self._decode_attention(q_nope[rows], q_pe[rows], kv_cache, context)
             out[rows] = o  # [Bd, nh, Dv]
         self._prefill_attention(out, q, kv_c, k_pe, batch, kv_cache, batched)
         return out
@@ -239,16 +240,16 @@ class MLAttention(nn.Module):
         q_nope: torch.Tensor,
         q_pe: torch.Tensor,
         kv_cache: PagedLatentCache,
-        rows: torch.Tensor,
-        is_valid: torch.Tensor,
+        context: DecodeContext,
     ) -> torch.Tensor:
         """Single-token queries against their cached latents, keys and values never expanded (absorbed MLA).
 
-        q_nope: [B, nh, Dn], q_pe: [B, nh, R], rows: [B, L] cache rows of each context (padding: the zero row),
-        is_valid: [B, L] -> [B, nh, Dv]. Scores are `(q_nope W_uk) . kv_c + q_pe . k_pe`, the output
+        q_nope: [B, nh, Dn], q_pe: [B, nh, R], context: where each context's rows sit and its length
+        (`decode_context`) -> [B, nh, Dv]. Scores are `(q_nope W_uk) . kv_c + q_pe . k_pe`, the output
         `(probs . kv_c) W_uv`: the same products as expanding K and V, associated the other way, so nothing of
-        size L x heads is built. On CUDA a Triton kernel reads the latents in place from the paged pool; the
-        einsums below (CPU, and CUDA inside `afd.kernels.eager_ops()`) gather them first and are its test oracle.
+        size L x heads is built. On CUDA a Triton kernel reads the latents in place from the paged pool, each
+        sequence up to its own length; the einsums below (CPU, and CUDA inside `afd.kernels.eager_ops()`) gather
+        them first, padded to the longest context, and are its test oracle.
         """
         c, nh = self.config, self.num_heads
         w = linear_weight(self.kv_b_proj, q_nope.dtype).view(nh, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
@@ -258,10 +259,12 @@ class MLAttention(nn.Module):
             from afd.kernels.mla_decode import mla_decode
 
             cache_layer = kv_cache.cache[self.layer_idx]  # [rows, C + R], a view of the pool
-            o_latent = mla_decode(q_latent, q_pe, cache_layer, rows, is_valid, self.softmax_scale)  # [B, nh, C]
+            ctx = context
+            o_latent = mla_decode(q_latent, q_pe, cache_layer, ctx.table, ctx.lens, self.softmax_scale, page=ctx.page)
         else:
-            context = kv_cache.read(self.layer_idx, rows)  # [B, L, C + R]
-            kv_c, k_pe = context.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)  # [B, L, C], [B, L, R]
+            rows, is_valid = context_rows(context.table, context.lens, context.page, context.width)  # [B, L]
+            latents = kv_cache.read(self.layer_idx, rows)  # [B, L, C + R]: past a length, the zero row
+            kv_c, k_pe = latents.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)  # [B, L, C], [B, L, R]
             scores = torch.einsum("bhc,blc->bhl", q_latent, kv_c) + torch.einsum("bhr,blr->bhl", q_pe, k_pe)
             scores = scores.float().mul_(self.softmax_scale).masked_fill_(~is_valid[:, None, :], float("-inf"))
             probs = scores.softmax(dim=-1).to(kv_c.dtype)  # [B, nh, L]

@@ -13,9 +13,10 @@ its first row, so a padded context reads zeros exactly as `pad_sequence` padded 
 could hold NaN, and `0 * NaN` would leak through the masked softmax).
 
 Per step, `prepare` turns the host-side batch description into device tensors with one host->device
-copy: the slot mapping (token -> flat cache row, written by one `index_copy_` per layer), the rows of
-every context a layer gathers (built on the device from the block tables), and any pending block-table
-rows of newly admitted sequences.
+copy: the slot mapping (token -> flat cache row, written by one `index_copy_` per layer), the batched
+decodes' block-table rows and context lengths (the decode kernel walks each sequence's own length, never
+the longest one's), the rows of every other context a layer gathers (built on the device from the block
+tables), and any pending block-table rows of newly admitted sequences.
 """
 
 from __future__ import annotations
@@ -159,6 +160,41 @@ def device_memory(device: torch.device) -> DeviceMemory:
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     return DeviceMemory(total=total, free=free, this_process=torch.cuda.memory_allocated(device))
+
+
+def context_rows(table: torch.Tensor, lens: torch.Tensor, page: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each context position's cache row from a block table: table [B, W] (block of each `page`-row page), lens
+    [B] -> rows [B, width] (positions past a sequence's length: the null block's first row, which reads zeros)
+    and valid [B, width], `width` <= W * page. Built on the device; the padded layout the eager gather and the
+    CUDA-graph runner read."""
+    B, W = table.shape
+    rows = (table[:, :, None] * page + torch.arange(page, device=table.device)).reshape(B, W * page)[:, :width]
+    valid = torch.arange(width, device=table.device)[None, :] < lens[:, None]
+    return rows.masked_fill(~valid, NULL_BLOCK * page), valid
+
+
+@dataclass(frozen=True)
+class DecodeContext:
+    """What a step's batched decodes attend to: sequence b's position l sits at cache row
+    `table[b, l // page] * page + l % page` for l < lens[b]."""
+
+    table: torch.Tensor  # [Bd, W] int64
+    lens: torch.Tensor  # [Bd] int32, on the device
+    page: int
+    width: int  # the longest context (host-known): how far the eager gather reaches, <= W * page
+
+
+def decode_context(batch: Batch, block_size: int) -> DecodeContext:
+    """The block tables `prepare` made (page = the block size), or else a graph's static per-position rows (page
+    1) with lengths counted on the device from `decode_valid` (a prefix of each row), so a captured step reads
+    each replay's lengths."""
+    if batch.decode_tables is not None and batch.decode_lens is not None:
+        width = max(batch.context_lens[i] for i in batch.decode_seqs) + 1
+        return DecodeContext(batch.decode_tables, batch.decode_lens, block_size, width)
+    if batch.decode_rows is None or batch.decode_valid is None:
+        raise ValueError("the batch holds no batched decodes; PagedLatentCache.prepare fills them")
+    rows = batch.decode_rows
+    return DecodeContext(rows, batch.decode_valid.sum(1, dtype=torch.int32), 1, rows.shape[1])
 
 
 class BlockPool:
@@ -335,15 +371,14 @@ class PagedLatentCache:
 
         batch.slot_mapping = slot_map
         batch.decode_token_rows = dec_rows if nd else None
-        batch.decode_rows = batch.decode_valid = None
+        batch.decode_tables = batch.decode_lens = batch.decode_rows = batch.decode_valid = None
         if nd:
-            max_len = max(decode_meta[2])
-            nblk = blocks_needed(max_len, B)
-            tables = self.block_tables[dec_slots, :nblk]  # [Bd, nblk]
-            rows = (tables[:, :, None] * B + self._offsets).reshape(nd, nblk * B)[:, :max_len]  # [Bd, L]
-            valid = torch.arange(max_len, device=self.device)[None, :] < dec_lens[:, None]  # [Bd, L]
-            batch.decode_rows = rows.masked_fill(~valid, NULL_BLOCK * B)
-            batch.decode_valid = valid
+            nblk = blocks_needed(max(decode_meta[2]), B)
+            batch.decode_tables = self.block_tables[dec_slots, :nblk]  # [Bd, nblk]
+            batch.decode_lens = dec_lens.to(torch.int32)  # [Bd]
+            if batch.batch_decodes:  # the CUDA-graph runner copies per-position contexts into its static buffers
+                rows, valid = context_rows(batch.decode_tables, batch.decode_lens, B, max(decode_meta[2]))
+                batch.decode_rows, batch.decode_valid = rows, valid
         batch.context_rows = {}
         in_decode = set(decode)
         for i, (slot, n, ctx) in enumerate(zip(batch.slots, batch.query_lens, batch.context_lens, strict=True)):
