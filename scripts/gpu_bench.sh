@@ -5,6 +5,10 @@
 #   bash scripts/gpu_bench.sh SUBCOMMAND [ARGS...]
 #   step [ARGS]          one GPU's engine step beside its memory floor (GPU 0):
 #                        afd bench step --batch 1,8,64,256 --context 512 --prefill 8x1024
+#   step-fp8 [ARGS]      `step` twice in one call, bf16 weights then `--quantization fp8` (same ARGS), and the two side
+#                        by side (scripts/compare_steps.py): graph ms of each, fp8/bf16, fp8's floor and graph/floor
+#   moe-fp8 [ARGS]       the routed experts alone, bf16 vs FP8 kernels vs FP8 dequantized per call, 26 layers in one
+#                        CUDA graph, T = 1,8,64,256 (scripts/gpu_moe_fp8.py; --sweep times FP8 tile shapes too)
 #   exchange [ARGS]      one layer's exchange round trip (no-op FFN), 50 passes of 26 layers, async passes replayed
 #                        from one CUDA graph, beside a peer copy of the same bytes:
 #                        afd bench exchange --iters 50 --layers 26 --graph --tokens 1,8,64,512,4096 --connectors p2p,async
@@ -33,8 +37,8 @@ cd "$(dirname "$0")/.."
 source scripts/device_env.sh
 SUB=${1:-}; shift || true
 case $SUB in
-  step|exchange|stress|offline|timeline|serve|front|front-ab|capacity-ab|startup|kernels|cross-replica|profile) ;;
-  *) echo "usage: bash scripts/gpu_bench.sh step|exchange|stress|offline|timeline|serve|front|front-ab|capacity-ab|startup|kernels|cross-replica|profile [ARGS...]" >&2
+  step|step-fp8|moe-fp8|exchange|stress|offline|timeline|serve|front|front-ab|capacity-ab|startup|kernels|cross-replica|profile) ;;
+  *) echo "usage: bash scripts/gpu_bench.sh step|step-fp8|moe-fp8|exchange|stress|offline|timeline|serve|front|front-ab|capacity-ab|startup|kernels|cross-replica|profile [ARGS...]" >&2
     exit 2 ;;
 esac
 log_run "bench_${SUB:-none}"
@@ -46,6 +50,16 @@ case $SUB in
     CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m afd bench step "${LITE[@]}" --batch 1,8,64,256 --context 512 \
       --prefill 8x1024 "$@" --json "$OUT/step.json" 2>"$B/step.err" | tail -n 12
     echo "step rc=${PIPESTATUS[0]}"; grep -v "^\[afd" "$B/step.err" | tail -n 3 ;;
+  step-fp8)
+    for q in bf16 fp8; do
+      extra=(); [[ $q == fp8 ]] && extra=(--quantization fp8)
+      CUDA_VISIBLE_DEVICES=0 timeout 280 python3 -m afd bench step "${LITE[@]}" --batch 8,64,256 --context 512 \
+        --prefill 8x1024 "${extra[@]}" "$@" --json "$OUT/step_$q.json" 2>"$B/step_$q.err" | tail -n 12
+      echo "step $q rc=${PIPESTATUS[0]}"; grep -v "^\[afd" "$B/step_$q.err" | tail -n 3
+    done
+    python3 scripts/compare_steps.py "$OUT/step_bf16.json" "$OUT/step_fp8.json" | tee "$OUT/step_fp8_vs_bf16.txt" ;;
+  moe-fp8)
+    CUDA_VISIBLE_DEVICES=0 timeout 500 python3 scripts/gpu_moe_fp8.py "$@" | tee "$OUT/moe_fp8.jsonl" ;;
   exchange)
     timeout 300 python3 -m afd bench exchange "${LITE[@]}" --iters 50 --layers 26 --graph --tokens 1,8,64,512,4096 \
       --connectors p2p,async "$@" --json "$OUT/exchange.json" 2>"$B/exchange.err" | tail -n 14

@@ -1,0 +1,113 @@
+"""The decode MoE's routed experts alone, bf16 weights against block-scaled FP8 ones, on one GPU: per T, one CUDA
+graph of `--layers` MoE layers of distinct weights (so nothing stays in L2), replayed; ms per layer and the touched
+weights' bytes per second. Rows: bf16 (afd's Triton kernels), fp8 (the same kernels on FP8 weights, scales applied
+in the kernel), fp8-dequant (FP8 weights dequantized per call, then the bf16 path: what runs without the kernels).
+
+    PYTHONPATH=src python3 scripts/gpu_moe_fp8.py [--tokens 1,8,64,256] [--layers 26] [--block 128] [--sweep]
+
+`--sweep` also times the FP8 kernels over a few tile shapes per T (the table in afd.kernels.moe_tiles was chosen on
+bf16). Prints one JSON line per row.
+"""
+# ruff: noqa: T201  (a script that prints its results)
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from afd.kernels.fused_moe import ExpertScales, fused_routed_experts
+from afd.kernels.moe_tiles import TileConfig
+from afd.model.fp8 import quantize_experts
+from afd.model.moe import routed_experts, select_experts
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--tokens", default="1,8,64,256")
+parser.add_argument("--layers", type=int, default=26)
+parser.add_argument("--experts", type=int, default=64)
+parser.add_argument("--hidden", type=int, default=2048)
+parser.add_argument("--inter", type=int, default=1408)
+parser.add_argument("--top-k", type=int, default=6)
+parser.add_argument("--block", type=int, default=128)
+parser.add_argument("--iters", type=int, default=20)
+parser.add_argument("--sweep", action="store_true")
+args = parser.parse_args()
+E, H, INTER, K, block = args.experts, args.hidden, args.inter, args.top_k, (args.block, args.block)
+dev = torch.device("cuda")
+
+layers16, layers8 = [], []
+for i in range(args.layers):
+    g = torch.Generator(device=dev).manual_seed(i)
+    w13 = torch.randn(E, 2 * INTER, H, device=dev, generator=g) * H**-0.5
+    w2 = torch.randn(E, H, INTER, device=dev, generator=g) * INTER**-0.5
+    q = quantize_experts(w13, w2, block)
+    layers8.append(q)
+    layers16.append(tuple(w.bfloat16() for w in q.dequantized(torch.float32)))
+    del w13, w2
+
+
+def timed(step, T: int) -> float:
+    """ms per layer of `step(layer_index, x, ids, weights)` over all layers, captured in one CUDA graph."""
+    x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+    r = select_experts(torch.randn(T, E, device=dev), top_k=K, norm_topk_prob=True)
+    ids, weights = r.topk_ids, r.topk_weights
+
+    def all_layers():
+        return [step(i, x, ids, weights) for i in range(args.layers)]
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        all_layers()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        all_layers()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(args.iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / args.iters / args.layers
+
+
+def touched_bytes(T: int, weight_bytes: float) -> float:
+    """Bytes of the experts a batch of T tokens touches under even routing (expected distinct experts)."""
+    touched = E * (1 - (1 - K / E) ** T)
+    return touched * 3 * H * INTER * weight_bytes
+
+
+def report(row: str, T: int, ms: float, weight_bytes: float, **extra) -> None:
+    gbps = touched_bytes(T, weight_bytes) / (ms * 1e-3) / 1e9
+    print(json.dumps({"row": row, "T": T, "ms_per_layer": round(ms, 4), "GBps": round(gbps), **extra}), flush=True)
+
+
+def fp8_step(configs=None):
+    def step(i, x, ids, weights):
+        q = layers8[i]
+        scales = ExpertScales(q.w13_scale_inv, q.w2_scale_inv, q.block)
+        return fused_routed_experts(x, ids, weights, q.w13, q.w2, 0, scales=scales, configs=configs)
+
+    return step
+
+
+scale_bytes = 1 + 4 / (block[0] * block[1])  # one byte per weight plus its share of an fp32 scale
+for T in [int(t) for t in args.tokens.split(",")]:
+    report("bf16", T, timed(lambda i, x, ids, w: fused_routed_experts(x, ids, w, *layers16[i], 0), T), 2)
+    report("fp8", T, timed(fp8_step(), T), scale_bytes)
+    dq = timed(lambda i, x, ids, w: routed_experts(x, ids, w, *layers8[i].dequantized(torch.bfloat16), 0), T)
+    report("fp8-dequant", T, dq, scale_bytes)
+    if args.sweep:
+        for bm in (16, 32, 64):
+            for bn, bk, warps, stages in ((64, 128, 4, 4), (128, 128, 4, 4), (64, 128, 4, 6), (128, 64, 4, 4)):
+                cfg = TileConfig(bm, bn, bk, warps, stages)
+                try:
+                    ms = timed(fp8_step((cfg, cfg)), T)
+                except Exception as exc:  # a shape that does not fit shared memory: report, go on
+                    print(json.dumps({"row": "fp8-sweep", "T": T, "tile": str(cfg), "error": str(exc)[:120]}))
+                    continue
+                report("fp8-sweep", T, ms, scale_bytes, tile=[bm, bn, bk, warps, stages])
