@@ -118,3 +118,13 @@ def test_capture_keys_stops_when_the_device_has_no_room(tiny) -> None:
 
     assert runner.capture_keys(keys, room) == 3 and runner.captured == sorted(keys[:3])
     assert runner.captured_while_serving == 0
+
+
+@pytest.mark.timeout(120)
+def test_the_engine_warm_up_captures_the_decode_graphs(tiny) -> None:
+    from afd.engine.warm_up import DECODE_WARM_UP_CONTEXT, warm_up_engine
+
+    engine = _engine(tiny, max_num_seqs=16)  # the warm-up's steps batch 16 sequences
+    warm_up_engine(engine, force=True)
+    runner = engine.cuda_graphs
+    assert runner.captured == sorted(runner.warm_up_keys(DECODE_WARM_UP_CONTEXT)) and runner.captured_while_serving == 0

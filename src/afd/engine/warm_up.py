@@ -103,9 +103,9 @@ def warm_up_engine(engine: Engine, *, force: bool = False) -> None:
     ):  # the prefill graphs of every token bucket (afd.engine.graphs.prefill): no capture mid-run
         for runner in engine.prefill_graphs:
             runner.capture_all()
-        warm_up_decode_graphs(engine)
         if kernels.enabled(engine.device):
             warm_up_decode_kernels(model, cache)
+        warm_up_decode_graphs(engine)  # after the kernels: the captures then compile nothing
     logger.info("warmed up the attention step (kernels compiled) in %.1f s", time.perf_counter() - start)
 
 
