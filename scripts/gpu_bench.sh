@@ -5,6 +5,7 @@
 #   bash scripts/gpu_bench.sh SUBCOMMAND [ARGS...]
 #   step [ARGS]          one GPU's engine step beside its memory floor (GPU 0):
 #                        afd bench step --batch 1,8,64,256 --context 512 --prefill 8x1024
+#                        (e.g. `step --contexts 512,3584`: ragged decode rows beside uniform ones at the mean context)
 #   step-fp8 [ARGS]      `step` twice in one call, bf16 weights then `--quantization fp8` (same ARGS), and the two side
 #                        by side (scripts/compare_steps.py): graph ms of each, fp8/bf16, fp8's floor and graph/floor
 #   moe-fp8 [ARGS]       the routed experts alone, bf16 vs FP8 kernels vs FP8 dequantized per call, 26 layers in one

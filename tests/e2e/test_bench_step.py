@@ -46,3 +46,34 @@ def test_bench_step_rejects_bad_lists_in_one_sentence() -> None:
     assert proc.returncode == 2 and "--batch takes positive integers" in proc.stderr and "Traceback" not in proc.stderr
     proc = run_afd("bench", "step", "--prefill", "8by1024", timeout=50)
     assert proc.returncode == 2 and "--prefill takes BxC pairs" in proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_bench_step_ragged_row_beside_its_uniform_batch(tmp_path: Path) -> None:
+    """`--contexts 4,12`: a batch of 4 alternating between 4 and 12 cached tokens, timed beside a uniform batch
+    at their mean (8: the same 32 tokens in all); a batch of 1 cannot alternate and gets no ragged row."""
+    out = tmp_path / "step.json"
+    proc = run_afd(
+        "bench", "step", "--batch", "1,4", "--context", "5", "--contexts", "4,12", "--prefill", "1x4", "--steps", "2",
+        "--json", str(out), timeout=100,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert {(r["batch"], r["context"]) for r in result["decode"]} == {(1, 5), (4, 5)}
+    (row,) = result["ragged"]
+    assert row["batch"] == 4 and row["contexts"] == [4, 12] and row["context"] == 8
+    assert row["total_context"] == row["uniform_total_context"] == 32
+    assert row["eager_ms"] > 0 and row["uniform_eager_ms"] > 0 and row["floor_ms"] > 0
+    assert row["eager_over_uniform"] == pytest.approx(row["eager_ms"] / row["uniform_eager_ms"])
+    assert row["graph_ms"] is None and row["graph_over_uniform"] is None  # CPU never captures
+    assert "ragged" in proc.stdout and "4,12" in proc.stdout and "eager" in proc.stdout
+
+
+@pytest.mark.timeout(60)
+def test_bench_step_rejects_contexts_it_cannot_alternate() -> None:
+    proc = run_afd("bench", "step", "--contexts", "512", timeout=50)
+    assert proc.returncode == 2 and "at least two different contexts" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run_afd("bench", "step", "--batch", "2", "--contexts", "4,8,16", timeout=50)
+    assert proc.returncode == 2 and "a --batch of at least 3" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run_afd("bench", "step", "--contexts", "4,x", timeout=50)
+    assert proc.returncode == 2 and "--contexts takes positive integers" in proc.stderr

@@ -27,3 +27,11 @@ def test_floor_of_lite_matches_the_issue_estimate() -> None:
     assert 16e9 < step.total < 20e9
     assert step.latent_cache == 8 * 513 * 27 * 576 * 2
     assert 30e12 < prefill_flops(config, 8, 1024) < 45e12
+
+
+def test_ragged_contexts_alternate_in_order() -> None:
+    from afd.bench.step import ragged_contexts
+
+    assert ragged_contexts(4, [512, 3584]) == [512, 3584, 512, 3584]
+    assert ragged_contexts(5, [1, 2, 3]) == [1, 2, 3, 1, 2]
+    assert sum(ragged_contexts(64, [512, 3584])) == 64 * 2048  # the uniform batch at the mean holds as much

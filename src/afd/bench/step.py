@@ -17,6 +17,11 @@ lm_head), the routed experts a batch touches in expectation under uniform top-k 
 model holds them in: FP8 linears (`--quantization fp8`, or an FP8 checkpoint) at one byte per weight plus their
 fp32 block scales, the router at fp32.
 
+Ragged decode (`ragged`: a batch whose sequences alternate between the given contexts, e.g. 512 and 3584):
+timed as the decode rows, beside a uniform batch at their mean context (the same total context, the same
+floor). The MLA decode kernel walks each sequence's own length, so the two should take about the same time; a
+ragged row far above its uniform one means the step pays for the longest context instead of the sum.
+
 Prefill: `batch x context` prompt tokens in one step (on CUDA through the prefill graphs, as served steps run; the
 eager decode rows use neither kind of graph), beside the larger of its compute floor (FLOPs at the
 matmul rate measured in the same run) and its weight-read floor.
@@ -177,15 +182,21 @@ def _steady_steps(engine: Engine, steps: int) -> float:
     return marks[0].elapsed_time(marks[-1]) / 1e3 / steps
 
 
-def _seed_decodes(engine: Engine, batch: int, context: int, max_new_tokens: int, gen: torch.Generator) -> None:
-    """Admit `batch` sequences as if their `context`-token prompts had run: random cached latents, one
-    sampled token each; the next step is a pure decode step."""
+def ragged_contexts(batch: int, contexts: list[int]) -> list[int]:
+    """Each sequence's context in a batch of `batch` that alternates between `contexts` (in order, repeating)."""
+    return [contexts[i % len(contexts)] for i in range(batch)]
+
+
+def _seed_decodes(engine: Engine, contexts: list[int], max_new_tokens: int, gen: torch.Generator) -> None:
+    """Admit one sequence per entry of `contexts` as if its prompt of that many tokens had run: random cached
+    latents, one sampled token each; the next step is a pure decode step."""
     vocab = engine.model.config.vocab_size
-    for _ in range(batch):
+    batch = len(contexts)
+    for context in contexts:
         prompt = torch.randint(0, vocab, (context,), generator=gen).tolist()
         engine.add(Request(prompt, max_new_tokens))
     budget = engine.max_num_batched_tokens
-    engine.max_num_batched_tokens = batch * context  # admit them all at once, without running them
+    engine.max_num_batched_tokens = sum(contexts)  # admit them all at once, without running them
     try:
         scheduled = engine.schedule()
     finally:
@@ -193,7 +204,7 @@ def _seed_decodes(engine: Engine, batch: int, context: int, max_new_tokens: int,
     if len(scheduled) != batch:
         raise RuntimeError(f"only {len(scheduled)} of {batch} sequences fit the cache")
     for s in scheduled:
-        s.seq.num_cached = context
+        s.seq.num_cached = len(s.seq.request.prompt_ids)
         s.seq.token_ids.append(int(torch.randint(0, vocab, (1,), generator=gen)))
         s.seq.logprobs.append(0.0)
 
@@ -213,12 +224,15 @@ def run_bench_step(
     batches: list[int],
     contexts: list[int],
     prefills: list[tuple[int, int]],
+    ragged: list[int] | None = None,
     steps: int = 10,
     seed: int = 0,
     quantization: str | None = None,
     progress=None,
 ) -> dict:
-    """Decode steps for every (batch, context), eager and graphed; prefills; floors; one result dict."""
+    """Decode steps for every (batch, context), eager and graphed; with `ragged`, for every batch of at least
+    `len(ragged)` sequences a batch alternating between those contexts beside a uniform one at their mean;
+    prefills; floors; one result dict."""
     from afd.model.weights import load_attention_model, load_ffn_model
 
     say = progress or logger.info
@@ -236,14 +250,15 @@ def run_bench_step(
     # launched only while every sequence goes on after the one in flight)
     max_new = warmup + 2 * steps + 4
     max_batch = max([*batches, *(b for b, _ in prefills), 1])
-    longest = max([*contexts, *(c for _, c in prefills), 1]) + max_new
+    contexts_all = [*contexts, *(ragged or [])]
+    longest = max([*contexts_all, *(c for _, c in prefills), 1]) + max_new
     block_size = 16
-    num_blocks = max(max(batches, default=1) * -(-(max(contexts, default=1) + max_new) // block_size), 1)
+    num_blocks = max(max(batches, default=1) * -(-(max(contexts_all, default=1) + max_new) // block_size), 1)
     num_blocks = max(num_blocks, max((b * -(-(c + 1) // block_size) for b, c in prefills), default=1))
     engine = Engine(
         attn,
         LocalExchange(ffn),
-        max(max((b * c for b, c in prefills), default=1), max(contexts, default=1) + 1, max_batch),
+        max(max((b * c for b, c in prefills), default=1), max(contexts_all, default=1) + 1, max_batch),
         max_num_seqs=max_batch,
         num_blocks=num_blocks,
         block_size=block_size,
@@ -272,50 +287,70 @@ def run_bench_step(
             "steps, overlap off, device synced around each"
         ),
         "decode": [],
+        "ragged": [],
         "prefill": [],
     }
+
+    def decode_row(per_seq: list[int]) -> dict:
+        """Time one decode batch whose sequences have the contexts `per_seq`, eager and graphed."""
+        batch, context = len(per_seq), round(sum(per_seq) / len(per_seq))
+        floor = decode_step_bytes(config, attn, ffn, batch, context)
+        row = {
+            "batch": batch,
+            "context": context,
+            "floor_bytes": floor.total,
+            "floor_ms": floor.total / bandwidth * 1e3,
+            "floor_parts_GB": {
+                "weights": floor.dense_weights / 1e9,
+                "routed_experts": floor.routed_experts / 1e9,
+                "latent_cache": floor.latent_cache / 1e9,
+            },
+        }
+        for mode in ("eager", "graph"):
+            if mode == "graph" and graphs is None:
+                row["graph_ms"] = row["graph_isolated_ms"] = None
+                continue
+            engine.cuda_graphs = graphs if mode == "graph" else None
+            engine.prefill_graphs = prefill_graphs if mode == "graph" else []
+            _seed_decodes(engine, per_seq, max_new, gen)
+            if mode == "graph":  # capture before timing: every length the timed steps reach
+                graphs.capture_for(batch, max(per_seq) + 1)
+                graphs.capture_for(batch, max(per_seq) + 1 + warmup + 2 * steps)
+            overlap, engine.overlap_steps = engine.overlap_steps, False
+            for _ in range(warmup):
+                engine.step()
+            row[f"{mode}_isolated_ms"] = _timed_steps(engine, steps) * 1e3
+            engine.overlap_steps = overlap
+            launched_ahead = engine.overlapped_steps
+            row[f"{mode}_ms"] = _steady_steps(engine, steps) * 1e3
+            launched_ahead = engine.overlapped_steps - launched_ahead
+            calls = steps + 1 if cuda else steps  # `_steady_steps`
+            if overlap and launched_ahead != calls - 1:  # the first step of the run is never launched ahead
+                logger.warning("only %d of %d %s steps were launched ahead", launched_ahead, calls - 1, mode)
+            row[f"{mode}_launched_ahead"] = launched_ahead
+            _drop_all(engine)
+        for mode in ("eager", "graph"):
+            ms = row.get(f"{mode}_ms")
+            row[f"{mode}_over_floor"] = ms / row["floor_ms"] if ms else None
+        return row
+
     for context in contexts:
         for batch in batches:
             say(f"decode: batch {batch}, context {context} ...")
-            floor = decode_step_bytes(config, attn, ffn, batch, context)
-            row = {
-                "batch": batch,
-                "context": context,
-                "floor_bytes": floor.total,
-                "floor_ms": floor.total / bandwidth * 1e3,
-                "floor_parts_GB": {
-                    "weights": floor.dense_weights / 1e9,
-                    "routed_experts": floor.routed_experts / 1e9,
-                    "latent_cache": floor.latent_cache / 1e9,
-                },
-            }
-            for mode in ("eager", "graph"):
-                if mode == "graph" and graphs is None:
-                    row["graph_ms"] = row["graph_isolated_ms"] = None
-                    continue
-                engine.cuda_graphs = graphs if mode == "graph" else None
-                engine.prefill_graphs = prefill_graphs if mode == "graph" else []
-                _seed_decodes(engine, batch, context, max_new, gen)
-                if mode == "graph":  # capture before timing: every length the timed steps reach
-                    graphs.capture_for(batch, context + 1)
-                    graphs.capture_for(batch, context + 1 + warmup + 2 * steps)
-                overlap, engine.overlap_steps = engine.overlap_steps, False
-                for _ in range(warmup):
-                    engine.step()
-                row[f"{mode}_isolated_ms"] = _timed_steps(engine, steps) * 1e3
-                engine.overlap_steps = overlap
-                launched_ahead = engine.overlapped_steps
-                row[f"{mode}_ms"] = _steady_steps(engine, steps) * 1e3
-                launched_ahead = engine.overlapped_steps - launched_ahead
-                calls = steps + 1 if cuda else steps  # `_steady_steps`
-                if overlap and launched_ahead != calls - 1:  # the first step of the run is never launched ahead
-                    logger.warning("only %d of %d %s steps were launched ahead", launched_ahead, calls - 1, mode)
-                row[f"{mode}_launched_ahead"] = launched_ahead
-                _drop_all(engine)
-            for mode in ("eager", "graph"):
-                ms = row.get(f"{mode}_ms")
-                row[f"{mode}_over_floor"] = ms / row["floor_ms"] if ms else None
-            result["decode"].append(row)
+            result["decode"].append(decode_row([context] * batch))
+    for batch in batches if ragged else []:
+        if batch < len(ragged):
+            continue  # too few sequences to alternate between every context
+        per_seq = ragged_contexts(batch, ragged)
+        say(f"ragged decode: batch {batch}, contexts {','.join(map(str, ragged))} (mean {sum(per_seq) / batch:g}) ...")
+        row = decode_row(per_seq)
+        uniform = decode_row([row["context"]] * batch)  # the mean context: the same total
+        row.update(contexts=ragged, total_context=sum(per_seq), uniform_total_context=batch * row["context"])
+        for mode in ("eager", "graph"):
+            ms, base = row.get(f"{mode}_ms"), uniform.get(f"{mode}_ms")
+            row[f"uniform_{mode}_ms"] = base
+            row[f"{mode}_over_uniform"] = ms / base if ms and base else None
+        result["ragged"].append(row)
     engine.cuda_graphs, engine.prefill_graphs = graphs, prefill_graphs
     for batch, context in prefills:
         say(f"prefill: {batch} x {context} tokens ...")
@@ -358,7 +393,8 @@ def _ms(value: float | None) -> str:
 
 
 def format_bench_step(result: dict) -> str:
-    """The result as a table: one line per decode (batch, context), then one per prefill."""
+    """The result as a table: one line per decode (batch, context), one per ragged batch beside its uniform
+    batch at the mean context, then one per prefill."""
     lines = [
         f"{result['model']} {result['dtype']}{' (fp8 weights)' if result.get('fp8_weights') else ''} on "
         f"{result['device']} (torch {result['torch']}): copy "
@@ -377,6 +413,20 @@ def format_bench_step(result: dict) -> str:
             f"{_ms(r['eager_isolated_ms']):>9} {_ms(r['graph_isolated_ms']):>9} "
             f"{_ms(r['floor_ms']):>9} {ratio_e:>11} {ratio_g:>11}"
         )
+    if result.get("ragged"):
+        lines.append(
+            f"{'ragged':<8} {'batch':>5} {'contexts':>11} {'mean':>5} {'eager ms':>9} {'uniform':>9} "
+            f"{'graph ms':>9} {'uniform':>9} {'graph/uniform':>13}"
+        )
+        for r in result["ragged"]:
+            ratio = "-" if r["graph_over_uniform"] is None else f"{r['graph_over_uniform']:.2f}x"
+            if r["graph_over_uniform"] is None and r["eager_over_uniform"] is not None:
+                ratio = f"{r['eager_over_uniform']:.2f}x eager"
+            lines.append(
+                f"{'':<8} {r['batch']:>5} {','.join(map(str, r['contexts'])):>11} {r['context']:>5} "
+                f"{_ms(r['eager_ms']):>9} {_ms(r['uniform_eager_ms']):>9} {_ms(r['graph_ms']):>9} "
+                f"{_ms(r['uniform_graph_ms']):>9} {ratio:>13}"
+            )
     if result["prefill"]:
         lines.append(
             f"{'prefill':<8} {'batch':>5} {'context':>7} {'ms':>9} {'TFLOP':>9} {'floor ms':>9} {'ms/floor':>11}"

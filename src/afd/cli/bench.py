@@ -89,6 +89,12 @@ def _add_step_parsers(steps) -> None:
         "--prefill", type=prefill_list, default="8x1024", help="prefills BxC (B prompts of C tokens), comma-separated"
     )
     s.add_argument(
+        "--contexts",
+        type=size_list("--contexts"),
+        help="also a ragged decode row per --batch: sequences alternating between these contexts (e.g. 512,3584), "
+        "beside a uniform batch at their mean context (the same total context)",
+    )
+    s.add_argument(
         "--steps", type=positive_int, default=10, help="timed steps per point (their mean; isolated: their median)"
     )
     s.add_argument("--json", help="also write the raw result (JSON) to this file")
@@ -162,7 +168,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_bench_step(args: argparse.Namespace) -> int:
     from afd.bench.step import format_bench_step, run_bench_step
 
-    longest = max([*args.context, *(c for _, c in args.prefill)])
+    ragged = args.contexts or []
+    if ragged and len(set(ragged)) < 2:
+        raise UsageError(f"--contexts takes at least two different contexts to alternate between, got {ragged}")
+    if ragged and max(args.batch) < len(ragged):
+        raise UsageError(
+            f"--contexts alternates between {len(ragged)} contexts: it needs a --batch of at least {len(ragged)} "
+            f"sequences, got {','.join(map(str, args.batch))}"
+        )
+    longest = max([*args.context, *ragged, *(c for _, c in args.prefill)])
     check_prompts(args.model, [[0] * longest], args.device, args.steps + 4)  # the decode steps go past the context
     result = run_bench_step(
         model=args.model,
@@ -171,6 +185,7 @@ def cmd_bench_step(args: argparse.Namespace) -> int:
         batches=args.batch,
         contexts=args.context,
         prefills=args.prefill,
+        ragged=ragged or None,
         steps=args.steps,
         quantization=args.quantization,
         progress=lambda msg: print(f"[afd bench step] {msg}", file=sys.stderr, flush=True),
