@@ -215,7 +215,7 @@ def test_wrong_secret_and_forged_failure_cannot_stop_a_run(monkeypatch: pytest.M
         client.set(namespace + "first_failure", "forged")  # a plain key, as an unsigned record would be
         client.set(namespace + "failed/0", json.dumps({"body": json.dumps({"seq": 0, "msg": "forged"}), "mac": "0"}))
         assert attn.proc.poll() is None, "the run ended before the forged failure was written"
-        assert intruder.finish(60) == 2, "a rank refused at rendezvous exits 2"
+        assert intruder.finish(60) == 2, f"a rank refused at rendezvous exits 2:\n{intruder.text[-3000:]}"
         assert "belongs to another run: its ranks use a different AFD_SECRET" in intruder.text, intruder.text
         assert "Traceback" not in intruder.text
         for rank in (ffn, attn):

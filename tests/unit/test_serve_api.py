@@ -327,6 +327,21 @@ def test_an_api_key_guards_the_v1_routes():
         keyed.close()
 
 
+@pytest.mark.timeout(120)
+def test_a_replicas_captures_while_serving_reach_the_metrics(monkeypatch):
+    """The count a replica's engine reports (CUDA graphs captured on a miss) travels with its load to the gauge."""
+    from afd.engine.engine import Engine
+
+    monkeypatch.setattr(Engine, "graphs_captured_while_serving", property(lambda self: 5))
+    served = InProcessServer(num_replicas=1)
+    try:
+        assert served.post("/v1/completions", {"prompt": "a", "max_tokens": 2})[0] == 200
+        gauge = 'afd_decode_graphs_captured_while_serving{replica="0"} 5.0'
+        _wait(lambda: gauge in served.request("GET", "/metrics")[1], 30, "the count did not reach /metrics")
+    finally:
+        served.close()
+
+
 def _open_stream(port: int, max_tokens: int) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
     """A streaming request whose first chunk has arrived (so it is running on a replica)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)

@@ -157,9 +157,8 @@ class OnlineReplica:
         load = self.engine.load()
         if load != self._sent_load:
             self._sent_load = load
-            self.send(
-                {"type": "load", "running": load.running, "waiting": load.waiting, "cache_usage": load.cache_usage}
-            )
+            self.send({"type": "load", "running": load.running, "waiting": load.waiting,
+                       "cache_usage": load.cache_usage, "graphs_captured": load.graphs_captured})  # fmt: skip
 
     def send(self, msg: Message) -> None:
         if not self.link_up:
