@@ -54,7 +54,7 @@ def test_bench_serve_starts_its_server_with_the_profiles_budget(tmp_path: Path) 
             [sys.executable, "-m", "afd", *argv], capture_output=True, text=True, timeout=130, env=env
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
-        said = f"none R=1: max_num_batched_tokens {picked} (profile {profile}), max_num_seqs 8 (flag)"
+        said = f"none R=1: max_num_batched_tokens {picked} (profile {profile}), max_num_seqs 8 (flag)\n"
         assert proc.stderr.count(said) == 1, proc.stderr[-3000:]
         result = json.loads(out.read_text())["results"][0]
         assert result["step_limits"]["max_num_batched_tokens"] == picked

@@ -177,13 +177,13 @@ def test_serve_takes_the_profiles_budget_unless_a_flag_gives_one(tmp_path, capsy
     assert picked != 2048  # the profile changes something
     plan = _serve_plan("--profile", profile)
     assert plan.spec.max_num_batched_tokens == picked and plan.spec.cache.max_num_seqs == 256
-    line = capsys.readouterr().err
-    assert f"max_num_batched_tokens {picked} (profile {profile})" in line and line.count("\n") == 1
-    assert f"{picked} tokens per step, 256 sequences" in plan.describe()
-    assert _serve_plan("--profile", profile, "--max-num-batched-tokens", "512").spec.max_num_batched_tokens == 512
-    assert "max_num_batched_tokens 512 (flag)" in capsys.readouterr().err
+    said = f"max_num_batched_tokens {picked} (profile {profile}), max_num_seqs 256 (default on cpu)"
+    assert plan.describe().endswith(f"float32 on cpu; {said}")  # the ready line's
+    plan = _serve_plan("--profile", profile, "--max-num-batched-tokens", "512")
+    assert plan.spec.max_num_batched_tokens == 512 and "max_num_batched_tokens 512 (flag)" in plan.describe()
     plan = _serve_plan()  # no profile, CPU: today's defaults
     assert (plan.spec.max_num_batched_tokens, plan.spec.cache.max_num_seqs) == (2048, 256)
+    assert capsys.readouterr().err == ""  # nothing said before the server is up
 
 
 def test_serve_takes_async_micro_batches_from_the_profile(tmp_path, monkeypatch):
@@ -195,22 +195,22 @@ def test_serve_takes_async_micro_batches_from_the_profile(tmp_path, monkeypatch)
     assert not plan.config.to_dict()["connector_extra_config"].get("async_moe_ubatching")
 
 
-def test_bench_serve_gives_each_server_its_limits(tmp_path, capsys):
+def test_bench_serve_gives_each_server_its_limits(tmp_path):
     from afd.cli.limits import compare_with_limits
 
     profile = cpu_profile(tmp_path / "cpu.json")
     argv = ["bench", "serve", "--profile", profile, "--compare", "none:R=1,async:A=1,F=1,U=1"]
     args = build_parser().parse_args(argv)
     config = load_model_config("tiny")
-    configs, chosen = compare_with_limits(args, config, print)
-    budget = chosen["none R=1"]["max_num_batched_tokens"]
-    assert budget != 2048 and chosen["none R=1"]["from"]["max_num_batched_tokens"] == f"profile {profile}"
+    configs, chosen = compare_with_limits(args, config)
+    budget = chosen["none R=1"].max_num_batched_tokens
+    assert budget != 2048 and chosen["none R=1"].to_json()["from"]["max_num_batched_tokens"] == f"profile {profile}"
     assert configs[0][1][-4:] == ["--max-num-batched-tokens", str(budget), "--max-num-seqs", "256"]
-    assert chosen["async A=1,F=1,U=1"]["ubatches"] == 1 and configs[1][1].count("--ubatches") == 1
+    assert chosen["async A=1,F=1,U=1"].ubatches == 1 and configs[1][1].count("--ubatches") == 1
     assert args.max_num_batched_tokens is None  # each server decided from the flags as given
     args = build_parser().parse_args([*argv, "--max-num-batched-tokens", "768"])
-    _, chosen = compare_with_limits(args, config, print)
-    assert {c["max_num_batched_tokens"] for c in chosen.values()} == {768}
+    _, chosen = compare_with_limits(args, config)
+    assert {c.max_num_batched_tokens for c in chosen.values()} == {768}
 
 
 def test_a_wrong_profile_is_one_sentence_and_exit_2(tmp_path, capsys):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import sys
 from dataclasses import dataclass
 
 from afd.cli.input import UsageError
@@ -133,23 +132,17 @@ def _suggest(args, config, shape: Shape, base: StepLimits, gpus, ubatches: int |
 
 
 def apply_step_limits(
-    args: argparse.Namespace, model_config, shape: Shape, *, ubatches: int | None = None, say=None
-) -> dict:
-    """Fill in the step limits the flags left out (`afd.cli.limits`) and say once which were chosen and why;
-    returns them as JSON."""
+    args: argparse.Namespace, model_config, shape: Shape, *, ubatches: int | None = None
+) -> StepLimits:
+    """Fill in the step limits the flags left out (`resolve_step_limits`) and return them."""
     limits = resolve_step_limits(args, model_config, shape, ubatches=ubatches)
     args.max_num_batched_tokens, args.max_num_seqs = limits.max_num_batched_tokens, limits.max_num_seqs
     if shape.connector != "none":
         args.ubatches = limits.ubatches
-    (say or _say)(f"{shape.name}: {limits.describe()}")
-    return limits.to_json()
+    return limits
 
 
-def _say(line: str) -> None:
-    print(f"afd serve: {line}", file=sys.stderr, flush=True)
-
-
-def compare_with_limits(args: argparse.Namespace, model_config, say) -> tuple[list, dict]:
+def compare_with_limits(args: argparse.Namespace, model_config) -> tuple[list, dict[str, StepLimits]]:
     """`--compare`'s (label, flags) with each server's step limits made explicit (`apply_step_limits` per server,
     so each topology gets its own pick), and those limits per label."""
     out, chosen = [], {}
@@ -164,7 +157,7 @@ def compare_with_limits(args: argparse.Namespace, model_config, say) -> tuple[li
         )
         ubatches = int(given["--ubatches"]) if "--ubatches" in given else None
         one = argparse.Namespace(**vars(args))  # each server decides from the flags as given
-        chosen[label] = apply_step_limits(one, model_config, shape, ubatches=ubatches, say=say)
+        chosen[label] = apply_step_limits(one, model_config, shape, ubatches=ubatches)
         extra = ["--max-num-batched-tokens", str(one.max_num_batched_tokens), "--max-num-seqs", str(one.max_num_seqs)]
         if connector != "none" and ubatches is None:
             extra += ["--ubatches", str(one.ubatches)]

@@ -160,7 +160,7 @@ def build_plan(args: argparse.Namespace):
                 "--attention, --ffn, --gate-on-ffn and --ubatches need --connector p2p or async; none takes --replicas"
             )
         replicas, config = args.replicas or 1, None
-        apply_step_limits(args, model_config, Shape(replicas=replicas))
+        limits = apply_step_limits(args, model_config, Shape(replicas=replicas)).describe(ubatches=False)
     else:
         if args.replicas is not None and args.replicas != args.attention:
             raise UsageError(
@@ -168,7 +168,7 @@ def build_plan(args: argparse.Namespace):
                 "leave --replicas out or make it equal to --attention"
             )
         shape = Shape(args.connector, args.attention, args.ffn, args.attention, not args.gate_on_ffn)
-        apply_step_limits(args, model_config, shape, ubatches=args.ubatches)
+        limits = apply_step_limits(args, model_config, shape, ubatches=args.ubatches).describe()
         config = launch_config(
             args.config,
             args.connector,
@@ -193,7 +193,9 @@ def build_plan(args: argparse.Namespace):
         busy_poll=args.busy_poll,
     )
     heal = HealPolicy(max_restarts=args.max_restarts, window_s=args.restart_window)
-    return ServePlan(spec, config, replicas, args.host, args.port, options, tokenizer, args.startup_timeout, heal)
+    return ServePlan(
+        spec, config, replicas, args.host, args.port, options, tokenizer, args.startup_timeout, heal, limits
+    )
 
 
 def run_spec(args: argparse.Namespace, max_model_len: int | None):
@@ -420,14 +422,16 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
             require_matplotlib()
         except PlotUnavailable as exc:
             raise UsageError(str(exc)) from None
-    progress = Progress(sys.stderr)
     chosen = {}
     if args.url and args.profile:
         raise UsageError("--profile picks the step limits of the servers bench serve starts; leave it out with --url")
     if args.overhead:  # one none R=1 server, then its engine alone, with the same limits
-        chosen["none R=1"] = apply_step_limits(args, model_config, Shape(), say=progress.note)
+        chosen["none R=1"] = apply_step_limits(args, model_config, Shape())
     elif not args.url:
-        args.compare, chosen = compare_with_limits(args, model_config, progress.note)
+        args.compare, chosen = compare_with_limits(args, model_config)
+    progress = Progress(sys.stderr)
+    for label, limits in chosen.items():  # every server's, once every one is known to be possible
+        progress.note(f"{label}: {limits.describe(ubatches=not label.startswith('none'))}")
     if args.chaos:
         return cmd_bench_chaos(args, workload, rates, server_argv(args, limit), model_config.vocab_size)
     common = dict(vocab_size=model_config.vocab_size, timeout_s=args.startup_timeout)
@@ -460,7 +464,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     for res in results:
         res["slo"] = slo_summary(res["runs"], args.slo_ttft)
         if res["name"] in chosen:
-            res["step_limits"] = chosen[res["name"]]
+            res["step_limits"] = chosen[res["name"]].to_json()
     if args.overhead:
         from afd.bench.overhead import format_overhead, front_end_overhead
 

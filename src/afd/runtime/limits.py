@@ -59,11 +59,13 @@ class StepLimits:
     seqs_from: str
     ubatches_from: str
 
-    def describe(self) -> str:
-        return (
+    def describe(self, ubatches: bool = True) -> str:
+        """One line: each value and where it came from (`ubatches` False leaves the micro-batches out)."""
+        line = (
             f"max_num_batched_tokens {self.max_num_batched_tokens} ({self.budget_from}), "
-            f"max_num_seqs {self.max_num_seqs} ({self.seqs_from}), ubatches {self.ubatches} ({self.ubatches_from})"
+            f"max_num_seqs {self.max_num_seqs} ({self.seqs_from})"
         )
+        return line + (f", ubatches {self.ubatches} ({self.ubatches_from})" if ubatches else "")
 
     def to_json(self) -> dict:
         return {

@@ -64,14 +64,17 @@ class ServePlan:
     tokenizer: Tokenizer
     startup_timeout_s: float = 600.0
     heal: HealPolicy | None = None  # when to restart what died (default: `HealPolicy()`)
+    step_limits: str = ""  # the budget, sequences and micro-batches chosen, and why (`afd.runtime.limits`)
 
     def describe(self) -> str:
         if self.config is None:
             shape = f"connector none, {self.replicas} replica{'s' if self.replicas > 1 else ''}"
         else:
             shape = f"connector {self.config.connector}, {self.config.num_attention_ranks}A{self.config.num_ffn_ranks}F"
-        limits = f"{self.spec.max_num_batched_tokens} tokens per step, {self.spec.cache.max_num_seqs} sequences"
-        return f"model {self.options.model_name}, {shape}, {self.spec.dtype} on {self.spec.device}, {limits}"
+        limits = self.step_limits or (
+            f"max_num_batched_tokens {self.spec.max_num_batched_tokens}, max_num_seqs {self.spec.cache.max_num_seqs}"
+        )
+        return f"model {self.options.model_name}, {shape}, {self.spec.dtype} on {self.spec.device}; {limits}"
 
 
 def bind_http(host: str, port: int) -> socket.socket:
