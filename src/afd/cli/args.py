@@ -21,6 +21,7 @@ from afd.cli.input import (
     sampling_value,
     strict_int,
 )
+from afd.runtime.limits import DEFAULT_MAX_NUM_SEQS, SMALL_BUDGET
 
 if TYPE_CHECKING:
     from afd.config import AFDConfig
@@ -130,7 +131,7 @@ def add_model_arguments(p: argparse.ArgumentParser, *, prompts_required: bool) -
     p.add_argument(
         "--max-num-batched-tokens",
         type=batched_tokens,
-        default=2048,
+        default=SMALL_BUDGET,
         help="token budget of one engine step, as in vLLM; longer prompts are prefilled in chunks over several steps",
     )
     p.add_argument("--block-size", type=block_size, default=16, help="tokens per KV-cache block")
@@ -146,7 +147,9 @@ def add_model_arguments(p: argparse.ArgumentParser, *, prompts_required: bool) -
         type=positive_int,
         help="KV-cache blocks per engine, instead of sizing the cache from memory (any device)",
     )
-    p.add_argument("--max-num-seqs", type=max_num_seqs, default=256, help="sequences an engine runs at once")
+    p.add_argument(
+        "--max-num-seqs", type=max_num_seqs, default=DEFAULT_MAX_NUM_SEQS, help="sequences an engine runs at once"
+    )
     source = p.add_mutually_exclusive_group(required=prompts_required)
     source.add_argument("--prompt-ids", help="prompts as token ids, e.g. \"1,2,3;4,5,6,7\" (',' ids, ';' prompts)")
     source.add_argument("--prompts-file", help='JSONL file, one {"prompt_ids": [...]} per line')

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from afd.cli.input import UsageError, non_negative_int, positive_int, positive_seconds, rate_list
+from afd.runtime.limits import DEFAULT_MAX_NUM_SEQS, SMALL_BUDGET
 
 WORKLOAD_KINDS = ("uniform", "uneven", "mixed")
 
@@ -26,8 +27,10 @@ def _add_workload(p: argparse.ArgumentParser, requests: int) -> None:
     p.add_argument("--long-fraction", type=float, default=0.25, help="share of long prompts (uneven)")
     p.add_argument("--max-tokens", type=positive_int, default=64, help="tokens generated per request")
     p.add_argument("--bench-seed", type=non_negative_int, default=0, help="seed of the prompts and arrivals")
-    p.add_argument("--max-num-seqs", type=positive_int, default=256, help="sequences a replica runs at once")
-    p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048, help="token budget of one step")
+    p.add_argument(
+        "--max-num-seqs", type=positive_int, default=DEFAULT_MAX_NUM_SEQS, help="sequences a replica runs at once"
+    )
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=SMALL_BUDGET, help="token budget of one step")
     p.add_argument("--gpus-per-node", type=positive_int, default=8, help="GPUs per node (NVLink inside)")
     p.add_argument("--inter-node-gbps", type=float, default=400.0, help="bandwidth per GPU between nodes (Gb/s)")
     p.add_argument("--inter-node-latency-us", type=float, default=10.0, help="latency between nodes (µs)")

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from afd.planning import costs
 from afd.planning.costs import Shapes
 from afd.planning.profile import Profile
+from afd.runtime.limits import DEFAULT_MAX_NUM_SEQS, SMALL_BUDGET
 
 CONNECTORS = ("none", "p2p", "async", "ep")
 
@@ -34,8 +35,8 @@ class Deployment:
     replicas: int = 1
     ubatches: int = 1
     gpus_per_node: int = 8
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = SMALL_BUDGET
     block_size: int = 16
     colocated: bool = False  # AFD ranks of a group share its GPUs (A + F ranks on max(A, F) GPUs): work serializes
     ubatch_decode: bool = False

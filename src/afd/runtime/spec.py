@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from afd.engine.sampling import SamplingParams
 from afd.model.kv_cache import CacheOptions
+from afd.runtime.limits import SMALL_BUDGET
 
 
 @dataclass(frozen=True)
@@ -20,7 +21,7 @@ class RunSpec:
     seed: int = 0
     max_new_tokens: int = 16
     prompt_logprobs: bool = False
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = SMALL_BUDGET  # a server's is chosen by afd.runtime.limits.step_limits
     timeout_s: float = 300.0  # the whole run, launcher side
     cache: CacheOptions = CacheOptions()
     sampling: SamplingParams = SamplingParams()  # every request's (greedy by default)
