@@ -75,6 +75,16 @@ def test_replica_memory_is_the_share_less_weights_and_overhead():
     assert whole.activation_bytes_per_token > 0 and whole.kv_bytes_per_token > 0
 
 
+def test_ranks_sharing_the_first_replicas_gpu():
+    from afd.cli.limits import Shape, _ranks_on_first_gpu
+
+    assert _ranks_on_first_gpu(Shape(replicas=3), 2) == 2  # replicas 0 and 2 on GPU 0
+    assert _ranks_on_first_gpu(Shape(replicas=1), 8) == 1
+    assert _ranks_on_first_gpu(Shape("async", 1, 1), 1) == 2  # co-located
+    assert _ranks_on_first_gpu(Shape("async", 2, 2), 4) == 1
+    assert _ranks_on_first_gpu(Shape("p2p", 3, 1), 4) == 1  # world [F0, A0, A1, A2] on four GPUs
+
+
 # ---------------------------------------------------------------- what a profile picks
 def _target(device: str = "cuda", gpu: str | None = "NVIDIA H200", model: str = "deepseek-v2-lite", shapes: str = ""):
     """Where a profile is applied: `model` as named, with the config of the preset `shapes` (default `model`)."""

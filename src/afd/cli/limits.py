@@ -57,7 +57,7 @@ def _ranks_on_first_gpu(shape: Shape, num_gpus: int) -> int:
         placement = gpu_placement(shape.connector, shape.attention, shape.ffn, num_gpus)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    first = shape.attention if shape.connector == "p2p" else 0  # attention rank 0's world rank
+    first = shape.ffn if shape.connector == "p2p" else 0  # attention rank 0's world rank (p2p: FFN ranks first)
     return placement.count(placement[first])
 
 
