@@ -67,7 +67,7 @@ def test_graph_replay_equals_eager_for_every_bucket_bf16() -> None:
             _, padded = _gpu_run(models, prompts, mode="padded")
             engine, got = _gpu_run(models, prompts, mode="graph")
             assert engine.cuda_graphs.captured and not engine.cuda_graphs.disabled
-            assert {n for n, _ in engine.cuda_graphs.captured} == {bucket}
+            assert engine.cuda_graphs.captured == [bucket]  # one graph per bucket, every context
             for g, p, e in zip(got, padded, eager, strict=True):
                 assert g.token_ids == p.token_ids == e.token_ids, (bucket, size)
                 assert g.logprobs == pytest.approx(p.logprobs, abs=1e-3), (bucket, size)
@@ -80,22 +80,26 @@ def test_graph_replay_equals_eager_for_every_bucket_bf16() -> None:
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_warmed_engine_captures_no_decode_graph_while_generating() -> None:
-    """The warm-up (as a server runs it) captures every batch bucket's decode graphs; then batches of 1 to 100
-    sequences with prompts of 1-300 tokens decode through graphs only: 0 captured while serving."""
+    """The warm-up (as a server runs it) captures one decode graph per batch bucket; then batches of 1 to 100
+    sequences with prompts of 1-300 tokens, and a ragged batch whose contexts reach ~9,000 tokens (well past any
+    warm-up bound of a context-keyed design), decode through those graphs only: 0 captured while serving."""
     from afd.engine.warm_up import warm_up_engine
 
     attn = load_attention_model("tiny", dtype="bfloat16", device="cuda")
     ffn = load_ffn_model("tiny", dtype="bfloat16", device="cuda")
-    engine = Engine(attn, LocalExchange(ffn), 4096, max_num_seqs=256, num_blocks=2048)
+    engine = Engine(attn, LocalExchange(ffn), 4096, max_num_seqs=256, num_blocks=2048, max_model_len=16384)
     warm_up_engine(engine)
     runner = engine.cuda_graphs
     assert runner is not None and not runner.disabled
-    assert {n for n, _ in runner.captured} == set(runner.buckets) == set(batch_buckets(256))
-    warmed = len(runner.captured)
+    assert runner.captured == runner.buckets == batch_buckets(256)
     rng = random.Random(1)
     for size in (1, 7, 100):
         for _ in range(size):
             engine.add(Request([rng.randrange(256) for _ in range(rng.randint(1, 300))], rng.randint(1, 24)))
         outputs = engine.run()
         assert len(outputs) == size and all(out.token_ids for out in outputs)
-    assert engine.graphs_captured_while_serving == 0 and len(runner.captured) == warmed
+    for n in (9000, 5, 6100):  # prefilled in chunks, then decoded together: contexts 6-9,016 in one step
+        engine.add(Request([rng.randrange(256) for _ in range(n)], 16))
+    outputs = engine.run()
+    assert len(outputs) == 3 and all(out.token_ids for out in outputs)
+    assert engine.graphs_captured_while_serving == 0 and runner.captured == batch_buckets(256)

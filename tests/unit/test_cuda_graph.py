@@ -1,6 +1,6 @@
 """Decode CUDA graphs (afd.engine.graphs.decode): bucket choice and padding layout (pure, CPU), the padded batched
-decode step equal to the unpadded one (CPU, fp32, graphs replaced by an eager run of the padded batch),
-and on the device graph replay equal to eager output for every bucket, across block boundaries."""
+decode step equal to the unpadded one (CPU, fp32, graphs replaced by an eager run of the padded batch), one bucket
+serving every context, and a widened block table dropping the graphs bound to the old one."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers.graph_fakes import RealRowsOnly
 
-from afd.buckets import batch_buckets, context_bucket, pick_bucket
+from afd.buckets import batch_buckets, pick_bucket
 from afd.engine.engine import Engine, LocalExchange, Request
 from afd.engine.graphs.decode import DecodeGraphRunner, StaticInputs, fill_static_inputs
 from afd.model.weights import load_attention_model, load_ffn_model
@@ -33,42 +33,36 @@ def test_pick_bucket_is_the_smallest_that_fits() -> None:
     assert pick_bucket(49, buckets) is None and pick_bucket(0, buckets) is None
 
 
-def test_context_bucket_rounds_up_to_quarter_octaves_within_the_table() -> None:
-    got = [context_bucket(n, 10**6) for n in range(1, 300)]
-    for n, b in enumerate(got, start=1):
-        assert n <= b <= max(n, 1.25 * n)  # never fewer rows, at most a quarter more
-    assert len(set(got)) < 60 and got == sorted(got)  # few keys, monotonic
-    assert [context_bucket(n, 10**6) for n in (7, 9, 33, 257)] == [7, 10, 40, 320]
-    assert context_bucket(33, 36) == 36 and context_bucket(40, 36) == 40  # capped, but never below the need
-
-
-def test_fill_static_inputs_pads_rows_onto_scratch_and_null_rows() -> None:
-    n, L, scratch = 4, 6, 99
+def test_fill_static_inputs_pads_rows_onto_scratch_and_the_null_block() -> None:
+    n, W, scratch = 4, 6, 99
     static = StaticInputs(
         input_ids=torch.full((n,), 7),
         positions=torch.full((n,), 7),
         slot_mapping=torch.full((n,), 7),
         token_rows=torch.arange(n),
-        rows=torch.full((n, L), 7),
-        valid=torch.ones(n, L, dtype=torch.bool),
+        tables=torch.full((n, W), 7),
+        lens=torch.full((n,), 7, dtype=torch.int32),
     )
-    rows = torch.tensor([[16, 17, 18, 0], [20, 21, 0, 0]])
-    valid = torch.tensor([[True, True, True, False], [True, True, False, False]])
+    tables = torch.tensor([[4, 5, 6], [8, 0, 0]])
+    lens = torch.tensor([10, 2], dtype=torch.int32)
     fill_static_inputs(
-        static, torch.tensor([5, 6]), torch.tensor([3, 2]), torch.tensor([18, 21]), rows, valid, scratch_row=scratch
+        static, torch.tensor([5, 6]), torch.tensor([9, 1]), torch.tensor([26, 33]), tables, lens, scratch_row=scratch
     )
-    assert static.input_ids.tolist() == [5, 6, 0, 0] and static.positions.tolist() == [3, 2, 0, 0]
-    assert static.slot_mapping.tolist() == [18, 21, scratch, scratch]  # padding never writes a real row
-    assert static.rows.tolist() == [[16, 17, 18, 0, 0, 0], [20, 21, 0, 0, 0, 0], [0] * L, [0] * L]
-    assert static.valid.tolist() == [
-        [True, True, True, False, False, False],
-        [True, True, False, False, False, False],
-        [True] + [False] * (L - 1),  # a padding row attends to the zero row alone: finite, no NaN
-        [True] + [False] * (L - 1),
-    ]
+    assert static.input_ids.tolist() == [5, 6, 0, 0] and static.positions.tolist() == [9, 1, 0, 0]
+    assert static.slot_mapping.tolist() == [26, 33, scratch, scratch]  # padding never writes a real row
+    # real rows: their table prefix (entries past a length stay stale: nothing reads them); padding rows: a
+    # length-1 context on the null block, whose zero row gives a finite, all-zero attention
+    assert static.tables[:2, :3].tolist() == tables.tolist() and static.tables[2:, 0].tolist() == [0, 0]
+    assert static.lens.tolist() == [10, 2, 1, 1] and static.lens.dtype == torch.int32
+    batch = static.batch([9, 1])
+    assert batch.decode_tables is static.tables and batch.decode_lens is static.lens and batch.batch_decodes
+    assert batch.context_lens == [9, 1, 0, 0] and static.batch().context_lens == [0] * n
     with pytest.raises(ValueError, match="does not fit"):
         fill_static_inputs(static, *(torch.zeros(5, dtype=torch.long),) * 3, torch.zeros(5, 2).long(),
-                           torch.ones(5, 2).bool(), scratch_row=scratch)  # fmt: skip
+                           torch.ones(5, dtype=torch.int32), scratch_row=scratch)  # fmt: skip
+    with pytest.raises(ValueError, match="does not fit"):  # wider than the static tables
+        fill_static_inputs(static, *(torch.zeros(1, dtype=torch.long),) * 3, torch.zeros(1, W + 1).long(),
+                           torch.ones(1, dtype=torch.int32), scratch_row=scratch)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -76,9 +70,9 @@ def tiny():
     return load_attention_model("tiny"), load_ffn_model("tiny")
 
 
-def _run(models, prompts, max_new_tokens, *, padded: bool, max_num_seqs: int = 8):
+def _run(models, prompts, max_new_tokens, *, padded: bool, max_num_seqs: int = 8, budget: int = 64):
     attn, ffn = models
-    engine = Engine(attn, LocalExchange(ffn), 64, block_size=BLOCK, max_num_seqs=max_num_seqs)
+    engine = Engine(attn, LocalExchange(ffn), budget, block_size=BLOCK, max_num_seqs=max_num_seqs)
     assert engine.cuda_graphs is None  # CPU never captures
     if padded:  # the graph runner's padded layout, run eagerly: what a replay computes, checked on CPU
         engine.cuda_graphs = DecodeGraphRunner(attn, engine.exchange, engine.kv_cache, max_num_seqs, capture=False)
@@ -89,20 +83,57 @@ def _run(models, prompts, max_new_tokens, *, padded: bool, max_num_seqs: int = 8
 
 @pytest.mark.timeout(120)
 def test_padded_decode_steps_equal_unpadded_ones_across_block_boundaries(tiny) -> None:
-    """Batches of 7 and of 1 decodes padded to buckets 8 and 1, contexts padded to quarter-octave widths,
-    crossing 1-3 block boundaries: same tokens, logprobs within 1e-5 (fp32), and the null block stays zero."""
+    """Batches of 7 and of 1 decodes padded to buckets 8 and 1 (static tables as wide as the cache's), crossing
+    1-3 block boundaries: same tokens, logprobs within 1e-5 (fp32), and the null block stays zero."""
     _, want = _run(tiny, PROMPTS, 9, padded=False)
     engine, got = _run(tiny, PROMPTS, 9, padded=True)
-    assert {n for n, _ in engine.cuda_graphs.captured} == {8}  # every decode step went through the runner
+    assert engine.cuda_graphs.captured == [8]  # every decode step went through the runner
     for g, w in zip(got, want, strict=True):
         assert g.token_ids == w.token_ids
         assert g.logprobs == pytest.approx(w.logprobs, abs=1e-5)
     assert not engine.kv_cache.cache[:, :BLOCK].any()  # padding wrote only the scratch row
     _, want1 = _run(tiny, PROMPTS[3:4], 9, padded=False)
     engine1, got1 = _run(tiny, PROMPTS[3:4], 9, padded=True)
-    assert {n for n, _ in engine1.cuda_graphs.captured} == {1}
+    assert engine1.cuda_graphs.captured == [1]
     assert got1[0].token_ids == want1[0].token_ids
     assert got1[0].logprobs == pytest.approx(want1[0].logprobs, abs=1e-5)
+
+
+@pytest.mark.timeout(180)
+def test_one_bucket_serves_ragged_and_very_different_contexts(tiny) -> None:
+    """One graph per batch bucket, whatever the contexts: three sequences of 3, 300 and 41 prompt tokens decode
+    together (padded to bucket 4, contexts ragged from 4 to ~310 in every step), then three of 2-4 tokens, through
+    the one bucket captured once: the plain eager engine's tokens, logprobs within 1e-5 (fp32)."""
+    attn, ffn = tiny
+    rng = torch.Generator().manual_seed(3)
+    runs = [[torch.randint(0, 256, (n,), generator=rng).tolist() for n in (3, 300, 41)], [[5, 9, 2], [8, 1], [3, 3, 7]]]
+    # a budget that prefills every prompt in one step: the steps after it are all decodes of the three
+    wants = [_run(tiny, prompts, 10, padded=False, max_num_seqs=4, budget=512)[1] for prompts in runs]
+    engine = Engine(attn, LocalExchange(ffn), 512, block_size=BLOCK, max_num_seqs=4)
+    engine.cuda_graphs = DecodeGraphRunner(attn, engine.exchange, engine.kv_cache, 4, capture=False)
+    for prompts, want in zip(runs, wants, strict=True):
+        for p in prompts:
+            engine.add(Request(list(p), 10))
+        got = engine.run()
+        for g, w in zip(got, want, strict=True):
+            assert g.token_ids == w.token_ids
+            assert g.logprobs == pytest.approx(w.logprobs, abs=1e-5)
+    assert engine.cuda_graphs.captured == [4] and engine.cuda_graphs.captured_while_serving == 1
+
+
+def test_a_widened_block_table_drops_the_graphs_bound_to_the_old_one(tiny) -> None:
+    """The cache widens its tables for a sequence longer than any before: the runner drops its graphs (they read
+    the old static tables) and captures again on use, counted while serving."""
+    attn, ffn = tiny
+    engine = Engine(attn, LocalExchange(ffn), 64, block_size=BLOCK, max_num_seqs=4)
+    runner = DecodeGraphRunner(attn, engine.exchange, engine.kv_cache, 4, capture=False)
+    width = engine.kv_cache.block_tables.shape[1]
+    assert runner.tables.shape == (4, width)
+    runner.capture_for(3)
+    assert runner.captured == [4] and runner.captured_while_serving == 0
+    engine.kv_cache.block_tables = torch.zeros(4, width + 5, dtype=torch.long)  # what `prepare` does on a widening
+    runner.capture_for(1)
+    assert runner.captured == [1] and runner.tables.shape == (4, width + 5)
 
 
 @pytest.mark.timeout(120)
@@ -118,7 +149,7 @@ def test_segmented_padded_steps_send_only_real_rows_and_equal_unpadded_ones(tiny
     for p in PROMPTS:
         engine.add(Request(list(p), 9))
     got = engine.run()
-    assert {n for n, _ in engine.cuda_graphs.captured} == {8}
+    assert engine.cuda_graphs.captured == [8]
     assert 8 not in exchange.rows_seen and exchange.rows_seen.count(7) >= len(attn.boundary_layers)
     for g, w in zip(got, want, strict=True):
         assert g.token_ids == w.token_ids

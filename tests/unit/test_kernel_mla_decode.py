@@ -271,27 +271,28 @@ def test_nan_in_the_paged_cache_past_each_length_stays_out(monkeypatch: pytest.M
 
 
 def test_graph_padded_step_takes_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CUDA-graph runner's layout (`fill_static_inputs`: batch padded 3 -> 4, context 14 -> 20 rows,
-    the padding row valid only at column 0 on the zero row): real rows equal the unpadded einsum step."""
+    """The CUDA-graph runner's layout (`fill_static_inputs`: batch padded 3 -> 4 into static tables as wide as
+    the cache's, the padding row a length-1 context on the null block) through the batch a graph captures (its
+    host-side contexts all 0: the kernel reads only the device lengths): real rows equal the unpadded einsum step."""
     attn, cache, batch, positions = _tiny_attention(seed=1)
     x = torch.randn(3, attn.config.hidden_size)
     cos, sin = _rope(attn, positions)
-    n, L = 4, 20
+    n, W = 4, cache.block_tables.shape[1]
     static = StaticInputs(
         input_ids=torch.zeros(n, dtype=torch.long),
         positions=torch.zeros(n, dtype=torch.long),
         slot_mapping=torch.zeros(n, dtype=torch.long),
         token_rows=torch.arange(n),
-        rows=torch.zeros(n, L, dtype=torch.long),
-        valid=torch.zeros(n, L, dtype=torch.bool),
+        tables=torch.full((n, W), 7, dtype=torch.long),  # stale entries: never read past a length
+        lens=torch.zeros(n, dtype=torch.int32),
     )
     fill_static_inputs(
         static,
         torch.zeros(3, dtype=torch.long),
         positions,
         batch.slot_mapping,
-        batch.decode_rows,
-        batch.decode_valid,
+        batch.decode_tables,
+        batch.decode_lens,
         scratch_row=cache.scratch_row,
     )
     padded_batch = static.batch()

@@ -18,6 +18,7 @@ from afd.model.kv_cache import (
     GiB,
     PagedLatentCache,
     activation_bytes_estimate,
+    context_rows,
     latent_bytes_per_token,
     num_cache_blocks,
 )
@@ -190,21 +191,24 @@ def test_cache_rows_follow_the_block_table():
     assert step.decode_token_rows.tolist() == [0, 1]
     # the decode kernel's inputs: block-table rows as wide as the longest context needs, each own length
     assert step.decode_tables.tolist() == [[1, 2, 4], [3, 0, 0]] and step.decode_lens.tolist() == [11, 4]
-    assert step.decode_lens.dtype == torch.int32 and step.decode_rows is None  # per-position rows: graphs only
+    assert step.decode_lens.dtype == torch.int32
     step = Batch(slots=[third, second], query_lens=[1, 1], context_lens=[10, 3], batch_decodes=True)
-    cache.prepare(step)
-    assert step.decode_rows.tolist() == [[4, 5, 6, 7, 8, 9, 10, 11, 16, 17, 18], [12, 13, 14, 15] + [0] * 7]
-    assert step.decode_valid.sum(1).tolist() == [11, 4]
+    cache.prepare(step)  # a CUDA-graph step gets the same tables and lengths (copied into its static buffers)
+    assert step.decode_tables.tolist() == [[1, 2, 4], [3, 0, 0]] and step.decode_lens.tolist() == [11, 4]
+    # the eager gather's rows: each position through the table, past each length the zero row
+    rows, valid = context_rows(step.decode_tables, step.decode_lens, BLOCK, 11)
+    assert rows.tolist() == [[4, 5, 6, 7, 8, 9, 10, 11, 16, 17, 18], [12, 13, 14, 15] + [0] * 7]
+    assert valid.sum(1).tolist() == [11, 4]
     new = torch.randn(2, width)
     cache.write(2, step.slot_mapping, new)
-    got = cache.read(2, step.decode_rows)  # [2, 11, width]
+    got = cache.read(2, rows)  # [2, 11, width]
     torch.testing.assert_close(got[0], torch.cat([latent[:10] * 3, new[:1]]), rtol=0, atol=0)
     torch.testing.assert_close(got[1, :4], torch.cat([latent[10:] * 3, new[1:]]), rtol=0, atol=0)
     assert got[1, 4:].abs().sum() == 0
     # a sequence decoded alone reads its context through `context_rows`
     alone = Batch(slots=[third], query_lens=[1], context_lens=[11])
     cache.prepare(alone)
-    assert alone.decode_rows is None and alone.context_rows[0].tolist() == [4, 5, 6, 7, 8, 9, 10, 11, 16, 17, 18, 19]
+    assert alone.decode_tables is None and alone.context_rows[0].tolist() == [4, 5, 6, 7, 8, 9, 10, 11, 16, 17, 18, 19]
     # writing past the reserved blocks is refused
     alone = Batch(slots=[second], query_lens=[1], context_lens=[4])
     with pytest.raises(ValueError, match="reserved 4 tokens"):

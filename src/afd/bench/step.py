@@ -313,9 +313,8 @@ def run_bench_step(
             engine.cuda_graphs = graphs if mode == "graph" else None
             engine.prefill_graphs = prefill_graphs if mode == "graph" else []
             _seed_decodes(engine, per_seq, max_new, gen)
-            if mode == "graph":  # capture before timing: every length the timed steps reach
-                graphs.capture_for(batch, max(per_seq) + 1)
-                graphs.capture_for(batch, max(per_seq) + 1 + warmup + 2 * steps)
+            if mode == "graph":  # capture before timing: the batch's bucket serves every length the steps reach
+                graphs.capture_for(batch)
             overlap, engine.overlap_steps = engine.overlap_steps, False
             for _ in range(warmup):
                 engine.step()
@@ -382,7 +381,7 @@ def run_bench_step(
             }
         )
     if graphs is not None:
-        result["graphs_captured"] = [list(k) for k in graphs.captured]
+        result["graphs_captured"] = graphs.captured  # batch buckets
     if prefill_graphs:  # the prefill rows replay their row-wise pieces (afd.engine.graphs.prefill), as served steps do
         result["prefill_graph_buckets"] = prefill_graphs[0].captured
     return result

@@ -109,38 +109,29 @@ def warm_up_engine(engine: Engine, *, force: bool = False) -> None:
     logger.info("warmed up the attention step (kernels compiled) in %.1f s", time.perf_counter() - start)
 
 
-# Decode graphs are keyed by (batch bucket, context bucket): the warm-up captures every batch bucket at every context
-# bucket up to this many tokens (or the model length). Why this bound: every sequence passes through the short
-# contexts, so the first requests (a prompt of a few thousand tokens and its answer, at any batch) replay graphs from
-# their first decode; the grid is ~28 contexts x the batch buckets at 16-token blocks, some 160-290 ms of capture
-# each, so covering the model length (163,840 for V2-Lite) would multiply the warm-up. A longer context is captured
-# on first use and counted (`DecodeGraphRunner.captured_while_serving`).
-DECODE_WARM_UP_CONTEXT = 4096
 # what the decode graphs' captures leave free on the device: a capture starts only while more than this plus twice
 # the largest growth of one capture so far is free (an out-of-memory capture would turn decode graphs off)
 DECODE_GRAPH_RESERVE_BYTES = 1 << 30
 
 
-def warm_up_decode_graphs(engine: Engine, max_context: int | None = None) -> int:
-    """Capture the decode graphs of every batch bucket up to `max_num_seqs` at every context bucket up to
-    `max_context` tokens (default `DECODE_WARM_UP_CONTEXT`, at most the model length), short contexts first, within
-    the device memory the KV cache leaves (`DECODE_GRAPH_RESERVE_BYTES`); returns how many it captured. Nothing
-    without decode graphs (CPU, `enforce_eager`)."""
+def warm_up_decode_graphs(engine: Engine) -> int:
+    """Capture the decode graph of every batch bucket up to `max_num_seqs` (one each: a graph serves every context,
+    `afd.engine.graphs.decode`), smallest first, within the device memory the KV cache leaves
+    (`DECODE_GRAPH_RESERVE_BYTES`); returns how many it captured. Nothing without decode graphs (CPU,
+    `enforce_eager`)."""
     runner = engine.cuda_graphs
     if runner is None:
         return 0
     start = time.perf_counter()
-    context = min(max_context or DECODE_WARM_UP_CONTEXT, engine.max_model_len)
-    keys = runner.warm_up_keys(context)
+    keys = runner.warm_up_keys()
     room = DeviceRoom(engine.device, DECODE_GRAPH_RESERVE_BYTES) if engine.device.type == "cuda" else None
     with torch.inference_mode():
         captured = runner.capture_keys(keys, room)
     logger.info(
-        "captured %d of %d decode CUDA graphs (batch buckets %s x contexts up to %d tokens) in %.1f s%s",
+        "captured %d of %d decode CUDA graphs (batch buckets %s) in %.1f s%s",
         captured,
         len(keys),
-        runner.buckets,
-        context,
+        keys,
         time.perf_counter() - start,
         "; out of device memory for the rest, captured on first use" if room is not None and room.full else "",
     )

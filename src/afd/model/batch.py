@@ -24,10 +24,6 @@ class Batch:
     decode_token_rows: torch.Tensor | None = None  # [Bd] rows of the step that `decode_seqs` sit at
     decode_tables: torch.Tensor | None = None  # [Bd, W] int64 block-table rows of their contexts
     decode_lens: torch.Tensor | None = None  # [Bd] int32 their context lengths (this step's token included)
-    # [Bd, L] per-position cache rows (padding: the zero row) and which are real: a CUDA graph's static layout,
-    # filled by `prepare` only with `batch_decodes`
-    decode_rows: torch.Tensor | None = None
-    decode_valid: torch.Tensor | None = None
     context_rows: dict[int, torch.Tensor] = field(default_factory=dict)  # i -> [ctx + n] rows, other cached seqs
     # Batch even a lone decode token: a CUDA graph (graphs.decode) needs the fixed-shape batched path at size 1.
     batch_decodes: bool = False

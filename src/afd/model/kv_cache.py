@@ -165,8 +165,8 @@ def device_memory(device: torch.device) -> DeviceMemory:
 def context_rows(table: torch.Tensor, lens: torch.Tensor, page: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each context position's cache row from a block table: table [B, W] (block of each `page`-row page), lens
     [B] -> rows [B, width] (positions past a sequence's length: the null block's first row, which reads zeros)
-    and valid [B, width], `width` <= W * page. Built on the device; the padded layout the eager gather and the
-    CUDA-graph runner read."""
+    and valid [B, width], `width` <= W * page. Built on the device; the padded layout of the eager gather (the
+    decode kernel's oracle)."""
     B, W = table.shape
     rows = (table[:, :, None] * page + torch.arange(page, device=table.device)).reshape(B, W * page)[:, :width]
     valid = torch.arange(width, device=table.device)[None, :] < lens[:, None]
@@ -185,16 +185,13 @@ class DecodeContext:
 
 
 def decode_context(batch: Batch, block_size: int) -> DecodeContext:
-    """The block tables `prepare` made (page = the block size), or else a graph's static per-position rows (page
-    1) with lengths counted on the device from `decode_valid` (a prefix of each row), so a captured step reads
-    each replay's lengths."""
-    if batch.decode_tables is not None and batch.decode_lens is not None:
-        width = max(batch.context_lens[i] for i in batch.decode_seqs) + 1
-        return DecodeContext(batch.decode_tables, batch.decode_lens, block_size, width)
-    if batch.decode_rows is None or batch.decode_valid is None:
+    """The batched decodes' block tables and lengths that `prepare` made, or a CUDA graph's static ones (page = the
+    block size). `width` (the longest context, host-known from `batch.context_lens`) bounds the eager gather only;
+    the kernel reads the lengths on the device, so a captured step reads each replay's."""
+    if batch.decode_tables is None or batch.decode_lens is None:
         raise ValueError("the batch holds no batched decodes; PagedLatentCache.prepare fills them")
-    rows = batch.decode_rows
-    return DecodeContext(rows, batch.decode_valid.sum(1, dtype=torch.int32), 1, rows.shape[1])
+    width = max(batch.context_lens[i] for i in batch.decode_seqs) + 1
+    return DecodeContext(batch.decode_tables, batch.decode_lens, block_size, width)
 
 
 class BlockPool:
@@ -371,14 +368,11 @@ class PagedLatentCache:
 
         batch.slot_mapping = slot_map
         batch.decode_token_rows = dec_rows if nd else None
-        batch.decode_tables = batch.decode_lens = batch.decode_rows = batch.decode_valid = None
-        if nd:
+        batch.decode_tables = batch.decode_lens = None
+        if nd:  # a CUDA-graph step copies both into its static buffers (graphs.decode)
             nblk = blocks_needed(max(decode_meta[2]), B)
             batch.decode_tables = self.block_tables[dec_slots, :nblk]  # [Bd, nblk]
             batch.decode_lens = dec_lens.to(torch.int32)  # [Bd]
-            if batch.batch_decodes:  # the CUDA-graph runner copies per-position contexts into its static buffers
-                rows, valid = context_rows(batch.decode_tables, batch.decode_lens, B, max(decode_meta[2]))
-                batch.decode_rows, batch.decode_valid = rows, valid
         batch.context_rows = {}
         in_decode = set(decode)
         for i, (slot, n, ctx) in enumerate(zip(batch.slots, batch.query_lens, batch.context_lens, strict=True)):

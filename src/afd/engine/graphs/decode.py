@@ -4,16 +4,25 @@ Why: an eager decode step of DeepSeek-V2-Lite launches thousands of small kernel
 launch overhead, not by memory bandwidth. A step whose batch is all single-token decodes is replayed
 instead from a graph captured for its layout, with the inputs copied into static buffers first.
 
-Layout key: `(batch bucket, context bucket)`. The batch is padded up to the smallest bucket of
-`batch_buckets(max_num_seqs)`; the context rows every decode token gathers are padded up to
-`context_bucket(...)` blocks (a quarter-octave grid, so at most ~25% more rows are read). Keying by the
-token count alone would alias layouts (two steps of one token count may differ in sequences and context), so
-only all-decode steps are graphed and the context width is part of the key. The warm-up captures the keys a
-server meets first (`capture_keys` of `warm_up_keys`: every batch bucket up to `max_num_seqs` at every context
-bucket up to a context length, `afd.engine.warm_up.warm_up_decode_graphs`); a caller that times steps captures
-first (`capture_for`). A step whose key is missing is captured on first use, inside that step (some 160-290 ms
-on an H200): each such capture is logged at INFO with its key and duration and counted in
-`captured_while_serving`, which stays 0 on a warmed server whose contexts stay within the warm-up's.
+Key: the batch bucket alone. The batch is padded up to the smallest bucket of `batch_buckets(max_num_seqs)`
+(every batch up to `max_num_seqs` has one). Why no context dimension: the decode attention kernel
+(`afd.kernels.mla_decode`) reads a block table [n, W] and a device tensor of lengths [n], and its grid and split
+count follow the shapes only (W is the cache's block-table width, fixed from `max_model_len`), never the lengths;
+so one graph per bucket serves every context, and a replay only refills the static `tables` and `lens`. (The
+eager einsum gather reaches as far as the host-known longest context, so it is never captured: without the kernel
+there are no decode graphs.) Keying by the token count alone would still alias layouts, so only all-decode steps
+are graphed. The warm-up captures every bucket (`capture_keys` of `warm_up_keys`,
+`afd.engine.warm_up.warm_up_decode_graphs`); a caller that times steps captures first (`capture_for`). A step
+whose bucket is missing (what the warm-up's memory did not allow) is captured on first use, inside that step
+(some 160-290 ms on an H200): logged at INFO with its bucket and duration and counted in `captured_while_serving`,
+which stays 0 on a warmed server whatever the contexts.
+
+The static tables take the cache's block-table width when the runner is built. The cache widens its tables only
+for a sequence longer than `max_model_len` (`PagedLatentCache.prepare`; the server refuses such requests); should
+it happen, every graph is dropped (they read the old buffers and walk the old width) and captured again on use,
+counted as captured while serving. Why not size the static tables for the widest table the cache could ever have
+(every block of the pool): the kernel's split count follows W, so every replay would pay for a width no sequence
+within `max_model_len` reaches.
 
 Padding rows never touch real data: their token id and position are 0, their cache write goes to the
 cache's scratch row (`PagedLatentCache.scratch_row`, never read), their context is the zero row of the
@@ -40,7 +49,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from afd.buckets import batch_buckets, context_bucket, decode_graph_keys, pick_bucket
+from afd import kernels
+from afd.buckets import batch_buckets, pick_bucket
 from afd.connectors.base import Exchange
 from afd.model.attention_side import (
     AttentionCore,
@@ -60,26 +70,31 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class StaticInputs:
-    """The device buffers a graph reads, views of the runner's buffers: `n` = batch bucket, `L` = context rows."""
+    """The device buffers a graph reads, views of the runner's buffers: `n` = batch bucket, `W` = table width."""
 
     input_ids: torch.Tensor  # [n] int64
     positions: torch.Tensor  # [n] int64
     slot_mapping: torch.Tensor  # [n] int64, padding rows: the scratch row
     token_rows: torch.Tensor  # [n] int64, arange(n)
-    rows: torch.Tensor  # [n, L] int64 cache rows of each context, padding: the null block's first row
-    valid: torch.Tensor  # [n, L] bool, padding rows: only column 0
+    tables: torch.Tensor  # [n, W] int64 block-table rows, padding rows: the null block first
+    lens: torch.Tensor  # [n] int32 context lengths (this step's token included), padding rows: 1
 
-    def batch(self) -> Batch:
-        """The batch description a captured forward sees: `n` single-token sequences, all batched."""
+    def batch(self, context_lens: list[int] | None = None) -> Batch:
+        """The batch description a forward of the padded step sees: `n` single-token sequences, all batched.
+
+        `context_lens`: the real step's (padding rows: 0, a length-1 context). Only the eager gather reads
+        them (`DecodeContext.width`, how far it reaches); the kernel reads `lens` on the device, so a
+        captured batch leaves them at 0."""
         n = self.input_ids.shape[0]
+        lens = list(context_lens or [])
         return Batch(
             slots=[0] * n,
             query_lens=[1] * n,
-            context_lens=[1] * n,
+            context_lens=lens + [0] * (n - len(lens)),
             slot_mapping=self.slot_mapping,
             decode_token_rows=self.token_rows,
-            decode_rows=self.rows,
-            decode_valid=self.valid,
+            decode_tables=self.tables,
+            decode_lens=self.lens,
             batch_decodes=True,
         )
 
@@ -89,32 +104,32 @@ def fill_static_inputs(
     input_ids: torch.Tensor,
     positions: torch.Tensor,
     slot_mapping: torch.Tensor,
-    rows: torch.Tensor,
-    valid: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
     *,
     scratch_row: int,
-    null_row: int = NULL_BLOCK,
+    null_block: int = NULL_BLOCK,
 ) -> None:
-    """Copy a step of `B` decodes (`rows`/`valid`: [B, L0], L0 <= L) into `static`, padding the rest.
+    """Copy a step of `B` decodes (`tables`: [B, w], w <= W, `lens`: [B] int32) into `static`, padding the rest.
 
-    Device-side copies and fills only (no host sync); pure in the sense that it depends on nothing but
-    its arguments, so the padding layout can be checked on CPU.
+    Device-side copies and fills only (no host sync). Table entries past a row's length are left as they are:
+    nothing reads them (the kernel stops at each length, the eager gather masks past it). Pure in the sense that it
+    depends on nothing but its arguments, so the padding layout can be checked on CPU.
     """
-    B, L0 = rows.shape
-    n, L = static.rows.shape
-    if B > n or L0 > L:
-        raise ValueError(f"a step of {B} sequences x {L0} context rows does not fit a graph of {n} x {L}")
+    B, w = tables.shape
+    n, W = static.tables.shape
+    if B > n or w > W:
+        raise ValueError(f"a step of {B} sequences x {w} blocks does not fit a graph of {n} x {W}")
     static.input_ids.zero_()
     static.input_ids[:B].copy_(input_ids)
     static.positions.zero_()
     static.positions[:B].copy_(positions)
     static.slot_mapping.fill_(scratch_row)
     static.slot_mapping[:B].copy_(slot_mapping)
-    static.rows.fill_(null_row)
-    static.rows[:B, :L0].copy_(rows)
-    static.valid.zero_()
-    static.valid[:B, :L0].copy_(valid)
-    static.valid[B:, 0] = True
+    static.tables[:B, :w].copy_(tables)
+    static.tables[B:, 0] = null_block
+    static.lens.fill_(1)
+    static.lens[:B].copy_(lens)
 
 
 @dataclass
@@ -167,11 +182,10 @@ def capture_safe_moe(ffn_model: torch.nn.Module) -> bool:
 class DecodeGraphRunner:
     """Captures and replays decode steps of one `AttentionModel` + in-process exchange over one paged cache.
 
-    Owns the static input buffers (sized for the largest bucket; the context rows of every key are a view
-    of one flat buffer sized for the largest `n x L` captured, since every replay refills its rows first) and
-    one graph per layout key, all captured into one memory pool: graphs never replay concurrently (one
-    engine, one stream). `capture=False` runs the padded batch eagerly instead (CPU tests of the padding
-    and of the warm-up's keys and the miss counter; the engine never uses it).
+    Owns the static input buffers (sized for the largest bucket and the cache's block-table width; a bucket's
+    graph reads their first `n` rows) and one graph per batch bucket, all captured into one memory pool: graphs
+    never replay concurrently (one engine, one stream). `capture=False` runs the padded batch eagerly instead
+    (CPU tests of the padding, of the warm-up's buckets and of the miss counter; the engine never uses it).
     """
 
     def __init__(
@@ -198,12 +212,16 @@ class DecodeGraphRunner:
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
         self.slot_mapping = torch.zeros(n, dtype=torch.long, device=device)
         self.token_rows = torch.arange(n, device=device)
-        # flat context rows and their valid flags: key (n, L) reads the first n * L of each as [n, L]
-        self._flat_rows = torch.empty(0, dtype=torch.long, device=device)
-        self._flat_valid = torch.empty(0, dtype=torch.bool, device=device)
-        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self.lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.tables = self._new_tables()  # [n, W] int64
+        self._graphs: dict[int, _Graph] = {}
         self.captured_while_serving = 0  # graphs captured on a miss inside a step (not ahead of it)
         self._pool = torch.cuda.graph_pool_handle() if capture else None
+
+    def _new_tables(self) -> torch.Tensor:
+        """Static block tables of the cache's current width, every entry the null block."""
+        width = self.kv_cache.block_tables.shape[1]
+        return torch.full((self.max_batch, width), NULL_BLOCK, dtype=torch.long, device=self.kv_cache.device)
 
     @property
     def max_batch(self) -> int:
@@ -218,78 +236,77 @@ class DecodeGraphRunner:
             and all(c > 0 for c in context_lens)
         )
 
-    def key(self, num_seqs: int, max_len: int) -> tuple[int, int]:
-        """(batch bucket, context rows) of a step of `num_seqs` decodes whose longest context is `max_len`."""
+    def key(self, num_seqs: int) -> int:
+        """The batch bucket a step of `num_seqs` decodes replays, whatever their contexts."""
         bucket = pick_bucket(num_seqs, self.buckets)
         if bucket is None:
             raise ValueError(f"{num_seqs} sequences exceed the largest graph bucket {self.max_batch}")
-        bs = self.kv_cache.block_size
-        nblk = -(-max_len // bs)
-        return bucket, context_bucket(nblk, max(nblk, self.kv_cache.block_tables.shape[1])) * bs
+        return bucket
 
     @property
-    def captured(self) -> list[tuple[int, int]]:
+    def captured(self) -> list[int]:
         return sorted(self._graphs)
 
-    def warm_up_keys(self, max_context: int) -> list[tuple[int, int]]:
-        """The keys of every batch bucket at every context bucket up to `max_context` tokens that a step over
-        this cache can have (`afd.buckets.decode_graph_keys`), short contexts first."""
-        cache = self.kv_cache
-        width = cache.block_tables.shape[1]
-        return decode_graph_keys(self.buckets, cache.block_size, width, max_context, cache.pool.num_blocks)
+    def warm_up_keys(self) -> list[int]:
+        """Every batch bucket a step over this cache can replay, smallest first: a bucket is left out only when the
+        smallest batch it serves (one more than the bucket below) holds more sequences than the cache has blocks."""
+        limit = self.kv_cache.pool.num_blocks
+        return [b for below, b in zip([0, *self.buckets], self.buckets, strict=False) if below + 1 <= limit]
 
-    def _reserve_rows(self, cells: int) -> None:
-        """Flat context-row buffers of at least `cells` entries. A larger one replaces the current one for later
-        keys only: graphs captured earlier keep reading the buffers they were captured with."""
-        if cells > self._flat_rows.numel():
-            device = self.kv_cache.device
-            self._flat_rows = torch.full((cells,), NULL_BLOCK, dtype=torch.long, device=device)
-            self._flat_valid = torch.zeros(cells, dtype=torch.bool, device=device)
-
-    def _static(self, n: int, L: int) -> StaticInputs:
-        self._reserve_rows(n * L)
-        rows, valid = self._flat_rows[: n * L].view(n, L), self._flat_valid[: n * L].view(n, L)
+    def _static(self, n: int) -> StaticInputs:
         return StaticInputs(
-            self.input_ids[:n], self.positions[:n], self.slot_mapping[:n], self.token_rows[:n], rows, valid
-        )
+            self.input_ids[:n], self.positions[:n], self.slot_mapping[:n], self.token_rows[:n], self.tables[:n],
+            self.lens[:n],
+        )  # fmt: skip
 
-    def capture_for(self, num_seqs: int, max_len: int) -> None:
-        """Capture the graph a step of `num_seqs` decodes up to context `max_len` will replay (before timing)."""
-        key = self.key(num_seqs, max_len)
+    def _follow_table_width(self) -> None:
+        """Drop every graph when the cache's block tables changed width (a sequence longer than any before): they
+        read static tables of the old width. Graphs are then captured again on use (counted while serving)."""
+        width = self.kv_cache.block_tables.shape[1]
+        if width == self.tables.shape[1]:
+            return
+        logger.warning(
+            "the KV cache's block tables widened from %d to %d blocks: %d decode CUDA graphs dropped, captured on use",
+            self.tables.shape[1],
+            width,
+            len(self._graphs),
+        )
+        self._graphs.clear()
+        self.tables = self._new_tables()
+
+    def capture_for(self, num_seqs: int) -> None:
+        """Capture the graph a step of `num_seqs` decodes will replay, at any context (before timing)."""
+        self._follow_table_width()
+        key = self.key(num_seqs)
         if key not in self._graphs and not self.disabled:
             self._capture(key)
 
-    def capture_keys(self, keys: list[tuple[int, int]], room: Callable[[], bool] | None = None) -> int:
-        """Capture the graphs of `keys` ahead of the steps that replay them (the warm-up), in order, while
-        `room()` says the device has memory for another; returns how many were captured. One row buffer for
-        them all, sized for the largest first. Stops early when a capture fails (decode then runs eager)."""
-        todo = [k for k in keys if k not in self._graphs]
-        if todo:
-            self._reserve_rows(max(n * L for n, L in todo))
+    def capture_keys(self, keys: list[int], room: Callable[[], bool] | None = None) -> int:
+        """Capture the graphs of the batch buckets `keys` ahead of the steps that replay them (the warm-up), in
+        order, while `room()` says the device has memory for another; returns how many were captured. Stops early
+        when a capture fails (decode then runs eager)."""
+        self._follow_table_width()
         captured = 0
-        for key in todo:
+        for key in [k for k in keys if k not in self._graphs]:
             if self.disabled or (room is not None and not room()):
                 break
             captured += self._capture(key, serving=False) is not None
         return captured
 
-    def _capture(self, key: tuple[int, int], *, serving: bool = False) -> _Graph | None:
-        n, L = key
-        static = self._static(n, L)
+    def _capture(self, n: int, *, serving: bool = False) -> _Graph | None:
+        static = self._static(n)
         empty = torch.empty(0, dtype=torch.long, device=self.kv_cache.device)
         fill_static_inputs(
-            static,
-            empty,
-            empty,
-            empty,
-            empty.view(0, 0),
-            empty.view(0, 0).bool(),
-            scratch_row=self.kv_cache.scratch_row,
+            static, empty, empty, empty, empty.view(0, 0), empty.int(), scratch_row=self.kv_cache.scratch_row
         )
         batch = static.batch()
         start = time.perf_counter()
         if not self.capture:  # the padded step runs eagerly at replay: nothing to capture
-            return self._captured(key, _Graph(static, batch, [], None), start, serving)
+            return self._captured(n, _Graph(static, batch, [], None), start, serving)
+        if not kernels.enabled(self.kv_cache.device):  # the eager gather's reach is host-known: not capturable
+            logger.info("decode CUDA graphs off: they need the MLA decode kernel, which is off on this device")
+            self.disabled = True
+            return None
         exchange = zero_exchange if self.segmented or self.remote else self.exchange  # nothing crosses processes
         try:
             side = torch.cuda.Stream()
@@ -301,22 +318,20 @@ class DecodeGraphRunner:
             graph = self._capture_segments(static, batch) if self.segmented else self._capture_whole(static, batch)
             torch.cuda.synchronize()
         except RuntimeError:
-            logger.exception(
-                "capturing the decode CUDA graph of %d sequences x %d context rows failed; decode runs eager", n, L
-            )
+            logger.exception("capturing the decode CUDA graph of %d sequences failed; decode runs eager", n)
             self.disabled = True
             return None
-        return self._captured(key, graph, start, serving)
+        return self._captured(n, graph, start, serving)
 
-    def _captured(self, key: tuple[int, int], graph: _Graph, start: float, serving: bool) -> _Graph:
+    def _captured(self, n: int, graph: _Graph, start: float, serving: bool) -> _Graph:
         """Keep a captured graph; count and log (at INFO) one captured inside a step, at DEBUG one captured ahead."""
-        self._graphs[key] = graph
+        self._graphs[n] = graph
         self.captured_while_serving += serving
         logger.log(
             logging.INFO if serving else logging.DEBUG,
-            "captured the decode CUDA graph%s of %d sequences x %d context rows in %.0f ms (%d layouts%s)",
+            "captured the decode CUDA graph%s of %d sequences in %.0f ms (%d buckets%s)",
             f"s ({len(graph.graphs)} pieces)" if self.segmented else "",
-            *key,
+            n,
             (time.perf_counter() - start) * 1e3,
             len(self._graphs),
             f"; {self.captured_while_serving} captured while serving" if serving else "",
@@ -358,26 +373,23 @@ class DecodeGraphRunner:
         return run_segments(segments, exchange)
 
     def forward(self, batch: Batch, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
-        """Hidden states [B, H] of a prepared all-decode step (`batch.batch_decodes`), from its graph; None
+        """Hidden states [B, H] of a prepared all-decode step (`batch.batch_decodes`), from its bucket's graph; None
         when no graph could be captured (the caller runs the step eagerly)."""
-        if batch.decode_rows is None or len(batch.decode_seqs) != len(batch.query_lens):
+        tables, lens = batch.decode_tables, batch.decode_lens
+        if tables is None or lens is None or len(batch.decode_seqs) != len(batch.query_lens):
             raise ValueError("a graphed step must be all single-token decodes, prepared with batch_decodes=True")
+        self._follow_table_width()
         B = len(batch.query_lens)
-        key = self.key(B, batch.decode_rows.shape[1])
+        key = self.key(B)
         graph = self._graphs.get(key) or self._capture(key, serving=True)
         if graph is None:
             return None
         fill_static_inputs(
-            graph.static,
-            input_ids,
-            positions,
-            batch.slot_mapping,
-            batch.decode_rows,
-            batch.decode_valid,
-            scratch_row=self.kv_cache.scratch_row,
+            graph.static, input_ids, positions, batch.slot_mapping, tables, lens, scratch_row=self.kv_cache.scratch_row
         )
-        if not graph.graphs:  # `capture=False`: the same padded step, eagerly
-            return self._forward(graph.static, graph.batch, self._real_rows_exchange(B))[:B]
+        if not graph.graphs:  # `capture=False`: the same padded step, eagerly, reaching as far as the real step's
+            padded = graph.static.batch(batch.context_lens)
+            return self._forward(graph.static, padded, self._real_rows_exchange(B))[:B]
         if self.remote and not self.segmented:  # the exchanges are inside: the device stamps their seqs
             self.exchange.before_replay()
             graph.graphs[0].replay()
