@@ -57,17 +57,6 @@ def test_a_free_slot_is_needed_as_well_as_blocks() -> None:
     assert bm.can_allocate(b)
 
 
-def test_fits_after_freeing_counts_blocks_only() -> None:
-    bm = manager(num_blocks=6, max_num_seqs=2)
-    a, b, head = seq(0, 5, 4), seq(1, 10, 4), seq(2, 9, 4)  # 2, 4 and 3 blocks
-    bm.allocate(a)
-    bm.allocate(b)
-    assert not bm.fits_after_freeing(head, [])
-    assert not bm.fits_after_freeing(head, [a])  # 0 free + 2 < 3
-    assert bm.fits_after_freeing(head, [b])  # 0 free + 4 >= 3
-    assert bm.fits_after_freeing(head, [a, b])
-
-
 def test_a_sequence_larger_than_the_pool_is_refused_with_the_numbers() -> None:
     bm = manager(num_blocks=6)
     bm.check_fits(seq(0, 20, 5))  # 24 rows = 6 blocks: fits exactly

@@ -37,12 +37,12 @@ def test_greedy_requests_of_every_length_equal_stepping_one_at_a_time(models):
 
 @pytest.mark.timeout(60)
 def test_a_steady_decode_launches_every_step_but_the_first_ahead(models):
-    """Three prompts of 8 tokens each: one prefill, then 7 decode steps; the first is scheduled as usual, the
-    next 6 are launched before the tokens of the one before them are read; none past the last length."""
+    """Three prompts of 8 tokens each: one prefill, then 7 decode steps; the prefill is scheduled as usual, each
+    of the 7 decode steps is launched before the tokens of the step before it are read; none past the last length."""
     requests = [Request(p, 8) for p in PROMPTS[:3]]
     on = drive(models, True, requests)
     assert on.steps == [sum(map(len, PROMPTS[:3]))] + [3] * 7
-    assert on.engine.overlapped_steps == 6
+    assert on.engine.overlapped_steps == 7
     assert_same(on.outputs, drive(models, False, requests).outputs)
 
 
@@ -98,14 +98,30 @@ def test_a_request_waiting_for_blocks_enters_when_they_free_as_without_overlap(m
 
 
 @pytest.mark.timeout(60)
+def test_prefill_heavy_traffic_launches_mixed_steps_ahead_with_the_same_steps(models):
+    """Prompts longer than the budget of 16 tokens, arriving while others decode: almost every step holds a chunk
+    and decodes (and admits new prompts); launched ahead, they are the same steps with the same tokens."""
+    requests = [Request(tokens(18 + 7 * i, i + 1), 6) for i in range(6)]
+    arrive = [0, 0, 2, 3, 5, 9]
+    off = drive(models, False, requests, arrive_after=arrive, budget=16)
+    on = drive(models, True, requests, arrive_after=arrive, budget=16)
+    assert_same(on.outputs, off.outputs)
+    assert on.steps == off.steps
+    assert on.steps.count(16) >= 10  # budget-full steps: chunks beside the decodes
+    assert on.engine.overlapped_steps == len(on.steps) - 1  # every step but the first launched ahead
+    assert_streamed(on)
+
+
+@pytest.mark.timeout(60)
 def test_a_full_engine_still_launches_ahead(models):
-    """max_num_seqs 2 and four requests of 5 tokens: the queue's head cannot enter while two run, so every decode
-    step but the first of each pair is launched ahead (3 + 3)."""
+    """max_num_seqs 2 and four requests of 5 tokens: the queue's head cannot enter while two run, so each pair's
+    prefill is scheduled as usual (the second pair's once the first ended) and its 4 decode steps are launched
+    ahead (4 + 4)."""
     requests = [Request(p, 5) for p in PROMPTS[:4]]
     off, off_steps, _ = run_engine(models, False, requests, max_num_seqs=2)
     on, on_steps, engine = run_engine(models, True, requests, max_num_seqs=2)
     assert_same(on, off)
-    assert on_steps == off_steps and engine.overlapped_steps == 6
+    assert on_steps == off_steps and engine.overlapped_steps == 8
 
 
 @pytest.mark.timeout(60)

@@ -3,8 +3,6 @@ scheduled ahead, over a counting stand-in for the block manager (no tensors anyw
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from afd.engine.request import Request
 from afd.engine.scheduler import Scheduler
 from afd.engine.sequence import ON_DEVICE, SequenceState
@@ -21,6 +19,10 @@ class CountingBlocks:
     def blocks_for(self, seq: SequenceState) -> int:
         return -(-seq.capacity // BLOCK)
 
+    @property
+    def num_free_blocks(self) -> int:
+        return self.num_free
+
     def can_allocate(self, seq: SequenceState) -> bool:
         return self.blocks_for(seq) <= self.num_free
 
@@ -31,9 +33,6 @@ class CountingBlocks:
     def free(self, seq: SequenceState) -> None:
         self.num_free += self.blocks_for(seq)
         self.freed.append(seq.request_id)
-
-    def fits_after_freeing(self, seq: SequenceState, freeing: Iterable[SequenceState]) -> bool:
-        return self.blocks_for(seq) <= self.num_free + sum(self.blocks_for(s) for s in freeing)
 
 
 def scheduler(budget: int, num_free: int = 100, max_num_seqs: int = 8) -> tuple[Scheduler, CountingBlocks]:
@@ -128,13 +127,18 @@ def test_abort_of_a_waiting_request_leaves_the_blocks_alone() -> None:
     assert blocks.num_free == 10 and blocks.freed == [] and not sched.has_work()
 
 
+def ahead_of(sched: Scheduler, steps):
+    """`schedule_ahead` of a step in flight (`steps`), its sampled rows as the engine launches them."""
+    return sched.schedule_ahead(steps, [s for s in steps if s.samples])
+
+
 def test_schedule_ahead_is_the_next_schedule_when_it_is_known() -> None:
     sched, _ = scheduler(budget=16)
     sched.add(Request(prompt(2), 4))
     sched.add(Request(prompt(3, 10), 2))
     run_step(sched)  # both prompts: one token each
     steps = sched.schedule()  # two decodes in flight; request 1 ends by length in them
-    ahead = sched.schedule_ahead(steps)
+    ahead = ahead_of(sched, steps)
     assert ahead is not None
     decodes, rows = ahead
     assert rows == [0] and shape(decodes) == [(0, 1, 3)] and decodes[0].input_ids == [ON_DEVICE]
@@ -142,15 +146,46 @@ def test_schedule_ahead_is_the_next_schedule_when_it_is_known() -> None:
     assert shape(sched.schedule()) == [(0, 1, 3)]  # what schedule() picks once the tokens are in
 
 
-def test_schedule_ahead_gives_up_when_the_queue_head_gets_in_or_a_sequence_was_left_out() -> None:
+def test_schedule_ahead_of_a_mixed_step_holds_its_decodes_chunks_and_admissions() -> None:
+    """A step with a prompt that ends in it and one that goes on: the step after it decodes the first (its input id
+    on the device, from the step's row 0), takes the second's next chunk, and admits the queue's head, exactly as
+    `schedule()` does once the step's tokens are in."""
+    sched, _ = scheduler(budget=8)
+    sched.add(Request(prompt(3), 4))
+    sched.add(Request(prompt(12, 20), 2))
+    steps = sched.schedule()
+    assert shape(steps) == [(0, 3, 0), (1, 5, 0)]
+    sched.add(Request(prompt(2, 50), 3))  # arrives while the step is in flight
+    ahead = ahead_of(sched, steps)
+    assert ahead is not None
+    successor, rows = ahead
+    assert shape(successor) == [(0, 1, 3), (1, 7, 5)] and rows == [0] and successor[0].input_ids == [ON_DEVICE]
+    assert successor[1].input_ids == prompt(12, 20)[5:]  # the budget is spent: the new request waits
+    sampled = [s for s in steps if s.samples]
+    sched.postprocess(steps, sampled, [9.0], [0.0])
+    normal = sched.schedule()
+    assert shape(normal) == shape(successor) and normal[1].input_ids == successor[1].input_ids
+    assert normal[0].input_ids == [9]  # the token the step in flight sampled
+
+
+def test_schedule_ahead_admits_what_fits_now_and_gives_up_when_only_an_ending_frees_room() -> None:
     sched, blocks = scheduler(budget=16, num_free=3)
     sched.add(Request(prompt(5), 4))  # 8 rows: 2 blocks
     sched.add(Request(prompt(5), 4))  # waits: 2 blocks, 1 free
     run_step(sched)
     steps = sched.schedule()
-    assert sched.schedule_ahead(steps) is not None  # the head does not fit after this step either
-    blocks.num_free = 2  # now it fits once this step is done: schedule normally
-    assert sched.schedule_ahead(steps) is None
-    blocks.num_free = 1
+    ahead = ahead_of(sched, steps)
+    assert ahead is not None and shape(ahead[0]) == [(0, 1, 6)]  # the head does not fit after this step either
+    blocks.num_free = 2  # now it fits: admitted into the step ahead, as schedule() would after this one
+    ahead = ahead_of(sched, steps)
+    assert ahead is not None and shape(ahead[0]) == [(0, 1, 6), (1, 5, 0)] and len(sched.waiting) == 0
+
+    sched, blocks = scheduler(budget=16, num_free=3)
+    sched.add(Request(prompt(5), 2))  # ends by length in its first decode
+    sched.add(Request(prompt(5), 4))
+    run_step(sched)
+    steps = sched.schedule()
+    assert ahead_of(sched, steps) is None  # the head fits only in the blocks that ending frees: schedule after it
+    assert len(sched.waiting) == 1 and blocks.num_free == 1  # and nothing was admitted meanwhile
     sched.add(Request(prompt(1), 3))
-    assert sched.schedule_ahead([]) is None  # a running sequence the step did not hold
+    assert sched.schedule_ahead([], []) is None  # a running sequence the step did not hold

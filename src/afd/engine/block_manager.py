@@ -9,8 +9,6 @@ Also here: how many blocks the pool gets (`size_cache`), fixed once when an engi
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 
 from afd.engine.sequence import SequenceState
@@ -108,8 +106,3 @@ class BlockManager:
         """Give the sequence's blocks and slot back."""
         self.kv_cache.free(seq.slot)
         self.cache_tokens_used -= seq.capacity
-
-    def fits_after_freeing(self, seq: SequenceState, freeing: Iterable[SequenceState]) -> bool:
-        """Whether the blocks of `seq` are free once those of `freeing` are given back (slots not counted)."""
-        freed = sum(self.blocks_for(s) for s in freeing)
-        return self.blocks_for(seq) <= self.num_free_blocks + freed

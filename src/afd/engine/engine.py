@@ -7,9 +7,10 @@ drives the local reference (`LocalExchange`) and every disaggregated connector.
 
 Overlapped steps ("async scheduling", `overlap_steps`): the host's work between two steps (reading the
 sampled tokens, bookkeeping, scheduling, building the next step's metadata, launching it) would leave
-the GPU idle. So a pure decode step is left in flight: the next `step()` launches its successor first,
-with the input ids gathered on the device from the tokens the step in flight sampled, and only then
-waits for those tokens and does their bookkeeping while the GPU runs the successor.
+the GPU idle. So every step is left in flight: the next `step()` launches its successor first (decodes,
+prompt chunks and admissions alike, `Scheduler.schedule_ahead`), the decodes' input ids gathered on the
+device from the tokens the step in flight sampled, and only then waits for those tokens and does their
+bookkeeping while the GPU runs the successor.
 """
 
 from __future__ import annotations
@@ -50,13 +51,12 @@ class Engine:
     memory less the weights and the activation peak, else (CPU) a 4 GiB budget. A request reserves its blocks
     at admission; while the pool is full, new requests wait in the queue.
 
-    `overlap_steps` (None: on with CUDA and the in-process `LocalExchange` unless `enforce_eager`): leave
-    a pure decode step in flight and launch the next one before reading its tokens
-    (module docstring). `step()` then returns the requests the previous step finished, and
-    `last_step_tokens` are that step's, one call later than without overlap. Off by default with a
-    disaggregated exchange: its forward already waits on the host at every exchange, and the p2p DP wave
-    announces each step's token count before it runs. An explicit True also works on CPU (the tests compare
-    it with False there), where it gains nothing.
+    `overlap_steps` (None: on with CUDA and the in-process `LocalExchange` unless `enforce_eager`): leave every
+    step in flight and launch the next one before reading its tokens (module docstring). `step()` then returns
+    the requests the previous step finished, and `last_step_tokens` are that step's, one call later than without
+    overlap. Off by default with a disaggregated exchange: its forward already waits on the host at every
+    exchange, and the p2p DP wave announces each step's token count before it runs. An explicit True also works
+    on CPU (the tests compare it with False there), where it gains nothing.
     """
 
     def __init__(
@@ -235,15 +235,14 @@ class Engine:
         1. a step in flight whose successor is known (`Scheduler.schedule_ahead`): launch the successor, then
            finalize the step in flight (read its tokens, append, finish); the successor stays in flight;
         2. a step in flight otherwise: finalize it, launch nothing (the next call schedules);
-        3. nothing in flight: schedule and launch; a pure decode step stays in flight (returns []), any
-           other step is finalized at once.
+        3. nothing in flight: schedule and launch; the step stays in flight (returns []).
         """
         flight, self._in_flight = self._in_flight, None
         if flight is not None:
-            ahead = self.scheduler.schedule_ahead(flight.sampled) if self.overlap_steps else None
+            ahead = self.scheduler.schedule_ahead(flight.scheduled, flight.sampled) if self.overlap_steps else None
             if ahead is not None:
-                decodes, rows = ahead
-                self._in_flight = self.runner.launch(decodes, flight, rows)
+                successor, rows = ahead
+                self._in_flight = self.runner.launch(successor, flight, rows)
                 self.overlapped_steps += 1
             return self._finalize(flight)
         scheduled = self.schedule()
@@ -252,7 +251,7 @@ class Engine:
             self.last_step_tokens = []
             return []
         launched = self.runner.launch(scheduled)
-        if self.overlap_steps and all(s.is_decode for s in scheduled):
+        if self.overlap_steps:
             self._in_flight = launched
             self.last_step_tokens = []
             return []

@@ -16,7 +16,7 @@ from afd.connectors.base import Exchange
 from afd.engine.graphs.decode import DecodeGraphRunner, capture_safe_moe
 from afd.engine.graphs.prefill import PrefillGraphRunner, graph_memory_estimate
 from afd.engine.sampling import sample
-from afd.engine.sequence import LaunchedStep, Scheduled
+from afd.engine.sequence import ON_DEVICE, LaunchedStep, Scheduled
 from afd.model.attention_side import AttentionModel, Segments, run_segments, run_ubatches, split_ubatches
 from afd.model.batch import Batch
 from afd.model.config import ModelConfig
@@ -126,7 +126,7 @@ class ModelRunner:
         self, scheduled: list[Scheduled], after: LaunchedStep | None = None, after_rows: list[int] | None = None
     ) -> LaunchedStep:
         """Queue the forward and the sampling of `scheduled` on the device. `after`: the step in flight whose
-        sampled tokens (rows `after_rows`) are this all-decode step's input ids."""
+        sampled tokens (rows `after_rows`, in order) are the input ids of this step's `ON_DEVICE` decodes."""
         timeline = self.exchange.timeline  # AFD_TIMELINE (afd.profiling.timeline): the step's ends
         if timeline is not None:
             timeline.mark("launch", on_device=False)
@@ -146,8 +146,11 @@ class ModelRunner:
             context_lens=context_lens,
             batch_decodes=graphs is not None,
         )
-        # launched ahead: the host sends the rows of `after`'s sampled tokens, gathered below on the device
-        input_ids = after_rows if after is not None else [t for s in scheduled for t in s.input_ids]
+        input_ids = [t for s in scheduled for t in s.input_ids]
+        # launched ahead: where the decodes' ids go and the rows of `after`'s sampled tokens they are, gathered on
+        # the device below (their place in `input_ids` holds a placeholder)
+        on_device = [i for i, t in enumerate(input_ids) if t == ON_DEVICE] if after is not None else []
+        input_ids = [max(t, 0) for t in input_ids]
         positions = [s.start + i for s in scheduled for i in range(len(s.input_ids))]
         last_rows = [  # the rows sampled: decodes and the last row of every chunk that ends its prompt
             start + n - 1 for s, start, n in zip(scheduled, batch.starts, query_lens, strict=True) if s.samples
@@ -158,11 +161,10 @@ class ModelRunner:
         if len(ubatches) > 1:
             hidden, last = self._forward_ubatches(batch, ubatches, input_ids, positions, last_rows)  # [T, H]
             return self._sample(scheduled, batch, hidden, last)
-        ids, pos, last = self.kv_cache.prepare(
-            batch, *(torch.tensor(v, dtype=torch.long) for v in (input_ids, positions, last_rows))
-        )
-        if after is not None:
-            ids = after.tokens.index_select(0, ids)  # [T]: the tokens the step in flight sampled, never on the host
+        host = (input_ids, positions, last_rows) + ((on_device, after_rows) if on_device else ())
+        ids, pos, last, *ahead = self.kv_cache.prepare(batch, *(torch.tensor(v, dtype=torch.long) for v in host))
+        if ahead:  # the tokens the step in flight sampled, never on the host
+            ids.index_copy_(0, ahead[0], after.tokens.index_select(0, ahead[1]))
         self.exchange.begin_step(len(positions))
         hidden = graphs.forward(batch, ids, pos) if graphs is not None else None  # [T, H] replayed
         if hidden is None:

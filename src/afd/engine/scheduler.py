@@ -88,34 +88,77 @@ class Scheduler:
         start = seq.num_cached
         return Scheduled(seq, list(seq.request.prompt_ids[start : start + budget]), start)
 
-    def schedule_ahead(self, sampled: list[Scheduled]) -> tuple[list[Scheduled], list[int]] | None:
-        """The step `schedule()` will pick once the tokens of a pure decode step in flight (`sampled`, in row
-        order) are in, when it is known before they are: the decodes of the sequences that do not end by length
-        in that step (input ids `ON_DEVICE`), with each one's row of the step's sampled tokens; else None.
+    def schedule_ahead(
+        self, scheduled: list[Scheduled], sampled: list[Scheduled]
+    ) -> tuple[list[Scheduled], list[int]] | None:
+        """The step `schedule()` will pick once the step in flight (`scheduled`, sampling `sampled` in row order) is
+        post-processed, when it is known before its tokens are: every decode of a sequence that goes on after it
+        (input id `ON_DEVICE`: that step's sampled token, whose row is returned for each such decode, in order),
+        then the next prompt chunks, then the admissions, under the same budget and rules; else None.
 
-        Known when the step held every running sequence and no queued request could be admitted after it. A
-        stop token is not known yet: such a sequence is decoded once more in vain (its row is skipped in
-        `postprocess`). Exactly `schedule()`'s choice when no sequence of the step stops.
+        Known when the step held every running sequence and every admission `schedule()` would make fits in the
+        blocks free now (not only in those the step frees, which its post-processing returns). A stop token is not
+        known yet: such a sequence is decoded once more in vain (its row is skipped in `postprocess`). Exactly
+        `schedule()`'s choice when no sequence of the step stops.
         """
-        live = [(row, s) for row, s in enumerate(sampled) if self.is_live(s.seq)]
-        if len(live) != len(self.running):  # a running sequence the step did not hold (budget-capped decodes)
+        cached = {s.seq.request_id: s.start + len(s.input_ids) for s in scheduled}  # num_cached after the step
+        if any(seq.request_id not in cached for seq in self.running):  # left out (budget-capped decodes)
             return None
-        cont, ending = [], []  # (row, decode): sequences that go on after the step, and those it ends by length
-        for row, s in live:
-            (cont if len(s.seq.token_ids) + 1 < s.seq.request.max_new_tokens else ending).append((row, s))
-        if not cont:
+        row_of = {s.seq.request_id: row for row, s in enumerate(sampled)}
+        decodes, rows, ending = [], [], []
+        for seq in self.running:
+            start = cached[seq.request_id]
+            if start < len(seq.request.prompt_ids):
+                continue  # still prefilling after the step
+            if len(seq.token_ids) + 1 >= seq.request.max_new_tokens:
+                ending.append(seq)  # its token of the step in flight is its last: it ends by length
+                continue
+            decodes.append(Scheduled(seq, [ON_DEVICE], start))
+            rows.append(row_of[seq.request_id])
+        budget = self.max_num_batched_tokens - len(decodes)
+        if budget < 0:
             return None
-        if self.waiting and len(cont) < min(self.max_num_seqs, self.max_num_batched_tokens):
-            if self.block_manager.fits_after_freeing(self.waiting[0], (s.seq for _, s in ending)):
-                return None  # the queue's head is admitted after the step: schedule normally
-        # Cache safety. A sequence that stops (or is aborted) in the step in flight has its blocks freed by its
-        # `postprocess` while the step launched ahead, already queued on the same stream, may still write its row.
-        # Every later use of those blocks is launched after it on that stream, so it is ordered after that write.
-        # The row is inside the sequence's reservation: a sequence goes on only if it holds j < max_new_tokens
-        # tokens after the step, and the step ahead feeds its j-th token at position prompt + j - 1 <= prompt +
-        # max_new_tokens - 2, below its capacity (`SequenceState.capacity`) of prompt + max_new_tokens - 1 rows.
-        decodes = [Scheduled(s.seq, [ON_DEVICE], s.start + 1) for _, s in cont]
-        return decodes, [row for row, _ in cont]
+        out = list(decodes)
+        for seq in self.running:
+            start = cached[seq.request_id]
+            if budget > 0 and start < len(seq.request.prompt_ids):
+                out.append(Scheduled(seq, list(seq.request.prompt_ids[start : start + budget]), start))
+                budget -= len(out[-1].input_ids)
+        admitted = self._admissions_ahead(budget, len(self.running) - len(ending), ending)
+        if admitted is None:
+            return None
+        for seq in admitted:
+            self.waiting.popleft()
+            self.block_manager.allocate(seq)
+            self.running.append(seq)
+            out.append(self._chunk(seq, budget))
+            budget -= len(out[-1].input_ids)
+        if not out:
+            return None
+        return out, rows
+
+    def _admissions_ahead(
+        self, budget: int, num_running: int, ending: list[SequenceState]
+    ) -> list[SequenceState] | None:
+        """The queue heads `schedule()` admits after the step in flight (`num_running` sequences go on, `ending`
+        end by length in it), when each fits in the blocks and slots free now; None when one fits only once the
+        step's endings free theirs (schedule after the step instead)."""
+        manager = self.block_manager
+        free, freed = manager.num_free_blocks, sum(manager.blocks_for(s) for s in ending)
+        slots = self.max_num_seqs - len(self.running)  # held now, also by the sequences that end
+        admitted: list[SequenceState] = []
+        for seq in self.waiting:
+            if budget <= 0 or num_running + len(admitted) >= self.max_num_seqs:
+                break
+            need = manager.blocks_for(seq)
+            if need > free + freed:
+                break  # does not fit after the step either: `schedule()` stops here too
+            if need > free or len(admitted) >= slots:
+                return None
+            free -= need
+            admitted.append(seq)
+            budget -= min(budget, len(seq.request.prompt_ids))
+        return admitted
 
     # --- after a step ---
 
