@@ -24,6 +24,7 @@ from afd.engine.sampling import SamplingParams
 from afd.model.attention_side import AttentionModel, zero_exchange
 from afd.model.batch import Batch
 from afd.model.ffn_side import FFNModel
+from afd.model.fp8 import warm_up_fp8_linears
 from afd.model.moe import select_experts
 from afd.routing import Routing
 
@@ -101,6 +102,8 @@ def warm_up_engine(engine: Engine, *, force: bool = False) -> None:
     with (
         torch.inference_mode()
     ):  # the prefill graphs of every token bucket (afd.engine.graphs.prefill): no capture mid-run
+        # FP8 linears: every tile bucket of each shape (a decode bucket the steps above missed would compile mid-run)
+        warm_up_fp8_linears(model, model.embed_tokens.weight.dtype, engine.max_num_batched_tokens)
         for runner in engine.prefill_graphs:
             runner.capture_all()
         if kernels.enabled(engine.device):
@@ -244,6 +247,7 @@ def warm_up_ffn(
                 if ffn_model.num_local_experts:
                     offs = torch.full((ffn_model.num_local_experts,), num_tokens, dtype=torch.int32, device=device)
                     ffn_model.experts_offsets(layer, x, offs)
+        warm_up_fp8_linears(ffn_model, dtype, max(counts))  # FP8 shared experts / dense MLPs: every tile bucket
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     logger.info("warmed up the FFN step (kernels compiled) in %.1f s", time.perf_counter() - start)

@@ -9,24 +9,27 @@ plus `weight_scale_inv: [ceil(out/b0), ceil(in/b1)] float32`, and means
 `W_fp8 = round_to_nearest_e4m3(W / scale)`, so a model quantized at load equals the same weights shipped in FP8.
 
 Where dequantization happens: the weights stay FP8 in the model (`FP8Linear`, and the experts' stacked `w13`/`w2`
-with their scales in `afd.model.ffn_side.Experts`, handed to the MoE as `FP8Experts`). On CUDA the routed experts of
-a decode-sized batch run afd's Triton kernels on the FP8 bytes, scales applied in the kernel
-(`afd.model.moe.fp8_routed_experts`); every other matmul dequantizes its weight to the compute dtype just before it
-runs (`dequantize`). Why not dequantize once at load: the memory a rank holds is then the FP8 bytes
-(what lets DeepSeek-V3 fit one node, and what `afd.runtime.resources` and `afd bench step`'s floor count), and the
-tensors a block-scaled FP8 kernel reads later (weight, scale, block size) are already where the matmul is, so a
-kernel replaces `dequantize` + matmul in place and nothing about loading changes. The eager dequantization is the
-CPU path and the kernels' test oracle; it is correct, not fast (it re-expands the weight every call).
+with their scales in `afd.model.ffn_side.Experts`, handed to the MoE as `FP8Experts`). On CUDA (sm89+, Triton) the
+linears run `afd.kernels.fp8_linear` on the FP8 bytes and the routed experts of a decode-sized batch afd's MoE
+kernels (`afd.model.moe.fp8_routed_experts`), scales applied in the kernels; everything else dequantizes its weight
+to the compute dtype just before it runs (`dequantize`). Why not dequantize once at load: the memory a rank holds is
+then the FP8 bytes (what lets DeepSeek-V3 fit one node, and what `afd.runtime.resources` and `afd bench step`'s floor
+count), and the tensors a block-scaled FP8 kernel reads (weight, scale, block size) are already where the matmul is.
+The eager dequantization is the CPU path and the kernels' test oracle; it is correct, not fast (it re-expands the
+weight every call).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from afd import kernels
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
@@ -108,10 +111,35 @@ def dequantize(
     return (w.float() * _expand(scale_inv.float(), block, out, inp)).to(dtype)
 
 
+@cache
+def _fp8_convert_capable(device_index: int) -> bool:
+    """Triton converts float8_e4m3fn in registers on sm89 and later only."""
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
+
+
+def _fp8_linear_enabled(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether rows of `dtype` on `device` take the FP8 linear kernel: `afd.kernels.enabled` (CUDA, Triton, not
+    inside `eager_ops`), a 16/32-bit float dtype, and a GPU that converts fp8 in registers."""
+    return (
+        dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and kernels.enabled(device)
+        and _fp8_convert_capable(device.index if device.index is not None else torch.cuda.current_device())
+    )
+
+
+def _block_in_kernel(block: tuple[int, int]) -> bool:
+    """Whether the kernels take scale blocks of this size (b1 a multiple of 16; import only once enabled)."""
+    from afd.kernels.moe_tiles import fp8_block_supported
+
+    return fp8_block_supported(block)
+
+
 class FP8Linear(nn.Module):
     """A linear layer whose weight stays block-scaled FP8: `weight: [out, in] float8_e4m3fn`,
     `weight_scale_inv: [ceil(out/b0), ceil(in/b1)] float32`, optional `bias: [out]` in the model dtype.
-    `forward(x: [T, in]) -> [T, out]` in x's dtype, through the dequantized weight (see the module docstring)."""
+    `forward(x: [..., in]) -> [..., out]` in x's dtype: on CUDA the block-scaled FP8 GEMM
+    (`afd.kernels.fp8_linear`, only fp8 bytes read) where it takes the block size, else through the dequantized
+    weight (the CPU path and the oracle)."""
 
     def __init__(self, in_features: int, out_features: int, block: tuple[int, int], bias: bool = False) -> None:
         super().__init__()
@@ -125,11 +153,37 @@ class FP8Linear(nn.Module):
         """The weight `[out, in]` in `dtype`."""
         return dequantize(self.weight, self.weight_scale_inv, self.block, dtype)
 
+    def uses_kernel(self, x: torch.Tensor) -> bool:
+        """Whether `forward(x)` runs the FP8 kernel rather than the dequantized weight."""
+        return _fp8_linear_enabled(x.device, x.dtype) and _block_in_kernel(self.block)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.uses_kernel(x):
+            from afd.kernels.fp8_linear import fp8_linear
+
+            return fp8_linear(x, self.weight, self.weight_scale_inv, self.block, self.bias)
         return F.linear(x, self.dequantized(x.dtype), self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}"
+
+
+def warm_up_fp8_linears(model: nn.Module, dtype: torch.dtype, max_rows: int) -> int:
+    """Compile the FP8 linear kernel for every distinct `FP8Linear` shape of `model` that takes it, at every tile
+    bucket up to `max_rows` rows of `dtype` (`afd.kernels.fp8_linear.warm_up`); returns how many shapes. Nothing
+    where the kernel does not run (CPU, a 16-bit model)."""
+    seen: set[tuple] = set()
+    for module in model.modules():
+        if not isinstance(module, FP8Linear) or not _fp8_linear_enabled(module.weight.device, dtype):
+            continue
+        key = (module.out_features, module.in_features, module.block, module.bias is None, module.weight.device)
+        if key in seen or not _block_in_kernel(module.block):
+            continue
+        seen.add(key)
+        from afd.kernels.fp8_linear import warm_up
+
+        warm_up(module.weight, module.weight_scale_inv, module.block, dtype, max_rows, module.bias)
+    return len(seen)
 
 
 @dataclass(frozen=True)

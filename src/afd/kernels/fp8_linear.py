@@ -1,0 +1,300 @@
+"""`fp8_linear`: a weight-only block-scaled FP8 GEMM, `y = x @ (W_fp8 * scale).T (+ bias)`, and its reference.
+
+The weight is DeepSeek-V3's format: `W_fp8 [N, K] float8_e4m3fn` with one fp32 scale per `(b0, b1)` block,
+`scale [ceil(N/b0), ceil(K/b1)]`. Only the fp8 bytes (and the small scales) leave memory; the scale is applied in
+registers, so no dequantized weight is ever written. The activations stay bf16/fp16 (fp32 too), fp32 accumulation.
+
+Layout: the weight tile is the MMA's M side and the rows of x its N side ("swap AB"), so 1..16 rows still fill a
+tensor-core tile and the register-converted weight tile is the operand that may come from registers. Each K step
+stays inside one scale block (`moe_tiles.scaled_block_k`), so a step needs one scale per weight row. Two ways to
+apply it, chosen per tile configuration:
+- scaled partials (decode sizes): the fp8 tile converted to x's dtype (exact), one MMA, its fp32 result times the
+  rows' scales added to the accumulator: exact products, and cheap while the accumulator is small;
+- dequantized tile (large M, compute bound): the tile times its scales in fp32, rounded to x's dtype, one MMA into
+  the accumulator: the bf16 GEMM's work plus one multiply per weight element, a single accumulator.
+
+Tiles come from a fixed table by row count (no autotuning at run time: deterministic, capturable). Decode sizes
+(M <= 256) are bound by reading the weight: the N dimension is split into narrow tiles and, where N alone gives
+fewer programs than the GPU has SMs, K too (`split_k`: fp32 partials summed after, deterministic). Prefill sizes
+take 128 x 128 tiles. A configuration depends only on M's bucket, so `warm_up` compiles every variant a weight
+meets. Nothing reads device values on the host: CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from afd.kernels.moe_tiles import (
+    DTYPES,
+    FP8_DTYPE,
+    check_fp8_weight,
+    dot_precision,
+    load_2d,
+    scaled_block_k,
+)
+
+# M buckets of the tile table; past the last one, the prefill tiles
+ROW_BUCKETS = (16, 32, 64, 128, 256)
+DECODE_MAX_ROWS = ROW_BUCKETS[-1]
+MIN_K_STEPS_PER_SPLIT = 4  # a K split keeps at least this many steps, so its pipeline fills
+DEFAULT_SM_COUNT = 132  # where there is no CUDA device to ask (Triton's interpreter): an H100/H200's
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    """Launch shape: rows of x per program (block_m), weight rows per program (block_n), reduction step (block_k,
+    cut to divide the scale block's width), K splits, how the scale is applied (see the module docstring), warps,
+    pipeline stages."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    dequant_tile: bool = False
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+# Per M bucket: (block_m, block_n candidates, largest first, dequant_tile, warps, stages). Not yet tuned on a GPU
+# (`scripts/gpu_fp8_linear.py --sweep` times alternatives): a decode stage holds a 64 x 128 fp8 tile (8 KiB),
+# four stages about the bytes one SM needs in flight to stream at HBM speed.
+_TABLE = {
+    16: (16, (64, 32, 16), False, 4, 4),
+    32: (32, (64, 32, 16), False, 4, 4),
+    64: (64, (64, 32, 16), False, 4, 4),
+    128: (128, (64, 32), True, 4, 4),
+    256: (128, (128, 64), True, 8, 3),
+    0: (128, (128,), True, 8, 3),  # prefill
+}
+
+
+def row_bucket(num_rows: int) -> int:
+    """The tile table's bucket of M: the smallest of `ROW_BUCKETS` that covers it, 0 (prefill) past them."""
+    return next((b for b in ROW_BUCKETS if num_rows <= b), 0)
+
+
+def choose_config(
+    num_rows: int, out_features: int, in_features: int, block: tuple[int, int], dtype: torch.dtype, sm_count: int
+) -> LinearConfig:
+    """The tile configuration for `x [num_rows, K] @ W [N, K].T` with scales in `block`s, from M's bucket only (the
+    bucket's upper bound stands for M, so every M of a bucket compiles the same kernel). At decode sizes the widest
+    weight tile whose programs (with every K split allowed) cover `sm_count`, then as few K splits as cover it."""
+    bucket = row_bucket(num_rows)
+    block_m, widths, dequant, warps, stages = _TABLE[bucket]
+    block_k = scaled_block_k(128 if dtype.itemsize <= 2 else 64, block[1])  # fp32 rows: half the step, same smem
+    m_tiles = triton.cdiv(bucket or num_rows, block_m)
+    k_steps = triton.cdiv(in_features, block_k)
+    max_split = max(1, k_steps // MIN_K_STEPS_PER_SPLIT) if bucket else 1
+    block_n = widths[-1]
+    for width in widths:
+        if triton.cdiv(out_features, width) * m_tiles * max_split >= sm_count:
+            block_n = width
+            break
+    tiles = triton.cdiv(out_features, block_n) * m_tiles
+    split = min(max_split, triton.cdiv(sm_count, tiles))
+    return LinearConfig(block_m, block_n, block_k, split, dequant, warps, stages)
+
+
+@triton.jit(do_not_specialize=["num_rows"])  # one compiled kernel for every M of a bucket
+def _fp8_linear_kernel(
+    x_ptr,  # [M, K]
+    w_ptr,  # [N, K] float8_e4m3fn
+    scale_ptr,  # [ceil(N/SCALE_N), ceil(K/SCALE_K)] fp32
+    bias_ptr,  # [N] (HAS_BIAS)
+    out_ptr,  # [M, N] x's dtype, or [SPLIT, M, N] fp32 partials when K is split
+    num_rows,
+    out_features,
+    in_features,
+    k_per_split,  # a multiple of BLOCK_K
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    stride_sn,
+    stride_sk,
+    stride_os,
+    stride_om,
+    stride_on,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SCALE_N: tl.constexpr,
+    SCALE_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    DEQUANT_TILE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)  # fastest: the programs of one weight tile run side by side (its bytes hit L2)
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    r_mask = rows < num_rows
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] weight rows = output columns
+    n_mask = n < out_features
+    k = tl.arange(0, BLOCK_K)  # [BK]
+    x_tile = x_ptr + rows[:, None].to(tl.int64) * stride_xm + k[None, :] * stride_xk  # [BM, BK] pointers
+    w_tile = w_ptr + n[:, None].to(tl.int64) * stride_wn + k[None, :] * stride_wk  # [BN, BK] pointers
+    s_rows = scale_ptr + (n // SCALE_N) * stride_sn  # [BN] each weight row's scale row
+    k_start = pid_s * k_per_split
+    k_end = tl.minimum(in_features, k_start + k_per_split)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k_mask = k0 + k < in_features
+        xt = load_2d(x_tile + k0 * stride_xk, r_mask, k_mask, False, EVEN_K)  # [BM, BK]
+        wt = load_2d(w_tile + k0 * stride_wk, n_mask, k_mask, EVEN_N, EVEN_K)  # [BN, BK] fp8
+        s = tl.load(s_rows + (k0 // SCALE_K) * stride_sk, mask=n_mask, other=0.0)  # [BN] fp32, one K block
+        if DEQUANT_TILE:
+            wd = (wt.to(tl.float32) * s[:, None]).to(xt.dtype)
+            acc = tl.dot(wd, tl.trans(xt), acc, input_precision=PRECISION)  # [BN, BM]
+        else:  # the fp8 -> x dtype conversion is exact; the scale multiplies the fp32 partial
+            part = tl.dot(wt.to(xt.dtype), tl.trans(xt), input_precision=PRECISION)  # [BN, BM]
+            acc += part * s[:, None]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    out = out_ptr + pid_s * stride_os + rows[None, :].to(tl.int64) * stride_om + n[:, None] * stride_on
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=r_mask[None, :] & n_mask[:, None])
+
+
+def check_fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int],
+    bias: torch.Tensor | None = None,
+) -> tuple[int, int]:
+    """(N, K) of an fp8 weight `[N, K]` checked against rows `x [..., K]`, its fp32 scales and a bias `[N]`;
+    ValueError in one sentence for what the kernel does not take."""
+    if x.dtype not in DTYPES:
+        raise ValueError(f"fp8_linear takes rows in one of {DTYPES}, not {x.dtype}")
+    if weight.dtype != FP8_DTYPE or weight.dim() != 2:
+        raise ValueError(f"fp8_linear needs a 2-d {FP8_DTYPE} weight, got {tuple(weight.shape)} {weight.dtype}")
+    out_features, in_features = weight.shape
+    if x.shape[-1] != in_features:
+        raise ValueError(f"rows {tuple(x.shape)} do not fit weight {tuple(weight.shape)} (in_features differ)")
+    check_fp8_weight(weight[None], scale[None], block, -(-out_features // block[0]))
+    if bias is not None and tuple(bias.shape) != (out_features,):
+        raise ValueError(f"bias {tuple(bias.shape)} does not fit weight {tuple(weight.shape)}")
+    return out_features, in_features
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of `device` (a host-side property, no sync); `DEFAULT_SM_COUNT` off CUDA."""
+    if device.type != "cuda":
+        return DEFAULT_SM_COUNT
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int],
+    bias: torch.Tensor | None = None,
+    *,
+    config: LinearConfig | None = None,
+) -> torch.Tensor:
+    """`x [..., K] @ (weight * scale).T + bias -> [..., N]` in x's dtype: `weight [N, K] float8_e4m3fn`,
+    `scale [ceil(N/b0), ceil(K/b1)] fp32` with `block = (b0, b1)` (b1 a multiple of 16, any b0), `bias [N]`.
+    `config`: a tile configuration other than the table's (tests, sweeps). Allocations depend on shapes only."""
+    out_features, in_features = check_fp8_linear(x, weight, scale, block, bias)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, in_features)  # [M, K]
+    num_rows = x2.shape[0]
+    if num_rows == 0 or out_features == 0:
+        return x.new_zeros(*lead, out_features)
+    cfg = config or choose_config(num_rows, out_features, in_features, block, x.dtype, sm_count(x.device))
+    block_k = scaled_block_k(cfg.block_k, block[1])
+    k_steps = triton.cdiv(in_features, block_k)
+    split = max(1, min(cfg.split_k, k_steps))
+    k_per_split = triton.cdiv(k_steps, split) * block_k
+    split = triton.cdiv(in_features, k_per_split)  # no empty split
+    y = x.new_empty(num_rows, out_features)  # [M, N]
+    out = y if split == 1 else torch.empty(split, num_rows, out_features, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(num_rows, cfg.block_m), triton.cdiv(out_features, cfg.block_n), split)
+    _fp8_linear_kernel[grid](
+        x2,
+        weight,
+        scale,
+        bias if bias is not None else scale,  # unused without HAS_BIAS
+        out,
+        num_rows,
+        out_features,
+        in_features,
+        k_per_split,
+        x2.stride(0),
+        x2.stride(1),
+        weight.stride(0),
+        weight.stride(1),
+        scale.stride(0),
+        scale.stride(1),
+        out.stride(0) if split > 1 else 0,
+        out.stride(-2),
+        out.stride(-1),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=block_k,
+        SCALE_N=block[0],
+        SCALE_K=block[1],
+        EVEN_N=out_features % cfg.block_n == 0,
+        EVEN_K=in_features % block_k == 0,
+        HAS_BIAS=bias is not None and split == 1,
+        DEQUANT_TILE=cfg.dequant_tile,
+        PRECISION=dot_precision(x.dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if split > 1:  # fixed order, so every run gives the same bits
+        total = out.sum(dim=0)  # [M, N] fp32
+        if bias is not None:
+            total += bias.float()
+        y.copy_(total)
+    return y.view(*lead, out_features)
+
+
+def warm_up_rows(max_rows: int) -> list[int]:
+    """One row count per tile bucket up to `max_rows` (the bucket's upper bound, so its configuration), plus
+    `max_rows` itself when it lies past the decode buckets."""
+    counts = [b for b in ROW_BUCKETS if b <= max_rows]
+    if max_rows > DECODE_MAX_ROWS:
+        counts.append(max_rows)
+    elif not counts or counts[-1] < max_rows:
+        counts.append(row_bucket(max_rows))
+    return counts
+
+
+def warm_up(
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int],
+    dtype: torch.dtype,
+    max_rows: int,
+    bias: torch.Tensor | None = None,
+) -> None:
+    """Compile every kernel variant this weight meets with rows of `dtype`, up to `max_rows` rows: one call per
+    tile bucket (`warm_up_rows`), on zero rows."""
+    for rows in warm_up_rows(max_rows):
+        fp8_linear(torch.zeros(rows, weight.shape[1], dtype=dtype, device=weight.device), weight, scale, block, bias)
+
+
+def fp8_linear_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int],
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The kernel's oracle in plain PyTorch: the weight dequantized in fp32 (`W[i, j] * scale[i // b0, j // b1]`,
+    ragged edges cut), the product and bias in fp32, one rounding to x's dtype."""
+    out_features, in_features = weight.shape
+    s = scale.float().repeat_interleave(block[0], dim=0)[:out_features]
+    s = s.repeat_interleave(block[1], dim=1)[:, :in_features]  # [N, K]
+    y = x.float() @ (weight.float() * s).T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)

@@ -1,0 +1,204 @@
+"""The block-scaled FP8 linear kernel (afd.kernels.fp8_linear) against its PyTorch reference and the model's own
+dequantized path, its tile choice, its refusals, and FP8Linear's choice of it.
+
+CPU: Triton's interpreter. The weights really are float8_e4m3fn there (the fp8 loads, the conversion and every
+block-scale index run as on the GPU), but the activations are fp32: this Triton's interpreter computes bf16 `tl.dot`
+wrongly, so bf16 is covered on CUDA only (tests/e2e/test_kernel_fp8_linear_gpu.py). Blocks 16 x 16, 128 x 128 and a
+ragged (24, 32), N and K not multiples of any of them; each block's magnitude differs by up to 64x, so a scale read
+from the wrong block fails the 1e-5 bound.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+import torch.nn.functional as F  # noqa: E402
+from helpers.kernels_fp8_linear import fp8_weight  # noqa: E402
+
+import afd.kernels.fp8_linear as kfl  # noqa: E402
+import afd.model.fp8 as fp8  # noqa: E402
+from afd.kernels.fp8_linear import LinearConfig, choose_config, fp8_linear, fp8_linear_reference  # noqa: E402
+from afd.model.fp8 import FP8Linear, dequantize  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+cpu_only = pytest.mark.skipif(not INTERPRET, reason="interpreter test (runs where there is no GPU)")
+
+N, K = 200, 288  # two 128-blocks plus a ragged one along K, one plus a ragged one along N; ragged for 16 and 24 too
+BLOCKS = [(16, 16), (128, 128), (24, 32)]
+ROWS = [1, 7, 64, 300]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def _linear(block: tuple[int, int], bias: bool = False, seed: int = 0) -> FP8Linear:
+    layer = FP8Linear(K, N, block, bias=bias)
+    w, s = fp8_weight(N, K, block, seed=seed)
+    layer.weight.data, layer.weight_scale_inv.data = w, s
+    if bias:
+        layer.bias.data = torch.randn(N, generator=torch.Generator().manual_seed(seed))
+    return layer
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=lambda b: f"{b[0]}x{b[1]}")
+def test_reference_is_the_model_dequantized_path(block):
+    """The kernel's oracle beside it equals afd.model.fp8's dequantize + matmul (fp32, bias included)."""
+    layer = _linear(block, bias=True)
+    x = torch.randn(5, K, generator=torch.Generator().manual_seed(1))
+    ref = fp8_linear_reference(x, layer.weight, layer.weight_scale_inv, block, layer.bias)
+    torch.testing.assert_close(ref, F.linear(x, dequantize(layer.weight, layer.weight_scale_inv, block), layer.bias))
+
+
+@cpu_only
+@pytest.mark.parametrize("block", BLOCKS, ids=lambda b: f"{b[0]}x{b[1]}")
+@pytest.mark.parametrize("rows", ROWS)
+def test_fp8_linear_equals_the_reference(block, rows):
+    """The table's tiles (decode buckets with K splits, the prefill tile at 300 rows) = the fp32 reference within
+    1e-5 of the largest output."""
+    w, s = fp8_weight(N, K, block, seed=rows)
+    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
+    got = fp8_linear(x, w, s, block)
+    assert got.dtype == x.dtype and got.shape == (rows, N)
+    assert _rel(got, fp8_linear_reference(x, w, s, block)) <= 1e-5
+
+
+CONFIGS = [
+    LinearConfig(16, 16, 32),  # several N tiles, K steps per scale block
+    LinearConfig(16, 32, 16, split_k=3),  # K split, fp32 partials summed after
+    LinearConfig(32, 16, 64, split_k=2, dequant_tile=True),
+    LinearConfig(64, 64, 128, dequant_tile=True),  # one wide step, cut to the block's width
+]
+
+
+@cpu_only
+@pytest.mark.parametrize("block", BLOCKS, ids=lambda b: f"{b[0]}x{b[1]}")
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.block_m}x{c.block_n}x{c.block_k}s{c.split_k}")
+def test_fp8_linear_tile_shapes_with_bias_and_leading_dims(block, config):
+    """Both ways of applying the scale, K splits, a bias and rows `[2, 33, K]` (any leading shape) = the reference."""
+    layer = _linear(block, bias=True, seed=3)
+    x = torch.randn(2, 33, K, generator=torch.Generator().manual_seed(2))
+    got = fp8_linear(x, layer.weight, layer.weight_scale_inv, block, layer.bias, config=config)
+    ref = fp8_linear_reference(x, layer.weight, layer.weight_scale_inv, block, layer.bias)
+    assert got.shape == (2, 33, N)
+    assert _rel(got, ref) <= 1e-5
+
+
+def test_tile_choice_depends_on_the_row_bucket_only():
+    """Every M of a bucket gets one configuration (one compiled kernel); the K step divides the block's width; a
+    narrow N on many SMs splits K (each split at least 4 steps); prefill sizes take 128 x 128 tiles, unsplit."""
+    for bucket in kfl.ROW_BUCKETS:
+        lo = bucket // 2 + 1 if bucket > 16 else 1
+        assert choose_config(lo, 2048, 2048, (128, 128), torch.bfloat16, 132) == choose_config(
+            bucket, 2048, 2048, (128, 128), torch.bfloat16, 132
+        )
+    kv_a = choose_config(1, 576, 7168, (128, 128), torch.bfloat16, 132)  # V3's kv_a_proj at decode
+    assert kv_a.split_k > 1 and kv_a.block_k == 128 and not kv_a.dequant_tile
+    assert -(-7168 // 128) // kv_a.split_k >= kfl.MIN_K_STEPS_PER_SPLIT
+    wide = choose_config(1, 24576, 1536, (128, 128), torch.bfloat16, 132)  # V3's q_b_proj: N alone fills the GPU
+    assert wide.split_k == 1 and wide.block_n == 64
+    prefill = choose_config(8192, 2048, 2048, (128, 128), torch.bfloat16, 132)
+    assert (prefill.block_m, prefill.block_n, prefill.split_k, prefill.dequant_tile) == (128, 128, 1, True)
+    assert choose_config(1, 64, 96, (16, 48), torch.bfloat16, 132).block_k == 16
+    assert choose_config(1, 64, 256, (128, 128), torch.float32, 132).block_k == 64
+    assert kfl.warm_up_rows(8192) == [16, 32, 64, 128, 256, 8192]
+    assert kfl.warm_up_rows(100) == [16, 32, 64, 128] and kfl.warm_up_rows(1) == [16]
+
+
+@cpu_only
+def test_unsupported_inputs_are_refused_in_one_sentence():
+    """16-bit weights, integer rows, a wrong width, scales of the wrong shape or dtype, a block width the kernel
+    cannot step inside and a bias of the wrong size: ValueError naming the problem."""
+    w, s = fp8_weight(N, K, (128, 128))
+    x = torch.randn(3, K)
+    with pytest.raises(ValueError, match="needs a 2-d"):
+        fp8_linear(x, w.float(), s, (128, 128))
+    with pytest.raises(ValueError, match="takes rows in one of"):
+        fp8_linear(x.to(torch.int32), w, s, (128, 128))
+    with pytest.raises(ValueError, match="do not fit weight"):
+        fp8_linear(torch.randn(3, K + 1), w, s, (128, 128))
+    with pytest.raises(ValueError, match="do not fit"):
+        fp8_linear(x, w, s[:1], (128, 128))
+    with pytest.raises(ValueError, match="do not fit"):
+        fp8_linear(x, w, s.double(), (128, 128))
+    with pytest.raises(ValueError, match="not supported"):
+        fp8_linear(x, w, s, (128, 24))
+    with pytest.raises(ValueError, match="bias"):
+        fp8_linear(x, w, s, (128, 128), torch.zeros(N + 1))
+
+
+def test_fp8_linear_off_the_kernel_is_the_dequantized_path():
+    """Where the kernel does not run (CPU here), FP8Linear is F.linear on the dequantized weight, bit for bit."""
+    layer = _linear((16, 16), bias=True)
+    x = torch.randn(4, K)
+    assert not layer.uses_kernel(x)
+    assert torch.equal(layer(x), F.linear(x, layer.dequantized(torch.float32), layer.bias))
+    assert fp8.warm_up_fp8_linears(torch.nn.Sequential(layer), torch.float32, 64) == 0
+
+
+@cpu_only
+def test_fp8_linear_takes_the_kernel_where_it_runs(monkeypatch):
+    """With the kernel switched on (on CUDA: the device, the dtype and sm89+), FP8Linear calls it on its FP8 weight
+    and scales, within 1e-5 of the dequantized path; a block width it cannot step inside falls back; the warm-up
+    compiles each distinct shape once, at every tile bucket."""
+    calls: list[tuple[int, ...]] = []
+    real = kfl.fp8_linear
+
+    def recording(x, weight, scale, block, bias=None, **kw):
+        calls.append(tuple(weight.shape))
+        return real(x, weight, scale, block, bias, **kw)
+
+    monkeypatch.setattr(fp8, "_fp8_linear_enabled", lambda device, dtype: True)
+    monkeypatch.setattr(kfl, "fp8_linear", recording)
+    layer = _linear((128, 128), bias=True)
+    x = torch.randn(7, K, generator=torch.Generator().manual_seed(4))
+    assert layer.uses_kernel(x)
+    got = layer(x)
+    assert calls == [(N, K)]
+    torch.testing.assert_close(got, F.linear(x, layer.dequantized(torch.float32), layer.bias), rtol=1e-5, atol=1e-5)
+
+    odd = FP8Linear(K, N, (16, 24))  # b1 = 24: the kernel refuses it
+    odd.weight.data, odd.weight_scale_inv.data = fp8_weight(N, K, (16, 24))
+    calls.clear()
+    assert not odd.uses_kernel(x)
+    assert torch.equal(odd(x), F.linear(x, odd.dequantized(torch.float32)))
+    assert calls == []
+
+    warmed: list[tuple] = []
+    monkeypatch.setattr(kfl, "warm_up", lambda w, s, block, dtype, rows, bias=None: warmed.append((w.shape, rows)))
+    model = torch.nn.Sequential(layer, _linear((128, 128), bias=True, seed=1), odd, _linear((16, 16)))
+    assert fp8.warm_up_fp8_linears(model, torch.float32, 512) == 2  # two blocks of one shape; the odd one skipped
+    assert warmed == [((N, K), 512)] * 2
+
+
+@cpu_only
+def test_fp8_mlp_runs_its_projections_in_the_kernel(monkeypatch):
+    """A tiny FP8 model's dense MLP (`quantization="fp8"`) with the kernel switched on: its three FP8Linears call the
+    kernel, and the layer equals the dequantized one within 1e-5."""
+    from afd.model.weights import load_ffn_model
+
+    ffn = load_ffn_model("tiny", quantization="fp8", gate_on_attention=False)
+    dense = next(i for i in range(ffn.config.num_hidden_layers) if not ffn.config.is_moe_layer(i))
+    x = torch.randn(5, ffn.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    ref = ffn(dense, x, None)
+    calls: list[tuple[int, ...]] = []
+    real = kfl.fp8_linear
+
+    def recording(x, weight, *args, **kw):
+        calls.append(tuple(weight.shape))
+        return real(x, weight, *args, **kw)
+
+    monkeypatch.setattr(fp8, "_fp8_linear_enabled", lambda device, dtype: True)
+    monkeypatch.setattr(kfl, "fp8_linear", recording)
+    got = ffn(dense, x, None)
+    assert len(calls) == 3
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
