@@ -65,11 +65,21 @@ def prefill_graph_copies(device: torch.device, exchange: Exchange, enforce_eager
     return exchange.num_ubatches
 
 
-def step_activation_bytes(config: ModelConfig, dtype: torch.dtype, max_num_batched_tokens: int, copies: int) -> int:
-    """The activation peak of one full step plus `copies` prefill graphs' private memory (what the cache leaves)."""
-    return activation_bytes_estimate(config, dtype, max_num_batched_tokens) + copies * graph_memory_estimate(
-        config, dtype, max_num_batched_tokens
-    )
+def prefill_moe_inside(exchange: Exchange) -> bool:
+    """Whether prefill graph pieces run each boundary layer's MoE inside them (afd.engine.graphs.prefill): with the
+    in-process exchange whose FFN model takes the fixed-shape, host-sync-free path; a disaggregated exchange stays
+    eager between the pieces."""
+    return isinstance(exchange, LocalExchange) and capture_safe_moe(exchange.ffn_model)
+
+
+def step_activation_bytes(
+    config: ModelConfig, dtype: torch.dtype, max_num_batched_tokens: int, copies: int, *, moe_inside: bool = True
+) -> int:
+    """The activation peak of one full step plus `copies` prefill graphs' private memory (what the cache leaves).
+    `moe_inside` (`prefill_moe_inside`): the graphs' pool also holds the MoE's temporaries; it defaults to the larger
+    estimate, for callers that do not know their exchange."""
+    graphs = graph_memory_estimate(config, dtype, max_num_batched_tokens, moe_inside=moe_inside)
+    return activation_bytes_estimate(config, dtype, max_num_batched_tokens) + copies * graphs
 
 
 class ModelRunner:
@@ -105,14 +115,25 @@ class ModelRunner:
                     self.cuda_graphs.buckets,
                 )
         # Steps with prompt tokens (or more decodes than a decode graph holds) replay their row-wise pieces from CUDA
-        # graphs at padded token counts, the attention core and the exchanges eagerly between them
-        # (afd.engine.graphs.prefill); one runner per micro-batch, as micro-batches in flight need their own buffers.
+        # graphs at padded token counts, the attention core eagerly between them (afd.engine.graphs.prefill); the
+        # in-process exchange's MoE runs inside the pieces where it can be captured, any other exchange eagerly
+        # between them. Decided here, once; one runner per micro-batch (micro-batches in flight need own buffers).
+        moe_inside = prefill_moe_inside(exchange)
         self.prefill_graphs = [
-            PrefillGraphRunner(model, kv_cache, max_num_batched_tokens)
+            PrefillGraphRunner(
+                model, kv_cache, max_num_batched_tokens, ffn_model=exchange.ffn_model if moe_inside else None
+            )
             for _ in range(prefill_graph_copies(self.device, exchange, enforce_eager))
         ]
         if self.prefill_graphs:
-            logger.info("prefill CUDA graphs on, token buckets %s", self.prefill_graphs[0].buckets)
+            logger.info(
+                "prefill CUDA graphs on, token buckets %s; %s",
+                self.prefill_graphs[0].buckets,
+                "the MoE inside the pieces (they pause at the attention cores only)"
+                if moe_inside
+                else "the exchange eager between the pieces, on the real rows"
+                + (" (the routed experts have no fixed-shape path)" if isinstance(exchange, LocalExchange) else ""),
+            )
         self.ubatched_steps = 0  # steps run as micro-batches in ping-pong
         self.last_launch_decode = False  # whether the step launched last was all single-token decodes
 

@@ -7,19 +7,31 @@ stream waits for the host (docs/performance.md). Decode steps already replay gra
 from step to step. Most of a layer does not care: everything but the attention core is row-wise, so it
 depends on the token count alone.
 
-So a step of T tokens is padded to a token bucket Tp (`token_buckets`) and replayed from one graph per
-piece of `AttentionModel.forward_segments(pause_at_attention=True)`: from the input to layer 0's attention
-core, from each core to the next pause (a boundary layer's exchange or the next core), and from the last
-exchange to the output. Between pieces, on the step's T real rows only, the attention core
-(`MLAttention.attend`: varlen prefill, batched decodes) and the exchange run eagerly, so the kernels that
-read the layout and the FFN side see exactly the step the engine scheduled.
+So a step of T tokens (prompt chunks, and the decodes beside them in a mixed step) is padded to a token bucket Tp
+(`token_buckets`) and replayed from one graph per piece of `AttentionModel.forward_segments(pause_at_attention=True)`.
+Between pieces, on the step's T real rows only, the attention core (`MLAttention.attend`: varlen prefill, batched
+decodes) runs eagerly, so the kernels that read the layout see exactly the step the engine scheduled. What happens
+at a boundary layer's MoE is decided once, when the runner is built:
+
+- MoE inside (`ffn_model` given: the in-process exchange, whose FFN model takes the fixed-shape, host-sync-free
+  MoE path, `afd.engine.graphs.decode.capture_safe_moe`): each boundary layer's MoE (the gate on the FFN side if
+  it is there, routed and shared experts) runs inside the pieces on all Tp rows, so the pieces pause only at the
+  attention cores: one eager launch group per layer instead of the whole MoE's. Padding rows are routed to no
+  expert: a static mask (`real`, refilled per step) turns their top-k ids into -1, which no expert holds, and
+  their weights into 0, as `afd.engine.graphs.ffn.ExpertPassGraphs` does with its padding rows; their pairs sort
+  after every expert group and cost no expert FLOPs. The shared experts and every other op are row-wise, so a
+  padding row's result never reaches a real row, and the caller reads only the first T rows of the output.
+- Exchange eager (no `ffn_model`: p2p, async, or experts without a fixed-shape path): the pieces also pause at
+  every boundary layer and the exchange runs eagerly between them on the T real rows (yielded as a `Boundary`),
+  so the FFN side sees exactly the step the engine announced; no padding row reaches the exchange.
 
 Every tensor that crosses a pause lives in one set of static buffers per runner, sized for the largest
 bucket and shared by every bucket and layer (the pieces copy into them), so the graphs' memory does not
-grow with layers x buckets. Padding rows never touch real data: token id and position 0, cache writes to
-the scratch row, a zero-or-stale (finite) attention output, and no row of them reaches the exchange. Two
-micro-batches in flight at once need two runners (their buffers would collide). CPU never captures;
-`capture=False` runs the same padded pieces eagerly (the CPU tests of this module).
+grow with layers x buckets; with the MoE inside, its temporaries at the largest bucket join the graphs' pool
+(`graph_memory_estimate(..., moe_inside=True)`). Padding rows never touch real data: token id and position 0,
+cache writes to the scratch row, a zero-or-stale (finite) attention output, and no expert. Two micro-batches in
+flight at once need two runners (their buffers would collide). CPU never captures; `capture=False` runs the same
+padded pieces eagerly (the CPU tests of this module).
 """
 
 from __future__ import annotations
@@ -36,23 +48,40 @@ from afd.engine.graphs.decode import resume
 from afd.model.attention_side import AttentionCore, AttentionModel, Boundary, Segments
 from afd.model.batch import Batch
 from afd.model.config import ModelConfig
+from afd.model.ffn_side import FFNModel
 from afd.model.kv_cache import PagedLatentCache
 from afd.routing import Routing
 
 logger = logging.getLogger(__name__)
 
 
-def graph_memory_estimate(config: ModelConfig, dtype: torch.dtype, max_tokens: int) -> int:
+def graph_memory_estimate(config: ModelConfig, dtype: torch.dtype, max_tokens: int, *, moe_inside: bool = False) -> int:
     """An upper estimate of one runner's device memory (bytes), which the KV cache must leave free.
 
     Per token of the largest bucket: the static buffers (q, the latents, the attention output, the boundary rows,
-    the answer, the routing, the inputs), about eight hidden-size temporaries in the graphs' pool, and each
-    bucket's output (the buckets sum to under seven times the largest).
+    the answer, the routing, the inputs, the padding mask), about eight hidden-size temporaries in the graphs'
+    pool, and each bucket's output (the buckets sum to under seven times the largest). `moe_inside`: also the
+    MoE's temporaries in the pool (`moe_graph_bytes_per_token`), which the eager step's own estimate does not cover
+    (a graph pool is private).
     """
     c = config
     rows = c.num_attention_heads * (c.qk_head_dim + c.v_head_dim) + c.kv_lora_rank + c.qk_rope_head_dim
-    per_token = dtype.itemsize * (rows + 18 * c.hidden_size) + 12 * c.num_experts_per_tok + 24
+    per_token = dtype.itemsize * (rows + 18 * c.hidden_size) + 12 * c.num_experts_per_tok + 25
+    if moe_inside:
+        per_token += moe_graph_bytes_per_token(config, dtype)
     return max_tokens * per_token
+
+
+def moe_graph_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes per row of one MoE layer's temporaries on the fixed-shape path (afd.model.moe), as a piece holds them:
+    the K gathered rows, their gate/up, activation and expert outputs, and (without the combine kernel) their fp32
+    weighted copies in sorted and (t, k) order; the shared experts' intermediates; the fp32 sums and the answer;
+    the masked routing and the sort's indices."""
+    c = config
+    K, H, inter = c.num_experts_per_tok, c.hidden_size, c.moe_intermediate_size
+    model_dtype = K * (2 * H + 3 * inter) + 3 * c.n_shared_experts * inter + H
+    fp32 = 2 * K * H + 3 * H
+    return dtype.itemsize * model_dtype + 4 * fp32 + 40 * K
 
 
 @dataclass
@@ -70,6 +99,7 @@ class _Buffers:
     topk_ids: torch.Tensor | None  # [Tmax, K] int64 (None: the gate is on the FFN side)
     topk_weights: torch.Tensor | None  # [Tmax, K] fp32
     answer: torch.Tensor  # [Tmax, H] the exchange's answer
+    real: torch.Tensor  # [Tmax] bool: the step's real rows (MoE inside: the others are routed to no expert)
 
 
 @dataclass
@@ -85,12 +115,20 @@ class _Graph:
 class PrefillGraphRunner:
     """Replays the row-wise pieces of steps of up to `max_tokens` tokens from graphs, one set per token bucket
     (captured lazily or by `capture_all`, into one memory pool); the caller drives `segments` as it drives
-    `AttentionModel.forward_segments`."""
+    `AttentionModel.forward_segments`. `ffn_model`: the in-process exchange's FFN model, whose MoE then runs inside
+    the pieces (it must take the fixed-shape path to be captured); None: boundaries are yielded to the caller's
+    exchange, on the real rows."""
 
     def __init__(
-        self, model: AttentionModel, kv_cache: PagedLatentCache, max_tokens: int, *, capture: bool = True
+        self,
+        model: AttentionModel,
+        kv_cache: PagedLatentCache,
+        max_tokens: int,
+        *,
+        capture: bool = True,
+        ffn_model: FFNModel | None = None,
     ) -> None:
-        self.model, self.kv_cache = model, kv_cache
+        self.model, self.kv_cache, self.ffn_model = model, kv_cache, ffn_model
         self.buckets = token_buckets(max_tokens)
         self.capture = capture
         self.disabled = False
@@ -149,14 +187,41 @@ class PrefillGraphRunner:
             topk_ids=None if routing is None else like(routing.topk_ids),
             topk_weights=None if routing is None else like(routing.topk_weights),
             answer=torch.zeros(n, hidden_size, dtype=core.q.dtype, device=device),
+            real=torch.ones(n, dtype=torch.bool, device=device),
         )
 
     def _pieces(self, tokens: int) -> Segments:
         buf = self._buffers
         batch = Batch(slot_mapping=buf.slot_mapping[:tokens])  # the row-wise pieces read nothing else of it
-        return self.model.forward_segments(
+        segments = self.model.forward_segments(
             buf.input_ids[:tokens], buf.positions[:tokens], batch, self.kv_cache, pause_at_attention=True
         )
+        return segments if self.ffn_model is None else self._moe_inside(segments, tokens)
+
+    def _moe_inside(self, segments: Segments, tokens: int) -> Segments:
+        """`segments` with every boundary answered in place by the local MoE on all `tokens` rows: what is left
+        pauses only at the attention cores."""
+        answer = None
+        while True:
+            pause, output = resume(segments, answer)
+            if pause is None:
+                return output
+            answer = self._moe(pause, tokens) if isinstance(pause, Boundary) else (yield pause)
+
+    def _moe(self, boundary: Boundary, tokens: int) -> torch.Tensor:
+        """A boundary layer's MLP on the FFN model, its padding rows routed to no expert (id -1, weight 0): the
+        fixed-shape path sorts their pairs after every expert group, so they add nothing and cost no expert FLOPs.
+        Device work only: the mask is a static buffer, never read on the host."""
+        ffn, layer_idx, x = self.ffn_model, boundary.layer_idx, boundary.hidden
+        routing = boundary.routing
+        if routing is None and ffn.config.is_moe_layer(layer_idx):  # the gate on the FFN side
+            routing = ffn.route(layer_idx, x)
+        if routing is not None:
+            real = self._buffers.real[:tokens, None]  # [Tp, 1]
+            routing = Routing(
+                torch.where(real, routing.topk_ids, -1), torch.where(real, routing.topk_weights, 0.0)
+            )  # [Tp, K] each
+        return ffn(layer_idx, x, routing)  # [Tp, H]
 
     def _stash(self, pause: AttentionCore | Boundary, tokens: int) -> tuple[str, int]:
         """Copy what crosses `pause` into the static buffers (recorded into the piece being captured)."""
@@ -212,6 +277,7 @@ class PrefillGraphRunner:
             self._buffers.input_ids.zero_()
             self._buffers.positions.zero_()
             self._buffers.slot_mapping.fill_(self.kv_cache.scratch_row)
+            self._buffers.real.fill_(True)  # warm-ups route every row, so expert kernels compile and tune
         try:
             if not self.capture:
                 self._eager_pass(tokens)
@@ -267,6 +333,9 @@ class PrefillGraphRunner:
         buf.positions[:tokens].copy_(positions)
         buf.slot_mapping[:tokens].copy_(batch.slot_mapping)
         padded = graph.tokens
+        if self.ffn_model is not None:
+            buf.real[:tokens].fill_(True)
+            buf.real[tokens:padded].fill_(False)  # routed to no expert
         if padded > tokens:  # rows a larger step left: token 0 at position 0, written to the scratch row
             buf.input_ids[tokens:padded].zero_()
             buf.positions[tokens:padded].zero_()

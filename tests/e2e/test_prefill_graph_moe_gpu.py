@@ -1,0 +1,136 @@
+"""The GPU half of tests/unit/test_prefill_graph_moe.py: with the in-process exchange (bf16 on CUDA, where the MoE
+takes the fixed-shape path) the prefill graph pieces hold each boundary layer's MoE and pause only at the attention
+cores; a captured mixed step equals the eager forward, and replaying it issues no host sync."""
+
+from __future__ import annotations
+
+import random
+import warnings
+
+import pytest
+import torch
+from helpers.e2e import MODEL
+
+from afd.engine.engine import Engine, LocalExchange, Request
+from afd.engine.graphs.decode import capture_safe_moe
+from afd.engine.graphs.prefill import PrefillGraphRunner, token_buckets
+from afd.model.attention_side import run_segments
+from afd.model.batch import Batch
+from afd.model.kv_cache import PagedLatentCache
+from afd.model.weights import load_attention_model, load_ffn_model
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+BUDGET = 512
+TOL = 5e-2  # bf16 logprobs: padding changes the GEMMs' shapes and so their rounding
+
+
+class Refusing(LocalExchange):
+    """The engine's exchange when the MoE is inside the pieces: prompt steps must never call it."""
+
+    def __init__(self, ffn) -> None:
+        super().__init__(ffn)
+        self.calls = 0
+
+    def __call__(self, layer_idx, x, routing):
+        self.calls += 1
+        return super().__call__(layer_idx, x, routing)
+
+
+@pytest.fixture(scope="module")
+def models():
+    ffn = load_ffn_model(MODEL, dtype="bfloat16", device="cuda")
+    if not capture_safe_moe(ffn):
+        pytest.skip("the routed experts have no fixed-shape path on this GPU (torch._grouped_mm needs sm90+)")
+    return load_attention_model(MODEL, dtype="bfloat16", device="cuda"), ffn
+
+
+def _logprobs(attn, hidden: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(attn.compute_logits(hidden), dim=-1)
+
+
+def _mixed_step(attn, cache: PagedLatentCache, layout: list[tuple[int, int]], seed: int):
+    """Sequences of (query length, cached context) with random cached latents, prepared: (batch, ids, positions)."""
+    rng = random.Random(seed)
+    slots = [cache.allocate(ctx + n) for n, ctx in layout]
+    batch = Batch(slots=slots, query_lens=[n for n, _ in layout], context_lens=[ctx for _, ctx in layout])
+    ids = torch.tensor([rng.randrange(attn.config.vocab_size) for n, _ in layout for _ in range(n)])
+    pos = torch.tensor([ctx + i for n, ctx in layout for i in range(n)])
+    return (batch, *cache.prepare(batch, ids, pos))
+
+
+@pytest.mark.timeout(600)
+def test_captured_mixed_steps_equal_eager_and_replay_without_host_sync(models) -> None:
+    """Every bucket captured with the MoE inside (one piece per attention core, plus one to the output); mixed
+    steps (decodes beside prompt chunks, several buckets, padding rows) replayed from them against the plain eager
+    forward: logprobs within 5e-2, the exchange never called; and a replay, driven through its cores, issues no
+    host synchronisation."""
+    attn, ffn = models
+    cache = PagedLatentCache(attn.config, num_blocks=512, block_size=16, dtype=torch.bfloat16, device="cuda")
+    cache.cache[:, 16 : cache.cache.shape[1] - 1].normal_(0.0, 1.0)
+    runner = PrefillGraphRunner(attn, cache, BUDGET, ffn_model=ffn)
+    with torch.inference_mode():
+        runner.capture_all()
+    assert not runner.disabled, "a capture failed (its traceback is in the log)"
+    assert runner.captured == token_buckets(BUDGET)
+    for graph in runner._graphs.values():
+        assert len(graph.graphs) == attn.config.num_hidden_layers + 1
+        assert all(kind == "core" for kind, _ in graph.pauses)
+    layouts = [
+        [(1, 40)] * 6 + [(90, 0)],  # 96 tokens in 128
+        [(1, 300)] * 16 + [(250, 100)],  # 266 in 384
+        [(1, 17), (511, 0)],  # 512: no padding
+    ]
+    for seed, layout in enumerate(layouts):
+        batch, ids, pos = _mixed_step(attn, cache, layout, seed)
+        exchange = Refusing(ffn)
+        with torch.inference_mode():
+            want = _logprobs(attn, run_segments(attn.forward_segments(ids, pos, batch, cache), LocalExchange(ffn)))
+            got = _logprobs(attn, run_segments(runner.segments(batch, ids, pos), exchange).clone())
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    run_segments(runner.segments(batch, ids, pos), exchange)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        syncs = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+        assert not syncs, f"layout {seed}: host syncs at {syncs}"
+        assert exchange.calls == 0
+        diff = (got - want).abs().max().item()
+        assert diff <= TOL, f"layout {seed}: |Δ logprob| {diff:.2e}"
+        for slot in batch.slots:
+            cache.free(slot)
+
+
+@pytest.mark.timeout(600)
+def test_engine_replays_mixed_steps_with_the_moe_inside(models) -> None:
+    """The engine's ModelRunner picks the MoE inside for the in-process exchange; fresh prompts, chunked prompts
+    and steps mixed with decodes through the replayed pieces give the eager engine's tokens, logprobs within 5e-2."""
+    attn, ffn = models
+    rng = random.Random(1)
+    prompts = [[rng.randrange(250) for _ in range(n)] for n in (130, 7, 290, 1, 45, 600, 3, 260, 1000, 17)]
+
+    def run(graphs: bool):
+        engine = Engine(attn, LocalExchange(ffn), BUDGET, block_size=16, max_num_seqs=16, num_blocks=1024)
+        assert engine.prefill_graphs and engine.prefill_graphs[0].ffn_model is ffn
+        if not graphs:
+            engine.prefill_graphs = []
+        else:
+            with torch.inference_mode():
+                engine.prefill_graphs[0].capture_all()
+            assert not engine.prefill_graphs[0].disabled
+        for p in prompts:
+            engine.add(Request(list(p), 6, prompt_logprobs=True))
+        return engine.run()
+
+    want, got = run(False), run(True)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.token_ids == w.token_ids, f"request {i}: tokens {g.token_ids} != {w.token_ids}"
+        diff = max(abs(a - b) for a, b in zip(g.logprobs, w.logprobs, strict=True))
+        pairs = zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:], strict=True)
+        prompt_diff = max((abs(a - b) for a, b in pairs), default=0.0)
+        assert max(diff, prompt_diff) <= TOL, f"request {i}: |Δ logprob| {diff:.2e}, prompt {prompt_diff:.2e}"
