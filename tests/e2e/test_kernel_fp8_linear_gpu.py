@@ -1,0 +1,137 @@
+"""The GPU half of tests/unit/test_kernel_fp8_linear.py: the block-scaled FP8 linear kernel with bf16 rows at
+DeepSeek-V2-Lite and V3 linear shapes against the fp32 reference, FP8Linear's dispatch, CUDA-graph replay and host
+syncs. Skipped without CUDA (the interpreter cannot check bf16: see the unit test's docstring)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import torch.nn.functional as F  # noqa: E402
+from helpers.kernels_fp8_linear import fp8_weight  # noqa: E402
+
+from afd.kernels import eager_ops  # noqa: E402
+from afd.kernels.fp8_linear import LinearConfig, fp8_linear, fp8_linear_reference  # noqa: E402
+from afd.model.fp8 import FP8Linear  # noqa: E402
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+needs_fp8 = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs sm89+ (fp8 in Triton)"
+)
+# (N, K) of the linears FP8Linear runs: V2-Lite q_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj, dense gate/up and
+# down, shared experts' gate/up and down; V3 q_a_proj, q_b_proj, kv_a_proj_with_mqa, o_proj
+SHAPES = [
+    (3072, 2048),
+    (576, 2048),
+    (4096, 512),
+    (2048, 2048),
+    (10944, 2048),
+    (2048, 10944),
+    (2816, 2048),
+    (2048, 2816),
+    (1536, 7168),
+    (24576, 1536),
+    (576, 7168),
+    (7168, 16384),
+]
+ROWS = (1, 7, 64, 256, 300, 2048)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def _layer(n: int, k: int, block: tuple[int, int], bias: bool = False) -> FP8Linear:
+    layer = FP8Linear(k, n, block, bias=bias).cuda()
+    layer.weight.data, layer.weight_scale_inv.data = fp8_weight(n, k, block, device="cuda")
+    if bias:
+        layer.bias.data = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    return layer
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_fp8
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_gpu_fp8_linear_bf16_against_the_fp32_reference(shape):
+    """bf16 rows, 128 x 128 blocks: relative error to the fp32 reference <= 5e-3 (the scaled-partial tiles round only
+    the output; the dequantized-tile ones the weight to bf16 too), within 1e-2 of F.linear on the weight dequantized
+    to bf16; two runs give the same bits (K splits are summed in a fixed order); FP8Linear dispatches to it."""
+    n, k = shape
+    layer = _layer(n, k, (128, 128))
+    w, s = layer.weight, layer.weight_scale_inv
+    dense = layer.dequantized(torch.bfloat16)
+    for rows in ROWS:
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        got = fp8_linear(x, w, s, (128, 128))
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+        assert torch.equal(got, fp8_linear(x, w, s, (128, 128))), f"M={rows}: runs differ"
+        err = _rel(got, fp8_linear_reference(x.float(), w, s, (128, 128)))
+        assert err <= 5e-3, f"M={rows}: vs fp32 reference {err:.2e}"
+        assert _rel(got, F.linear(x, dense)) <= 1e-2, f"M={rows}: vs bf16 F.linear"
+        assert torch.equal(layer(x), got), f"M={rows}: FP8Linear did not take the kernel"
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_fp8
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("block", [(16, 16), (24, 32), (128, 128)], ids=lambda b: f"{b[0]}x{b[1]}")
+def test_gpu_fp8_linear_blocks_tiles_and_bias(block):
+    """Ragged shapes (N, K not multiples of the block or the tiles), a bias, both ways of applying the scale and K
+    splits, bf16 and fp16 rows: within 5e-3 of the fp32 reference."""
+    n, k = 1000, 1120
+    layer = _layer(n, k, block, bias=True)
+    args = (layer.weight, layer.weight_scale_inv, block, layer.bias)
+    configs = (None, LinearConfig(16, 32, 64, split_k=4), LinearConfig(64, 64, 128, dequant_tile=True))
+    for dtype in (torch.bfloat16, torch.float16):
+        for rows in (1, 33, 300):
+            x = torch.randn(rows, k, device="cuda", dtype=dtype)
+            ref = fp8_linear_reference(x.float(), *args)
+            for config in configs:
+                got = fp8_linear(x, *args, config=config)
+                assert _rel(got, ref) <= 5e-3, f"{dtype} M={rows} {config}: {_rel(got, ref):.2e}"
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_fp8
+@pytest.mark.timeout(300)
+def test_gpu_fp8_linear_replays_from_a_cuda_graph_and_never_syncs():
+    """FP8Linear captured per M (decode buckets, a K-split shape, prefill), replayed with new rows copied in: the same
+    bits as eager; an eager call makes no host synchronisation; inside `eager_ops` it takes the dequantized path."""
+    for n, k in ((576, 7168), (2048, 2048)):
+        layer = _layer(n, k, (128, 128), bias=True)
+        for rows in (1, 64, 256, 1024):
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # compiles off the capture
+                layer(x)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static_out = layer(x)
+            for _ in range(2):
+                x.copy_(torch.randn(rows, k, device="cuda", dtype=torch.bfloat16))
+                graph.replay()
+                assert torch.equal(static_out, layer(x)), f"{n}x{k} M={rows}: replay differs from eager"
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    layer(x)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            syncs = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+            assert not syncs, f"{n}x{k} M={rows}: host syncs at {syncs}"
+            with eager_ops():
+                assert not layer.uses_kernel(x)
+                eager = layer(x)
+            assert _rel(layer(x), eager) <= 1e-2
