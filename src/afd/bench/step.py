@@ -22,6 +22,9 @@ timed as the decode rows, beside a uniform batch at their mean context (the same
 floor). The MLA decode kernel walks each sequence's own length, so the two should take about the same time; a
 ragged row far above its uniform one means the step pays for the longest context instead of the sum.
 
+Mixed (`mixed`: D decodes beside a C-token prompt chunk, afd.bench.mixed_step): at each context, the mixed step
+beside the D-decode step and the C-token prefill step timed alone, and their sum.
+
 Prefill: `batch x context` prompt tokens in one step (on CUDA through the prefill graphs, as served steps run; the
 eager decode rows use neither kind of graph), beside the larger of its compute floor (FLOPs at the
 matmul rate measured in the same run) and its weight-read floor.
@@ -41,6 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
+from afd.bench.mixed_step import format_mixed, mixed_row
 from afd.bench.offline import device_name
 from afd.engine.engine import Engine, LocalExchange, Request
 from afd.model.attention_side import AttentionModel, ModelConfig
@@ -225,6 +229,7 @@ def run_bench_step(
     contexts: list[int],
     prefills: list[tuple[int, int]],
     ragged: list[int] | None = None,
+    mixed: list[tuple[int, int]] | None = None,
     steps: int = 10,
     seed: int = 0,
     quantization: str | None = None,
@@ -232,7 +237,8 @@ def run_bench_step(
 ) -> dict:
     """Decode steps for every (batch, context), eager and graphed; with `ragged`, for every batch of at least
     `len(ragged)` sequences a batch alternating between those contexts beside a uniform one at their mean;
-    prefills; floors; one result dict."""
+    with `mixed` ((decodes, chunk) pairs), a mixed step at every context beside its halves timed alone; prefills;
+    floors; one result dict."""
     from afd.model.weights import load_attention_model, load_ffn_model
 
     say = progress or logger.info
@@ -249,16 +255,25 @@ def run_bench_step(
     # the drained steps, then the steady ones: no sequence may end inside a timed run (an overlapped step is
     # launched only while every sequence goes on after the one in flight)
     max_new = warmup + 2 * steps + 4
-    max_batch = max([*batches, *(b for b, _ in prefills), 1])
+    mixed = mixed or []
+    max_batch = max([*batches, *(b for b, _ in prefills), *(d + 1 for d, _ in mixed), 1])
     contexts_all = [*contexts, *(ragged or [])]
-    longest = max([*contexts_all, *(c for _, c in prefills), 1]) + max_new
+    longest = max([*contexts_all, *(c for _, c in prefills), *(c for _, c in mixed), 1]) + max_new
     block_size = 16
     num_blocks = max(max(batches, default=1) * -(-(max(contexts_all, default=1) + max_new) // block_size), 1)
     num_blocks = max(num_blocks, max((b * -(-(c + 1) // block_size) for b, c in prefills), default=1))
+    for d, c in mixed:  # the decodes at the longest context beside the chunk
+        per_decode = -(-(max(contexts, default=1) + max_new) // block_size)
+        num_blocks = max(num_blocks, d * per_decode + -(-(c + 1) // block_size))
     engine = Engine(
         attn,
         LocalExchange(ffn),
-        max(max((b * c for b, c in prefills), default=1), max(contexts_all, default=1) + 1, max_batch),
+        max(
+            max((b * c for b, c in prefills), default=1),
+            max(contexts_all, default=1) + 1,
+            max_batch,
+            max((d + c for d, c in mixed), default=1),
+        ),
         max_num_seqs=max_batch,
         num_blocks=num_blocks,
         block_size=block_size,
@@ -288,6 +303,7 @@ def run_bench_step(
         ),
         "decode": [],
         "ragged": [],
+        "mixed": [],
         "prefill": [],
     }
 
@@ -351,6 +367,9 @@ def run_bench_step(
             row[f"{mode}_over_uniform"] = ms / base if ms and base else None
         result["ragged"].append(row)
     engine.cuda_graphs, engine.prefill_graphs = graphs, prefill_graphs
+    for (decodes, chunk), context in ((m, c) for m in mixed for c in contexts):
+        say(f"mixed: {decodes} decodes at context {context} beside a {chunk}-token chunk ...")
+        result["mixed"].append(mixed_row(engine, decodes, context, chunk, steps, gen))
     for batch, context in prefills:
         say(f"prefill: {batch} x {context} tokens ...")
         times = []
@@ -393,7 +412,7 @@ def _ms(value: float | None) -> str:
 
 def format_bench_step(result: dict) -> str:
     """The result as a table: one line per decode (batch, context), one per ragged batch beside its uniform
-    batch at the mean context, then one per prefill."""
+    batch at the mean context, one per mixed step beside its halves, then one per prefill."""
     lines = [
         f"{result['model']} {result['dtype']}{' (fp8 weights)' if result.get('fp8_weights') else ''} on "
         f"{result['device']} (torch {result['torch']}): copy "
@@ -426,6 +445,7 @@ def format_bench_step(result: dict) -> str:
                 f"{_ms(r['eager_ms']):>9} {_ms(r['uniform_eager_ms']):>9} {_ms(r['graph_ms']):>9} "
                 f"{_ms(r['uniform_graph_ms']):>9} {ratio:>13}"
             )
+    lines += format_mixed(result.get("mixed", []))
     if result["prefill"]:
         lines.append(
             f"{'prefill':<8} {'batch':>5} {'context':>7} {'ms':>9} {'TFLOP':>9} {'floor ms':>9} {'ms/floor':>11}"

@@ -76,6 +76,20 @@ def add_bench_parser(sub) -> None:
     cli_serve.add_bench_serve_parser(steps)
 
 
+def mixed_list(text: str) -> list[tuple[int, int]]:
+    """An argparse type: comma-separated DxC pairs (D decodes beside a C-token chunk), or one sentence."""
+    pairs = []
+    for item in text.split(","):
+        d, _, c = item.strip().lower().partition("x")
+        if not all(t.isascii() and t.isdigit() and 0 < len(t) <= 9 and int(t) > 0 for t in (d, c)):
+            raise argparse.ArgumentTypeError(
+                f"--mixed takes DxC pairs (D decodes beside a C-token chunk) separated by ',' (e.g. 256x1792), "
+                f"got {text!r}"
+            )
+        pairs.append((int(d), int(c)))
+    return pairs
+
+
 def _add_step_parsers(steps) -> None:
     """Register `step` and `exchange` under `afd bench`'s sub-commands."""
     s = steps.add_parser("step", help="the reference engine's step time beside its memory-bound floor")
@@ -93,6 +107,13 @@ def _add_step_parsers(steps) -> None:
         type=size_list("--contexts"),
         help="also a ragged decode row per --batch: sequences alternating between these contexts (e.g. 512,3584), "
         "beside a uniform batch at their mean context (the same total context)",
+    )
+    s.add_argument(
+        "--mixed",
+        type=mixed_list,
+        default=[],
+        help="also a mixed step per --context: D decodes beside a fresh C-token prompt chunk (DxC, e.g. 256x1792; "
+        "comma-separated), beside the D-decode step and the C-token prefill step timed alone and their sum",
     )
     s.add_argument(
         "--steps", type=positive_int, default=10, help="timed steps per point (their mean; isolated: their median)"
@@ -176,7 +197,7 @@ def cmd_bench_step(args: argparse.Namespace) -> int:
             f"--contexts alternates between {len(ragged)} contexts: it needs a --batch of at least {len(ragged)} "
             f"sequences, got {','.join(map(str, args.batch))}"
         )
-    longest = max([*args.context, *ragged, *(c for _, c in args.prefill)])
+    longest = max([*args.context, *ragged, *(c for _, c in args.prefill), *(c for _, c in args.mixed)])
     check_prompts(args.model, [[0] * longest], args.device, args.steps + 4)  # the decode steps go past the context
     result = run_bench_step(
         model=args.model,
@@ -186,6 +207,7 @@ def cmd_bench_step(args: argparse.Namespace) -> int:
         contexts=args.context,
         prefills=args.prefill,
         ragged=ragged or None,
+        mixed=args.mixed,
         steps=args.steps,
         quantization=args.quantization,
         progress=lambda msg: print(f"[afd bench step] {msg}", file=sys.stderr, flush=True),

@@ -62,14 +62,16 @@ def graph_memory_estimate(config: ModelConfig, dtype: torch.dtype, max_tokens: i
     the answer, the routing, the inputs, the padding mask), about eight hidden-size temporaries in the graphs'
     pool, and each bucket's output (the buckets sum to under seven times the largest). `moe_inside`: also the
     MoE's temporaries in the pool (`moe_graph_bytes_per_token`), which the eager step's own estimate does not cover
-    (a graph pool is private).
+    (a graph pool is private), and for FP8 experts one layer's dequantized copy, twice over (prefill-sized FP8
+    experts are dequantized per call, afd.model.moe).
     """
     c = config
     rows = c.num_attention_heads * (c.qk_head_dim + c.v_head_dim) + c.kv_lora_rank + c.qk_rope_head_dim
     per_token = dtype.itemsize * (rows + 18 * c.hidden_size) + 12 * c.num_experts_per_tok + 25
-    if moe_inside:
-        per_token += moe_graph_bytes_per_token(config, dtype)
-    return max_tokens * per_token
+    if not moe_inside:
+        return max_tokens * per_token
+    dequantized = 0 if c.fp8_block is None else 2 * c.n_routed_experts * 3 * c.hidden_size * c.moe_intermediate_size
+    return max_tokens * (per_token + moe_graph_bytes_per_token(config, dtype)) + dequantized * dtype.itemsize
 
 
 def moe_graph_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
