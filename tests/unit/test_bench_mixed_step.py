@@ -1,6 +1,6 @@
-"""`afd bench step --mixed DxC` (afd.bench.mixed_step) on the tiny model (CPU): the mixed step really holds D decodes
-beside one C-token chunk, its halves are timed alone, the row and its table line carry the sum and the ratio, and a
-bad value is refused in one sentence."""
+"""`afd bench step --mixed DxC` (afd.bench.step.mixed_row, afd.bench.mixed_step) on the tiny model (CPU): the mixed
+step really holds D decodes beside one C-token chunk, its halves are timed alone, the row and its table line carry the
+sum and the ratio, and a bad value is refused in one sentence."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import pytest
 import torch
 from helpers.cli import main_exit
 
-from afd.bench.mixed_step import mixed_row
-from afd.bench.step import format_bench_step, run_bench_step
+from afd.bench.step import format_bench_step, mixed_row, run_bench_step
 from afd.engine.engine import Engine, LocalExchange
 from afd.model.weights import load_attention_model, load_ffn_model
 
@@ -27,7 +26,7 @@ def test_mixed_row_times_a_mixed_step_beside_its_halves() -> None:
         return launch(scheduled, *args, **kwargs)
 
     engine.runner.launch = record
-    row = mixed_row(engine, 3, 5, 8, 2, torch.Generator().manual_seed(0))
+    row = mixed_row(engine, 3, 5, 8, 2, torch.Generator().manual_seed(0), 10)
     assert launched == [[1, 1, 1]] * 3 + [[1, 1, 1, 8]] * 3 + [[8]] * 3
     assert row["decodes"] == 3 and row["context"] == 5 and row["chunk"] == 8 and row["tokens"] == 11
     assert row["mixed_ms"] > 0 and row["decode_ms"] > 0 and row["prefill_ms"] > 0

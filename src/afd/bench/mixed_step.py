@@ -1,5 +1,6 @@
-"""`afd bench step --mixed DxC`: one step of D decodes beside a fresh C-token prompt chunk, timed beside the same
-D-decode step and the same C-token prefill step measured alone, and their sum.
+"""Timing of `afd bench step --mixed DxC` (the row itself: `afd.bench.step.mixed_row`): one step of D decodes beside a
+fresh C-token prompt chunk, timed beside the same D-decode step and the same C-token prefill step measured alone,
+and their sum.
 
 Why: under load almost every served step is mixed, so a mixed step should cost about what its two halves cost
 apart; a ratio well above 1 means the mixed step pays for something the halves do not (host-bound pieces, a lost
@@ -23,7 +24,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed_prompt_steps(engine: Engine, chunk: int, steps: int, gen: torch.Generator, running: int) -> float:
+def timed_prompt_steps(engine: Engine, chunk: int, steps: int, gen: torch.Generator, running: int) -> float:
     """Median seconds of `steps` steps (after one warm-up) that each admit a fresh `chunk`-token prompt of one
     output token beside the `running` sequences already decoding; each must finish its prompt in that step."""
     times = []
@@ -39,23 +40,25 @@ def _timed_prompt_steps(engine: Engine, chunk: int, steps: int, gen: torch.Gener
     return statistics.median(times[1:])
 
 
-def mixed_row(engine: Engine, decodes: int, context: int, chunk: int, steps: int, gen: torch.Generator) -> dict:
-    """Time the mixed step of `decodes` decodes at `context` cached tokens beside a `chunk`-token prompt, the decode
-    step alone and the prefill step alone (ms); `engine`'s budget must hold decodes + chunk tokens."""
-    from afd.bench.step import _drop_all, _seed_decodes, _timed_steps
+def time_decodes_and_mixed(engine: Engine, chunk: int, steps: int, gen: torch.Generator) -> tuple[float, float]:
+    """With decodes seeded and overlapped steps off: the median ms of `steps` decode steps (after a warm-up, their
+    graph captured first), then of `steps` mixed steps that each add a fresh `chunk`-token prompt beside them."""
+    decodes = len(engine.running)
+    if engine.cuda_graphs is not None:
+        engine.cuda_graphs.capture_for(decodes)
+    times = []
+    for _ in range(steps + 1):
+        _sync(engine.device)
+        start = time.perf_counter()
+        engine.step()
+        _sync(engine.device)
+        times.append(time.perf_counter() - start)
+    decode_ms = statistics.median(times[1:]) * 1e3
+    return decode_ms, timed_prompt_steps(engine, chunk, steps, gen, decodes) * 1e3
 
-    overlap, engine.overlap_steps = engine.overlap_steps, False
-    try:
-        _seed_decodes(engine, [context] * decodes, 2 * steps + 4, gen)
-        if engine.cuda_graphs is not None:
-            engine.cuda_graphs.capture_for(decodes)
-        engine.step()  # warm-up
-        decode_ms = _timed_steps(engine, steps) * 1e3
-        mixed_ms = _timed_prompt_steps(engine, chunk, steps, gen, decodes) * 1e3
-        _drop_all(engine)
-        prefill_ms = _timed_prompt_steps(engine, chunk, steps, gen, 0) * 1e3
-    finally:
-        engine.overlap_steps = overlap
+
+def mixed_fields(decodes: int, context: int, chunk: int, decode_ms: float, mixed_ms: float, prefill_ms: float) -> dict:
+    """One mixed row: the three times, their sum and the mixed step over it."""
     total = decode_ms + prefill_ms
     return {
         "decodes": decodes,

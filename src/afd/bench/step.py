@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from afd.bench.mixed_step import format_mixed, mixed_row
+from afd.bench.mixed_step import format_mixed, mixed_fields, time_decodes_and_mixed, timed_prompt_steps
 from afd.bench.offline import device_name
 from afd.engine.engine import Engine, LocalExchange, Request
 from afd.model.attention_side import AttentionModel, ModelConfig
@@ -220,6 +220,22 @@ def _drop_all(engine: Engine) -> None:
         engine.free(seq)
 
 
+def mixed_row(
+    engine: Engine, decodes: int, context: int, chunk: int, steps: int, gen: torch.Generator, max_new: int
+) -> dict:
+    """The mixed step of `decodes` decodes at `context` beside a `chunk`-token prompt, the decode step alone and the
+    prefill step alone (afd.bench.mixed_step), overlapped steps off; the engine's budget holds decodes + chunk."""
+    overlap, engine.overlap_steps = engine.overlap_steps, False
+    try:
+        _seed_decodes(engine, [context] * decodes, max_new, gen)
+        decode_ms, mixed_ms = time_decodes_and_mixed(engine, chunk, steps, gen)
+        _drop_all(engine)
+        prefill_ms = timed_prompt_steps(engine, chunk, steps, gen, 0) * 1e3
+    finally:
+        engine.overlap_steps = overlap
+    return mixed_fields(decodes, context, chunk, decode_ms, mixed_ms, prefill_ms)
+
+
 def run_bench_step(
     *,
     model: str,
@@ -369,7 +385,7 @@ def run_bench_step(
     engine.cuda_graphs, engine.prefill_graphs = graphs, prefill_graphs
     for (decodes, chunk), context in ((m, c) for m in mixed for c in contexts):
         say(f"mixed: {decodes} decodes at context {context} beside a {chunk}-token chunk ...")
-        result["mixed"].append(mixed_row(engine, decodes, context, chunk, steps, gen))
+        result["mixed"].append(mixed_row(engine, decodes, context, chunk, steps, gen, max_new))
     for batch, context in prefills:
         say(f"prefill: {batch} x {context} tokens ...")
         times = []
