@@ -29,6 +29,7 @@ from afd.engine.model_runner import (  # noqa: F401 - LocalExchange and launch_s
     ModelRunner,
     launch_sampling,
     prefill_graph_copies,
+    prefill_moe_inside,
     step_activation_bytes,
 )
 from afd.engine.request import EngineLoad, Output, Request, StepToken
@@ -94,7 +95,9 @@ class Engine:
             max_model_len=self.max_model_len,
             max_cache_tokens=max_cache_tokens,
             gpu_memory_utilization=gpu_memory_utilization,
-            activation_bytes=step_activation_bytes(config, dtype, max_num_batched_tokens, copies),
+            activation_bytes=step_activation_bytes(
+                config, dtype, max_num_batched_tokens, copies, moe_inside=prefill_moe_inside(exchange)
+            ),
         )
         logger.info("KV cache: %s", self.kv_cache.describe())
         self.block_manager = BlockManager(self.kv_cache)

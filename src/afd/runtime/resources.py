@@ -307,7 +307,7 @@ def replica_memory(
     """One replica's memory on a GPU of `device_bytes`, as its engine will size its cache: its share of the GPU
     (`gpu_memory_utilization` over the ranks on that GPU) less its weights (`whole_model`: attention and every
     expert; else the attention side) and the fixed overhead; the activations per budget token as the engine
-    estimates them (with one prefill graph runner)."""
+    estimates them (with one prefill graph runner, holding the MoE when the replica is the whole model)."""
     import torch
 
     from afd.engine.model_runner import step_activation_bytes
@@ -320,7 +320,7 @@ def replica_memory(
         device_bytes=device_bytes,
         cache_bytes=share - weights - CUDA_DEVICE_OVERHEAD,
         kv_bytes_per_token=kv_bytes_per_token(config, dtype),
-        activation_bytes_per_token=step_activation_bytes(config, getattr(torch, dtype), 1, 1),
+        activation_bytes_per_token=step_activation_bytes(config, getattr(torch, dtype), 1, 1, moe_inside=whole_model),
     )
 
 
