@@ -75,6 +75,17 @@ def add_planning_parsers(sub) -> None:
     )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the parts are measured")
     p.add_argument("--no-exchange", action="store_true", help="leave the p2p / async round trips out")
+    p.add_argument(
+        "--no-calibration",
+        action="store_true",
+        help="skip serving the calibration trace (the profile then carries no serving cost beyond its parts)",
+    )
+    p.add_argument(
+        "--calibration-requests", type=positive_int, default=128, help="requests of the calibration trace per rate"
+    )
+    p.add_argument(
+        "--calibration-rates", type=rate_list, default=[math.inf, 8.0], help="rates of the calibration trace (req/s)"
+    )
     p.add_argument("--output", "-o", required=True, help="the profile JSON to write")
     p.set_defaults(func=cmd_profile, starts_ranks=False)
 
@@ -182,9 +193,23 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     if args.device == "cuda" and args.dtype == "float32":
         args.dtype = "bfloat16"
-    profile = measure_profile(
-        args.model, args.dtype, args.device, exchange=not args.no_exchange, say=lambda m: print(m, file=sys.stderr)
-    )
+    if not Path(args.output).resolve().parent.is_dir():
+        raise UsageError(f"--output {args.output}: the directory {Path(args.output).resolve().parent} does not exist")
+    failures: tuple[type[BaseException], ...] = (TimeoutError,)
+    if not args.no_calibration:  # the calibration serves a trace: afd serve and afd bench serve's client
+        from afd.bench.serve_client import BenchError
+        from afd.serve.run import ServeError
+
+        failures += (ServeError, BenchError)
+    try:
+        profile = measure_profile(
+            args.model, args.dtype, args.device, exchange=not args.no_exchange, calibrate=not args.no_calibration,
+            calibration_requests=args.calibration_requests, calibration_rates=tuple(args.calibration_rates),
+            say=lambda m: print(m, file=sys.stderr),
+        )  # fmt: skip
+    except failures as exc:
+        print(f"afd: error: the calibration trace failed: {exc}", file=sys.stderr)
+        return 1
     profile.save(args.output)
     print(f"wrote {args.output}")
     return 0

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from afd.model.config import ModelConfig
-from afd.planning.profile import Part, Profile
+from afd.planning.profile import Calibration, Part, Profile
 
 WEIGHT_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "fp8": 1.0 + 4.0 / (128 * 128)}  # fp8: + block scales
 GPU_MEMORY_UTILIZATION = 0.9  # the engine's default share of a GPU's memory
@@ -130,13 +130,23 @@ def attention_step_s(
     p: Profile, s: Shapes, batch: int, ctx_tokens: float, prefill_tokens: int, prefill_pairs: float
 ) -> float:
     """Seconds of one attention-side step: `batch` decode rows over `ctx_tokens` cached latents, plus
-    `prefill_tokens` prompt tokens with `prefill_pairs` attended pairs. Zero for an empty step."""
+    `prefill_tokens` prompt tokens with `prefill_pairs` attended pairs (each part's `per_item_s` per decode row,
+    per prompt token). Zero for an empty step."""
     if batch + prefill_tokens == 0:
         return 0.0
-    t = p.part("attention_decode").time(decode_bytes(s, ctx_tokens), decode_flops(s, batch, ctx_tokens))
+    t = p.part("attention_decode").time(decode_bytes(s, ctx_tokens), decode_flops(s, batch, ctx_tokens), batch)
     if prefill_tokens:
-        t += p.part("prefill").time(0.0, prefill_flops(s, prefill_tokens, prefill_pairs))
+        t += p.part("prefill").time(0.0, prefill_flops(s, prefill_tokens, prefill_pairs), prefill_tokens)
     return t
+
+
+def serving_s(cal: Calibration, tokens_out: int, admitted: int, held: int = 0) -> float:
+    """What serving adds to an engine step beyond its parts (the profile's calibration): the step's own cost, each
+    token it streams out, each request it admits, each request the replica holds (running or waiting). Zero for an
+    empty step."""
+    if tokens_out == 0 and admitted == 0:
+        return 0.0
+    return cal.step_s + cal.token_s * tokens_out + cal.request_s * admitted + cal.held_s * held
 
 
 # ---------------------------------------------------------------- the FFN side

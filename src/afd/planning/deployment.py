@@ -142,6 +142,9 @@ class StepLoad:
     prefill: int
     pairs: float
     seqs: int
+    emitted: int = 0  # tokens the step streams out (decodes, and prompts it completes)
+    admitted: int = 0  # requests the step admits
+    held: int = 0  # requests the replica holds while the step runs (running and waiting)
 
     @property
     def tokens(self) -> int:
@@ -163,7 +166,8 @@ class StepCosts:
         self.cross_node = span > d.gpus_per_node
 
     def _host(self, load: StepLoad) -> float:
-        return self._host_fixed + self._host_item * load.seqs
+        serving = costs.serving_s(self.p.calibration, load.emitted, load.admitted, load.held)
+        return self._host_fixed + self._host_item * load.seqs + serving
 
     def _attention(self, load: StepLoad) -> float:
         return costs.attention_step_s(self.p, self.s, load.batch, load.ctx, load.prefill, load.pairs)

@@ -22,12 +22,17 @@ from afd.bench.offline import device_name
 from afd.bench.step import run_bench_step
 from afd.model.weights import load_ffn_model, load_model_config
 from afd.planning import costs
-from afd.planning.profile import Link, Part, Profile, fit_part
+from afd.planning.profile import Calibration, Link, Part, Profile, fit_part, relative_errors
 from afd.routing import Routing
 
 logger = logging.getLogger(__name__)
 
-CPU_SHAPES = {"batches": [1, 4, 16, 32], "contexts": [32, 128], "prefills": [(1, 64), (4, 64)], "tokens": [1, 8, 64]}
+CPU_SHAPES = {
+    "batches": [1, 4, 16, 64, 128, 256],
+    "contexts": [32, 256],
+    "prefills": [(1, 32), (1, 128), (4, 64), (8, 128), (16, 128)],
+    "tokens": [1, 8, 64, 256],
+}
 GPU_SHAPES = {
     "batches": [1, 8, 64, 256],
     "contexts": [512, 2048],
@@ -77,13 +82,34 @@ def _expert_rows(model: str, dtype: str, device: str, tokens: list[int], iters: 
     return routed, shared
 
 
+def format_residuals(name: str, labels: list[str], part: Part, rows, items: list[float] | None = None) -> str:
+    """One line per measured point: its label, measured and fitted ms, the relative error; then the worst."""
+    errs = relative_errors(part, rows, items)
+    counts = items if items is not None else [0.0] * len(rows)
+    lines = [f"{name} fit: {part}"]
+    for label, (b, f, sec), n, e in zip(labels, rows, counts, errs, strict=True):
+        lines.append(f"  {label:<24} measured {sec * 1e3:9.3f} ms  fit {part.time(b, f, n) * 1e3:9.3f} ms  {e:6.1%}")
+    lines.append(f"  worst {max(errs, default=0.0):.1%}")
+    return "\n".join(lines)
+
+
 def measure_profile(
-    model: str, dtype: str, device: str, *, exchange: bool = True, say: Callable[[str], None] = logger.info
+    model: str,
+    dtype: str,
+    device: str,
+    *,
+    exchange: bool = True,
+    calibrate: bool = True,
+    calibration_requests: int = 128,
+    calibration_rates: tuple[float, ...] = (float("inf"), 8.0),
+    say: Callable[[str], None] = logger.info,
 ) -> Profile:
-    """Measure every part on this machine and fit it; `exchange=False` leaves the exchange parts out."""
+    """Measure every part on this machine and fit it; `exchange=False` leaves the exchange parts out;
+    `calibrate` then serves a short trace (`afd serve`, none R=1) and fits what serving adds (`Calibration`)."""
     shapes = GPU_SHAPES if device == "cuda" else CPU_SHAPES
-    s = costs.shapes_of(load_model_config(model), dtype)
-    steps = 10 if device == "cuda" else 4
+    config = load_model_config(model)
+    s = costs.shapes_of(config, dtype)
+    steps = 10  # the step rows are medians of this many (isolated) steps
     say("experts: one layer's routed and shared passes ...")
     routed_rows, shared_rows = _expert_rows(model, dtype, device, shapes["tokens"], steps)
     routed, shared = fit_part(routed_rows), fit_part(shared_rows) if shared_rows else Part()
@@ -93,21 +119,30 @@ def measure_profile(
         model=model, dtype=dtype, device=device, batches=shapes["batches"], contexts=shapes["contexts"],
         prefills=shapes["prefills"], steps=steps, progress=say,
     )  # fmt: skip
-    mode = "graph_ms" if device == "cuda" else "eager_ms"
-    attn_rows = []
+    # CPU: the median of isolated steps (a mean of consecutive ones carries whatever else ran on the 2 cores)
+    mode = "graph_ms" if device == "cuda" else "eager_isolated_ms"
+    attn_rows, batches, labels = [], [], []
     for row in step["decode"]:
         b, ctx = row["batch"], row["batch"] * (row["context"] + 1)
         ffn = s.moe_layers * (costs.routed_pass_s(p, s, b, s.num_experts) + costs.shared_pass_s(p, s, b))
         sec = (row[mode] or row["eager_ms"]) * 1e-3 - ffn
         attn_rows.append((costs.decode_bytes(s, ctx), costs.decode_flops(s, b, ctx), max(sec, 1e-6)))
-    attention = fit_part(attn_rows)
-    prefill_rows = []
+        batches.append(float(b))
+        labels.append(f"batch {b} context {row['context']}")
+    # against batch and total context: the per-row cost (python, sampling) beside bytes and FLOPs
+    attention = fit_part(attn_rows, items=batches, relative=True)
+    say(format_residuals("attention_decode", labels, attention, attn_rows, batches))
+    prefill_rows, tokens, labels = [], [], []
     for row in step["prefill"]:
         t, pairs = row["tokens"], row["batch"] * costs.chunk_pairs(0, row["context"])
         ffn = s.moe_layers * (costs.routed_pass_s(p, s, t, s.num_experts) + costs.shared_pass_s(p, s, t))
         left = row["ms"] * 1e-3 - ffn - attention.time(costs.decode_bytes(s, 0), 0.0)
         prefill_rows.append((0.0, costs.prefill_flops(s, t, pairs), max(left, 1e-6)))
-    parts = {**p.parts, "attention_decode": attention, "prefill": fit_part(prefill_rows, fixed=False)}
+        tokens.append(float(t))
+        labels.append(f"prefill {row['batch']} x {row['context']}")
+    prefill = fit_part(prefill_rows, fixed=False, items=tokens, relative=True)
+    say(format_residuals("prefill", labels, prefill, prefill_rows, tokens))
+    parts = {**p.parts, "attention_decode": attention, "prefill": prefill}
     if exchange:
         say("exchange round trips, p2p and async ...")
         ex = run_bench_exchange(
@@ -128,4 +163,36 @@ def measure_profile(
     }
     memory = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else 16e9
     source = f"afd profile --model {model} --dtype {dtype} --device {device}"
-    return Profile(machine, parts, source, dtype, float(memory), 0.0, Link())
+    profile = Profile(machine, parts, source, dtype, float(memory), 0.0, Link())
+    if not calibrate:
+        return profile
+    return measure_calibration(profile, model, dtype, device, calibration_requests, calibration_rates, say)
+
+
+def measure_calibration(
+    profile: Profile,
+    model: str,
+    dtype: str,
+    device: str,
+    requests: int,
+    rates: tuple[float, ...],
+    say: Callable[[str], None] = logger.info,
+) -> Profile:
+    """Serve the calibration trace on this machine and fit what the simulator must add to the parts to hold it."""
+    from dataclasses import replace
+
+    from afd.planning import calibrate
+    from afd.planning.deployment import Deployment
+    from afd.runtime.limits import DEFAULT_MAX_NUM_SEQS, LARGE_BUDGET, SMALL_BUDGET
+
+    config = load_model_config(model)
+    trace = calibrate.calibration_trace(requests, rates)
+    budget = SMALL_BUDGET if device == "cpu" else LARGE_BUDGET
+    d = Deployment("none", max_num_seqs=DEFAULT_MAX_NUM_SEQS, max_num_batched_tokens=budget)
+    say(f"calibration: serving {requests} requests at {', '.join(map(str, rates))} req/s (afd serve, none R=1) ...")
+    runs = calibrate.serve_trace(model, dtype, device, trace, d, config.vocab_size, config.max_position_embeddings)
+    cal: Calibration = calibrate.fit_calibration(
+        profile, costs.shapes_of(config, dtype), d, trace, runs, config.vocab_size
+    )
+    say(calibrate.format_calibration(cal))
+    return replace(profile, calibration=cal, source=profile.source + " (calibrated against afd serve)")

@@ -9,11 +9,14 @@ JSON (`FORMAT`): `{"format", "machine": {...}, "source", "dtype", "gpu_memory_by
 - `exchange_p2p`, `exchange_async`: one layer's round trip against the bytes both ways.
 - `launch`: `fixed_s` is the host floor of one eagerly launched layer (micro-batched steps run eagerly).
 - `host`: the serving loop's cost per step (`fixed_s`) and per scheduled sequence (`per_item_s`) beyond the step.
+`calibration` (optional; absent = zeros): what a served trace spends beyond the parts, fitted by `afd profile`
+against `afd serve` on this machine (`Calibration`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,6 +32,7 @@ PARTS = (
     "launch",
     "host",
 )
+logger = logging.getLogger(__name__)
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
 DEFAULT_PROFILE = "h200"
 
@@ -66,6 +70,27 @@ class Link:
 
 
 @dataclass(frozen=True)
+class Calibration:
+    """What serving spends beyond the step's parts, fitted from a real served trace: per engine step (`step_s`),
+        per token streamed out (`token_s`: detokenizing, the stream, the front end's share of the cores), per request
+        (`request_s`: HTTP, tokenizing, admission), per request held per step (`held_s`: every open stream and queued
+    request the server tends while a step runs) — each added to the step it happens in — and `front_end_s`, latency
+        added to every time to first token without taking the engine's time. `fit` records the trace and how well
+        the simulator held it after the fit; zeros mean not calibrated."""
+
+    step_s: float = 0.0
+    token_s: float = 0.0
+    request_s: float = 0.0
+    front_end_s: float = 0.0
+    held_s: float = 0.0  # per request the replica holds (running or waiting), per step
+    fit: dict = field(default_factory=dict)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.step_s or self.token_s or self.request_s or self.front_end_s or self.held_s)
+
+
+@dataclass(frozen=True)
 class Profile:
     machine: dict
     parts: dict[str, Part]
@@ -74,6 +99,7 @@ class Profile:
     gpu_memory_bytes: float = 141e9
     front_end_s: float = 0.0
     link: Link = field(default_factory=Link)
+    calibration: Calibration = field(default_factory=Calibration)
 
     def part(self, name: str) -> Part:
         return self.parts.get(name, Part())
@@ -88,6 +114,7 @@ class Profile:
             "front_end_s": self.front_end_s,
             "link": asdict(self.link),
             "parts": {k: asdict(v) for k, v in self.parts.items()},
+            "calibration": asdict(self.calibration),
         }
 
     @classmethod
@@ -100,6 +127,7 @@ class Profile:
         try:
             parts = {k: Part(**v) for k, v in d["parts"].items()}
             link = Link(**d.get("link", {}))
+            calibration = Calibration(**d["calibration"]) if "calibration" in d else Calibration()
         except TypeError as exc:
             raise ProfileError(f"{where}: {exc}") from None
         return cls(
@@ -110,6 +138,7 @@ class Profile:
             gpu_memory_bytes=float(d.get("gpu_memory_bytes", 141e9)),
             front_end_s=float(d.get("front_end_s", 0.0)),
             link=link,
+            calibration=calibration,
         )
 
     def save(self, path: str | Path) -> None:
@@ -130,25 +159,42 @@ def load_profile(name_or_path: str | Path | None = None) -> Profile:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ProfileError(f"cannot read profile {path}: {exc}") from None
-    return Profile.from_json(data, str(path))
+    profile = Profile.from_json(data, str(path))
+    if "calibration" not in data:
+        logger.info("profile %s has no calibration (an older profile): serving costs beyond its parts count 0", path)
+    return profile
 
 
-def fit_part(rows: list[tuple[float, float, float]], *, fixed: bool = True) -> Part:
-    """Least squares of `seconds ≈ fixed + bytes / bw + flops / peak` over `(bytes, flops, seconds)` rows, every
-    coefficient kept non-negative (a negative one is dropped and the rest refitted): pure, small, exact enough."""
+def fit_part(
+    rows: list[tuple[float, float, float]],
+    *,
+    fixed: bool = True,
+    items: list[float] | None = None,
+    relative: bool = False,
+) -> Part:
+    """Least squares of `seconds ≈ fixed + bytes / bw + flops / peak (+ items · per_item)` over `(bytes, flops,
+    seconds)` rows (`items`: one count per row, e.g. the batch, for a per-row cost the FLOPs do not explain), every
+    coefficient kept non-negative (the most negative one is dropped and the rest refitted). `relative`: each row
+    weighted by 1 / seconds, so a short step's error counts as much as a long one's (noisy CPU timings)."""
     import numpy as np
 
-    names = ["fixed", "bytes", "flops"]
-    active = [n for n in names if (n != "fixed" or fixed)]
-    cols = {"fixed": [1.0] * len(rows), "bytes": [r[0] for r in rows], "flops": [r[1] for r in rows]}
-    y = np.array([r[2] for r in rows], dtype=float)
+    names = ["fixed", "bytes", "flops", "items"]
+    active = [n for n in names if (n != "fixed" or fixed) and (n != "items" or items is not None)]
+    cols = {
+        "fixed": [1.0] * len(rows),
+        "bytes": [r[0] for r in rows],
+        "flops": [r[1] for r in rows],
+        "items": list(items) if items is not None else [0.0] * len(rows),
+    }
+    w = np.array([1.0 / r[2] if relative and r[2] > 0 else 1.0 for r in rows], dtype=float)
+    y = np.array([r[2] for r in rows], dtype=float) * w
     coef: dict[str, float] = {}
     while active:
         active = [n for n in active if any(cols[n])]
         if not active:
             break
         scale = np.array([max(abs(v) for v in cols[n]) for n in active])
-        a = np.array([cols[n] for n in active], dtype=float).T / scale
+        a = np.array([cols[n] for n in active], dtype=float).T / scale * w[:, None]
         sol, *_ = np.linalg.lstsq(a, y, rcond=None)
         sol = sol / scale
         if (sol >= 0).all():
@@ -160,9 +206,13 @@ def fit_part(rows: list[tuple[float, float, float]], *, fixed: bool = True) -> P
         fixed_s=inv["fixed"],
         bandwidth_Bps=1.0 / inv["bytes"] if inv["bytes"] > 0 else None,
         peak_flops=1.0 / inv["flops"] if inv["flops"] > 0 else None,
+        per_item_s=inv["items"],
     )
 
 
-def relative_errors(part: Part, rows: list[tuple[float, float, float]]) -> list[float]:
+def relative_errors(
+    part: Part, rows: list[tuple[float, float, float]], items: list[float] | None = None
+) -> list[float]:
     """|fit - measured| / measured per row (how well a fit holds its own points)."""
-    return [abs(part.time(b, f) - s) / s if s > 0 else math.inf for b, f, s in rows]
+    counts = items if items is not None else [0.0] * len(rows)
+    return [abs(part.time(b, f, n) - s) / s if s > 0 else math.inf for (b, f, s), n in zip(rows, counts, strict=True)]

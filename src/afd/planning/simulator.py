@@ -59,13 +59,14 @@ class _Replica:
         decodes = [q for q in self.running if q.cached >= q.prompt][:budget]
         budget -= len(decodes)
         ctx = sum(q.cached + 1 for q in decodes)
-        chunks, prefill, pairs = [], 0, 0.0
+        chunks, prefill, pairs, done, admitted = [], 0, 0.0, 0, 0
         for q in self.running:
             if budget == 0:
                 break
             if q.cached < q.prompt:
                 n = min(q.prompt - q.cached, budget)
                 chunks.append((q, n))
+                done += q.cached + n == q.prompt
                 prefill, pairs, budget = prefill + n, pairs + chunk_pairs(q.cached, n), budget - n
         while budget > 0 and self.waiting and len(self.running) < self.max_seqs:
             q = self.waiting[0]
@@ -76,8 +77,12 @@ class _Replica:
             self.running.append(q)
             n = min(q.prompt, budget)
             chunks.append((q, n))
+            done, admitted = done + (n == q.prompt), admitted + 1
             prefill, pairs, budget = prefill + n, pairs + chunk_pairs(0, n), budget - n
-        return _Plan(decodes, chunks, StepLoad(len(decodes), ctx, prefill, pairs, len(decodes) + len(chunks)))
+        seqs = len(decodes) + len(chunks)
+        held = len(self.running) + len(self.waiting)
+        load = StepLoad(len(decodes), ctx, prefill, pairs, seqs, len(decodes) + done, admitted, held)
+        return _Plan(decodes, chunks, load)
 
     def finish(self, plan: _Plan, t: float) -> int:
         """Apply a step that ended at `t`; the number of requests it finished."""
@@ -129,6 +134,7 @@ def simulate_rate(
         ep_scale, n_rep = n_rep / EP_SIMULATED_REPLICAS, EP_SIMULATED_REPLICAS
         arrivals = [a * ep_scale for a in arrivals]  # the simulated replicas get their share of the load
     cost = StepCosts(d, s, p, ep_scale)
+    front_end = p.front_end_s + p.calibration.front_end_s  # before a request reaches its replica
     reps = [_Replica(d, num_blocks) for _ in range(n_rep)]
     if d.connector == "none" or d.connector == "async":
         per_group = 1 if d.connector == "none" else d.attention
@@ -142,7 +148,7 @@ def simulate_rate(
         blocks = -(-cap // d.block_size)
         if blocks > num_blocks:
             raise ValueError(f"request {i} needs {blocks} cache blocks but a replica holds {num_blocks}")
-        seqs.append(_Seq(i, n, m, a + p.front_end_s, blocks))
+        seqs.append(_Seq(i, n, m, a + front_end, blocks))
     order = sorted(range(len(seqs)), key=lambda i: seqs[i].arrival)
     events: list[tuple[float, int, int]] = []  # (time, kind: 0 step end, 1 arrival, 2 step start)
     for i in order:
@@ -199,9 +205,9 @@ def simulate_rate(
     for q in seqs:  # times from the client's send, as the bench measures them
         r = q.result
         if r.ttft_s is not None:
-            r.ttft_s += p.front_end_s
-            r.e2e_s = (r.e2e_s or 0.0) + p.front_end_s
-    end = max((q.arrival + (q.result.e2e_s or 0.0) - p.front_end_s for q in seqs), default=0.0)
+            r.ttft_s += front_end
+            r.e2e_s = (r.e2e_s or 0.0) + front_end
+    end = max((q.arrival + (q.result.e2e_s or 0.0) - front_end for q in seqs), default=0.0)
     wall = end - min(arrivals, default=0.0)
     return run_record(rate, results, wall / ep_scale)  # ep: the whole deployment serves ep_scale times as much
 

@@ -1,0 +1,209 @@
+"""The calibration stage of `afd profile`: a short real served trace against the simulator on the fitted parts.
+
+The parts measure afd's kernels and engine steps alone. A served replica spends more: the engine loop between
+steps, streaming and detokenizing every token, the HTTP front end parsing and tokenizing each request — on a small
+CPU host all of it on the same cores as the steps. `afd profile` starts `afd serve --connector none --replicas 1`
+through `afd bench serve`'s harness, sends a short trace, and fits what the simulator must add to hold it
+(`Calibration`: per step, per token streamed, per request, and latency before the first token) by a pattern search
+over the simulated trace. The fit's residuals are kept in the profile.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from afd.bench.workload import Workload
+from afd.planning.costs import Shapes
+from afd.planning.profile import Calibration, Profile
+
+logger = logging.getLogger(__name__)
+
+PARAMS = ("step_s", "token_s", "request_s", "held_s", "front_end_s")
+# what the fit holds the simulated trace to, per rate
+TARGETS = ("request_throughput", "ttft_p50_s", "tpot_p50_s", "e2e_p50_s")
+DEFAULT_REQUESTS = 128
+DEFAULT_RATES = (math.inf, 8.0)
+SEARCH_EVALS = 600  # simulations the pattern search may run
+
+
+@dataclass(frozen=True)
+class Trace:
+    """The served calibration trace: the workload (mixed lengths, its own seed) and the rates it is sent at."""
+
+    workload: Workload
+    rates: tuple[float, ...]
+
+
+def calibration_trace(requests: int = DEFAULT_REQUESTS, rates: tuple[float, ...] = DEFAULT_RATES) -> Trace:
+    """Mixed prompt lengths (median 32, capped at 256), 32 tokens out, seed 1: short enough for a CPU, varied
+    enough that steps of every kind (prefill, mixed, decode at small and large batches) occur."""
+    w = Workload("mixed", requests, long_len=256, short_len=32, max_tokens=32, seed=1, warmups=8)
+    return Trace(w, tuple(rates))
+
+
+def targets_of(runs: list[dict]) -> dict[tuple[str, str], float]:
+    """(rate, metric) → measured value for each calibration target a run has (positive values only)."""
+    out = {}
+    for run in runs:
+        for metric in TARGETS:
+            v = run["summary"].get(metric)
+            if v:
+                out[(str(run["rate"]), metric)] = float(v)
+    return out
+
+
+def loss(measured: dict[tuple[str, str], float], simulated: dict[tuple[str, str], float]) -> float:
+    """Sum of squared log ratios simulated / measured over the measured targets (a missing one counts as 10×)."""
+    total = 0.0
+    for key, m in measured.items():
+        s = simulated.get(key)
+        total += math.log(s / m) ** 2 if s and s > 0 else math.log(10.0) ** 2
+    return total
+
+
+def pattern_search(
+    evaluate: Callable[[dict[str, float]], float],
+    start: dict[str, float],
+    scales: dict[str, float],
+    *,
+    max_evals: int = SEARCH_EVALS,
+) -> tuple[dict[str, float], float]:
+    """Minimize `evaluate` over non-negative parameters: every parameter multiplied and divided by a factor (a zero
+    one tried at its scale, a non-zero one at zero too), the best move of the round kept, the factor shrunk when
+    none helps. Pure; deterministic."""
+    best, best_loss = dict(start), evaluate(start)
+    evals, factor = 1, 8.0
+    while evals < max_evals and factor > 1.01:
+        moves = []
+        for name, v in best.items():
+            values = [v * factor, v / factor, 0.0] if v > 0 else [scales[name], scales[name] / factor]
+            moves += [{**best, name: c} for c in values]
+        scored = []
+        for trial in moves:
+            if evals >= max_evals:
+                break
+            scored.append((evaluate(trial), trial))
+            evals += 1
+        value, trial = min(scored, key=lambda x: x[0], default=(math.inf, best))
+        if value < best_loss - 1e-12:
+            best, best_loss = trial, value
+        else:
+            factor = math.sqrt(factor)
+    return best, best_loss
+
+
+def simulated_targets(
+    profile: Profile, s: Shapes, deployment, trace: Trace, prompt_lens: list[int], cal: dict[str, float]
+) -> dict[tuple[str, str], float]:
+    """The calibration targets of the trace simulated on `profile` with calibration `cal`."""
+    from afd.planning.simulator import simulate_rate
+
+    p = replace(profile, calibration=Calibration(**cal))
+    runs = [simulate_rate(deployment, s, p, trace.workload, prompt_lens, rate) for rate in trace.rates]
+    return targets_of(runs)
+
+
+def fit_calibration(
+    profile: Profile, s: Shapes, deployment, trace: Trace, measured_runs: list[dict], vocab_size: int
+) -> Calibration:
+    """The `Calibration` that makes the simulated trace closest to the measured one (`measured_runs`: `afd bench
+    serve`'s runs of `trace`), starting from the excess wall time at the highest rate spread over its tokens."""
+    prompt_lens = [len(x) for x in trace.workload.prompts(vocab_size)]
+    measured = targets_of(measured_runs)
+    if not measured:
+        raise ValueError("the calibration trace measured nothing to fit")
+    zero = dict.fromkeys(PARAMS, 0.0)
+    kernels = simulated_targets(profile, s, deployment, trace, prompt_lens, zero)
+    fastest = str(measured_runs[0]["rate"])
+    tokens = sum(trace.workload.max_tokens_of())
+    wall_m = trace.workload.num_requests / measured.get((fastest, "request_throughput"), math.inf)
+    wall_s = trace.workload.num_requests / kernels.get((fastest, "request_throughput"), math.inf)
+    start = {**zero, "token_s": max(wall_m - wall_s, 0.0) / tokens}
+    tpot = max(measured.get((fastest, "tpot_p50_s"), 0.01), 1e-4)
+    ttft = (
+        min(v for (_, m), v in measured.items() if m == "ttft_p50_s")
+        if any(m == "ttft_p50_s" for _, m in measured)
+        else tpot
+    )
+    scales = {"step_s": tpot / 10, "token_s": tpot / 200, "request_s": tpot / 10, "held_s": tpot / 1000}
+    scales["front_end_s"] = ttft / 4
+
+    def evaluate(cal: dict[str, float]) -> float:
+        return loss(measured, simulated_targets(profile, s, deployment, trace, prompt_lens, cal))
+
+    # from the excess spread over the tokens, then over the steps' fixed cost, then per request: the best end
+    starts = [start, {**zero, "step_s": start["token_s"] * 4}, {**zero, "request_s": start["token_s"] * 32}]
+    starts.append({**zero, "held_s": start["token_s"] / 4})
+    best, best_loss = min(
+        (pattern_search(evaluate, x, scales, max_evals=SEARCH_EVALS // len(starts)) for x in starts),
+        key=lambda r: r[1],
+    )
+    fitted = simulated_targets(profile, s, deployment, trace, prompt_lens, best)
+    rows = [
+        {
+            "rate": rate,
+            "metric": metric,
+            "measured": m,
+            "kernels_only": kernels.get((rate, metric)),
+            "calibrated": fitted.get((rate, metric)),
+        }
+        for (rate, metric), m in measured.items()
+    ]
+    fit = {
+        "trace": trace.workload.describe() | {"rates": ["inf" if r == math.inf else r for r in trace.rates]},
+        "server": "afd serve --connector none --replicas 1",
+        "loss": best_loss,
+        "rows": rows,
+    }
+    return Calibration(**best, fit=fit)
+
+
+def format_calibration(cal: Calibration) -> str:
+    """The fitted costs, and per target measured / kernels-only / calibrated (the fit's residuals)."""
+    lines = [
+        f"calibration: {cal.step_s * 1e3:.3f} ms per step, {cal.token_s * 1e3:.3f} ms per token, "
+        f"{cal.request_s * 1e3:.3f} ms per request, {cal.held_s * 1e6:.2f} µs per request held per step, "
+        f"{cal.front_end_s * 1e3:.1f} ms before the first token",
+        f"{'rate':>6} {'metric':<20} {'measured':>10} {'kernels':>10} {'calibrated':>10} {'error':>7}",
+    ]
+    for r in cal.fit.get("rows", []):
+        k, c, m = r["kernels_only"], r["calibrated"], r["measured"]
+        err = f"{abs(c - m) / m * 100:.1f}%" if c is not None else "-"
+        ks = f"{k:.4g}" if k is not None else "-"
+        cs = f"{c:.4g}" if c is not None else "-"
+        lines.append(f"{r['rate']!s:>6} {r['metric']:<20} {m:>10.4g} {ks:>10} {cs:>10} {err:>7}")
+    return "\n".join(lines)
+
+
+def serve_trace(
+    model: str,
+    dtype: str,
+    device: str,
+    trace: Trace,
+    deployment,
+    vocab_size: int,
+    max_model_len: int,
+    timeout_s: float = 600.0,
+) -> list[dict]:
+    """Start `afd serve --connector none --replicas 1` with the deployment's step limits (the ones the fit
+    simulates), send the trace at each rate through `afd bench serve`'s client, stop the server; its runs."""
+    import sys
+
+    from afd.bench.serve_client import Progress, bench_servers
+
+    argv = ["--model", model, "--dtype", dtype, "--device", device, "--max-model-len", str(max_model_len)]
+    argv += ["--max-num-seqs", str(deployment.max_num_seqs)]
+    argv += ["--max-num-batched-tokens", str(deployment.max_num_batched_tokens)]
+    results = bench_servers(
+        [("none R=1", ["--connector", "none", "--replicas", "1"])],
+        argv,
+        trace.workload,
+        list(trace.rates),
+        Progress(sys.stderr),
+        vocab_size=vocab_size,
+        timeout_s=timeout_s,
+    )
+    return results[0]["runs"]

@@ -1,0 +1,37 @@
+"""`afd profile` end to end on tiny (CPU): the parts measured and fitted, then a short calibration trace served by
+`afd serve` and fitted into the profile; `afd simulate` reads it back."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("aiohttp")
+
+
+def _afd(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "afd", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_profile_with_a_short_calibration_then_simulate(tmp_path):
+    out = tmp_path / "cpu.json"
+    res = _afd("profile", "--model", "tiny", "--no-exchange", "--calibration-requests", "12",
+               "--calibration-rates", "inf", "-o", str(out))  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "attention_decode fit" in res.stderr and "calibration:" in res.stderr
+    data = json.loads(out.read_text())
+    cal = data["calibration"]
+    assert cal["fit"]["rows"] and cal["fit"]["server"].startswith("afd serve")
+    assert cal["step_s"] + cal["token_s"] + cal["request_s"] > 0  # serving costs more than the kernels
+    sim = _afd("simulate", "--model", "tiny", "--profile", str(out), "--requests", "50", "--short-len", "32",
+               "--long-len", "256", "--max-tokens", "16")  # fmt: skip
+    assert sim.returncode == 0, sim.stderr[-2000:]
+
+
+def test_profile_refuses_a_bad_calibration_flag(tmp_path):
+    res = _afd("profile", "--model", "tiny", "--calibration-requests", "0", "-o", str(tmp_path / "x.json"))
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines()[-1].startswith("afd profile: error:") or "error" in res.stderr
