@@ -291,7 +291,7 @@ def rate_list(text: str) -> list[float]:
         except ValueError:
             rate = math.nan
         if not rate > 0:  # also nan
-            raise argparse.ArgumentTypeError(f"--rates takes positive request rates per second or inf, got {text!r}")
+            raise argparse.ArgumentTypeError(f"positive request rates per second or inf, comma-separated; got {text!r}")
         rates.append(rate)
     return rates
 
