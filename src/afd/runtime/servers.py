@@ -54,7 +54,7 @@ __all__ = ["Loss", "ServerRanks", "new_secret", "start_server_ranks"]
 
 log = logging.getLogger(__name__)
 
-BROKEN_STOP_GRACE_S = 1.0  # the rest of a unit that lost a rank: a broken world cannot end cleanly
+BROKEN_STOP_GRACE_S = 0.25  # the rest of a unit that lost a rank: a broken world cannot end cleanly
 
 
 @dataclass(frozen=True)
