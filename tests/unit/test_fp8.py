@@ -153,6 +153,38 @@ def test_presets_quantize_at_load() -> None:
     assert len(out[0].token_ids) == 3
 
 
+@pytest.mark.timeout(60)
+def test_the_absorbed_decode_reads_kv_b_proj_dequantized_once_at_load(checkpoints, monkeypatch) -> None:
+    """MLA's decode reads kv_b_proj whole every step: an FP8 one is dequantized once, at load (so the KV cache is
+    sized after it), and decode steps never expand it again; the tokens stay those of the per-call path."""
+    import afd.model.fp8 as fp8_module
+    from afd.engine.generate import generate
+
+    fp8, _ = checkpoints[(16, 16)]
+    attn = load_attention_model(fp8)
+    kv_b = attn.layers[0].self_attn.kv_b_proj
+    assert kv_b.dense is not None and kv_b.dense.dtype == torch.float32
+    assert torch.equal(kv_b.dense, kv_b.dequantized(torch.float32))
+    assert attn.layers[0].self_attn.q_b_proj.dense is None  # only the projection used whole keeps a copy
+    prompts = [[3, 1, 4, 1, 5], [2, 7, 1, 8]]  # two decodes a step: the batched, absorbed path
+    want = [o.token_ids for o in generate(fp8, prompts, max_new_tokens=6)]
+    calls: list[tuple[int, ...]] = []
+    real = fp8_module.dequantize
+
+    def counting(weight, *args, **kwargs):
+        calls.append(tuple(weight.shape))
+        return real(weight, *args, **kwargs)
+
+    monkeypatch.setattr(fp8_module, "dequantize", counting)
+    assert [o.token_ids for o in generate(fp8, prompts, max_new_tokens=6)] == want
+    loads = calls.count(tuple(kv_b.weight.shape))
+    monkeypatch.setattr(fp8_module.FP8Linear, "keep_dense", lambda self, dtype: None)  # the per-call path
+    calls.clear()
+    assert [o.token_ids for o in generate(fp8, prompts, max_new_tokens=6)] == want
+    per_call = calls.count(tuple(kv_b.weight.shape))
+    assert per_call >= loads + 5  # without the kept copy, each of the 5 decode steps expands it again
+
+
 def test_estimates_count_fp8_bytes() -> None:
     lite = load_model_config("deepseek-v2-lite")
     bf16 = resources.ffn_weight_bytes(lite, "bfloat16")

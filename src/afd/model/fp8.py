@@ -148,10 +148,17 @@ class FP8Linear(nn.Module):
         shape = scale_shape((out_features, in_features), block)
         self.weight_scale_inv = nn.Parameter(torch.empty(shape, dtype=torch.float32), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.dense: torch.Tensor | None = None  # the weight also kept dequantized (`keep_dense`)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight `[out, in]` in `dtype`."""
         return dequantize(self.weight, self.weight_scale_inv, self.block, dtype)
+
+    def keep_dense(self, dtype: torch.dtype) -> None:
+        """Keep the weight dequantized in `dtype` beside its FP8 bytes, for a projection also used whole
+        (`linear_weight`: MLA's absorbed decode reads kv_b_proj's every step), which would otherwise be expanded at
+        every call. Done at load, so the memory it takes is counted before the KV cache is sized."""
+        self.dense = self.dequantized(dtype)
 
     def uses_kernel(self, x: torch.Tensor) -> bool:
         """Whether `forward(x)` runs the FP8 kernel rather than the dequantized weight."""
@@ -235,5 +242,6 @@ def linear(in_features: int, out_features: int, block: tuple[int, int] | None, b
 def linear_weight(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
     """The weight `[out, in]` of an `nn.Linear` or `FP8Linear`, in `dtype` (an nn.Linear's own tensor as it is)."""
     if isinstance(module, FP8Linear):
-        return module.dequantized(dtype)
+        dense = module.dense
+        return dense if dense is not None and dense.dtype == dtype else module.dequantized(dtype)
     return module.weight

@@ -26,7 +26,7 @@ from torch import nn
 
 from afd.model.attention_side import AttentionModel, ModelConfig
 from afd.model.ffn_side import FFNModel
-from afd.model.fp8 import FP8_DTYPE, SCALE_SUFFIX, quantize, scale_shape
+from afd.model.fp8 import FP8_DTYPE, SCALE_SUFFIX, FP8Linear, quantize, scale_shape
 from afd.model.presets import PRESETS, preset_tensor
 
 __all__ = ["PRESETS", "attention_keys", "ffn_keys", "load_attention_model", "load_ffn_model", "load_model_config"]
@@ -277,6 +277,9 @@ def load_attention_model(
     if config.tie_word_embeddings:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
     _fill(out, tensors)
+    for layer in out.layers:  # the absorbed decode reads kv_b_proj whole every step
+        if isinstance(layer.self_attn.kv_b_proj, FP8Linear):
+            layer.self_attn.kv_b_proj.keep_dense(dtype)
     logger.info("attention model loaded: %d tensors, %s on %s", len(keys), dtype, device)
     return out.eval()
 

@@ -89,12 +89,16 @@ def attention_weight_bytes(config: ModelConfig, dtype: str, *, gate_on_attention
     import torch
 
     from afd.model.attention_side import AttentionModel
+    from afd.model.fp8 import FP8Linear
 
     with torch.device("meta"):
         model = AttentionModel(config, gate_on_attention=gate_on_attention)
     total = _module_bytes(model, dtype)
     if config.tie_word_embeddings:
         total -= model.lm_head.weight.numel() * DTYPE_BYTES[dtype]
+    for layer in model.layers:  # an FP8 kv_b_proj is also kept dequantized (`FP8Linear.keep_dense`)
+        if isinstance(layer.self_attn.kv_b_proj, FP8Linear):
+            total += layer.self_attn.kv_b_proj.weight.numel() * DTYPE_BYTES[dtype]
     return total
 
 
