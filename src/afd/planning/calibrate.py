@@ -4,8 +4,9 @@ The parts measure afd's kernels and engine steps alone. A served replica spends 
 steps, streaming and detokenizing every token, the HTTP front end parsing and tokenizing each request — on a small
 CPU host all of it on the same cores as the steps. `afd profile` starts `afd serve --connector none --replicas 1`
 through `afd bench serve`'s harness, sends a short trace, and fits what the simulator must add to hold it
-(`Calibration`: per step, per token streamed, per request, and latency before the first token) by a pattern search
-over the simulated trace. The fit's residuals are kept in the profile.
+(`Calibration`: per step, per token streamed, per request admitted, per request held; the front end's own time per
+request, which queues arrivals one at a time before the engine; latency before the first token) by a pattern
+search over the simulated trace. The fit's residuals are kept in the profile.
 """
 
 from __future__ import annotations
@@ -21,12 +22,12 @@ from afd.planning.profile import Calibration, Profile
 
 logger = logging.getLogger(__name__)
 
-PARAMS = ("step_s", "token_s", "request_s", "held_s", "front_end_s")
+PARAMS = ("step_s", "token_s", "request_s", "held_s", "arrival_s", "front_end_s")
 # what the fit holds the simulated trace to, per rate
 TARGETS = ("request_throughput", "ttft_p50_s", "tpot_p50_s", "e2e_p50_s")
 DEFAULT_REQUESTS = 128
 DEFAULT_RATES = (math.inf, 8.0)
-SEARCH_EVALS = 600  # simulations the pattern search may run
+SEARCH_EVALS = 1200  # simulations the pattern search may run
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,11 @@ def fit_calibration(
     )
     scales = {"step_s": tpot / 10, "token_s": tpot / 200, "request_s": tpot / 10, "held_s": tpot / 1000}
     scales["front_end_s"] = ttft / 4
+    # the front end's queue: the TTFT at the highest rate beyond the kernels', as if half the requests waited ahead
+    half = max(trace.workload.num_requests / 2, 1.0)
+    excess = max(measured.get((fastest, "ttft_p50_s"), 0.0) - kernels.get((fastest, "ttft_p50_s"), 0.0), 0.0)
+    queue = excess / half
+    scales["arrival_s"] = queue or tpot / 10
 
     def evaluate(cal: dict[str, float]) -> float:
         return loss(measured, simulated_targets(profile, s, deployment, trace, prompt_lens, cal))
@@ -137,6 +143,7 @@ def fit_calibration(
     # from the excess spread over the tokens, then over the steps' fixed cost, then per request: the best end
     starts = [start, {**zero, "step_s": start["token_s"] * 4}, {**zero, "request_s": start["token_s"] * 32}]
     starts.append({**zero, "held_s": start["token_s"] / 4})
+    starts = [{**x, "arrival_s": queue / 2} for x in starts]  # the front end's queue taking part of the excess TTFT
     best, best_loss = min(
         (pattern_search(evaluate, x, scales, max_evals=SEARCH_EVALS // len(starts)) for x in starts),
         key=lambda r: r[1],
@@ -166,6 +173,7 @@ def format_calibration(cal: Calibration) -> str:
     lines = [
         f"calibration: {cal.step_s * 1e3:.3f} ms per step, {cal.token_s * 1e3:.3f} ms per token, "
         f"{cal.request_s * 1e3:.3f} ms per request, {cal.held_s * 1e6:.2f} µs per request held per step, "
+        f"{cal.arrival_s * 1e3:.3f} ms per request in the front end's queue, "
         f"{cal.front_end_s * 1e3:.1f} ms before the first token",
         f"{'rate':>6} {'metric':<20} {'measured':>10} {'kernels':>10} {'calibrated':>10} {'error':>7}",
     ]

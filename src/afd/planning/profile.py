@@ -71,23 +71,37 @@ class Link:
 
 @dataclass(frozen=True)
 class Calibration:
-    """What serving spends beyond the step's parts, fitted from a real served trace: per engine step (`step_s`),
-        per token streamed out (`token_s`: detokenizing, the stream, the front end's share of the cores), per request
-        (`request_s`: HTTP, tokenizing, admission), per request held per step (`held_s`: every open stream and queued
-    request the server tends while a step runs) — each added to the step it happens in — and `front_end_s`, latency
-        added to every time to first token without taking the engine's time. `fit` records the trace and how well
-        the simulator held it after the fit; zeros mean not calibrated."""
+    """What serving spends beyond the step's parts, fitted from a real served trace.
+
+    Added to the engine step it happens in: per step (`step_s`), per token streamed out (`token_s`: detokenizing,
+    the stream, the front end's share of the cores), per request admitted (`request_s`), per request held per step
+    (`held_s`: every open stream and queued request the server tends while a step runs). Before the engine:
+    `arrival_s`, the front end's own time per request (HTTP, tokenizing, routing) on its single loop, so requests
+    reach the engine one at a time through a FIFO queue (`front_end_queue`); `front_end_s`, latency added to every
+    time to first token without taking anyone's time. `fit` records the trace and how well the simulator held it
+    after the fit; zeros mean not calibrated (a field missing from an older profile loads as 0)."""
 
     step_s: float = 0.0
     token_s: float = 0.0
     request_s: float = 0.0
     front_end_s: float = 0.0
-    held_s: float = 0.0  # per request the replica holds (running or waiting), per step
+    held_s: float = 0.0
+    arrival_s: float = 0.0
     fit: dict = field(default_factory=dict)
 
     @property
     def active(self) -> bool:
-        return bool(self.step_s or self.token_s or self.request_s or self.front_end_s or self.held_s)
+        return bool(self.step_s or self.token_s or self.request_s or self.front_end_s or self.held_s or self.arrival_s)
+
+
+def front_end_queue(arrivals: list[float], cost_s: float) -> list[float]:
+    """When each request leaves a single-server FIFO front end that spends `cost_s` on each, in arrival order:
+    `done_i = max(arrival_i, done_(i-1)) + cost_s` (arrivals taken as sorted; e.g. [0, 0, 0] → [c, 2c, 3c])."""
+    out, free = [], -math.inf
+    for a in arrivals:
+        free = max(a, free) + cost_s
+        out.append(free)
+    return out
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,11 @@
 Per replica, the scheduler's rules (`afd.engine.scheduler`): decodes first (one token each), then the next chunk of
 every running prompt, then new prompts first come first served while the token budget lasts, a new prompt admitted
 only when the blocks of its whole capacity (prompt + max_tokens - 1) are free and `max_num_seqs` allows; finished
-requests free their blocks. Requests go to the replica with the fewest outstanding tokens (`afd.serve.balancer`).
-Steps last what `StepCosts` says: free-running replicas (none, async: each its own clock, async's FFN term from the
-tokens of every replica of its group in flight) or lockstep waves (p2p per group, ep over every GPU). The result
-is `afd bench serve`'s: one `run_record` per rate, so one report reads both.
+requests free their blocks. Requests reach the engines one at a time through the front end's FIFO queue
+(`engine_arrivals`) and go to the replica with the fewest outstanding tokens (`afd.serve.balancer`). Steps
+last what `StepCosts` says: free-running replicas (none, async: each its own clock, async's FFN term from the tokens
+of every replica of its group in flight) or lockstep waves (p2p per group, ep over every GPU). The result is
+`afd bench serve`'s: one `run_record` per rate, so one report reads both.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from afd.bench.serve_client import RequestResult, run_record
 from afd.bench.workload import Workload
 from afd.planning.costs import Shapes, chunk_pairs
 from afd.planning.deployment import Deployment, StepCosts, StepLoad, memory_of
-from afd.planning.profile import Profile
+from afd.planning.profile import Profile, front_end_queue
 from afd.serve.balancer import pick_replica
 
 EP_SIMULATED_REPLICAS = 8  # ep over more GPUs: this many replicas simulated, the experts' load scaled up
@@ -120,6 +121,20 @@ class _Replica:
         return bool(self.running or self.waiting)
 
 
+def engine_arrivals(arrivals: list[float], p: Profile, ep_scale: float = 1.0) -> list[float]:
+    """When each request (client send times `arrivals`) reaches the engines: through the front end's FIFO queue
+    (`calibration.arrival_s` per request, one at a time: one front end serves every replica, so with `ep_scale`
+    simulated replicas standing for more, each simulated request carries that many requests' cost), then the
+    profile's fixed latency before the engine (`front_end_s` and the calibration's)."""
+    latency = p.front_end_s + p.calibration.front_end_s
+    order = sorted(range(len(arrivals)), key=arrivals.__getitem__)
+    done = front_end_queue([arrivals[i] for i in order], p.calibration.arrival_s * ep_scale)
+    out = [0.0] * len(arrivals)
+    for i, t in zip(order, done, strict=True):
+        out[i] = t + latency
+    return out
+
+
 def simulate_rate(
     d: Deployment, s: Shapes, p: Profile, workload: Workload, prompt_lens: list[int], rate: float
 ) -> dict:
@@ -134,7 +149,7 @@ def simulate_rate(
         ep_scale, n_rep = n_rep / EP_SIMULATED_REPLICAS, EP_SIMULATED_REPLICAS
         arrivals = [a * ep_scale for a in arrivals]  # the simulated replicas get their share of the load
     cost = StepCosts(d, s, p, ep_scale)
-    front_end = p.front_end_s + p.calibration.front_end_s  # before a request reaches its replica
+    reach = engine_arrivals(arrivals, p, ep_scale)
     reps = [_Replica(d, num_blocks) for _ in range(n_rep)]
     if d.connector == "none" or d.connector == "async":
         per_group = 1 if d.connector == "none" else d.attention
@@ -148,11 +163,10 @@ def simulate_rate(
         blocks = -(-cap // d.block_size)
         if blocks > num_blocks:
             raise ValueError(f"request {i} needs {blocks} cache blocks but a replica holds {num_blocks}")
-        seqs.append(_Seq(i, n, m, a + front_end, blocks))
-    order = sorted(range(len(seqs)), key=lambda i: seqs[i].arrival)
-    events: list[tuple[float, int, int]] = []  # (time, kind: 0 step end, 1 arrival, 2 step start)
-    for i in order:
-        heapq.heappush(events, (seqs[i].arrival, 1, i))
+        seqs.append(_Seq(i, n, m, a, blocks))
+    events: list[tuple[float, int, int]] = []  # (time, kind: 0 step end, 1 arrival at the engine, 2 step start)
+    for i in sorted(range(len(seqs)), key=lambda i: reach[i]):
+        heapq.heappush(events, (reach[i], 1, i))
     lockstep = d.lockstep
     busy = [False] * (len(groups) if lockstep else n_rep)
     remaining = len(seqs)
@@ -201,13 +215,8 @@ def simulate_rate(
         busy[x] = False
         if has_work(x):
             start(x, t)
-    results = [q.result for q in seqs]
-    for q in seqs:  # times from the client's send, as the bench measures them
-        r = q.result
-        if r.ttft_s is not None:
-            r.ttft_s += front_end
-            r.e2e_s = (r.e2e_s or 0.0) + front_end
-    end = max((q.arrival + (q.result.e2e_s or 0.0) - front_end for q in seqs), default=0.0)
+    results = [q.result for q in seqs]  # times from the client's send, as the bench measures them
+    end = max((q.arrival + (q.result.e2e_s or 0.0) for q in seqs), default=0.0)
     wall = end - min(arrivals, default=0.0)
     return run_record(rate, results, wall / ep_scale)  # ep: the whole deployment serves ep_scale times as much
 
