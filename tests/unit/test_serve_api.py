@@ -448,7 +448,7 @@ def test_bench_serve_pieces():
         with pytest.raises(Exception, match="--compare"):
             compare_list(bad)
     assert rate_list("1,2.5,inf") == [1.0, 2.5, float("inf")]
-    with pytest.raises(Exception, match="--rates"):
+    with pytest.raises(Exception, match="positive request rates per second"):
         rate_list("0")
     w = Workload("uneven", requests=200, long_len=50, short_len=5, long_fraction=0.25)
     lengths = [len(p) for p in w.prompts(256)]
