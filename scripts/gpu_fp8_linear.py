@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from afd.kernels.fp8_linear import LinearConfig, choose_config, fp8_linear, sm_count
 from afd.model.fp8 import dequantize, quantize
+from afd.profiling.graph_timing import graph_ms
 
 # (name, N, K) of each FP8Linear shape (out_features, in_features)
 SHAPES = {
@@ -83,25 +84,7 @@ def copy_bandwidth() -> float:
 
 def timed(calls) -> float:
     """ms per call of `calls` (a list of thunks, one per weight copy), captured in one CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for call in calls:
-            call()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(args.iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / args.iters / len(calls)
+    return graph_ms(lambda: [call() for call in calls], args.iters) / len(calls)
 
 
 def sweep_configs(rows: int) -> list[LinearConfig]:

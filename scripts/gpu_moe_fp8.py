@@ -21,6 +21,7 @@ from afd.kernels.fused_moe import ExpertScales, fused_routed_experts
 from afd.kernels.moe_tiles import TileConfig
 from afd.model.fp8 import quantize_experts
 from afd.model.moe import routed_experts, select_experts
+from afd.profiling.graph_timing import graph_ms
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--tokens", default="1,8,64,256")
@@ -56,23 +57,7 @@ def timed(step, T: int) -> float:
     def all_layers():
         return [step(i, x, ids, weights) for i in range(args.layers)]
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        all_layers()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        all_layers()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(args.iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / args.iters / args.layers
+    return graph_ms(all_layers, args.iters) / args.layers
 
 
 def touched_bytes(T: int, weight_bytes: float) -> float:
