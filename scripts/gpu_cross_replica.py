@@ -4,7 +4,7 @@ against the time for one replica's (the target: <= 1.3x).
 For one MoE layer of DeepSeek-V2-Lite (bf16, every expert on this GPU) and T rows per replica, the device time of
 (a) one replica's item alone, (b) two replicas' items in one expert pass (`expert_pass` with both: what an FFN rank
 does when they wait together), (c) the two items in two passes; each timed as the decode step runs it (many calls
-in one CUDA graph, `tests/helpers/gpu_timing.graph_ms`). One JSON line per T, then a summary line.
+in one CUDA graph, `afd.profiling.graph_timing.graph_ms`). One JSON line per T, then a summary line.
 Run: python scripts/gpu_cross_replica.py [--tokens 1,8,32,64] > OUT.jsonl
 """
 
@@ -12,17 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from helpers.gpu_timing import graph_ms  # noqa: E402
-
-from afd.connectors.expert_pass import WorkRows, expert_pass  # noqa: E402
-from afd.model.moe import select_experts  # noqa: E402
-from afd.model.weights import load_ffn_model  # noqa: E402
+from afd.connectors.expert_pass import WorkRows, expert_pass
+from afd.model.moe import select_experts
+from afd.model.weights import load_ffn_model
+from afd.profiling.graph_timing import graph_ms
 
 
 def item(ffn, num_tokens: int, gen: torch.Generator) -> WorkRows:  # noqa: ANN001

@@ -84,7 +84,7 @@ def copy_bandwidth() -> float:
 
 def timed(calls) -> float:
     """ms per call of `calls` (a list of thunks, one per weight copy), captured in one CUDA graph."""
-    return graph_ms(lambda: [call() for call in calls], args.iters) / len(calls)
+    return graph_ms(lambda: [call() for call in calls], reps=1, rounds=args.iters) / len(calls)
 
 
 def sweep_configs(rows: int) -> list[LinearConfig]:

@@ -57,7 +57,7 @@ def timed(step, T: int) -> float:
     def all_layers():
         return [step(i, x, ids, weights) for i in range(args.layers)]
 
-    return graph_ms(all_layers, args.iters) / args.layers
+    return graph_ms(all_layers, reps=1, rounds=args.iters) / args.layers
 
 
 def touched_bytes(T: int, weight_bytes: float) -> float:

@@ -1,4 +1,5 @@
-"""Device time of work replayed from one CUDA graph, as afd's steps run it: the host's launch cost is not counted."""
+"""Device time of GPU work as afd's steps run it: captured in one CUDA graph, so the host's launch cost (20-40 us per
+Triton kernel) is not counted. Shared by the device tools under scripts/ and the GPU tests."""
 
 from __future__ import annotations
 
@@ -7,23 +8,27 @@ from collections.abc import Callable
 import torch
 
 
-def graph_ms(fn: Callable[[], object], replays: int) -> float:
-    """ms per replay of `fn` captured in one CUDA graph: warmed up on a side stream (lazy initialisation, Triton
-    compiles), captured, replayed once, then `replays` times between two events."""
+def graph_ms(fn: Callable[[], object], reps: int = 50, rounds: int = 5) -> float:
+    """ms per call of `fn`: `reps` calls captured in one CUDA graph (after a warm-up on a side stream, where lazy
+    initialisation and Triton compiles happen), the median of `rounds` timed replays."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        fn()
+        for _ in range(3):
+            fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        for _ in range(reps):
+            fn()
     graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
-    start.record()
-    for _ in range(replays):
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / replays
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / reps)
+    return sorted(times)[len(times) // 2]
