@@ -10,29 +10,14 @@ import math
 from dataclasses import replace
 
 import pytest
+from helpers.planning import cpu_profile, tiny_shapes
 
 from afd.bench.workload import Workload
-from afd.model.weights import load_model_config
 from afd.planning import calibrate, costs
 from afd.planning.deployment import Deployment, StepCosts, StepLoad
 from afd.planning.measure import format_residuals
-from afd.planning.profile import Calibration, Part, Profile, fit_part, load_profile, relative_errors
+from afd.planning.profile import Calibration, Part, fit_part, load_profile, relative_errors
 from afd.planning.simulator import simulate_rate
-
-
-def _tiny() -> costs.Shapes:
-    return costs.shapes_of(load_model_config("tiny"), "float32")
-
-
-def _cpu_profile(cal: Calibration | None = None) -> Profile:
-    parts = {
-        "attention_decode": Part(fixed_s=1e-3, per_item_s=2e-5),
-        "prefill": Part(per_item_s=1e-5),
-        "routed_experts": Part(fixed_s=5e-5),
-        "shared_experts": Part(fixed_s=1e-5),
-    }
-    return Profile({"device": "cpu (x86_64)", "model": "tiny"}, parts, "test", "float32", 16e9,
-                   calibration=cal or Calibration())  # fmt: skip
 
 
 def test_fit_with_a_per_row_cost_recovers_batch_and_context():
@@ -57,7 +42,7 @@ def test_relative_fit_weighs_short_rows():
 
 
 def test_older_profiles_load_with_zero_calibration(tmp_path, caplog):
-    old = _cpu_profile().to_json()
+    old = cpu_profile().to_json()
     del old["calibration"]
     path = tmp_path / "old.json"
     path.write_text(json.dumps(old))
@@ -66,7 +51,7 @@ def test_older_profiles_load_with_zero_calibration(tmp_path, caplog):
     assert p.calibration == Calibration() and not p.calibration.active
     assert "no calibration" in caplog.text
     cal = Calibration(step_s=1e-4, token_s=2e-5, request_s=3e-4, front_end_s=1e-3, fit={"loss": 0.1})
-    _cpu_profile(cal).save(tmp_path / "new.json")
+    cpu_profile(cal).save(tmp_path / "new.json")
     assert load_profile(tmp_path / "new.json").calibration == cal
     assert load_profile("h200").calibration.token_s == 0.0
 
@@ -76,15 +61,15 @@ def test_serving_cost_arithmetic():
     assert costs.serving_s(cal, 0, 0) == 0.0
     assert costs.serving_s(cal, 10, 0) == pytest.approx(2e-3)
     assert costs.serving_s(cal, 3, 2) == pytest.approx(1e-3 + 3e-4 + 1e-2)
-    s, d = _tiny(), Deployment("none")
+    s, d = tiny_shapes(), Deployment("none")
     load = StepLoad(batch=8, ctx=800, prefill=64, pairs=2080, seqs=10, emitted=9, admitted=2)
-    plain = StepCosts(d, s, _cpu_profile()).replica_step(load)
-    with_cal = StepCosts(d, s, _cpu_profile(cal)).replica_step(load)
+    plain = StepCosts(d, s, cpu_profile()).replica_step(load)
+    with_cal = StepCosts(d, s, cpu_profile(cal)).replica_step(load)
     assert with_cal - plain == pytest.approx(costs.serving_s(cal, 9, 2))
 
 
 def test_attention_step_counts_rows_and_prompt_tokens():
-    s, p = _tiny(), _cpu_profile()
+    s, p = tiny_shapes(), cpu_profile()
     one = costs.attention_step_s(p, s, 1, 100, 0, 0)
     assert costs.attention_step_s(p, s, 11, 100, 0, 0) - one == pytest.approx(10 * 2e-5)
     assert costs.attention_step_s(p, s, 1, 100, 50, 0) - one == pytest.approx(50 * 1e-5)
@@ -96,14 +81,14 @@ def _trace(requests: int = 40) -> calibrate.Trace:
 
 
 def test_simulator_streams_tokens_and_admits_requests_at_their_cost():
-    s, d, trace = _tiny(), Deployment("none"), _trace()
+    s, d, trace = tiny_shapes(), Deployment("none"), _trace()
     lens = [len(x) for x in trace.workload.prompts(100)]
-    base = simulate_rate(d, s, _cpu_profile(), trace.workload, lens, math.inf)["summary"]
-    slow = simulate_rate(d, s, _cpu_profile(Calibration(token_s=1e-3)), trace.workload, lens, math.inf)["summary"]
+    base = simulate_rate(d, s, cpu_profile(), trace.workload, lens, math.inf)["summary"]
+    slow = simulate_rate(d, s, cpu_profile(Calibration(token_s=1e-3)), trace.workload, lens, math.inf)["summary"]
     # every token costs 1 ms more: at least 40 × 8 tokens' worth of wall time more
     assert slow["wall_s"] - base["wall_s"] >= 0.3
-    late = simulate_rate(d, s, _cpu_profile(Calibration(front_end_s=0.5)), trace.workload, lens, 4.0)["summary"]
-    early = simulate_rate(d, s, _cpu_profile(), trace.workload, lens, 4.0)["summary"]
+    late = simulate_rate(d, s, cpu_profile(Calibration(front_end_s=0.5)), trace.workload, lens, 4.0)["summary"]
+    early = simulate_rate(d, s, cpu_profile(), trace.workload, lens, 4.0)["summary"]
     assert late["ttft_p50_s"] - early["ttft_p50_s"] == pytest.approx(0.5, abs=1e-6)
 
 
@@ -123,16 +108,16 @@ def test_pattern_search_finds_a_known_minimum():
 def test_calibration_recovers_the_cost_of_a_synthetic_served_trace():
     """A "measured" trace simulated with known serving costs: the fit from the kernels-only profile finds costs
     that hold that trace within 15% on every target and 5% on capacity."""
-    s, d, trace = _tiny(), Deployment("none"), _trace()
+    s, d, trace = tiny_shapes(), Deployment("none"), _trace()
     truth = Calibration(step_s=2e-4, token_s=1.5e-4, request_s=1e-3, front_end_s=4e-3)
     lens = [len(x) for x in trace.workload.prompts(100)]
-    measured = [simulate_rate(d, s, _cpu_profile(truth), trace.workload, lens, r) for r in trace.rates]
-    cal = calibrate.fit_calibration(_cpu_profile(), s, d, trace, measured, 100)
+    measured = [simulate_rate(d, s, cpu_profile(truth), trace.workload, lens, r) for r in trace.rates]
+    cal = calibrate.fit_calibration(cpu_profile(), s, d, trace, measured, 100)
     for row in cal.fit["rows"]:
         assert row["calibrated"] == pytest.approx(row["measured"], rel=0.15), row
     assert "per token" in calibrate.format_calibration(cal)
     # the fitted profile's simulation of the same trace agrees with the "measurement"
-    again = simulate_rate(d, s, replace(_cpu_profile(), calibration=cal), trace.workload, lens, math.inf)
+    again = simulate_rate(d, s, replace(cpu_profile(), calibration=cal), trace.workload, lens, math.inf)
     assert again["summary"]["request_throughput"] == pytest.approx(
         measured[0]["summary"]["request_throughput"], rel=0.05
     )

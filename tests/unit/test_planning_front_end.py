@@ -8,28 +8,13 @@ import math
 from dataclasses import replace
 
 import pytest
+from helpers.planning import cpu_profile, tiny_shapes
 
 from afd.bench.workload import Workload
-from afd.model.weights import load_model_config
-from afd.planning import calibrate, costs
+from afd.planning import calibrate
 from afd.planning.deployment import Deployment
-from afd.planning.profile import Calibration, Part, Profile, front_end_queue, load_profile
+from afd.planning.profile import Calibration, front_end_queue, load_profile
 from afd.planning.simulator import engine_arrivals, simulate_rate
-
-
-def _tiny() -> costs.Shapes:
-    return costs.shapes_of(load_model_config("tiny"), "float32")
-
-
-def _profile(cal: Calibration | None = None, front_end_s: float = 0.0) -> Profile:
-    parts = {
-        "attention_decode": Part(fixed_s=1e-3, per_item_s=2e-5),
-        "prefill": Part(per_item_s=1e-5),
-        "routed_experts": Part(fixed_s=5e-5),
-        "shared_experts": Part(fixed_s=1e-5),
-    }
-    return Profile({"device": "cpu (x86_64)", "model": "tiny"}, parts, "test", "float32", 16e9,
-                   front_end_s=front_end_s, calibration=cal or Calibration())  # fmt: skip
 
 
 def test_queue_serves_one_request_at_a_time():
@@ -42,12 +27,12 @@ def test_queue_serves_one_request_at_a_time():
 
 
 def test_engine_arrivals_follow_send_order_and_add_the_latency():
-    p = _profile(Calibration(arrival_s=0.1, front_end_s=0.01), front_end_s=0.002)
+    p = cpu_profile(Calibration(arrival_s=0.1, front_end_s=0.01), front_end_s=0.002)
     # requests 0 and 2 sent together, request 1 first: served 1, 0, 2
     got = engine_arrivals([1.0, 0.5, 1.0], p)
     assert got == pytest.approx([1.1 + 0.012, 0.6 + 0.012, 1.2 + 0.012])
     # ep's simulated replicas standing for 4 times as many: each simulated request carries 4 requests' cost
-    assert engine_arrivals([0.0, 0.0], _profile(Calibration(arrival_s=0.1)), 4.0) == pytest.approx([0.4, 0.8])
+    assert engine_arrivals([0.0, 0.0], cpu_profile(Calibration(arrival_s=0.1)), 4.0) == pytest.approx([0.4, 0.8])
 
 
 def _workload(requests: int = 40) -> Workload:
@@ -55,22 +40,22 @@ def _workload(requests: int = 40) -> Workload:
 
 
 def test_queue_delays_first_tokens_all_at_once_and_costs_a_sparse_load_only_its_own_time():
-    s, d, w = _tiny(), Deployment("none"), _workload()
+    s, d, w = tiny_shapes(), Deployment("none"), _workload()
     lens = [len(x) for x in w.prompts(100)]
     c = 0.01
-    base = simulate_rate(d, s, _profile(), w, lens, math.inf)
-    queued = simulate_rate(d, s, _profile(Calibration(arrival_s=c)), w, lens, math.inf)
+    base = simulate_rate(d, s, cpu_profile(), w, lens, math.inf)
+    queued = simulate_rate(d, s, cpu_profile(Calibration(arrival_s=c)), w, lens, math.inf)
     ttft = sorted(r["ttft_s"] for r in queued["requests"])
     assert ttft[-1] >= 40 * c  # the last request left the front end at 40 c
     assert queued["summary"]["ttft_p50_s"] > base["summary"]["ttft_p50_s"] + 10 * c
     # at 1 req/s nobody waits for the front end: every TTFT grows by its own cost
-    sparse = simulate_rate(d, s, _profile(), w, lens, 1.0)["summary"]
-    sparse_q = simulate_rate(d, s, _profile(Calibration(arrival_s=c)), w, lens, 1.0)["summary"]
+    sparse = simulate_rate(d, s, cpu_profile(), w, lens, 1.0)["summary"]
+    sparse_q = simulate_rate(d, s, cpu_profile(Calibration(arrival_s=c)), w, lens, 1.0)["summary"]
     assert sparse_q["ttft_p50_s"] - sparse["ttft_p50_s"] == pytest.approx(c, rel=0.05)
 
 
 def test_profiles_without_the_queue_cost_load_it_as_zero(tmp_path):
-    data = _profile(Calibration(step_s=1e-4, token_s=2e-5)).to_json()
+    data = cpu_profile(Calibration(step_s=1e-4, token_s=2e-5)).to_json()
     del data["calibration"]["arrival_s"]
     path = tmp_path / "older.json"
     path.write_text(json.dumps(data))
@@ -82,15 +67,15 @@ def test_profiles_without_the_queue_cost_load_it_as_zero(tmp_path):
 def test_calibration_finds_a_front_end_queue():
     """A "measured" trace whose first tokens wait in a front-end queue: the fit holds every target within 15%
     and gives the queue a cost."""
-    s, d = _tiny(), Deployment("none")
+    s, d = tiny_shapes(), Deployment("none")
     trace = calibrate.Trace(_workload(), (math.inf, 4.0))
     truth = Calibration(token_s=1.5e-4, request_s=5e-4, arrival_s=4e-3, front_end_s=2e-3)
     lens = [len(x) for x in trace.workload.prompts(100)]
-    measured = [simulate_rate(d, s, _profile(truth), trace.workload, lens, r) for r in trace.rates]
-    cal = calibrate.fit_calibration(_profile(), s, d, trace, measured, 100)
+    measured = [simulate_rate(d, s, cpu_profile(truth), trace.workload, lens, r) for r in trace.rates]
+    cal = calibrate.fit_calibration(cpu_profile(), s, d, trace, measured, 100)
     for row in cal.fit["rows"]:
         assert row["calibrated"] == pytest.approx(row["measured"], rel=0.15), row
     assert cal.arrival_s > 0
     assert "front end's queue" in calibrate.format_calibration(cal)
-    again = simulate_rate(d, s, replace(_profile(), calibration=cal), trace.workload, lens, math.inf)
+    again = simulate_rate(d, s, replace(cpu_profile(), calibration=cal), trace.workload, lens, math.inf)
     assert again["summary"]["ttft_p50_s"] == pytest.approx(measured[0]["summary"]["ttft_p50_s"], rel=0.15)
