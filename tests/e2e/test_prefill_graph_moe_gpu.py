@@ -10,12 +10,12 @@ import warnings
 import pytest
 import torch
 from helpers.e2e import MODEL
+from helpers.prefill_steps import prepared_step
 
 from afd.engine.engine import Engine, LocalExchange, Request
 from afd.engine.graphs.decode import capture_safe_moe
 from afd.engine.graphs.prefill import PrefillGraphRunner, token_buckets
 from afd.model.attention_side import run_segments
-from afd.model.batch import Batch
 from afd.model.kv_cache import PagedLatentCache
 from afd.model.weights import load_attention_model, load_ffn_model
 
@@ -51,16 +51,6 @@ def _logprobs(attn, hidden: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(attn.compute_logits(hidden), dim=-1)
 
 
-def _mixed_step(attn, cache: PagedLatentCache, layout: list[tuple[int, int]], seed: int):
-    """Sequences of (query length, cached context) with random cached latents, prepared: (batch, ids, positions)."""
-    rng = random.Random(seed)
-    slots = [cache.allocate(ctx + n) for n, ctx in layout]
-    batch = Batch(slots=slots, query_lens=[n for n, _ in layout], context_lens=[ctx for _, ctx in layout])
-    ids = torch.tensor([rng.randrange(attn.config.vocab_size) for n, _ in layout for _ in range(n)])
-    pos = torch.tensor([ctx + i for n, ctx in layout for i in range(n)])
-    return (batch, *cache.prepare(batch, ids, pos))
-
-
 @pytest.mark.timeout(600)
 def test_captured_mixed_steps_equal_eager_and_replay_without_host_sync(models) -> None:
     """Every bucket captured with the MoE inside (one piece per attention core, plus one to the output); mixed
@@ -84,7 +74,7 @@ def test_captured_mixed_steps_equal_eager_and_replay_without_host_sync(models) -
         [(1, 17), (511, 0)],  # 512: no padding
     ]
     for seed, layout in enumerate(layouts):
-        batch, ids, pos = _mixed_step(attn, cache, layout, seed)
+        batch, ids, pos = prepared_step(attn, cache, layout, seed)
         exchange = Refusing(ffn)
         with torch.inference_mode():
             want = _logprobs(attn, run_segments(attn.forward_segments(ids, pos, batch, cache), LocalExchange(ffn)))

@@ -14,12 +14,12 @@ import pytest
 import torch
 from helpers.e2e import MODEL, assert_matches_reference
 from helpers.graph_fakes import RealRowsOnly
+from helpers.prefill_steps import prepared_step
 
 import afd.engine.model_runner as model_runner
 from afd.engine.engine import Engine, LocalExchange, Request
 from afd.engine.graphs.prefill import PrefillGraphRunner, graph_memory_estimate, moe_graph_bytes_per_token
 from afd.model.attention_side import run_segments
-from afd.model.batch import Batch
 from afd.model.kv_cache import PagedLatentCache
 from afd.model.weights import load_attention_model, load_ffn_model, load_model_config
 from afd.routing import Routing
@@ -48,17 +48,6 @@ def _cache(attn) -> PagedLatentCache:
     return cache
 
 
-def _step(attn, cache: PagedLatentCache, layout: list[tuple[int, int]], seed: int):
-    """A prepared step of `layout`: (batch, input ids [T], positions [T]) on the cache's device."""
-    rng = random.Random(seed)
-    slots = [cache.allocate(ctx + n) for n, ctx in layout]
-    batch = Batch(slots=slots, query_lens=[n for n, _ in layout], context_lens=[ctx for _, ctx in layout])
-    ids = torch.tensor([rng.randrange(attn.config.vocab_size) for n, _ in layout for _ in range(n)])
-    pos = torch.tensor([ctx + i for n, ctx in layout for i in range(n)])
-    ids, pos = cache.prepare(batch, ids, pos)
-    return batch, ids, pos
-
-
 class Recording(LocalExchange):
     """A local exchange that records the rows it was handed per boundary layer."""
 
@@ -85,7 +74,7 @@ def test_mixed_steps_equal_the_eager_forward(tiny, moe_inside: bool, fixed_shape
         cache = _cache(attn)
         runner = PrefillGraphRunner(attn, cache, BUDGET, capture=False, ffn_model=ffn if moe_inside else None)
         for seed, (name, layout) in enumerate(LAYOUTS.items()):
-            batch, ids, pos = _step(attn, cache, layout, seed)
+            batch, ids, pos = prepared_step(attn, cache, layout, seed)
             plain = Recording(ffn)
             with torch.inference_mode():
                 want = run_segments(attn.forward_segments(ids, pos, batch, cache), plain)
@@ -110,7 +99,7 @@ def test_padding_rows_are_routed_to_no_expert(tiny, monkeypatch) -> None:
     attn, ffn = tiny
     cache = _cache(attn)
     runner = PrefillGraphRunner(attn, cache, BUDGET, capture=False, ffn_model=ffn)
-    batch, ids, pos = _step(attn, cache, LAYOUTS["95 tokens in 128"], 0)
+    batch, ids, pos = prepared_step(attn, cache, LAYOUTS["95 tokens in 128"], 0)
     with torch.inference_mode():
         runner.capture_all()  # the passes of a capture (all rows routed) before the spy
     seen: list[Routing] = []
