@@ -171,7 +171,8 @@ class ModelRunner:
         # launched ahead: where the decodes' ids go and the rows of `after`'s sampled tokens they are, gathered on
         # the device below (their place in `input_ids` holds a placeholder)
         on_device = [i for i, t in enumerate(input_ids) if t == ON_DEVICE] if after is not None else []
-        input_ids = [max(t, 0) for t in input_ids]
+        for i in on_device:
+            input_ids[i] = 0
         positions = [s.start + i for s in scheduled for i in range(len(s.input_ids))]
         last_rows = [  # the rows sampled: decodes and the last row of every chunk that ends its prompt
             start + n - 1 for s, start, n in zip(scheduled, batch.starts, query_lens, strict=True) if s.samples
