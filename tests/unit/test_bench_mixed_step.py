@@ -51,3 +51,30 @@ def test_bench_step_refuses_a_bad_mixed_value_in_one_sentence(capsys: pytest.Cap
     for value in ("256by1792", "256x0", "x1792", "256x1792,"):
         code, err = main_exit(capsys, "bench", "step", "--mixed", value)
         assert code == 2 and "--mixed takes DxC pairs" in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.timeout(120)
+def test_bench_step_rows_run_with_overlapped_steps_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA the engine overlaps every step: the prefill and mixed rows must still finalize each timed step (a
+    prefill row once failed there with "did not finish in one step"); forced on here, on CPU."""
+    import afd.bench.step as step
+
+    class Overlapped(Engine):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs, overlap_steps=True)
+
+    monkeypatch.setattr(step, "Engine", Overlapped)
+    result = run_bench_step(
+        model="tiny",
+        dtype="float32",
+        device="cpu",
+        batches=[2],
+        contexts=[5],
+        prefills=[(2, 8)],
+        mixed=[(2, 8)],
+        steps=2,
+    )
+    assert result["overlap_steps"] is True
+    assert [(r["batch"], r["tokens"]) for r in result["prefill"]] == [(2, 16)]
+    assert result["prefill"][0]["ms"] > 0 and result["mixed"][0]["mixed_ms"] > 0
+    assert result["decode"][0]["eager_launched_ahead"] == 1  # two calls on CPU, the first not launched ahead

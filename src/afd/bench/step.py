@@ -36,10 +36,12 @@ no prefill.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -220,19 +222,26 @@ def _drop_all(engine: Engine) -> None:
         engine.free(seq)
 
 
+@contextlib.contextmanager
+def overlap_off(engine: Engine) -> Iterator[None]:
+    """Every step inside finalized before it returns (`Engine.overlap_steps` off), restored after."""
+    overlap, engine.overlap_steps = engine.overlap_steps, False
+    try:
+        yield
+    finally:
+        engine.overlap_steps = overlap
+
+
 def mixed_row(
     engine: Engine, decodes: int, context: int, chunk: int, steps: int, gen: torch.Generator, max_new: int
 ) -> dict:
     """The mixed step of `decodes` decodes at `context` beside a `chunk`-token prompt, the decode step alone and the
     prefill step alone (afd.bench.mixed_step), overlapped steps off; the engine's budget holds decodes + chunk."""
-    overlap, engine.overlap_steps = engine.overlap_steps, False
-    try:
+    with overlap_off(engine):
         _seed_decodes(engine, [context] * decodes, max_new, gen)
         decode_ms, mixed_ms = time_decodes_and_mixed(engine, chunk, steps, gen)
         _drop_all(engine)
         prefill_ms = timed_prompt_steps(engine, chunk, steps, gen, 0) * 1e3
-    finally:
-        engine.overlap_steps = overlap
     return mixed_fields(decodes, context, chunk, decode_ms, mixed_ms, prefill_ms)
 
 
@@ -347,11 +356,11 @@ def run_bench_step(
             _seed_decodes(engine, per_seq, max_new, gen)
             if mode == "graph":  # capture before timing: the batch's bucket serves every length the steps reach
                 graphs.capture_for(batch)
-            overlap, engine.overlap_steps = engine.overlap_steps, False
-            for _ in range(warmup):
-                engine.step()
-            row[f"{mode}_isolated_ms"] = _timed_steps(engine, steps) * 1e3
-            engine.overlap_steps = overlap
+            with overlap_off(engine):
+                for _ in range(warmup):
+                    engine.step()
+                row[f"{mode}_isolated_ms"] = _timed_steps(engine, steps) * 1e3
+            overlap = engine.overlap_steps
             launched_ahead = engine.overlapped_steps
             row[f"{mode}_ms"] = _steady_steps(engine, steps) * 1e3
             launched_ahead = engine.overlapped_steps - launched_ahead
@@ -389,16 +398,17 @@ def run_bench_step(
     for batch, context in prefills:
         say(f"prefill: {batch} x {context} tokens ...")
         times = []
-        for _ in range(1 + max(1, steps // 4)):  # the first one warms up
-            for _ in range(batch):
-                engine.add(Request(torch.randint(0, config.vocab_size, (context,), generator=gen).tolist(), 1))
-            _sync(dev)
-            start = time.perf_counter()
-            engine.step()  # every prompt in one step; max_new_tokens=1 finishes them all
-            _sync(dev)
-            times.append(time.perf_counter() - start)
-            if engine.has_work():
-                raise RuntimeError(f"a prefill of {batch} x {context} tokens did not finish in one step")
+        with overlap_off(engine):  # each step finalized before the next, as the mixed rows' halves are
+            for _ in range(1 + max(1, steps // 4)):  # the first one warms up
+                for _ in range(batch):
+                    engine.add(Request(torch.randint(0, config.vocab_size, (context,), generator=gen).tolist(), 1))
+                _sync(dev)
+                start = time.perf_counter()
+                engine.step()  # every prompt in one step; max_new_tokens=1 finishes them all
+                _sync(dev)
+                times.append(time.perf_counter() - start)
+                if engine.has_work():
+                    raise RuntimeError(f"a prefill of {batch} x {context} tokens did not finish in one step")
         flops = prefill_flops(config, batch, context)
         all_experts = len(config.moe_layers) * config.n_routed_experts * expert_bytes(ffn)
         weights = decode_step_bytes(config, attn, ffn, batch * context, 0).dense_weights + all_experts
