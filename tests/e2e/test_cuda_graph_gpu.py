@@ -103,3 +103,14 @@ def test_a_warmed_engine_captures_no_decode_graph_while_generating() -> None:
     outputs = engine.run()
     assert len(outputs) == 3 and all(out.token_ids for out in outputs)
     assert engine.graphs_captured_while_serving == 0 and runner.captured == batch_buckets(256)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_decode_buckets_stop_at_the_token_budget() -> None:
+    """A step decodes at most `max_num_batched_tokens` sequences: with a budget of 8 below `max_num_seqs` no decode
+    graph is sized above 8 rows (a warmed async 1A1F rank once captured buckets its exchange window cannot hold)."""
+    attn = load_attention_model("tiny", dtype="bfloat16", device="cuda")
+    ffn = load_ffn_model("tiny", dtype="bfloat16", device="cuda")
+    engine = Engine(attn, LocalExchange(ffn), 8, max_num_seqs=1024, block_size=BLOCK, num_blocks=64)
+    assert engine.cuda_graphs is not None and engine.cuda_graphs.buckets == batch_buckets(8)

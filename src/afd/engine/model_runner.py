@@ -9,6 +9,7 @@ read later (`read_tokens`), so the engine may launch the next step before it wai
 from __future__ import annotations
 
 import logging
+from collections import deque
 
 import torch
 
@@ -53,9 +54,43 @@ def launch_sampling(
     host.copy_(both, non_blocking=cuda)
     ready = None
     if cuda:  # queued before any later step, so reading it never waits for one
-        ready = torch.cuda.Event()
+        ready = torch.cuda.Event(enable_timing=True)  # also the end of the step (`StepClock`)
         ready.record()
     return tokens, host, ready
+
+
+class StepClock:
+    """The device time of every launched step, for comparing a served run's wall time with the steps it ran: two
+    CUDA events around each step's work on the stream (from the first copy of its inputs to its sampling), read
+    once both have passed, without waiting. A step's time includes any pause of the host inside it; what lies
+    between two steps does not. `seconds` and `steps` count the steps read so far; nothing on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.seconds, self.steps = 0.0, 0
+        self._pending: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
+        self._started: torch.cuda.Event | None = None
+
+    def start(self) -> None:
+        if self.cuda:
+            self._started = torch.cuda.Event(enable_timing=True)
+            self._started.record()
+
+    def stop(self, ended: torch.cuda.Event | None = None) -> None:
+        """The step's work is queued; `ended`: an event just recorded after it (timing enabled), if any."""
+        if self._started is not None:
+            if ended is None:
+                ended = torch.cuda.Event(enable_timing=True)
+                ended.record()
+            self._pending.append((self._started, ended))
+            self._started = None
+
+    def collect(self) -> None:
+        """Add the steps whose end the device has passed (in launch order)."""
+        while self._pending and self._pending[0][1].query():
+            started, ended = self._pending.popleft()
+            self.seconds += started.elapsed_time(ended) / 1e3
+            self.steps += 1
 
 
 def prefill_graph_copies(device: torch.device, exchange: Exchange, enforce_eager: bool) -> int:
@@ -108,7 +143,9 @@ class ModelRunner:
                 logger.info("decode CUDA graphs off: the routed experts of %s have no fixed-shape path", dtype)
             else:
                 whole = local or exchange.capturable  # the async 1A1F exchange captures whole
-                self.cuda_graphs = DecodeGraphRunner(model, exchange, kv_cache, max_num_seqs, segmented=not whole)
+                # a step decodes at most one token per sequence within the budget: no bucket above either
+                largest = min(max_num_seqs, max_num_batched_tokens)
+                self.cuda_graphs = DecodeGraphRunner(model, exchange, kv_cache, largest, segmented=not whole)
                 logger.info(
                     "decode CUDA graphs on (%s), batch buckets %s",
                     "whole step" + ("" if local else ", exchanges included") if whole else "pieces between exchanges",
@@ -135,6 +172,7 @@ class ModelRunner:
                 + (" (the routed experts have no fixed-shape path)" if isinstance(exchange, LocalExchange) else ""),
             )
         self.ubatched_steps = 0  # steps run as micro-batches in ping-pong
+        self.step_clock = StepClock(self.device)
         self.last_launch_decode = False  # whether the step launched last was all single-token decodes
 
     @property
@@ -151,6 +189,7 @@ class ModelRunner:
         timeline = self.exchange.timeline  # AFD_TIMELINE (afd.profiling.timeline): the step's ends
         if timeline is not None:
             timeline.mark("launch", on_device=False)
+        self.step_clock.start()
         query_lens = [len(s.input_ids) for s in scheduled]
         context_lens = [s.start for s in scheduled]
         # Only pure decode steps replay a graph; a step with a prompt chunk (even a one-token one) runs eager.
@@ -260,6 +299,7 @@ class ModelRunner:
             # appended its input token on the host yet
             positions = [s.start + len(s.input_ids) for s in sampled]
             tokens, host, ready = launch_sampling(self.model, hidden[last_rows], sampling, positions)
+        self.step_clock.stop(ready)
         for s, first, n in zip(scheduled, batch.starts, batch.query_lens, strict=True):
             prompt = s.seq.request.prompt_ids
             if s.is_decode or not s.seq.request.prompt_logprobs:
@@ -277,6 +317,7 @@ class ModelRunner:
         """A launched step's sampled tokens and their logprobs on the host (waiting for their copy only)."""
         if step.ready is not None:
             step.ready.synchronize()
+        self.step_clock.collect()
         timeline = self.exchange.timeline
         if timeline is not None:
             timeline.mark("tokens", on_device=False)

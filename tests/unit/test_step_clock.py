@@ -1,0 +1,48 @@
+"""The steps' device time beside a served run's wall time: the replica's load message -> the front end's gauges ->
+`/metrics` -> `afd bench serve`'s reading of it (`step_clock_of`) -> its report line. (The CUDA events themselves:
+tests/e2e/test_engine_overlap_gpu.py.)"""
+
+from __future__ import annotations
+
+import torch
+
+from afd.bench.report import format_table
+from afd.bench.serve_client import step_clock_of
+from afd.engine.engine import Engine, LocalExchange, Request
+from afd.engine.request import EngineLoad
+from afd.model.weights import load_attention_model, load_ffn_model
+from afd.serve.metrics import ServeMetrics
+
+
+def _page(values: list[tuple[float, int]]) -> str:
+    metrics = ServeMetrics(len(values))
+    for replica, (seconds, steps) in zip(metrics.replicas, values, strict=True):
+        replica.step_device.set(seconds)
+        replica.steps.set(steps)
+    return metrics.render(healthy=True, front_waiting=0).decode()
+
+
+def test_metrics_page_sums_the_replicas_step_device_time() -> None:
+    assert step_clock_of(_page([(1.5, 100), (0.5, 40)])) == (2.0, 140, 2)
+    assert step_clock_of(_page([(1.5, 100), (0.0, 0)])) == (1.5, 100, 1)
+    assert step_clock_of(_page([(0.0, 0)])) is None  # CPU: no step is timed
+    assert step_clock_of("# a server without afd's series\nup 1\n") is None
+
+
+def test_report_sets_the_steps_beside_the_wall_time() -> None:
+    summary = {"completed": 4, "errors": 0, "request_throughput": 2.0, "output_tok_s": 10.0, "wall_s": 6.0}
+    summary |= {f"{n}_p{q}_s": 0.01 for n in ("ttft", "tpot", "e2e") for q in (50, 90, 99)}
+    timed = {"rate": float("inf"), "summary": summary | {"steps": {"device_s": 8.0, "count": 300, "replicas": 2}}}
+    untimed = {"rate": 1.0, "summary": summary}
+    table = format_table([{"name": "none R=2", "runs": [timed, untimed]}], slo_ttft_s=1.0)
+    lines = [line for line in table.splitlines() if "wall/steps" in line]
+    assert lines == ["none R=2 at inf: wall 6.00 s, its 300 steps 4.00 s of device time per replica: wall/steps 1.50x"]
+
+
+def test_a_cpu_engine_times_no_step_and_a_load_change_ignores_the_clock() -> None:
+    engine = Engine(load_attention_model("tiny"), LocalExchange(load_ffn_model("tiny")), 64, max_num_seqs=4)
+    engine.add(Request(torch.arange(1, 6).tolist(), 3))
+    engine.run()
+    load = engine.load()
+    assert (load.step_device_s, load.steps) == (0.0, 0)
+    assert EngineLoad(0, 0, 0.0, 0, 1.0, 5) == EngineLoad(0, 0, 0.0, 0, 2.0, 9)  # sent on a change of load only
