@@ -53,3 +53,34 @@ def test_cuda_overlap_with_graphs_equals_stepping_one_at_a_time_bf16():
     ]
     gap = max(abs(a - b) for a, b in pairs)
     print(f"overlap on vs off, bf16 with graphs: largest |dlogprob| {gap:.3g}")
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_step_clock_times_every_launched_step_within_the_wall_time():
+    """`StepClock`: every launched step (prefill chunks that sample nothing included) is counted once the run ends,
+    and their device time is positive and no more than the run's wall time (steps never overlap on the stream)."""
+    import time
+
+    attn = load_attention_model("tiny", dtype="bfloat16", device="cuda")
+    engine = Engine(attn, LocalExchange(load_ffn_model("tiny", dtype="bfloat16", device="cuda")), 8, max_num_seqs=4)
+    launched = 0
+    launch = engine.runner.launch
+
+    def counting(*args, **kwargs):
+        nonlocal launched
+        launched += 1
+        return launch(*args, **kwargs)
+
+    engine.runner.launch = counting
+    for i in range(5):
+        engine.add(Request(tokens(3 + 5 * i, i), 6))  # prompts over the 8-token budget: chunks that sample nothing
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    engine.run()
+    wall = time.perf_counter() - start
+    clock = engine.runner.step_clock
+    assert launched > 0 and clock.steps == launched
+    assert 0 < clock.seconds <= wall
+    assert engine.load().steps == launched and engine.load().step_device_s == clock.seconds

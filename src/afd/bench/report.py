@@ -90,8 +90,26 @@ def format_table(results: list[dict], slo_ttft_s: float) -> str:
                 f"{slo['output_tok_s']:.1f} output tok/s served)"
             )
         lines.append(f"{res['name']}: SLO-compliant throughput (p90 TTFT <= {slo_ttft_s:g} s): {text}")
+    lines += steps_lines(results)
     note = short_capacity_note(results)
     return "\n".join([*lines, note] if note else lines)
+
+
+def steps_lines(results: list[dict]) -> list[str]:
+    """Per run whose server timed its steps (CUDA): the wall time beside the device time of the steps it ran, per
+    replica, and their ratio (1.0: the device never waited between steps)."""
+    lines = []
+    for res in results:
+        for run in res["runs"]:
+            steps, wall = run["summary"].get("steps"), run["summary"].get("wall_s")
+            if not steps or not wall:
+                continue
+            per_replica = steps["device_s"] / max(1, steps["replicas"])
+            lines.append(
+                f"{res['name']} at {format_rate(run['rate'])}: wall {wall:.2f} s, its {steps['count']} steps "
+                f"{per_replica:.2f} s of device time per replica: wall/steps {wall / per_replica:.2f}x"
+            )
+    return lines
 
 
 class PlotUnavailable(RuntimeError):

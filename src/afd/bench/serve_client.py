@@ -282,12 +282,45 @@ def bench_url(
     runs = []
     for rate in run_rates(workload, rates):
         progress.start(f"{label}rate {format_rate(rate)}", workload.num_requests)
+        before = loop.run(step_clock(url, timeout_s))
         try:
             runs.append(loop.run(_run(url, workload, rate, vocab_size, model, api_key, progress, timeout_s, busy_poll)))
         finally:
             progress.finish()
         runs[-1]["http_floor_p50_s"] = http_floor
+        after = loop.run(step_clock(url, timeout_s))
+        if before is not None and after is not None and after[1] > before[1]:
+            runs[-1]["summary"]["steps"] = {
+                "device_s": after[0] - before[0],  # every replica's together
+                "count": after[1] - before[1],
+                "replicas": after[2],
+            }
     return runs
+
+
+async def step_clock(url: str, timeout_s: float) -> tuple[float, int, int] | None:
+    """`step_clock_of` the server's `/metrics` page (None without one)."""
+    async with client_session() as session, asyncio.timeout(timeout_s), session.get(url + "/metrics") as resp:
+        return step_clock_of(await resp.text()) if resp.status == 200 else None
+
+
+def step_clock_of(metrics_text: str) -> tuple[float, int, int] | None:
+    """From a `/metrics` page: the step device time so far (`afd.serve.metrics.STEP_DEVICE_SECONDS`, every
+    replica's together), the step count and the replicas that ran a timed step; None when no step was timed (CPU
+    steps are not, another server has no such series)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from afd.serve.metrics import STEP_DEVICE_SECONDS, STEPS
+
+    values: dict[str, dict[str, float]] = {STEP_DEVICE_SECONDS: {}, STEPS: {}}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name in values:
+                values[sample.name][sample.labels.get("replica", "")] = sample.value
+    counts = values[STEPS]
+    if not any(counts.values()):
+        return None
+    return sum(values[STEP_DEVICE_SECONDS].values()), int(sum(counts.values())), sum(1 for c in counts.values() if c)
 
 
 async def _warm_up(

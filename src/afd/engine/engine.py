@@ -210,7 +210,10 @@ class Engine:
 
     def load(self) -> EngineLoad:
         usage = self.block_manager.usage
-        return EngineLoad(len(self.running), len(self.waiting), usage, self.graphs_captured_while_serving)
+        clock = self.runner.step_clock
+        return EngineLoad(
+            len(self.running), len(self.waiting), usage, self.graphs_captured_while_serving, clock.seconds, clock.steps
+        )
 
     # --- scheduling and cache bookkeeping (the parts' check-then-act pairs) ---
 

@@ -6,7 +6,7 @@ Plain data, shared by the engine, the runtimes that drive it and the serving fro
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from afd.engine.sampling import SamplingParams
 
@@ -64,3 +64,6 @@ class EngineLoad:
     waiting: int
     cache_usage: float
     graphs_captured: int = 0  # decode CUDA graphs captured while serving (`Engine.graphs_captured_while_serving`)
+    # the device time of the steps run so far and their count (`StepClock`); not a change of load by themselves
+    step_device_s: float = field(default=0.0, compare=False)
+    steps: int = field(default=0, compare=False)

@@ -158,7 +158,8 @@ class OnlineReplica:
         if load != self._sent_load:
             self._sent_load = load
             self.send({"type": "load", "running": load.running, "waiting": load.waiting,
-                       "cache_usage": load.cache_usage, "graphs_captured": load.graphs_captured})  # fmt: skip
+                       "cache_usage": load.cache_usage, "graphs_captured": load.graphs_captured,
+                       "step_device_s": load.step_device_s, "steps": load.steps})  # fmt: skip
 
     def send(self, msg: Message) -> None:
         if not self.link_up:

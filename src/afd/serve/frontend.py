@@ -215,6 +215,8 @@ class ReplicaPool:
             m.waiting.set(int(message["waiting"]))
             m.cache_usage.set(float(message["cache_usage"]))
             m.graphs_captured.set(int(message.get("graphs_captured", 0)))
+            m.step_device.set(float(message.get("step_device_s", 0.0)))
+            m.steps.set(int(message.get("steps", 0)))
         else:
             logger.warning("replica %d sent an unknown message %r", replica, kind)
 

@@ -18,6 +18,9 @@ ITL_BUCKETS += (5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
 E2E_BUCKETS += (480.0, 960.0)
 
+# the series a benchmark reads before and after a run, to set the steps' device time beside its wall time
+STEP_DEVICE_SECONDS, STEPS = "afd_step_device_seconds", "afd_steps"
+
 
 class ReplicaMetrics:
     """One replica's series: what it reported (`load` messages) and what the front end measured."""
@@ -28,6 +31,8 @@ class ReplicaMetrics:
         self.waiting = families.waiting.labels(label)
         self.cache_usage = families.cache_usage.labels(label)
         self.graphs_captured = families.graphs_captured.labels(label)
+        self.step_device = families.step_device.labels(label)
+        self.steps = families.steps.labels(label)
         self.prompt_tokens = families.prompt_tokens.labels(label)
         self.generation_tokens = families.generation_tokens.labels(label)
         self.ttft = families.ttft.labels(label)
@@ -69,6 +74,13 @@ class ServeMetrics:
             by,
             registry=r,
         )
+        self.step_device = Gauge(
+            STEP_DEVICE_SECONDS,
+            "Device time of the replica's engine steps since its start, CUDA events around each (0 on CPU).",
+            by,
+            registry=r,
+        )
+        self.steps = Gauge(STEPS, "Engine steps the replica's step device time counts.", by, registry=r)
         self.prompt_tokens = Counter(
             "afd_prompt_tokens", "Prompt tokens of the requests sent to the replica.", by, registry=r
         )
