@@ -79,7 +79,7 @@ def main() -> None:
         scale = 1 / (192**0.5)
         ref = mla_decode(q_latent, q_pe, cache, rows, lens, scale).float()
         nbytes = batch * context * (C + R) * 2
-        default = num_splits_for(batch, 1, context, sms)
+        default = num_splits_for(batch, 1, context, sms)[0]
         for splits, block_n, warps, stages in itertools.product(
             sorted({1, 2, 4, 8, default}), (32, 64), (4, 8), (2, 3)
         ):

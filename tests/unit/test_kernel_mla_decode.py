@@ -28,6 +28,8 @@ from afd import kernels  # noqa: E402
 from afd.engine.graphs.decode import StaticInputs, fill_static_inputs  # noqa: E402
 from afd.kernels import mla_decode as mla_decode_module  # noqa: E402
 from afd.kernels.mla_decode import (  # noqa: E402
+    BALANCE_ROWS,
+    MAX_PROGRAMS,
     MAX_SPLITS,
     MIN_SPLIT_ROWS,
     compile_key,
@@ -198,15 +200,34 @@ def test_the_warm_up_launches_each_variant_and_reads_only(monkeypatch: pytest.Mo
 
 
 def test_num_splits_depend_on_shapes_only() -> None:
-    """Enough programs to fill the SMs once, each split >= MIN_SPLIT_ROWS rows, at most MAX_SPLITS."""
-    assert num_splits_for(256, 1, 4096, 132) == 1  # the batch fills the GPU alone
-    assert num_splits_for(132, 1, 4096, 132) == 1
-    assert num_splits_for(64, 1, 512, 132) == 4  # 3 to fill 132 SMs, rounded up to a power of two
-    assert num_splits_for(8, 1, 512, 132) == 512 // MIN_SPLIT_ROWS
-    assert num_splits_for(1, 1, 4096, 132) == MAX_SPLITS
-    assert num_splits_for(1, 4, 4096, 132) == MAX_SPLITS  # 33 -> 64
-    assert num_splits_for(4, 1, 1, 132) == 1
-    assert num_splits_for(0, 1, 100, 132) == 1
+    """Until the batch fills the SMs: enough splits to fill them once, each >= MIN_SPLIT_ROWS rows, at most
+    MAX_SPLITS. Once it does: chunks of BALANCE_ROWS rows, within MAX_PROGRAMS programs."""
+    assert num_splits_for(64, 1, 512, 132) == (4, MIN_SPLIT_ROWS)  # 3 to fill 132 SMs, rounded up to a power of two
+    assert num_splits_for(8, 1, 512, 132) == (512 // MIN_SPLIT_ROWS, MIN_SPLIT_ROWS)
+    assert num_splits_for(1, 1, 4096, 132) == (MAX_SPLITS, MIN_SPLIT_ROWS)
+    assert num_splits_for(1, 4, 4096, 132) == (MAX_SPLITS, MIN_SPLIT_ROWS)  # 33 -> 64
+    assert num_splits_for(4, 1, 1, 132) == (1, MIN_SPLIT_ROWS)
+    assert num_splits_for(0, 1, 100, 132) == (1, MIN_SPLIT_ROWS)
+    assert num_splits_for(256, 1, 512, 132) == (1, BALANCE_ROWS)  # one chunk holds every context: one split
+    assert num_splits_for(256, 1, 3600, 132) == (4, BALANCE_ROWS)  # a 3,584-token context in four chunks
+    assert num_splits_for(132, 1, 4096, 132) == (4, BALANCE_ROWS)
+    assert num_splits_for(256, 1, 163840, 132) == (MAX_PROGRAMS // 256, BALANCE_ROWS)  # the grid's bound
+    assert num_splits_for(4096, 1, 163840, 132) == (1, BALANCE_ROWS)
+
+
+def test_a_sequence_read_by_one_split_writes_its_output_in_a_split_grid() -> None:
+    """With several splits in the grid but a share of two tiles, the short sequences have one live split (it
+    normalises and writes the output itself, the combine leaves it), the long ones several (merged by the combine),
+    the empty one zeros: every row as the eager path's."""
+    q, q_pe, cache_layer, rows, valid = make_case(5, 100, 4, 32, 16, seed=5)
+    for b, length in enumerate([0, 5, 16, 33, 100]):
+        valid[b] = torch.arange(valid.shape[1]) < length
+    lens = lengths(valid)
+    assert [len([r for r in split_tiles(n, 4, 16, 32) if r]) for n in lens.tolist()] == [0, 1, 1, 2, 4]
+    got = mla_decode(q, q_pe, cache_layer, rows, lens, 0.3, num_splits=4, block_n=16, min_split_rows=32)
+    want = eager_o_latent(q, q_pe, cache_layer, rows, valid, 0.3)
+    torch.testing.assert_close(got[1:], want[1:], atol=1e-5, rtol=1e-5)
+    assert torch.equal(got[0], torch.zeros_like(got[0]))
 
 
 def _tiny_attention(seed: int = 0, poison: bool = False) -> tuple[MLAttention, PagedLatentCache, Batch, torch.Tensor]:

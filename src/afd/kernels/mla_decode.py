@@ -45,18 +45,24 @@ BLOCK_N = 32
 BLOCK_N_FP32 = 16
 MIN_SPLIT_ROWS = 64  # a split reads at least this many rows (two tiles), or the combine costs more than it saves
 MAX_SPLITS = 64
+# Once the batch alone fills the SMs, a sequence is still cut into chunks of this many rows, so that a batch mixing
+# short and long contexts spreads as evenly over the SMs as a uniform one (one program per sequence left the long
+# ones' programs running alone at the end: 1.24x a uniform batch of the same total on an H200, batch 256), while
+# most sequences keep one chunk and write their output directly. MAX_PROGRAMS bounds the grid such chunks need.
+BALANCE_ROWS = 1024
+MAX_PROGRAMS = 4096
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
-def _split_share(length, num_splits, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr):
+def _split_share(length, num_splits, BLOCK_N: tl.constexpr, min_tiles):
     """(tiles of the sequence, tiles per split): the device twin of `split_tiles`."""
     tiles = (length + BLOCK_N - 1) // BLOCK_N
-    share = tl.maximum((tiles + num_splits - 1) // num_splits, MIN_TILES)
+    share = tl.maximum((tiles + num_splits - 1) // num_splits, min_tiles)
     return tiles, share
 
 
-@triton.jit(do_not_specialize=["page", "stride_tb"])
+@triton.jit(do_not_specialize=["page", "stride_tb", "min_tiles"])
 def _split_kernel(
     q_ptr,  # [B, NH, C]
     qpe_ptr,  # [B, NH, R]
@@ -78,13 +84,13 @@ def _split_kernel(
     stride_tb,
     stride_ob,
     stride_oh,
+    min_tiles,  # tiles a live split reads at least
     C: tl.constexpr,
     R: tl.constexpr,
     C_PAD: tl.constexpr,  # C, R rounded up to a power of two >= 16 (tl.dot's smallest K); the pad reads nothing
     R_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    MIN_TILES: tl.constexpr,
     DIRECT: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -93,7 +99,7 @@ def _split_kernel(
     b = tl.program_id(2).to(tl.int64)
     num_splits = tl.num_programs(1)
     length = tl.load(lens_ptr + b)
-    tiles, share = _split_share(length, num_splits, BLOCK_N, MIN_TILES)
+    tiles, share = _split_share(length, num_splits, BLOCK_N, min_tiles)
     first = split * share
     end = tl.minimum(first + share, tiles)
     live = first < end  # a split past the sequence's tiles loads nothing and writes nothing
@@ -131,21 +137,23 @@ def _split_kernel(
         acc = tl.dot(p.to(kv.dtype), kv, acc=acc * alpha[:, None], input_precision=PRECISION)  # [BH, C]
         m_i = m_new
 
-    if DIRECT:
-        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty context gives zeros
-        tl.store(
-            out_ptr + b * stride_ob + heads[:, None] * stride_oh + c[None, :],
-            o.to(out_ptr.dtype.element_ty),
-            mask=q_mask,
-        )
-    else:
+    # a sequence read by this one split: normalised and written here, as with one split in the grid
+    whole = DIRECT or (live & (tiles <= share))
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty context gives zeros (written by the combine)
+    tl.store(
+        out_ptr + b * stride_ob + heads[:, None] * stride_oh + c[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=q_mask & whole,
+    )
+    if not DIRECT:
         at = (b * num_splits + split) * NH + heads  # [BH]
-        tl.store(part_o_ptr + at[:, None] * C + c[None, :], acc, mask=q_mask & live)
-        tl.store(part_m_ptr + at, m_i, mask=head_ok & live)
-        tl.store(part_l_ptr + at, l_i, mask=head_ok & live)
+        partial = live & (tiles > share)
+        tl.store(part_o_ptr + at[:, None] * C + c[None, :], acc, mask=q_mask & partial)
+        tl.store(part_m_ptr + at, m_i, mask=head_ok & partial)
+        tl.store(part_l_ptr + at, l_i, mask=head_ok & partial)
 
 
-@triton.jit(do_not_specialize=["S"])
+@triton.jit(do_not_specialize=["S", "min_tiles"])
 def _combine_kernel(
     out_ptr,  # [B, NH, C]
     part_o_ptr,  # [B, S, NH, C] fp32
@@ -156,16 +164,17 @@ def _combine_kernel(
     S,
     stride_ob,
     stride_oh,
+    min_tiles,
     C: tl.constexpr,
     C_PAD: tl.constexpr,
     S_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    MIN_TILES: tl.constexpr,
 ):
     h = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
-    tiles, share = _split_share(tl.load(lens_ptr + b), S, BLOCK_N, MIN_TILES)
+    tiles, share = _split_share(tl.load(lens_ptr + b), S, BLOCK_N, min_tiles)
     live = (tiles + share - 1) // share  # the splits that wrote a partial; the others left theirs unwritten
+    # one live split wrote the output itself; none (an empty context): zeros, written here
     s = tl.arange(0, S_PAD)
     at = (b * S + s) * NH + h  # [S_PAD]
     m_s = tl.load(part_m_ptr + at, mask=s < live, other=float("-inf"))  # [S_PAD]
@@ -181,7 +190,8 @@ def _combine_kernel(
         at_i = (b * S + i) * NH + h
         w = tl.math.exp2(tl.load(part_m_ptr + at_i) - m_max)
         acc += w * tl.load(part_o_ptr + at_i * C + c, mask=c_ok, other=0.0)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + c, (acc / denom).to(out_ptr.dtype.element_ty), mask=c_ok)
+    out = out_ptr + b * stride_ob + h * stride_oh + c
+    tl.store(out, (acc / denom).to(out_ptr.dtype.element_ty), mask=c_ok & (live != 1))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -200,16 +210,20 @@ def _cuda_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def num_splits_for(batch: int, head_tiles: int, context: int, num_sms: int) -> int:
-    """How many splits the grid gives each sequence, for a table of `context` rows: enough programs to fill the
-    SMs once, rounded up to a power of two (on an H200 3 splits at batch 64 ran 29% slower than 4:
-    `scripts/gpu_mla_sweep.py`), each split at least `MIN_SPLIT_ROWS` rows. A function of shapes only
+def num_splits_for(batch: int, head_tiles: int, context: int, num_sms: int) -> tuple[int, int]:
+    """(splits of each sequence in the grid, rows a live split reads at least) for a table of `context` rows. While
+    the batch's programs do not fill the SMs: enough splits to fill them once, rounded up to a power of two (on an
+    H200 3 splits at batch 64 ran 29% slower than 4: `scripts/gpu_mla_sweep.py`), at least `MIN_SPLIT_ROWS` rows
+    each. Once they do: chunks of `BALANCE_ROWS` rows, within `MAX_PROGRAMS`. A function of shapes only
     (capturable, deterministic)."""
     programs = batch * head_tiles
-    if programs == 0 or programs >= num_sms:
-        return 1
+    if programs == 0:
+        return 1, MIN_SPLIT_ROWS
+    if programs >= num_sms:
+        chunks = min(_cdiv(context, BALANCE_ROWS), MAX_PROGRAMS // programs, MAX_SPLITS)
+        return max(1, chunks), BALANCE_ROWS
     fill = triton.next_power_of_2(_cdiv(num_sms, programs))
-    return max(1, min(fill, _cdiv(context, MIN_SPLIT_ROWS), MAX_SPLITS))
+    return max(1, min(fill, _cdiv(context, MIN_SPLIT_ROWS), MAX_SPLITS)), MIN_SPLIT_ROWS
 
 
 def split_tiles(length: int, num_splits: int, block_n: int, min_split_rows: int = MIN_SPLIT_ROWS) -> list[range]:
@@ -256,7 +270,7 @@ def mla_decode(
     *,
     page: int = 1,
     num_splits: int | None = None,
-    min_split_rows: int = MIN_SPLIT_ROWS,
+    min_split_rows: int | None = None,
     block_n: int | None = None,
     block_h: int | None = None,
     num_warps: int | None = None,
@@ -268,7 +282,8 @@ def mla_decode(
     layer of the pool, a view), table: [B, W] int64 the cache block of each `page`-row page of a sequence
     (`page` = 1: the cache row of each position), lens: [B] int32 each sequence's context length on the device
     (at most W * page; a length of 0 gives zeros) -> o_latent [B, nh, C] in q's dtype. Nothing past a
-    sequence's length is read. `num_splits` (default: from the shapes and the SM count), `min_split_rows`,
+    sequence's length is read. `num_splits` and `min_split_rows` (default: `num_splits_for` the shapes and the SM
+    count; `MIN_SPLIT_ROWS` for a `num_splits` given),
     `block_n`, `block_h`, `num_warps` and `num_stages` exist for tests and tuning sweeps
     (`scripts/gpu_mla_sweep.py`).
     """
@@ -298,8 +313,10 @@ def mla_decode(
     assert block_h in (16, 32), f"block_h={block_h}: 16 or 32"
     head_tiles = _cdiv(nh, block_h)
     if num_splits is None:
-        num_splits = num_splits_for(B, head_tiles, W * page, _num_sms(q_latent.device))
+        num_splits, planned_rows = num_splits_for(B, head_tiles, W * page, _num_sms(q_latent.device))
+        min_split_rows = planned_rows if min_split_rows is None else min_split_rows
     splits = max(1, min(num_splits, MAX_SPLITS))
+    min_split_rows = MIN_SPLIT_ROWS if min_split_rows is None else min_split_rows
     min_tiles = max(1, _cdiv(min_split_rows, block_n))
     direct = splits == 1
     if direct:
@@ -331,13 +348,13 @@ def mla_decode(
         table.stride(0),
         out.stride(0),
         out.stride(1),
+        min_tiles,
         C=C,
         R=R,
         C_PAD=c_pad,
         R_PAD=max(16, triton.next_power_of_2(R)),
         BLOCK_H=block_h,
         BLOCK_N=block_n,
-        MIN_TILES=min_tiles,
         DIRECT=direct,
         PRECISION=precision,
         num_warps=num_warps or (4 if block_h == 16 else 8),
@@ -354,11 +371,11 @@ def mla_decode(
             splits,
             out.stride(0),
             out.stride(1),
+            min_tiles,
             C=C,
             C_PAD=c_pad,
             S_PAD=triton.next_power_of_2(splits),
             BLOCK_N=block_n,
-            MIN_TILES=min_tiles,
             num_warps=4,
         )
     return out
