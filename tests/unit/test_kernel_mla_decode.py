@@ -211,6 +211,7 @@ def test_num_splits_depend_on_shapes_only() -> None:
     assert num_splits_for(256, 1, 512, 132) == (1, BALANCE_ROWS)  # one chunk holds every context: one split
     assert num_splits_for(256, 1, 3600, 132) == (4, BALANCE_ROWS)  # a 3,584-token context in four chunks
     assert num_splits_for(132, 1, 4096, 132) == (4, BALANCE_ROWS)
+    assert num_splits_for(512, 1, 4096, 132) == (2, BALANCE_ROWS)
     assert num_splits_for(256, 1, 163840, 132) == (MAX_PROGRAMS // 256, BALANCE_ROWS)  # the grid's bound
     assert num_splits_for(4096, 1, 163840, 132) == (1, BALANCE_ROWS)
 

@@ -48,9 +48,11 @@ MAX_SPLITS = 64
 # Once the batch alone fills the SMs, a sequence is still cut into chunks of this many rows, so that a batch mixing
 # short and long contexts spreads as evenly over the SMs as a uniform one (one program per sequence left the long
 # ones' programs running alone at the end: 1.24x a uniform batch of the same total on an H200, batch 256), while
-# most sequences keep one chunk and write their output directly. MAX_PROGRAMS bounds the grid such chunks need.
+# most sequences keep one chunk and write their output directly. MAX_PROGRAMS bounds the grid such chunks need (the
+# programs of splits past a short sequence's end exit at once, but not for free); past MAX_PROGRAMS / batch chunks
+# a long context takes longer chunks.
 BALANCE_ROWS = 1024
-MAX_PROGRAMS = 4096
+MAX_PROGRAMS = 1024
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -153,7 +155,7 @@ def _split_kernel(
         tl.store(part_l_ptr + at, l_i, mask=head_ok & partial)
 
 
-@triton.jit(do_not_specialize=["S", "min_tiles"])
+@triton.jit(do_not_specialize=["S", "min_tiles", "heads_per_program"])
 def _combine_kernel(
     out_ptr,  # [B, NH, C]
     part_o_ptr,  # [B, S, NH, C] fp32
@@ -165,33 +167,36 @@ def _combine_kernel(
     stride_ob,
     stride_oh,
     min_tiles,
+    heads_per_program,  # grid (cdiv(NH, heads_per_program), B)
     C: tl.constexpr,
     C_PAD: tl.constexpr,
     S_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    h = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     tiles, share = _split_share(tl.load(lens_ptr + b), S, BLOCK_N, min_tiles)
     live = (tiles + share - 1) // share  # the splits that wrote a partial; the others left theirs unwritten
-    # one live split wrote the output itself; none (an empty context): zeros, written here
+    # one live split wrote the output itself: nothing to do; none (an empty context): zeros, written here
+    first = tl.program_id(0) * heads_per_program
+    last = tl.where(live == 1, first, tl.minimum(first + heads_per_program, NH))
     s = tl.arange(0, S_PAD)
-    at = (b * S + s) * NH + h  # [S_PAD]
-    m_s = tl.load(part_m_ptr + at, mask=s < live, other=float("-inf"))  # [S_PAD]
-    l_s = tl.load(part_l_ptr + at, mask=s < live, other=0.0)  # [S_PAD]
-    m_max = tl.max(m_s, 0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # no live split (an empty context)
-    denom = tl.sum(tl.math.exp2(m_s - m_max) * l_s, 0)
-    denom = tl.where(denom > 0, denom, 1.0)
     c = tl.arange(0, C_PAD)
     c_ok = c < C
-    acc = tl.zeros([C_PAD], tl.float32)
-    for i in range(0, live):  # a fixed order: the same bits every run
-        at_i = (b * S + i) * NH + h
-        w = tl.math.exp2(tl.load(part_m_ptr + at_i) - m_max)
-        acc += w * tl.load(part_o_ptr + at_i * C + c, mask=c_ok, other=0.0)
-    out = out_ptr + b * stride_ob + h * stride_oh + c
-    tl.store(out, (acc / denom).to(out_ptr.dtype.element_ty), mask=c_ok & (live != 1))
+    for h in range(first, last):
+        at = (b * S + s) * NH + h  # [S_PAD]
+        m_s = tl.load(part_m_ptr + at, mask=s < live, other=float("-inf"))  # [S_PAD]
+        l_s = tl.load(part_l_ptr + at, mask=s < live, other=0.0)  # [S_PAD]
+        m_max = tl.max(m_s, 0)
+        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # no live split (an empty context)
+        denom = tl.sum(tl.math.exp2(m_s - m_max) * l_s, 0)
+        denom = tl.where(denom > 0, denom, 1.0)
+        acc = tl.zeros([C_PAD], tl.float32)
+        for i in range(0, live):  # a fixed order: the same bits every run
+            at_i = (b * S + i) * NH + h
+            w = tl.math.exp2(tl.load(part_m_ptr + at_i) - m_max)
+            acc += w * tl.load(part_o_ptr + at_i * C + c, mask=c_ok, other=0.0)
+        out = out_ptr + b * stride_ob + h * stride_oh + c
+        tl.store(out, (acc / denom).to(out_ptr.dtype.element_ty), mask=c_ok)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -361,7 +366,10 @@ def mla_decode(
         num_stages=num_stages or 2,  # 3 stages were 3-25% slower at every decode shape swept on an H200
     )
     if not direct:
-        _combine_kernel[(nh, B)](
+        # a program per head while the batch is small (few long merges); per sequence once it fills the SMs, where
+        # most sequences have one split and their programs would do nothing
+        per_program = nh if B * head_tiles >= _num_sms(q_latent.device) else 1
+        _combine_kernel[(_cdiv(nh, per_program), B)](
             out,
             part_o,
             part_m,
@@ -372,6 +380,7 @@ def mla_decode(
             out.stride(0),
             out.stride(1),
             min_tiles,
+            per_program,
             C=C,
             C_PAD=c_pad,
             S_PAD=triton.next_power_of_2(splits),
