@@ -50,14 +50,18 @@ gen() {
 # scripts/compare_outputs.py compares each run's JSON with the single-process one's
 ORACLE=(--model tiny --prompt-ids "5,17,33,2,9,41,7,3,19,23,11;4,8;100,3,77,12,9,250;1" --max-new-tokens 8
   --prompt-logprobs --device cuda --json)
-# serve_mixed NAME LIMIT ARGS...: `afd bench serve` of the mixed workload (V2-Lite bf16 on CUDA, 64 to 1,024-token
-# prompts, 64 new tokens) with ARGS (--compare, --rates, --requests ...), its JSON into $OUT/NAME.json
-serve_mixed() {
+# bench_serve NAME LIMIT ARGS...: `afd bench serve` (V2-Lite bf16 on CUDA) with ARGS (workload, --compare, --rates
+# ...), its JSON into $OUT/NAME.json, the table printed
+bench_serve() {
   local name=$1 limit=$2; shift 2
-  timeout "$limit" python3 -m afd bench serve "${LITE[@]}" --workload mixed --short-len 64 --long-len 1024 \
-    --max-tokens 64 "$@" --json "$OUT/$name.json" 2>"$B/$name.err" | tail -n 10
+  timeout "$limit" python3 -m afd bench serve "${LITE[@]}" "$@" --json "$OUT/$name.json" 2>"$B/$name.err" | tail -n 12
   local rc=${PIPESTATUS[0]}
   echo "$name rc=$rc"; [[ $rc == 0 ]] || tail -n 30 "$B/$name.err" > "$OUT/$name.err"
+}
+# serve_mixed NAME LIMIT ARGS...: `bench_serve` of the mixed workload (64 to 1,024-token prompts, 64 new tokens)
+serve_mixed() {
+  local name=$1 limit=$2; shift 2
+  bench_serve "$name" "$limit" --workload mixed --short-len 64 --long-len 1024 --max-tokens 64 "$@"
 }
 # front_end NAME: `afd bench serve` of the uniform workload (128-token prompts, 32 new) at 1 request/s through `none`
 # R=1, $FRONT_REQUESTS requests (default 32), busy polling unless BUSY_POLL=0; its JSON into $OUT/NAME.json; prints
@@ -88,14 +92,19 @@ front_end_ab() {
     (cd /tmp/old_tree && PYTHONPATH=/tmp/old_tree/src:/tmp/site front_end "${old}_$i")
   done
 }
-# capacity_ab PAIRS NEW OLD: `none` R=1 at capacity on the mixed workload ($CAPACITY_REQUESTS requests, default 512)
-# on this tree (NEW_1, ...) and on the older one of .whl/old.tar (OLD_1, ...), alternated PAIRS times
+# capacity_ab PAIRS NEW OLD [ARGS]: `none` R=1 at capacity (--rates inf, 16 warm-ups) on this tree (NEW_1, ...) and on
+# the older one of .whl/old.tar (OLD_1, ...), alternated PAIRS times; ARGS choose the workload (default: the mixed
+# one, $CAPACITY_REQUESTS requests, default 512; a --trace path must be absolute: the older tree runs elsewhere)
 capacity_ab() {
-  local pairs=$1 new=$2 old=$3 i args=(--compare none:R=1 --requests "${CAPACITY_REQUESTS:-512}" --rates inf --warmups 16)
+  local pairs=$1 new=$2 old=$3 i; shift 3
+  local work=("$@")
+  (( ${#work[@]} )) || work=(--workload mixed --short-len 64 --long-len 1024 --max-tokens 64
+    --requests "${CAPACITY_REQUESTS:-512}")
+  local args=("${work[@]}" --compare none:R=1 --rates inf --warmups 16)
   mkdir -p /tmp/old_tree && tar -xf .whl/old.tar -C /tmp/old_tree
   for ((i = 1; i <= pairs; i++)); do
-    serve_mixed "${new}_$i" 200 "${args[@]}"
-    (cd /tmp/old_tree && PYTHONPATH=/tmp/old_tree/src:/tmp/site serve_mixed "${old}_$i" 200 "${args[@]}")
+    bench_serve "${new}_$i" 240 "${args[@]}"
+    (cd /tmp/old_tree && PYTHONPATH=/tmp/old_tree/src:/tmp/site bench_serve "${old}_$i" 240 "${args[@]}")
   done
 }
 # compiled_while_serving: the Triton compiles the rank logs under $AFD_LOG_DIR saw while serving, and the warm-ups'

@@ -28,8 +28,10 @@
 #   front [RUNS]         the front end's share of TTFT at 1 request/s through `none` R=1 on GPU 0, RUNS runs
 #                        (default 3) of FRONT_REQUESTS requests (default 32), busy polling unless BUSY_POLL=0
 #   front-ab PAIRS       `front` alternated with an older tree (.whl/old.tar: `git archive COMMIT -- src`), PAIRS times
-#   capacity-ab PAIRS    `none` R=1 on GPU 0 at capacity on the mixed workload ($CAPACITY_REQUESTS requests, default 512,
-#                        --rates inf), alternated with the older tree of .whl/old.tar, PAIRS times (default 3)
+#   capacity-ab [PAIRS] [NAME] [ARGS]  `none` R=1 on GPU 0 at capacity (--rates inf), alternated with the older tree of
+#                        .whl/old.tar, PAIRS times (default 3), runs NAME_now_i / NAME_old_i (default NAME: capacity);
+#                        ARGS: the workload (default the mixed one, $CAPACITY_REQUESTS requests, default 512), e.g.
+#                        `capacity-ab 1 trace --trace $PWD/docs/bench/traces/prefill_heavy.jsonl`
 #   startup [RUNS]       seconds from `afd serve` (`none` R=1, GPU 0) to a healthy /health, RUNS times (default 2) after
 #                        one start that fills Triton's cache
 #   kernels              the MLA decode launch sweep, and the step's numerics against eager PyTorch ops
@@ -94,7 +96,8 @@ case $SUB in
     front_end_ab "${1:-2}" front_now front_old ;;
   capacity-ab)
     export CUDA_VISIBLE_DEVICES=0
-    capacity_ab "${1:-3}" capacity_now capacity_old ;;
+    name=${2:-capacity}
+    capacity_ab "${1:-3}" "${name}_now" "${name}_old" "${@:3}" ;;
   startup)
     export CUDA_VISIBLE_DEVICES=0 AFD_LOG_DIR=$B/logs
     serve_start cache_fill
