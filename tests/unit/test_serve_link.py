@@ -206,6 +206,31 @@ def test_a_replica_drains_every_waiting_message_and_hears_the_front_end_leave() 
             replica.poll(5.0)
 
 
+@pytest.mark.timeout(30)
+def test_a_lingering_poll_reads_a_burst_larger_than_the_socket() -> None:
+    """Hundreds of long prompts sent at once (~2.5 MB, a dozen socketfuls) by another process, as the front end
+    is: a lingering `poll` of the replica goes on reading while the sender refills the socket (without lingering
+    it took one socketful per engine step), in order; a few polls when the reads outlast `LINGER_MAX_S` on a slow
+    host. Nothing sent, `poll(0, 1)` returns at once."""
+    import multiprocessing
+
+    adds = [{"type": "add", "rid": f"r{i}", "prompt_ids": list(range(100_000, 101_024))} for i in range(500)]
+    with one_replica() as (front, replica):
+        conn = front.conns[0]
+        sender = multiprocessing.get_context("fork").Process(target=lambda: [conn.send(m) for m in adds], daemon=True)
+        sender.start()
+        try:
+            got, polls = [], 0
+            while len(got) < len(adds) and polls < 100:
+                got += replica.poll(5.0, 1)
+                polls += 1
+            assert got == adds and polls <= 6, polls
+        finally:
+            sender.join(10)
+        start = time.monotonic()
+        assert replica.poll(0.0, 1) == [] and time.monotonic() - start < 0.004
+
+
 def _pool_with_one_replica() -> tuple[ReplicaPool, Connection]:
     """A front end's pool over a socketpair; the other end is the replica's Connection."""
     front, replica = socket.socketpair()

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.1  # an idle replica of its own blocks on its link this long at a time (a stop signal is seen within it)
 IDLE_WAVE_S = 0.0015  # p2p: the pause after a DP wave in which no replica had work
+LINGER_MS = 1  # with a step in flight: how long a link read waits for more of a burst (`ReplicaLink.poll`)
 
 
 class Wave(Protocol):
@@ -86,9 +87,10 @@ class OnlineReplica:
 
     # --- front end -> replica ---
     def receive(self, timeout_s: float) -> bool:
-        """Handle every message waiting, waiting up to `timeout_s` for the first; whether any came."""
+        """Handle every message waiting, waiting up to `timeout_s` for the first; whether any came. With a step in
+        flight, a burst is read to its end (`LINGER_MS`) while the device works."""
         try:
-            messages = self.link.poll(timeout_s)
+            messages = self.link.poll(timeout_s, LINGER_MS if self.engine.step_in_flight else 0)
         except LinkError:
             self._link_lost("the front end closed its link")
             return False
@@ -215,6 +217,16 @@ def serve_replica(
         replica.report(engine.step())
     replica.send({"type": "bye"})
     log.info("served until the end; said bye")
+    log.info("%s", step_summary(engine))
+
+
+def step_summary(engine: Engine) -> str:
+    """One line on how the replica's steps ran: launched ahead of their predecessor's tokens or not (and why not),
+    their device time."""
+    clock = engine.runner.step_clock
+    why = ", ".join(f"{n} {reason}" for reason, n in engine.scheduler.not_ahead.most_common())
+    timed = f"; device time {clock.seconds:.2f} s over {clock.steps} steps" if clock.steps else ""
+    return f"steps launched ahead: {engine.overlapped_steps}{f' (not ahead: {why})' if why else ''}{timed}"
 
 
 def _poll_timeout(engine: Engine, wave: Wave | None, busy_poll: bool) -> float:
