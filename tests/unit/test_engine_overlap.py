@@ -14,6 +14,7 @@ from helpers.overlap import Recorder, assert_same, assert_streamed, drive, token
 
 from afd.engine.engine import Engine, LocalExchange, Output, Request
 from afd.engine.sampling import SamplingParams
+from afd.runtime.online import step_summary
 
 TOL = 1e-5  # only where a wasted row changes the batch (module docstring)
 
@@ -193,6 +194,14 @@ def test_chunked_prefill_with_a_small_budget(models, budget: int):
     assert on.steps == off.steps
     assert on.engine.overlapped_steps > 0
     assert_streamed(on)
+    # every step was launched ahead of its predecessor's tokens or after a step that had no successor (the last
+    # one's, counted by reason); a replica's last log line says so
+    not_ahead = on.engine.scheduler.not_ahead
+    assert on.engine.overlapped_steps + sum(not_ahead.values()) == len(on.steps)
+    assert not_ahead["nothing to run after the step"] >= 1
+    line = step_summary(on.engine)
+    assert line.startswith(f"steps launched ahead: {on.engine.overlapped_steps} (not ahead: ")
+    assert "nothing to run after the step" in line and "device time" not in line  # CPU steps are not timed
 
 
 @pytest.mark.timeout(60)

@@ -9,7 +9,7 @@ and no step is larger than the budget.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 
 from afd.engine.block_manager import BlockManager
 from afd.engine.request import Output, Request, StepToken
@@ -22,6 +22,7 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int) -> None:
         self.block_manager = block_manager
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
+        self.not_ahead: Counter[str] = Counter()  # why `schedule_ahead` found no successor, by reason
         self.waiting: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []
         self._live: dict[int, SequenceState] = {}  # request id -> its sequence, waiting or running
@@ -103,6 +104,7 @@ class Scheduler:
         """
         cached = {s.seq.request_id: s.start + len(s.input_ids) for s in scheduled}  # num_cached after the step
         if any(seq.request_id not in cached for seq in self.running):  # left out (budget-capped decodes)
+            self.not_ahead["a running sequence was left out of the step"] += 1
             return None
         row_of = {s.seq.request_id: row for row, s in enumerate(sampled)}
         decodes, rows, ending = [], [], []
@@ -117,6 +119,7 @@ class Scheduler:
             rows.append(row_of[seq.request_id])
         budget = self.max_num_batched_tokens - len(decodes)
         if budget < 0:
+            self.not_ahead["decodes over the budget"] += 1
             return None
         out = list(decodes)
         for seq in self.running:
@@ -126,6 +129,7 @@ class Scheduler:
                 budget -= len(out[-1].input_ids)
         admitted = self._admissions_ahead(budget, len(self.running) - len(ending), ending)
         if admitted is None:
+            self.not_ahead["an admission waits for the step's endings"] += 1
             return None
         for seq in admitted:
             self.waiting.popleft()
@@ -134,6 +138,7 @@ class Scheduler:
             out.append(self._chunk(seq, budget))
             budget -= len(out[-1].input_ids)
         if not out:
+            self.not_ahead["nothing to run after the step"] += 1
             return None
         return out, rows
 
