@@ -10,6 +10,7 @@ from the wrong block fails the 1e-5 bound.
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import torch
@@ -81,8 +82,11 @@ CONFIGS = [
 
 
 @cpu_only
-@pytest.mark.parametrize("block", BLOCKS, ids=lambda b: f"{b[0]}x{b[1]}")
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.block_m}x{c.block_n}x{c.block_k}s{c.split_k}")
+@pytest.mark.parametrize(
+    ("block", "config"),
+    list(zip(itertools.cycle(BLOCKS), CONFIGS)),  # each tile shape once, the blocks in turn (the interpreter is slow)
+    ids=lambda v: f"{v[0]}x{v[1]}" if isinstance(v, tuple) else f"{v.block_m}x{v.block_n}x{v.block_k}s{v.split_k}",
+)
 def test_fp8_linear_tile_shapes_with_bias_and_leading_dims(block, config):
     """Both ways of applying the scale, K splits, a bias and rows `[2, 33, K]` (any leading shape) = the reference."""
     layer = _linear(block, bias=True, seed=3)
