@@ -625,3 +625,48 @@ def test_a_call_submits_all_its_prompts_or_none():
     with pytest.raises(APIError):
         three.start()
     assert aborted == ["cmpl-b-0"]  # the one it submitted, aborted
+
+
+def test_events_waiting_for_a_stream_come_out_in_one_batch_and_a_failure_after_them():
+    """A front end behind its replicas finds several steps' events queued for a stream: `Run.batches` hands them
+    out together (one write), in order; a failure queued behind tokens comes after their pieces, not instead."""
+    from types import SimpleNamespace
+
+    from afd.engine.sampling import SamplingParams
+    from afd.serve import output
+    from afd.serve.frontend import Event
+    from afd.serve.protocol import APIError, GenerationParams
+    from afd.serve.tokenizer import ByteTokenizer
+
+    queue: asyncio.Queue = asyncio.Queue()
+    pool = SimpleNamespace(
+        submit=lambda *args, **kwargs: SimpleNamespace(queue=queue, replica=0, stamps={}, engine_ttft_s=None),
+        abort=lambda rid, *reason: None,
+    )
+    params = GenerationParams(max_tokens=8, sampling=SamplingParams())
+
+    async def batches(events: list[Event]) -> list[list]:
+        for event in events:
+            queue.put_nowait(event)
+        run = output.run_request(pool, ByteTokenizer(256), "r1", output.Prepared([1, 2], 8), params)
+        got = []
+        async for batch in run.batches():
+            got.append([(p.token_id, p.finish_reason) for p in batch])
+        return got
+
+    steps = [Event("tokens", items=[(65 + i, -0.5)]) for i in range(3)]
+    ended = Event("finished", reason="length")
+    assert asyncio.run(batches([*steps, ended])) == [[(65, None), (66, None), (67, None), (None, "length")]]
+    failed = Event("finished", reason="error", message="rank died", status=503)
+    seen: list = []
+
+    async def until_failure() -> None:
+        for event in [*steps, failed]:
+            queue.put_nowait(event)
+        run = output.run_request(pool, ByteTokenizer(256), "r2", output.Prepared([1, 2], 8), params)
+        async for batch in run.batches():
+            seen.append([p.token_id for p in batch])
+
+    with pytest.raises(APIError, match="rank died"):
+        asyncio.run(until_failure())
+    assert seen == [[65, 66, 67]]

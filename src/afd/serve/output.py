@@ -190,15 +190,28 @@ class Run:
                 self.pool.abort(self.rid, "stop")
 
     async def batches(self) -> AsyncIterator[list[Piece]]:
-        """The pieces of each event as it arrives (one event may carry several tokens); aborts however it ends."""
+        """The pieces of the events waiting, together, as they arrive (one event may carry several tokens); aborts
+        however it ends. Why together: a front end behind its replicas (a thousand streams at a step each) finds
+        several steps' events queued per stream, and one write for them all costs it what one event's does."""
+        queue, held = self.sub.queue, None
         try:
             while not self.maker.done:
-                try:  # bounded: a replica that is alive but answers nothing (frozen) must not hold the client forever
-                    async with asyncio.timeout(REQUEST_STALL_S):
-                        event = await self.sub.queue.get()
-                except TimeoutError:
-                    raise self.stalled() from None
-                yield self._take(event)
+                if held is not None:  # a failure comes after the pieces before it
+                    event, held = held, None
+                else:
+                    try:  # bounded: a replica alive but answering nothing (frozen) must not hold the client forever
+                        async with asyncio.timeout(REQUEST_STALL_S):
+                            event = await queue.get()
+                    except TimeoutError:
+                        raise self.stalled() from None
+                pieces = self._take(event)
+                while not self.maker.done and not queue.empty():
+                    event = queue.get_nowait()
+                    if event.kind != "tokens" and event.reason == "error":
+                        held = event
+                        break
+                    pieces += self._take(event)
+                yield pieces
         finally:
             self.abort()
 
