@@ -198,6 +198,8 @@ class Run:
             while not self.maker.done:
                 if held is not None:  # a failure comes after the pieces before it
                     event, held = held, None
+                elif not queue.empty():  # no wait, no timer (a front end behind its replicas: the common case)
+                    event = queue.get_nowait()
                 else:
                     try:  # bounded: a replica alive but answering nothing (frozen) must not hold the client forever
                         async with asyncio.timeout(REQUEST_STALL_S):
