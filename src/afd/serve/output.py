@@ -11,7 +11,6 @@ streaming and the non-streaming handlers both read them from it, so both give th
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -19,10 +18,12 @@ from dataclasses import dataclass, field
 
 from afd.serve.frontend import Event, ReplicaPool, Submitted
 from afd.serve.protocol import APIError, GenerationParams
+from afd.serve.streaming import Stall
 from afd.serve.tokenizer import Tokenizer
 
 # The longest a request waits for its next event (tokens or its end), queueing included: generous, but bounded.
 REQUEST_STALL_S = 600.0
+STALLED = Event("stalled")  # what a request's `Stall` puts in its queue when that wait is over
 
 
 class OutputText:
@@ -194,27 +195,30 @@ class Run:
         however it ends. Why together: a front end behind its replicas (a thousand streams at a step each) finds
         several steps' events queued per stream, and one write for them all costs it what one event's does."""
         queue, held = self.sub.queue, None
+        # bounded: a replica alive but answering nothing (frozen) must not hold the client forever
+        stall = Stall(REQUEST_STALL_S, lambda: queue.put_nowait(STALLED))
         try:
             while not self.maker.done:
                 if held is not None:  # a failure comes after the pieces before it
                     event, held = held, None
-                elif not queue.empty():  # no wait, no timer (a front end behind its replicas: the common case)
+                elif not queue.empty():
                     event = queue.get_nowait()
                 else:
-                    try:  # bounded: a replica alive but answering nothing (frozen) must not hold the client forever
-                        async with asyncio.timeout(REQUEST_STALL_S):
-                            event = await queue.get()
-                    except TimeoutError:
-                        raise self.stalled() from None
+                    stall.begin()
+                    event = await queue.get()
+                    stall.end()
+                if event is STALLED:
+                    raise self.stalled()
                 pieces = self._take(event)
                 while not self.maker.done and not queue.empty():
                     event = queue.get_nowait()
-                    if event.kind != "tokens" and event.reason == "error":
+                    if event is STALLED or (event.kind != "tokens" and event.reason == "error"):
                         held = event
                         break
                     pieces += self._take(event)
                 yield pieces
         finally:
+            stall.close()
             self.abort()
 
     async def pieces(self) -> AsyncIterator[Piece]:
