@@ -46,9 +46,8 @@ BLOCK_N_FP32 = 16
 MIN_SPLIT_ROWS = 64  # a split reads at least this many rows (two tiles), or the combine costs more than it saves
 MAX_SPLITS = 64
 # Once the batch alone fills the SMs, a sequence is still cut into chunks of this many rows, so that a batch mixing
-# short and long contexts spreads as evenly over the SMs as a uniform one (one program per sequence left the long
-# ones' programs running alone at the end: 1.24x a uniform batch of the same total on an H200, batch 256), while
-# most sequences keep one chunk and write their output directly. MAX_PROGRAMS bounds the grid such chunks need (the
+# short and long contexts spreads as evenly over the SMs as a uniform one (with one program per sequence the long
+# ones' programs would run alone at the end), while most sequences keep one chunk and write their output directly. MAX_PROGRAMS bounds the grid such chunks need (the
 # programs of splits past a short sequence's end exit at once, but not for free); past MAX_PROGRAMS / batch chunks
 # a long context takes longer chunks.
 BALANCE_ROWS = 1024

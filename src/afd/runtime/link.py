@@ -314,8 +314,7 @@ class ReplicaLink:
         `linger_ms` > 0 (a replica whose step is in flight, where waiting costs the device nothing): once something
         came, go on reading until nothing more comes for `linger_ms`, within `LINGER_MAX_S`, so a burst larger than
         the socket holds (hundreds of long prompts' `add`s at once) is read while the sender refills it. Read once
-        per step, such a burst took one step per socketful: a median request reached its replica 1.7 s after the
-        front end sent it (1,024 requests at once on an H200).
+        per step instead, such a burst would take one step per socketful (seconds, for a thousand long prompts).
         """
         messages: list[Message] = []
         started = 0.0
