@@ -47,9 +47,9 @@ MIN_SPLIT_ROWS = 64  # a split reads at least this many rows (two tiles), or the
 MAX_SPLITS = 64
 # Once the batch alone fills the SMs, a sequence is still cut into chunks of this many rows, so that a batch mixing
 # short and long contexts spreads as evenly over the SMs as a uniform one (with one program per sequence the long
-# ones' programs would run alone at the end), while most sequences keep one chunk and write their output directly. MAX_PROGRAMS bounds the grid such chunks need (the
-# programs of splits past a short sequence's end exit at once, but not for free); past MAX_PROGRAMS / batch chunks
-# a long context takes longer chunks.
+# ones' programs would run alone at the end), while most sequences keep one chunk and write their output directly.
+# MAX_PROGRAMS bounds the grid such chunks need (the programs of splits past a short sequence's end exit at once,
+# but not for free); past MAX_PROGRAMS / batch chunks a long context takes longer chunks.
 BALANCE_ROWS = 1024
 MAX_PROGRAMS = 1024
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
