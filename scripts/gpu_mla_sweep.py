@@ -16,6 +16,7 @@ import sys
 import torch
 
 from afd.kernels.mla_decode import mla_decode, num_splits_for
+from afd.profiling.graph_timing import graph_ms
 
 NH, C, R, BLOCK = 16, 512, 64, 16
 
@@ -29,26 +30,6 @@ def case(batch: int, context: int, gen: torch.Generator) -> tuple:
     q_latent = torch.randn(batch, NH, C, generator=gen).to("cuda", torch.bfloat16)
     q_pe = torch.randn(batch, NH, R, generator=gen).to("cuda", torch.bfloat16)
     return q_latent, q_pe, cache, rows, lens
-
-
-def time_us(fn, calls: int = 20, replays: int = 10) -> float:
-    """Device time per call: `calls` calls captured in one CUDA graph (as the step runs them, so the host's
-    launch cost of a Triton kernel, ~20-40 us, is not counted), replayed `replays` times between two events."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (calls * replays)
 
 
 def summarize(path: str) -> None:
@@ -87,7 +68,7 @@ def main() -> None:
                 kwargs = dict(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages)
                 args = (q_latent, q_pe, cache, rows, lens, scale)
                 out = mla_decode(*args, **kwargs)
-                us = time_us(functools.partial(mla_decode, *args, **kwargs))
+                us = graph_ms(functools.partial(mla_decode, *args, **kwargs), reps=20, rounds=10) * 1e3
                 diff = (out.float() - ref).abs().max().item()
                 point = {"us": round(us, 2), "GBps": round(nbytes / us / 1e3, 1), "max_diff": diff}
             except Exception as exc:  # noqa: BLE001 - a launch that does not fit (shared memory) is a data point
