@@ -21,3 +21,22 @@ def cpu_profile(cal: Calibration | None = None, front_end_s: float = 0.0) -> Pro
     }
     return Profile({"device": "cpu (x86_64)", "model": "tiny"}, parts, "test", "float32", 16e9,
                    front_end_s=front_end_s, calibration=cal or Calibration())  # fmt: skip
+
+
+def fit_synthetic_trace(trace, truth: Calibration) -> tuple[list[dict], Calibration, dict]:
+    """A served trace "measured" by simulating tiny (`none`) with the serving costs `truth`, the calibration fitted
+    to it from the kernels-only profile, and the fitted profile's simulation of the trace at rate inf:
+    (measured runs, calibration, that run)."""
+    import math
+    from dataclasses import replace
+
+    from afd.planning import calibrate
+    from afd.planning.deployment import Deployment
+    from afd.planning.simulator import simulate_rate
+
+    s, d = tiny_shapes(), Deployment("none")
+    lens = [len(x) for x in trace.workload.prompts(100)]
+    measured = [simulate_rate(d, s, cpu_profile(truth), trace.workload, lens, r) for r in trace.rates]
+    cal = calibrate.fit_calibration(cpu_profile(), s, d, trace, measured, 100)
+    again = simulate_rate(d, s, replace(cpu_profile(), calibration=cal), trace.workload, lens, math.inf)
+    return measured, cal, again

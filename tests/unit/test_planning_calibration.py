@@ -7,10 +7,9 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import replace
 
 import pytest
-from helpers.planning import cpu_profile, tiny_shapes
+from helpers.planning import cpu_profile, fit_synthetic_trace, tiny_shapes
 
 from afd.bench.workload import Workload
 from afd.planning import calibrate, costs
@@ -108,16 +107,12 @@ def test_pattern_search_finds_a_known_minimum():
 def test_calibration_recovers_the_cost_of_a_synthetic_served_trace():
     """A "measured" trace simulated with known serving costs: the fit from the kernels-only profile finds costs
     that hold that trace within 15% on every target and 5% on capacity."""
-    s, d, trace = tiny_shapes(), Deployment("none"), _trace()
     truth = Calibration(step_s=2e-4, token_s=1.5e-4, request_s=1e-3, front_end_s=4e-3)
-    lens = [len(x) for x in trace.workload.prompts(100)]
-    measured = [simulate_rate(d, s, cpu_profile(truth), trace.workload, lens, r) for r in trace.rates]
-    cal = calibrate.fit_calibration(cpu_profile(), s, d, trace, measured, 100)
+    measured, cal, again = fit_synthetic_trace(_trace(), truth)
     for row in cal.fit["rows"]:
         assert row["calibrated"] == pytest.approx(row["measured"], rel=0.15), row
     assert "per token" in calibrate.format_calibration(cal)
     # the fitted profile's simulation of the same trace agrees with the "measurement"
-    again = simulate_rate(d, s, replace(cpu_profile(), calibration=cal), trace.workload, lens, math.inf)
     assert again["summary"]["request_throughput"] == pytest.approx(
         measured[0]["summary"]["request_throughput"], rel=0.05
     )

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import replace
 
 import pytest
-from helpers.planning import cpu_profile, tiny_shapes
+from helpers.planning import cpu_profile, fit_synthetic_trace, tiny_shapes
 
 from afd.bench.workload import Workload
 from afd.planning import calibrate
@@ -67,15 +66,11 @@ def test_profiles_without_the_queue_cost_load_it_as_zero(tmp_path):
 def test_calibration_finds_a_front_end_queue():
     """A "measured" trace whose first tokens wait in a front-end queue: the fit holds every target within 15%
     and gives the queue a cost."""
-    s, d = tiny_shapes(), Deployment("none")
     trace = calibrate.Trace(_workload(), (math.inf, 4.0))
     truth = Calibration(token_s=1.5e-4, request_s=5e-4, arrival_s=4e-3, front_end_s=2e-3)
-    lens = [len(x) for x in trace.workload.prompts(100)]
-    measured = [simulate_rate(d, s, cpu_profile(truth), trace.workload, lens, r) for r in trace.rates]
-    cal = calibrate.fit_calibration(cpu_profile(), s, d, trace, measured, 100)
+    measured, cal, again = fit_synthetic_trace(trace, truth)
     for row in cal.fit["rows"]:
         assert row["calibrated"] == pytest.approx(row["measured"], rel=0.15), row
     assert cal.arrival_s > 0
     assert "front end's queue" in calibrate.format_calibration(cal)
-    again = simulate_rate(d, s, replace(cpu_profile(), calibration=cal), trace.workload, lens, math.inf)
     assert again["summary"]["ttft_p50_s"] == pytest.approx(measured[0]["summary"]["ttft_p50_s"], rel=0.15)
