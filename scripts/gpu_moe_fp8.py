@@ -18,7 +18,7 @@ import json
 import torch
 
 from afd.kernels.fused_moe import ExpertScales, fused_routed_experts
-from afd.kernels.moe_tiles import TileConfig
+from afd.kernels.moe_tiles import TileConfig, rows_per_expert_hint, tile_bucket
 from afd.model.fp8 import quantize_experts
 from afd.model.moe import routed_experts, select_experts
 from afd.profiling.graph_timing import graph_ms
@@ -80,19 +80,25 @@ def fp8_step(configs=None):
     return step
 
 
+# (block_n, block_k, warps, stages) tried per T by --sweep
+SWEEP_SHAPES = [
+    (bn, bk, w, st)
+    for bn, bk in ((32, 128), (64, 128), (128, 128), (128, 64), (256, 128))
+    for w, st in ((4, 3), (4, 5), (8, 4), (4, 8))
+]
 scale_bytes = 1 + 4 / (block[0] * block[1])  # one byte per weight plus its share of an fp32 scale
 for T in [int(t) for t in args.tokens.split(",")]:
     report("bf16", T, timed(lambda i, x, ids, w: fused_routed_experts(x, ids, w, *layers16[i], 0), T), 2)
     report("fp8", T, timed(fp8_step(), T), scale_bytes)
     dq = timed(lambda i, x, ids, w: routed_experts(x, ids, w, *layers8[i].dequantized(torch.bfloat16), 0), T)
     report("fp8-dequant", T, dq, scale_bytes)
-    if args.sweep:
-        for bm in (16, 32, 64):
-            for bn, bk, warps, stages in ((64, 128, 4, 4), (128, 128, 4, 4), (64, 128, 4, 6), (128, 64, 4, 4)):
-                cfg = TileConfig(bm, bn, bk, warps, stages)
-                try:
-                    ms = timed(fp8_step((cfg, cfg)), T)
-                except Exception as exc:  # a shape that does not fit shared memory: report, go on
-                    print(json.dumps({"row": "fp8-sweep", "T": T, "tile": str(cfg), "error": str(exc)[:120]}))
-                    continue
-                report("fp8-sweep", T, ms, scale_bytes, tile=[bm, bn, bk, warps, stages])
+    if args.sweep:  # the table's row bucket for this T (what the kernels pick), other tile shapes around it
+        bm = tile_bucket(rows_per_expert_hint(T, K, E))
+        for bn, bk, warps, stages in SWEEP_SHAPES:
+            cfg = TileConfig(bm, bn, bk, warps, stages)
+            try:
+                ms = timed(fp8_step((cfg, cfg)), T)
+            except Exception as exc:  # a shape that does not fit shared memory: report, go on
+                print(json.dumps({"row": "fp8-sweep", "T": T, "tile": str(cfg), "error": str(exc)[:120]}))
+                continue
+            report("fp8-sweep", T, ms, scale_bytes, tile=[bm, bn, bk, warps, stages])

@@ -46,3 +46,23 @@ def test_a_cpu_engine_times_no_step_and_a_load_change_ignores_the_clock() -> Non
     load = engine.load()
     assert (load.step_device_s, load.steps) == (0.0, 0)
     assert EngineLoad(0, 0, 0.0, 0, 1.0, 5) == EngineLoad(0, 0, 0.0, 0, 2.0, 9)  # sent on a change of load only
+
+
+def test_host_time_is_counted_per_launched_step_and_apart_for_steps_with_prompt_tokens() -> None:
+    engine = Engine(load_attention_model("tiny"), LocalExchange(load_ffn_model("tiny")), 8, max_num_seqs=4)
+    kinds: list[bool] = []  # per launch: whether the step held a prompt token
+    launch = engine.runner.launch
+
+    def counting(scheduled, *args, **kwargs):
+        kinds.append(not all(s.is_decode for s in scheduled))
+        return launch(scheduled, *args, **kwargs)
+
+    engine.runner.launch = counting
+    for i in range(3):
+        engine.add(Request(torch.arange(1, 4 + 6 * i).tolist(), 4))  # 3..15-token prompts over an 8-token budget
+    engine.run()
+    clock = engine.runner.step_clock
+    assert clock.host_steps == len(kinds) and clock.prompt_host_steps == sum(kinds)
+    assert 0 < sum(kinds) < len(kinds)  # prefill/mixed steps and pure decode steps both ran
+    assert 0 < clock.prompt_host_seconds < clock.host_seconds
+    assert clock.steps == 0  # no device time on CPU

@@ -244,6 +244,7 @@ class Engine:
         3. nothing in flight: schedule and launch; the step stays in flight (returns []).
         """
         flight, self._in_flight = self._in_flight, None
+        self.runner.step_clock.scheduling()
         if flight is not None:
             ahead = self.scheduler.schedule_ahead(flight.scheduled, flight.sampled) if self.overlap_steps else None
             if ahead is not None:

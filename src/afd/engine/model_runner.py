@@ -9,6 +9,7 @@ read later (`read_tokens`), so the engine may launch the next step before it wai
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 
 import torch
@@ -63,34 +64,61 @@ class StepClock:
     """The device time of every launched step, for comparing a served run's wall time with the steps it ran: two
     CUDA events around each step's work on the stream (from the first copy of its inputs to its sampling), read
     once both have passed, without waiting. A step's time includes any pause of the host inside it; what lies
-    between two steps does not. `seconds` and `steps` count the steps read so far; nothing on CPU."""
+    between two steps does not. `seconds` and `steps` count the steps read so far (nothing on CPU); `prompt_*`
+    the part of them that held a prompt token (prefill or mixed steps).
+
+    Beside it, the host's time per step, from the start of its scheduling (`scheduling`) to its work queued
+    (`stop`), on every device: a step whose host time nears its device time leaves the GPU idle between steps."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.seconds, self.steps = 0.0, 0
-        self._pending: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
+        self.prompt_seconds, self.prompt_steps = 0.0, 0
+        self.host_seconds, self.host_steps = 0.0, 0
+        self.prompt_host_seconds, self.prompt_host_steps = 0.0, 0
+        self._pending: deque[tuple[torch.cuda.Event, torch.cuda.Event, bool]] = deque()
         self._started: torch.cuda.Event | None = None
+        self._host_started: float | None = None
+
+    def scheduling(self) -> None:
+        """The host starts scheduling the next step."""
+        self._host_started = time.perf_counter()
 
     def start(self) -> None:
+        """The step's inputs are about to be queued."""
+        if self._host_started is None:
+            self._host_started = time.perf_counter()
         if self.cuda:
             self._started = torch.cuda.Event(enable_timing=True)
             self._started.record()
 
-    def stop(self, ended: torch.cuda.Event | None = None) -> None:
+    def stop(self, ended: torch.cuda.Event | None = None, *, with_prompt: bool = False) -> None:
         """The step's work is queued; `ended`: an event just recorded after it (timing enabled), if any."""
+        if self._host_started is not None:
+            host = time.perf_counter() - self._host_started
+            self.host_seconds += host
+            self.host_steps += 1
+            if with_prompt:
+                self.prompt_host_seconds += host
+                self.prompt_host_steps += 1
+            self._host_started = None
         if self._started is not None:
             if ended is None:
                 ended = torch.cuda.Event(enable_timing=True)
                 ended.record()
-            self._pending.append((self._started, ended))
+            self._pending.append((self._started, ended, with_prompt))
             self._started = None
 
     def collect(self) -> None:
         """Add the steps whose end the device has passed (in launch order)."""
         while self._pending and self._pending[0][1].query():
-            started, ended = self._pending.popleft()
-            self.seconds += started.elapsed_time(ended) / 1e3
+            started, ended, with_prompt = self._pending.popleft()
+            seconds = started.elapsed_time(ended) / 1e3
+            self.seconds += seconds
             self.steps += 1
+            if with_prompt:
+                self.prompt_seconds += seconds
+                self.prompt_steps += 1
 
 
 def prefill_graph_copies(device: torch.device, exchange: Exchange, enforce_eager: bool) -> int:
@@ -299,7 +327,7 @@ class ModelRunner:
             # appended its input token on the host yet
             positions = [s.start + len(s.input_ids) for s in sampled]
             tokens, host, ready = launch_sampling(self.model, hidden[last_rows], sampling, positions)
-        self.step_clock.stop(ready)
+        self.step_clock.stop(ready, with_prompt=not all(s.is_decode for s in scheduled))
         for s, first, n in zip(scheduled, batch.starts, batch.query_lens, strict=True):
             prompt = s.seq.request.prompt_ids
             if s.is_decode or not s.seq.request.prompt_logprobs:

@@ -222,10 +222,17 @@ def serve_replica(
 
 def step_summary(engine: Engine) -> str:
     """One line on how the replica's steps ran: launched ahead of their predecessor's tokens or not (and why not),
-    their device time."""
+    their device time, and for the steps holding prompt tokens the host's time to schedule and queue them."""
     clock = engine.runner.step_clock
     why = ", ".join(f"{n} {reason}" for reason, n in engine.scheduler.not_ahead.most_common())
     timed = f"; device time {clock.seconds:.2f} s over {clock.steps} steps" if clock.steps else ""
+    if clock.prompt_steps:
+        host = clock.prompt_host_seconds / clock.prompt_host_steps
+        device = clock.prompt_seconds / clock.prompt_steps
+        timed += (
+            f"; steps with prompt tokens: {clock.prompt_steps}, {device * 1e3:.2f} ms of device time and"
+            f" {host * 1e3:.2f} ms of host time each (host/device {host / device:.0%})"
+        )
     return f"steps launched ahead: {engine.overlapped_steps}{f' (not ahead: {why})' if why else ''}{timed}"
 
 
