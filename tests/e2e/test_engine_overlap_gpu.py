@@ -84,4 +84,5 @@ def test_step_clock_times_every_launched_step_within_the_wall_time():
     assert launched > 0 and clock.steps == launched
     assert 0 < clock.seconds <= wall
     assert 0 < clock.prompt_steps == clock.prompt_host_steps < clock.steps and clock.prompt_seconds < clock.seconds
+    assert 0 <= clock.idle_ahead_seconds <= clock.idle_seconds and clock.seconds + clock.idle_seconds <= wall
     assert engine.load().steps == launched and engine.load().step_device_s == clock.seconds

@@ -32,6 +32,8 @@ def test_mixed_row_times_a_mixed_step_beside_its_halves() -> None:
     assert row["mixed_ms"] > 0 and row["decode_ms"] > 0 and row["prefill_ms"] > 0
     assert row["sum_ms"] == pytest.approx(row["decode_ms"] + row["prefill_ms"])
     assert row["mixed_over_sum"] == pytest.approx(row["mixed_ms"] / row["sum_ms"])
+    assert 0 < row["mixed_host_ms"] <= row["mixed_ms"]  # on CPU the host does the step's work too
+    assert row["host_over_mixed"] == pytest.approx(row["mixed_host_ms"] / row["mixed_ms"])
     assert not engine.running and not engine.waiting
     assert engine.overlap_steps == Engine(engine.model, engine.exchange, 11, max_num_seqs=4).overlap_steps
 
@@ -45,6 +47,7 @@ def test_bench_step_has_a_mixed_row_per_context() -> None:
     assert [(r["decodes"], r["context"], r["chunk"]) for r in rows] == [(3, 5, 8), (3, 9, 8)]
     table = format_bench_step(result)
     assert "mixed/sum" in table and f"{rows[0]['mixed_over_sum']:.2f}x" in table
+    assert "host/mixed" in table and f"{rows[0]['host_over_mixed']:.0%}" in table
 
 
 def test_bench_step_refuses_a_bad_mixed_value_in_one_sentence(capsys: pytest.CaptureFixture) -> None:

@@ -14,29 +14,34 @@ from afd.model.weights import load_attention_model, load_ffn_model
 from afd.serve.metrics import ServeMetrics
 
 
-def _page(values: list[tuple[float, int]]) -> str:
+def _page(values: list[tuple[float, int, float]]) -> str:
     metrics = ServeMetrics(len(values))
-    for replica, (seconds, steps) in zip(metrics.replicas, values, strict=True):
+    for replica, (seconds, steps, idle) in zip(metrics.replicas, values, strict=True):
         replica.step_device.set(seconds)
         replica.steps.set(steps)
+        replica.step_idle.set(idle)
     return metrics.render(healthy=True, front_waiting=0).decode()
 
 
 def test_metrics_page_sums_the_replicas_step_device_time() -> None:
-    assert step_clock_of(_page([(1.5, 100), (0.5, 40)])) == (2.0, 140, 2)
-    assert step_clock_of(_page([(1.5, 100), (0.0, 0)])) == (1.5, 100, 1)
-    assert step_clock_of(_page([(0.0, 0)])) is None  # CPU: no step is timed
+    assert step_clock_of(_page([(1.5, 100, 0.25), (0.5, 40, 0.5)])) == (2.0, 140, 2, 0.75)
+    assert step_clock_of(_page([(1.5, 100, 0.0), (0.0, 0, 0.0)])) == (1.5, 100, 1, 0.0)
+    assert step_clock_of(_page([(0.0, 0, 0.0)])) is None  # CPU: no step is timed
     assert step_clock_of("# a server without afd's series\nup 1\n") is None
 
 
 def test_report_sets_the_steps_beside_the_wall_time() -> None:
     summary = {"completed": 4, "errors": 0, "request_throughput": 2.0, "output_tok_s": 10.0, "wall_s": 6.0}
     summary |= {f"{n}_p{q}_s": 0.01 for n in ("ttft", "tpot", "e2e") for q in (50, 90, 99)}
-    timed = {"rate": float("inf"), "summary": summary | {"steps": {"device_s": 8.0, "count": 300, "replicas": 2}}}
+    steps = {"device_s": 8.0, "count": 300, "replicas": 2, "idle_s": 1.0}
+    timed = {"rate": float("inf"), "summary": summary | {"steps": steps}}
     untimed = {"rate": 1.0, "summary": summary}
     table = format_table([{"name": "none R=2", "runs": [timed, untimed]}], slo_ttft_s=1.0)
     lines = [line for line in table.splitlines() if "wall/steps" in line]
-    assert lines == ["none R=2 at inf: wall 6.00 s, its 300 steps 4.00 s of device time per replica: wall/steps 1.50x"]
+    assert lines == [
+        "none R=2 at inf: wall 6.00 s, its 300 steps 4.00 s of device time per replica: wall/steps 1.50x; the device "
+        "idled 0.50 s between steps"
+    ]
 
 
 def test_a_cpu_engine_times_no_step_and_a_load_change_ignores_the_clock() -> None:
@@ -45,7 +50,7 @@ def test_a_cpu_engine_times_no_step_and_a_load_change_ignores_the_clock() -> Non
     engine.run()
     load = engine.load()
     assert (load.step_device_s, load.steps) == (0.0, 0)
-    assert EngineLoad(0, 0, 0.0, 0, 1.0, 5) == EngineLoad(0, 0, 0.0, 0, 2.0, 9)  # sent on a change of load only
+    assert EngineLoad(0, 0, 0.0, 0, 1.0, 5, 0.1) == EngineLoad(0, 0, 0.0, 0, 2.0, 9, 0.2)  # sent on a load change only
 
 
 def test_host_time_is_counted_per_launched_step_and_apart_for_steps_with_prompt_tokens() -> None:

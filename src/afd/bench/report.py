@@ -97,7 +97,9 @@ def format_table(results: list[dict], slo_ttft_s: float) -> str:
 
 def steps_lines(results: list[dict]) -> list[str]:
     """Per run whose server timed its steps (CUDA): the wall time beside the device time of the steps it ran, per
-    replica, and their ratio (1.0: the device never waited between steps)."""
+    replica, their ratio (1.0: the device never waited between steps), and the part of the wall time the device
+    idled between steps while the replica had work (the rest of the gap lies outside the engine: requests
+    reaching it, answers leaving it)."""
     lines = []
     for res in results:
         for run in res["runs"]:
@@ -105,9 +107,11 @@ def steps_lines(results: list[dict]) -> list[str]:
             if not steps or not wall:
                 continue
             per_replica = steps["device_s"] / max(1, steps["replicas"])
+            idle = steps.get("idle_s", 0.0) / max(1, steps["replicas"])
             lines.append(
                 f"{res['name']} at {format_rate(run['rate'])}: wall {wall:.2f} s, its {steps['count']} steps "
-                f"{per_replica:.2f} s of device time per replica: wall/steps {wall / per_replica:.2f}x"
+                f"{per_replica:.2f} s of device time per replica: wall/steps {wall / per_replica:.2f}x; the device "
+                f"idled {idle:.2f} s between steps"
             )
     return lines
 

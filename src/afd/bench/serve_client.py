@@ -17,7 +17,7 @@ import math
 import time
 import urllib.parse
 from dataclasses import asdict, dataclass, field
-from typing import TextIO
+from typing import NamedTuple, TextIO
 
 import aiohttp
 from tqdm import tqdm
@@ -289,30 +289,40 @@ def bench_url(
             progress.finish()
         runs[-1]["http_floor_p50_s"] = http_floor
         after = loop.run(step_clock(url, timeout_s))
-        if before is not None and after is not None and after[1] > before[1]:
+        if before is not None and after is not None and after.steps > before.steps:
             runs[-1]["summary"]["steps"] = {
-                "device_s": after[0] - before[0],  # every replica's together
-                "count": after[1] - before[1],
-                "replicas": after[2],
+                "device_s": after.device_s - before.device_s,  # every replica's together
+                "count": after.steps - before.steps,
+                "replicas": after.replicas,
+                "idle_s": after.idle_s - before.idle_s,  # every replica's together
             }
     return runs
 
 
-async def step_clock(url: str, timeout_s: float) -> tuple[float, int, int] | None:
+class StepClockReading(NamedTuple):
+    """The servers' step clocks on a `/metrics` page, every replica's together."""
+
+    device_s: float
+    steps: int
+    replicas: int  # those that ran a timed step
+    idle_s: float  # the device idle between steps while a replica had work
+
+
+async def step_clock(url: str, timeout_s: float) -> StepClockReading | None:
     """`step_clock_of` the server's `/metrics` page (None without one)."""
     async with client_session() as session, asyncio.timeout(timeout_s), session.get(url + "/metrics") as resp:
         return step_clock_of(await resp.text()) if resp.status == 200 else None
 
 
-def step_clock_of(metrics_text: str) -> tuple[float, int, int] | None:
+def step_clock_of(metrics_text: str) -> StepClockReading | None:
     """From a `/metrics` page: the step device time so far (`afd.serve.metrics.STEP_DEVICE_SECONDS`, every
-    replica's together), the step count and the replicas that ran a timed step; None when no step was timed (CPU
-    steps are not, another server has no such series)."""
+    replica's together), the step count, the replicas that ran a timed step and the device's idle time between
+    steps; None when no step was timed (CPU steps are not, another server has no such series)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from afd.serve.metrics import STEP_DEVICE_SECONDS, STEPS
+    from afd.serve.metrics import STEP_DEVICE_SECONDS, STEP_IDLE_SECONDS, STEPS
 
-    values: dict[str, dict[str, float]] = {STEP_DEVICE_SECONDS: {}, STEPS: {}}
+    values: dict[str, dict[str, float]] = {STEP_DEVICE_SECONDS: {}, STEPS: {}, STEP_IDLE_SECONDS: {}}
     for family in text_string_to_metric_families(metrics_text):
         for sample in family.samples:
             if sample.name in values:
@@ -320,7 +330,12 @@ def step_clock_of(metrics_text: str) -> tuple[float, int, int] | None:
     counts = values[STEPS]
     if not any(counts.values()):
         return None
-    return sum(values[STEP_DEVICE_SECONDS].values()), int(sum(counts.values())), sum(1 for c in counts.values() if c)
+    return StepClockReading(
+        sum(values[STEP_DEVICE_SECONDS].values()),
+        int(sum(counts.values())),
+        sum(1 for c in counts.values() if c),
+        sum(values[STEP_IDLE_SECONDS].values()),
+    )
 
 
 async def _warm_up(

@@ -239,10 +239,10 @@ def mixed_row(
     prefill step alone (afd.bench.mixed_step), overlapped steps off; the engine's budget holds decodes + chunk."""
     with overlap_off(engine):
         _seed_decodes(engine, [context] * decodes, max_new, gen)
-        decode_ms, mixed_ms = time_decodes_and_mixed(engine, chunk, steps, gen)
+        decode_ms, mixed_ms, host_ms = time_decodes_and_mixed(engine, chunk, steps, gen)
         _drop_all(engine)
-        prefill_ms = timed_prompt_steps(engine, chunk, steps, gen, 0) * 1e3
-    return mixed_fields(decodes, context, chunk, decode_ms, mixed_ms, prefill_ms)
+        prefill_ms = timed_prompt_steps(engine, chunk, steps, gen, 0)[0] * 1e3
+    return mixed_fields(decodes, context, chunk, decode_ms, mixed_ms, prefill_ms, host_ms)
 
 
 def run_bench_step(

@@ -116,7 +116,8 @@ class Engine:
         if overlap_steps and self.num_ubatches > 1:
             raise ValueError("overlap_steps cannot be combined with micro-batches (async_moe_ubatching); turn one off")
         self.overlap_steps = overlap_steps
-        self._in_flight: LaunchedStep | None = None  # a pure decode step launched, its tokens not read yet
+        self._in_flight: LaunchedStep | None = None  # a step launched, its tokens not read yet
+        self._work_left = False  # the last finalized step left work: the next launch follows it
         self.overlapped_steps = 0  # steps launched before the tokens of the step before them were read
 
     # --- the parts' state, under the names callers use ---
@@ -212,7 +213,13 @@ class Engine:
         usage = self.block_manager.usage
         clock = self.runner.step_clock
         return EngineLoad(
-            len(self.running), len(self.waiting), usage, self.graphs_captured_while_serving, clock.seconds, clock.steps
+            len(self.running),
+            len(self.waiting),
+            usage,
+            self.graphs_captured_while_serving,
+            clock.seconds,
+            clock.steps,
+            clock.idle_seconds,
         )
 
     # --- scheduling and cache bookkeeping (the parts' check-then-act pairs) ---
@@ -244,7 +251,7 @@ class Engine:
         3. nothing in flight: schedule and launch; the step stays in flight (returns []).
         """
         flight, self._in_flight = self._in_flight, None
-        self.runner.step_clock.scheduling()
+        self.runner.step_clock.scheduling(follows=flight is not None or self._work_left)
         if flight is not None:
             ahead = self.scheduler.schedule_ahead(flight.scheduled, flight.sampled) if self.overlap_steps else None
             if ahead is not None:
@@ -274,6 +281,7 @@ class Engine:
         """Read a launched step's tokens and do its bookkeeping (`Scheduler.postprocess`)."""
         tokens, logprobs = self.runner.read_tokens(step)
         finished, self.last_step_tokens = self.scheduler.postprocess(step.scheduled, step.sampled, tokens, logprobs)
+        self._work_left = self.has_work()  # the next launch follows this step at once (`StepClock` idle time)
         return finished
 
     def run(self) -> list[Output]:

@@ -68,7 +68,10 @@ class StepClock:
     the part of them that held a prompt token (prefill or mixed steps).
 
     Beside it, the host's time per step, from the start of its scheduling (`scheduling`) to its work queued
-    (`stop`), on every device: a step whose host time nears its device time leaves the GPU idle between steps."""
+    (`stop`), on every device; and on CUDA the device's idle time before each step that follows another with work
+    left (`idle_seconds`; `idle_ahead_seconds` the part before steps launched ahead, where only a host slower than
+    the device leaves a gap). A replica waiting for requests is not idle in this sense: a step after an empty
+    engine counts no gap."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
@@ -76,18 +79,24 @@ class StepClock:
         self.prompt_seconds, self.prompt_steps = 0.0, 0
         self.host_seconds, self.host_steps = 0.0, 0
         self.prompt_host_seconds, self.prompt_host_steps = 0.0, 0
-        self._pending: deque[tuple[torch.cuda.Event, torch.cuda.Event, bool]] = deque()
+        self.idle_seconds, self.idle_ahead_seconds = 0.0, 0.0
+        # per step queued: its start and end events, whether it holds prompt tokens, follows a step, was launched ahead
+        self._pending: deque[tuple[torch.cuda.Event, torch.cuda.Event, bool, bool, bool]] = deque()
         self._started: torch.cuda.Event | None = None
         self._host_started: float | None = None
+        self._follows = self._ahead = False
+        self._last_ended: torch.cuda.Event | None = None
 
-    def scheduling(self) -> None:
-        """The host starts scheduling the next step."""
+    def scheduling(self, follows: bool = False) -> None:
+        """The host starts scheduling the next step; `follows`: the engine had work left after its last step."""
         self._host_started = time.perf_counter()
+        self._follows = follows
 
-    def start(self) -> None:
-        """The step's inputs are about to be queued."""
+    def start(self, ahead: bool = False) -> None:
+        """The step's inputs are about to be queued; `ahead`: launched before its predecessor's tokens were read."""
         if self._host_started is None:
             self._host_started = time.perf_counter()
+        self._ahead = ahead
         if self.cuda:
             self._started = torch.cuda.Event(enable_timing=True)
             self._started.record()
@@ -106,13 +115,19 @@ class StepClock:
             if ended is None:
                 ended = torch.cuda.Event(enable_timing=True)
                 ended.record()
-            self._pending.append((self._started, ended, with_prompt))
+            self._pending.append((self._started, ended, with_prompt, self._follows, self._ahead))
             self._started = None
+        self._follows = self._ahead = False
 
     def collect(self) -> None:
         """Add the steps whose end the device has passed (in launch order)."""
         while self._pending and self._pending[0][1].query():
-            started, ended, with_prompt = self._pending.popleft()
+            started, ended, with_prompt, follows, ahead = self._pending.popleft()
+            if follows and self._last_ended is not None:
+                gap = max(0.0, self._last_ended.elapsed_time(started) / 1e3)
+                self.idle_seconds += gap
+                self.idle_ahead_seconds += gap if ahead else 0.0
+            self._last_ended = ended
             seconds = started.elapsed_time(ended) / 1e3
             self.seconds += seconds
             self.steps += 1
@@ -217,7 +232,7 @@ class ModelRunner:
         timeline = self.exchange.timeline  # AFD_TIMELINE (afd.profiling.timeline): the step's ends
         if timeline is not None:
             timeline.mark("launch", on_device=False)
-        self.step_clock.start()
+        self.step_clock.start(ahead=after is not None)
         query_lens = [len(s.input_ids) for s in scheduled]
         context_lens = [s.start for s in scheduled]
         # Only pure decode steps replay a graph; a step with a prompt chunk (even a one-token one) runs eager.

@@ -67,3 +67,4 @@ class EngineLoad:
     # the device time of the steps run so far and their count (`StepClock`); not a change of load by themselves
     step_device_s: float = field(default=0.0, compare=False)
     steps: int = field(default=0, compare=False)
+    step_idle_s: float = field(default=0.0, compare=False)  # the device idle between steps (`StepClock`)

@@ -161,7 +161,8 @@ class OnlineReplica:
             self._sent_load = load
             self.send({"type": "load", "running": load.running, "waiting": load.waiting,
                        "cache_usage": load.cache_usage, "graphs_captured": load.graphs_captured,
-                       "step_device_s": load.step_device_s, "steps": load.steps})  # fmt: skip
+                       "step_device_s": load.step_device_s, "steps": load.steps,
+                       "step_idle_s": load.step_idle_s})  # fmt: skip
 
     def send(self, msg: Message) -> None:
         if not self.link_up:
@@ -226,6 +227,11 @@ def step_summary(engine: Engine) -> str:
     clock = engine.runner.step_clock
     why = ", ".join(f"{n} {reason}" for reason, n in engine.scheduler.not_ahead.most_common())
     timed = f"; device time {clock.seconds:.2f} s over {clock.steps} steps" if clock.steps else ""
+    if clock.steps:
+        timed += (
+            f", idle {clock.idle_seconds:.2f} s between them ({clock.idle_ahead_seconds:.2f} s before steps"
+            " launched ahead)"
+        )
     if clock.prompt_steps:
         host = clock.prompt_host_seconds / clock.prompt_host_steps
         device = clock.prompt_seconds / clock.prompt_steps

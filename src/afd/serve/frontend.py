@@ -217,6 +217,7 @@ class ReplicaPool:
             m.graphs_captured.set(int(message.get("graphs_captured", 0)))
             m.step_device.set(float(message.get("step_device_s", 0.0)))
             m.steps.set(int(message.get("steps", 0)))
+            m.step_idle.set(float(message.get("step_idle_s", 0.0)))
         else:
             logger.warning("replica %d sent an unknown message %r", replica, kind)
 

@@ -19,7 +19,7 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 E2E_BUCKETS += (480.0, 960.0)
 
 # the series a benchmark reads before and after a run, to set the steps' device time beside its wall time
-STEP_DEVICE_SECONDS, STEPS = "afd_step_device_seconds", "afd_steps"
+STEP_DEVICE_SECONDS, STEPS, STEP_IDLE_SECONDS = "afd_step_device_seconds", "afd_steps", "afd_step_idle_seconds"
 
 
 class ReplicaMetrics:
@@ -33,6 +33,7 @@ class ReplicaMetrics:
         self.graphs_captured = families.graphs_captured.labels(label)
         self.step_device = families.step_device.labels(label)
         self.steps = families.steps.labels(label)
+        self.step_idle = families.step_idle.labels(label)
         self.prompt_tokens = families.prompt_tokens.labels(label)
         self.generation_tokens = families.generation_tokens.labels(label)
         self.ttft = families.ttft.labels(label)
@@ -81,6 +82,12 @@ class ServeMetrics:
             registry=r,
         )
         self.steps = Gauge(STEPS, "Engine steps the replica's step device time counts.", by, registry=r)
+        self.step_idle = Gauge(
+            STEP_IDLE_SECONDS,
+            "Device idle time between the replica's steps while it had work (0 on CPU).",
+            by,
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             "afd_prompt_tokens", "Prompt tokens of the requests sent to the replica.", by, registry=r
         )
