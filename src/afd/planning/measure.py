@@ -23,6 +23,7 @@ from afd.bench.step import run_bench_step
 from afd.model.weights import load_ffn_model, load_model_config
 from afd.planning import costs
 from afd.planning.profile import Calibration, Link, Part, Profile, fit_part, relative_errors
+from afd.profiling.graph_timing import graph_ms
 from afd.routing import Routing
 
 logger = logging.getLogger(__name__)
@@ -56,14 +57,24 @@ def _time(fn: Callable[[], object], device: torch.device, iters: int) -> float:
 
 
 def _expert_rows(model: str, dtype: str, device: str, tokens: list[int], iters: int):
-    """(routed rows, shared rows): (bytes, flops, seconds) of one layer's pass, all experts and half of them."""
+    """(routed rows, shared rows): (bytes, flops, seconds) of one layer's pass, all experts and half of them. On
+    CUDA every MoE layer's pass in one CUDA graph, per layer, as a graphed decode step runs them (timed one call
+    at a time, the launches would outweigh a small batch's whole step)."""
     config = load_model_config(model)
     s = costs.shapes_of(config, dtype)
     dev = torch.device(device)
-    layer = config.moe_layers[0]
+    layers = config.moe_layers if dev.type == "cuda" else config.moe_layers[:1]
+
+    def per_layer(fn: Callable[[int], object]) -> float:
+        if dev.type == "cuda":
+            return graph_ms(lambda: [fn(i) for i in layers], reps=1, rounds=iters) * 1e-3 / len(layers)
+        return _time(lambda: fn(layers[0]), dev, iters)
+
     routed, shared = [], []
     for local in sorted({config.n_routed_experts, max(1, config.n_routed_experts // 2)}):
         ffn = load_ffn_model(model, dtype=dtype, device=device, expert_range=(0, local))
+        if dev.type == "cuda":
+            ffn.fixed_shape_moe = True  # the capturable path, as in the step graphs
         for t in tokens:
             x = torch.randn(t, config.hidden_size, dtype=getattr(torch, dtype), device=dev)
             scores = torch.rand(t, config.n_routed_experts, device=dev)
@@ -71,12 +82,12 @@ def _expert_rows(model: str, dtype: str, device: str, tokens: list[int], iters: 
             w = torch.full(ids.shape, 1.0 / ids.shape[1], dtype=torch.float32, device=dev)
             routing = Routing(ids, w)
             with torch.inference_mode():
-                sec = _time(lambda ffn=ffn, x=x, routing=routing: ffn.experts_topk(layer, x, routing), dev, iters)
+                sec = per_layer(lambda i, ffn=ffn, x=x, routing=routing: ffn.experts_topk(i, x, routing))
                 touched = costs.experts_touched(local, s.num_experts, s.topk, t)
                 flops = 2.0 * s.expert_params * t * s.topk * local / s.num_experts
                 routed.append((touched * s.expert_params * s.weight_bytes, flops, sec))
                 if local == config.n_routed_experts and s.shared_params:
-                    sec = _time(lambda ffn=ffn, x=x: ffn.shared(layer, x), dev, iters)
+                    sec = per_layer(lambda i, ffn=ffn, x=x: ffn.shared(i, x))
                     shared.append((s.shared_params * s.weight_bytes, 2.0 * s.shared_params * t, sec))
         del ffn
     return routed, shared
@@ -143,15 +154,22 @@ def measure_profile(
     prefill = fit_part(prefill_rows, fixed=False, items=tokens, relative=True)
     say(format_residuals("prefill", labels, prefill, prefill_rows, tokens))
     parts = {**p.parts, "attention_decode": attention, "prefill": prefill}
+    assumed = {}
     if exchange:
-        say("exchange round trips, p2p and async ...")
+        # p2p's NCCL ranks need a GPU each; on one GPU only async runs (its two ranks share the device)
+        connectors = ("async",) if device == "cuda" and torch.cuda.device_count() < 2 else ("p2p", "async")
+        say(f"exchange round trips, {' and '.join(connectors)} ...")
         ex = run_bench_exchange(
-            model=model, dtype=dtype, device=device, tokens=shapes["tokens"], connectors=("p2p", "async"),
+            model=model, dtype=dtype, device=device, tokens=shapes["tokens"], connectors=connectors,
             iters=20 if device == "cpu" else 50, progress=say,
         )  # fmt: skip
-        for connector in ("p2p", "async"):
+        for connector in connectors:
             rows = [(r["bytes"], 0.0, r["p50_us"] * 1e-6) for r in ex["rows"] if r["connector"] == connector]
             parts[f"exchange_{connector}"] = fit_part(rows)
+        if "p2p" not in connectors:
+            parts["exchange_p2p"] = parts["exchange_async"]
+            assumed["exchange_p2p"] = "not measured (one GPU; p2p needs two): async's round trip stands in"
+            logger.warning("p2p's exchange needs two GPUs: the profile takes async's round trip for it")
     parts["launch"], parts["host"] = Part(), Part()
     machine = {
         "device": device_name(device),
@@ -160,6 +178,7 @@ def measure_profile(
         "torch": torch.__version__,
         "date": datetime.date.today().isoformat(),
         "model": model,
+        **({"assumed": assumed} if assumed else {}),
     }
     memory = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else 16e9
     source = f"afd profile --model {model} --dtype {dtype} --device {device}"
