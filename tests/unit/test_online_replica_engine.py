@@ -116,7 +116,7 @@ class ScriptedLink:
     def __init__(self, script: list[list[dict]]) -> None:
         self.script, self.sent = list(script), []
 
-    def poll(self, timeout_s: float = 0.0, linger_ms: int = 0) -> list[dict]:
+    def poll(self, timeout_s: float = 0.0, linger_ms: int = 0, device_busy=None) -> list[dict]:
         return self.script.pop(0) if self.script else []
 
     def send(self, message: dict) -> None:

@@ -231,6 +231,38 @@ def test_a_lingering_poll_reads_a_burst_larger_than_the_socket() -> None:
         assert replica.poll(0.0, 1) == [] and time.monotonic() - start < 0.004
 
 
+@pytest.mark.timeout(30)
+def test_a_poll_stops_lingering_once_the_step_in_flight_ended() -> None:
+    """A message trickling in every 0.5 ms keeps a lingering poll (10 ms) reading for all of `LINGER_MAX_S`; with the
+    device done (`device_busy` False) it returns after the first read, so the device is not kept waiting."""
+    import threading
+
+    from afd.runtime.link import LINGER_MAX_S
+
+    with one_replica() as (front, replica):
+        conn, stop = front.conns[0], threading.Event()
+
+        def trickle() -> None:
+            while not stop.is_set():
+                conn.send({"type": "abort", "rid": "r"})
+                time.sleep(0.0005)
+
+        sender = threading.Thread(target=trickle, daemon=True)
+        sender.start()
+        try:
+            replica.poll(5.0, 1)  # drain what came before
+            start = time.monotonic()
+            replica.poll(5.0, 10, lambda: True)
+            busy_s = time.monotonic() - start
+            start = time.monotonic()
+            replica.poll(5.0, 10, lambda: False)
+            done_s = time.monotonic() - start
+        finally:
+            stop.set()
+            sender.join(5)
+        assert busy_s >= LINGER_MAX_S and done_s < LINGER_MAX_S / 2, (busy_s, done_s)
+
+
 def _pool_with_one_replica() -> tuple[ReplicaPool, Connection]:
     """A front end's pool over a socketpair; the other end is the replica's Connection."""
     front, replica = socket.socketpair()

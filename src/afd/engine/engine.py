@@ -209,6 +209,11 @@ class Engine:
         """Whether a step was launched whose tokens the host has not read yet (`overlap_steps`)."""
         return self._in_flight is not None
 
+    def step_running(self) -> bool:
+        """Whether the step in flight is still running on the device (False without one, or once it ended)."""
+        flight = self._in_flight
+        return flight is not None and flight.ready is not None and not flight.ready.query()
+
     def load(self) -> EngineLoad:
         usage = self.block_manager.usage
         clock = self.runner.step_clock

@@ -70,8 +70,8 @@ class StepClock:
     Beside it, the host's time per step, from the start of its scheduling (`scheduling`) to its work queued
     (`stop`), on every device; and on CUDA the device's idle time before each step that follows another with work
     left (`idle_seconds`; `idle_ahead_seconds` the part before steps launched ahead, where only a host slower than
-    the device leaves a gap). A replica waiting for requests is not idle in this sense: a step after an empty
-    engine counts no gap."""
+    the device leaves a gap; `idle_prompt_seconds` the part before steps holding prompt tokens). A replica waiting
+    for requests is not idle in this sense: a step after an empty engine counts no gap."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
@@ -79,7 +79,7 @@ class StepClock:
         self.prompt_seconds, self.prompt_steps = 0.0, 0
         self.host_seconds, self.host_steps = 0.0, 0
         self.prompt_host_seconds, self.prompt_host_steps = 0.0, 0
-        self.idle_seconds, self.idle_ahead_seconds = 0.0, 0.0
+        self.idle_seconds, self.idle_ahead_seconds, self.idle_prompt_seconds = 0.0, 0.0, 0.0
         # per step queued: its start and end events, whether it holds prompt tokens, follows a step, was launched ahead
         self._pending: deque[tuple[torch.cuda.Event, torch.cuda.Event, bool, bool, bool]] = deque()
         self._started: torch.cuda.Event | None = None
@@ -127,6 +127,7 @@ class StepClock:
                 gap = max(0.0, self._last_ended.elapsed_time(started) / 1e3)
                 self.idle_seconds += gap
                 self.idle_ahead_seconds += gap if ahead else 0.0
+                self.idle_prompt_seconds += gap if with_prompt else 0.0
             self._last_ended = ended
             seconds = started.elapsed_time(ended) / 1e3
             self.seconds += seconds

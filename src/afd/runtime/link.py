@@ -308,13 +308,16 @@ class ReplicaLink:
         self._poller.register(self._sock.fileno(), select.POLLIN)
         self.send({"type": "hello", **hello})
 
-    def poll(self, timeout_s: float = 0.0, linger_ms: int = 0) -> list[Message]:
+    def poll(
+        self, timeout_s: float = 0.0, linger_ms: int = 0, device_busy: Callable[[], bool] | None = None
+    ) -> list[Message]:
         """Every message waiting now; with `timeout_s` > 0, wait that long for the first one (an idle replica).
 
         `linger_ms` > 0 (a replica whose step is in flight, where waiting costs the device nothing): once something
         came, go on reading until nothing more comes for `linger_ms`, within `LINGER_MAX_S`, so a burst larger than
         the socket holds (hundreds of long prompts' `add`s at once) is read while the sender refills it. Read once
         per step instead, such a burst would take one step per socketful (seconds, for a thousand long prompts).
+        `device_busy`: lingering stops once it says False (the step in flight ended: the device would wait).
         """
         messages: list[Message] = []
         started = 0.0
@@ -327,7 +330,8 @@ class ReplicaLink:
                 self._inbuf += data
                 messages += decode_frames(self._inbuf)
                 started = started or time.monotonic()
-                wait_ms = linger_ms if time.monotonic() - started < LINGER_MAX_S else 0
+                lingering = time.monotonic() - started < LINGER_MAX_S and (device_busy is None or device_busy())
+                wait_ms = linger_ms if lingering else 0
         except (OSError, EOFError):
             raise LinkError("the front end closed its link") from None
         return messages

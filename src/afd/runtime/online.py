@@ -88,9 +88,11 @@ class OnlineReplica:
     # --- front end -> replica ---
     def receive(self, timeout_s: float) -> bool:
         """Handle every message waiting, waiting up to `timeout_s` for the first; whether any came. With a step in
-        flight, a burst is read to its end (`LINGER_MS`) while the device works."""
+        flight, a burst is read to its end (`LINGER_MS`) while the device works on it, never past its end."""
         try:
-            messages = self.link.poll(timeout_s, LINGER_MS if self.engine.step_in_flight else 0)
+            messages = self.link.poll(
+                timeout_s, LINGER_MS if self.engine.step_in_flight else 0, self.engine.step_running
+            )
         except LinkError:
             self._link_lost("the front end closed its link")
             return False
@@ -230,7 +232,7 @@ def step_summary(engine: Engine) -> str:
     if clock.steps:
         timed += (
             f", idle {clock.idle_seconds:.2f} s between them ({clock.idle_ahead_seconds:.2f} s before steps"
-            " launched ahead)"
+            f" launched ahead, {clock.idle_prompt_seconds:.2f} s before steps holding prompt tokens)"
         )
     if clock.prompt_steps:
         host = clock.prompt_host_seconds / clock.prompt_host_steps
