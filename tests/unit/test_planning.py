@@ -4,6 +4,7 @@ ratio against a sweep of the simulator (three regimes), the compare against a be
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 
@@ -130,3 +131,26 @@ def test_compare_reads_a_bench_results_file():
     sim = {"runs": [{"rate": math.inf, "summary": {"request_throughput": 12.0}}]}
     rows = [r for r in errors(raw["results"][0], sim) if r["metric"] == "request_throughput"]
     assert rows[0]["error"] == pytest.approx(0.2)
+
+
+def test_simulated_gpu_replica_admits_a_request_two_steps_on_as_overlapped_steps_do():
+    """On a GPU profile a whole replica's step is scheduled when the one before starts (afd's overlapped steps):
+    a request reaching a busy engine waits one step more for its first token than on CPU; one reaching an idle
+    engine does not."""
+    from dataclasses import replace
+
+    from helpers.planning import cpu_profile, tiny_shapes
+
+    class TwoArrivals(Workload):
+        def arrivals(self, rate: float) -> list[float]:
+            return [0.0, 0.0105]  # the second mid-way through the first request's decode steps
+
+    w = TwoArrivals("uniform", 2, long_len=8, short_len=8, max_tokens=30)
+    cpu = cpu_profile()
+    gpu = replace(cpu, machine={**cpu.machine, "device": "1x NVIDIA H200"})
+    assert gpu.on_gpu and not cpu.on_gpu
+    runs = [simulate_rate(Deployment("none"), tiny_shapes(), p, w, [8, 8], math.inf)["requests"] for p in (cpu, gpu)]
+    (first_cpu, second_cpu), (first_gpu, second_gpu) = runs
+    step = statistics.median(first_cpu["itl_s"])  # one decode step of the first request alone
+    assert first_gpu["ttft_s"] == first_cpu["ttft_s"]
+    assert step * 0.5 < second_gpu["ttft_s"] - second_cpu["ttft_s"] < step * 2.5

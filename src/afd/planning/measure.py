@@ -37,7 +37,7 @@ CPU_SHAPES = {
 GPU_SHAPES = {
     "batches": [1, 8, 64, 256],
     "contexts": [512, 2048],
-    "prefills": [(8, 1024)],
+    "prefills": [(1, 512), (1, 2048), (8, 1024)],
     "tokens": [1, 8, 64, 512, 4096],
 }
 

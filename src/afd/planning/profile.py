@@ -118,6 +118,12 @@ class Profile:
     def part(self, name: str) -> Part:
         return self.parts.get(name, Part())
 
+    @property
+    def on_gpu(self) -> bool:
+        """Whether the profile was measured on GPUs (where a whole replica launches each step ahead of the tokens
+        of the one before it: `afd.engine.engine`'s overlapped steps)."""
+        return not str(self.machine.get("device", "")).startswith("cpu")
+
     def to_json(self) -> dict:
         return {
             "format": FORMAT,

@@ -3,11 +3,13 @@
 Per replica, the scheduler's rules (`afd.engine.scheduler`): decodes first (one token each), then the next chunk of
 every running prompt, then new prompts first come first served while the token budget lasts, a new prompt admitted
 only when the blocks of its whole capacity (prompt + max_tokens - 1) are free and `max_num_seqs` allows; finished
-requests free their blocks. Requests reach the engines one at a time through the front end's FIFO queue
-(`engine_arrivals`) and go to the replica with the fewest outstanding tokens (`afd.serve.balancer`). Steps
-last what `StepCosts` says: free-running replicas (none, async: each its own clock, async's FFN term from the tokens
-of every replica of its group in flight) or lockstep waves (p2p per group, ep over every GPU). The result is
-`afd bench serve`'s: one `run_record` per rate, so one report reads both.
+requests free their blocks. Where afd overlaps steps (a whole replica on a GPU), each step is scheduled when the one
+before it starts, so a request joins no step scheduled before it reached the engine: the step after next. Requests
+reach the engines one at a time through the front end's FIFO queue (`engine_arrivals`) and go to the replica with
+the fewest outstanding tokens (`afd.serve.balancer`). Steps last what `StepCosts` says: free-running replicas (none,
+async: each its own clock, async's FFN term from the tokens of every replica of its group in flight) or lockstep
+waves (p2p per group, ep over every GPU). The result is `afd bench serve`'s: one `run_record` per rate, so one
+report reads both.
 """
 
 from __future__ import annotations
@@ -27,10 +29,13 @@ EP_SIMULATED_REPLICAS = 8  # ep over more GPUs: this many replicas simulated, th
 
 
 class _Seq:
-    __slots__ = ("idx", "prompt", "max_tokens", "cached", "generated", "blocks", "arrival", "last", "result")
+    __slots__ = (
+        "idx", "prompt", "max_tokens", "cached", "generated", "blocks", "arrival", "reached", "last", "result",
+    )  # fmt: skip
 
     def __init__(self, idx: int, prompt: int, max_tokens: int, arrival: float, blocks: int) -> None:
         self.idx, self.prompt, self.max_tokens, self.arrival, self.blocks = idx, prompt, max_tokens, arrival, blocks
+        self.reached = arrival  # when it reached its engine
         self.cached = self.generated = 0
         self.last = arrival
         self.result = RequestResult(prompt)
@@ -54,8 +59,10 @@ class _Replica:
         self.outstanding = 0  # the balancer's tokens: prompts until their first token, plus tokens left
         self.in_flight: _Plan | None = None
         self.step_tokens = 0
+        self.last_start: float | None = None  # the start of the step before, while the replica steps back to back
 
-    def schedule(self) -> _Plan:
+    def schedule(self, cutoff: float = float("inf")) -> _Plan:
+        """The next step by the scheduler's rules; `cutoff`: admit no request that reached the engine later."""
         budget = self.budget
         decodes = [q for q in self.running if q.cached >= q.prompt][:budget]
         budget -= len(decodes)
@@ -71,7 +78,7 @@ class _Replica:
                 prefill, pairs, budget = prefill + n, pairs + chunk_pairs(q.cached, n), budget - n
         while budget > 0 and self.waiting and len(self.running) < self.max_seqs:
             q = self.waiting[0]
-            if q.blocks > self.free_blocks:
+            if q.blocks > self.free_blocks or q.reached > cutoff:
                 break
             self.waiting.popleft()
             self.free_blocks -= q.blocks
@@ -168,6 +175,7 @@ def simulate_rate(
     for i in sorted(range(len(seqs)), key=lambda i: reach[i]):
         heapq.heappush(events, (reach[i], 1, i))
     lockstep = d.lockstep
+    overlapped = d.connector == "none" and p.on_gpu  # afd.engine.engine's overlapped steps
     busy = [False] * (len(groups) if lockstep else n_rep)
     remaining = len(seqs)
 
@@ -180,7 +188,13 @@ def simulate_rate(
             dur = cost.wave([x.load for x in plans])
         else:
             rep = reps[unit]
-            rep.in_flight = plan = rep.schedule()
+            # overlapped: scheduled when the step before started (if the replica stepped back to back)
+            cutoff = rep.last_start if overlapped and rep.last_start is not None else t
+            plan = rep.schedule(cutoff)
+            if not plan.decodes and not plan.chunks:  # nothing to run after the step: afd schedules afresh
+                plan = rep.schedule(t)
+            rep.in_flight = plan
+            rep.last_start = t
             rep.step_tokens = plan.load.tokens
             group_tokens = sum(reps[r].step_tokens for r in groups[group_of[unit]]) if d.connector == "async" else 0
             dur = cost.replica_step(plan.load, group_tokens)
@@ -194,11 +208,14 @@ def simulate_rate(
         t, kind, x = heapq.heappop(events)
         if kind == 1:
             q = seqs[x]
+            q.reached = t
             r = pick_replica([rep.outstanding for rep in reps])
             reps[r].waiting.append(q)
             reps[r].outstanding += q.prompt + q.max_tokens
             unit = group_of[r] if lockstep else r
             if not busy[unit]:  # its step starts once every arrival of this instant is queued
+                if not lockstep:
+                    reps[r].last_start = None  # an idle engine schedules its step at once
                 busy[unit] = True
                 heapq.heappush(events, (t, 2, unit))
             continue
