@@ -30,9 +30,13 @@ class NoComputeEngine:
     def __init__(self, step_s: float) -> None:
         from collections import Counter
 
+        import torch
+
+        from afd.engine.model_runner import StepClock
+
         self.step_s, self.live, self.next_id, self.last_step_tokens = step_s, {}, 0, []
         self.step_in_flight, self.overlapped_steps = False, 0
-        self.runner = SimpleNamespace(step_clock=SimpleNamespace(seconds=0.0, steps=0))
+        self.runner = SimpleNamespace(step_clock=StepClock(torch.device("cpu")))
         self.scheduler = SimpleNamespace(not_ahead=Counter())
 
     def add(self, request) -> int:
@@ -48,6 +52,9 @@ class NoComputeEngine:
 
     def has_work(self) -> bool:
         return bool(self.live)
+
+    def step_running(self) -> bool:
+        return False
 
     def step(self) -> list:
         from afd.engine.request import Output, StepToken
