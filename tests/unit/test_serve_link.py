@@ -232,6 +232,25 @@ def test_a_lingering_poll_reads_a_burst_larger_than_the_socket() -> None:
 
 
 @pytest.mark.timeout(30)
+def test_a_replica_never_waits_for_a_front_end_that_does_not_read() -> None:
+    """A step's tokens go out without waiting for the socket: 200 messages of 1,000 tokens (far more than a socket
+    holds) are queued at once while the front end reads nothing, then arrive whole and in order; once the front
+    end is gone, a send says so."""
+    tokens = {"type": "tokens", "items": [[f"cmpl-{i}", i, -0.5] for i in range(1000)], "engine_stamps": {}}
+    with one_replica() as (front, replica):
+        start = time.monotonic()
+        for _ in range(200):
+            replica.send(tokens)
+        assert time.monotonic() - start < 2.0
+        assert all(front.conns[0].recv() == tokens for _ in range(200))
+        front.conns[0].close()
+        with pytest.raises(LinkError, match="closed its link"):
+            for _ in range(1000):
+                replica.send(tokens)
+                time.sleep(0.001)
+
+
+@pytest.mark.timeout(30)
 def test_a_poll_stops_lingering_once_the_step_in_flight_ended() -> None:
     """A message trickling in every 0.5 ms keeps a lingering poll (10 ms) reading for all of `LINGER_MAX_S`; with the
     device done (`device_busy` False) it returns after the first read, so the device is not kept waiting."""

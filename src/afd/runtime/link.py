@@ -306,7 +306,15 @@ class ReplicaLink:
         # `add` was taken up)
         self._poller = select.poll()
         self._poller.register(self._sock.fileno(), select.POLLIN)
+        # sends never block the replica: a front end behind on a step's tokens (a thousand streams) would otherwise
+        # stall the replica's loop on a full socket, and with it the launch of the next step (the device idle)
+        self._sock.setblocking(False)
+        self._broken = False
+        self._sender = FrameSender(self._sock, self._on_broken, "afd-replica-send")
         self.send({"type": "hello", **hello})
+
+    def _on_broken(self) -> None:
+        self._broken = True
 
     def poll(
         self, timeout_s: float = 0.0, linger_ms: int = 0, device_busy: Callable[[], bool] | None = None
@@ -324,7 +332,10 @@ class ReplicaLink:
         wait_ms = math.ceil(timeout_s * 1000)  # ms, rounded up
         try:
             while self._poller.poll(wait_ms):
-                data = self._sock.recv(RECV_BYTES)
+                try:
+                    data = self._sock.recv(RECV_BYTES)
+                except BlockingIOError:  # readable, yet nothing to read after all
+                    break
                 if not data:
                     raise EOFError
                 self._inbuf += data
@@ -337,11 +348,12 @@ class ReplicaLink:
         return messages
 
     def send(self, message: Message) -> None:
-        try:
-            self._sock.sendall(encode_frame(message))
-        except OSError:
-            raise LinkError("the front end closed its link") from None
+        """Queue `message` for the front end, in order, without waiting for the socket (`FrameSender`)."""
+        if self._broken or not self._sender.send(encode_frame(message)):
+            raise LinkError("the front end closed its link")
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Send what is queued (within `timeout_s`), then close."""
+        self._sender.close(timeout_s)
         self._sock.close()
         self._conn.close()
