@@ -65,6 +65,15 @@ def test_serving_cost_arithmetic():
     plain = StepCosts(d, s, cpu_profile()).replica_step(load)
     with_cal = StepCosts(d, s, cpu_profile(cal)).replica_step(load)
     assert with_cal - plain == pytest.approx(costs.serving_s(cal, 9, 2))
+    # a step holding prompt tokens lasts at least `prompt_step_s`; a pure decode step is not held to it
+    floor = Calibration(prompt_step_s=0.5)
+    assert StepCosts(d, s, cpu_profile(floor)).replica_step(load) == 0.5
+    decode = StepLoad(batch=8, ctx=800, prefill=0, pairs=0, seqs=8, emitted=8, admitted=0)
+    assert StepCosts(d, s, cpu_profile(floor)).replica_step(decode) == StepCosts(d, s, cpu_profile()).replica_step(
+        decode
+    )
+    p2p = StepCosts(Deployment("p2p", 2, 1), s, cpu_profile(floor))
+    assert p2p.wave([load, decode]) == 0.5 and p2p.wave([decode, decode]) < 0.5
 
 
 def test_attention_step_counts_rows_and_prompt_tokens():
@@ -107,7 +116,7 @@ def test_pattern_search_finds_a_known_minimum():
 def test_calibration_recovers_the_cost_of_a_synthetic_served_trace():
     """A "measured" trace simulated with known serving costs: the fit from the kernels-only profile finds costs
     that hold that trace within 15% on every target and 5% on capacity."""
-    truth = Calibration(step_s=2e-4, token_s=1.5e-4, request_s=1e-3, front_end_s=4e-3)
+    truth = Calibration(step_s=2e-4, token_s=1.5e-4, request_s=1e-3, front_end_s=4e-3, prompt_step_s=6e-3)
     measured, cal, again = fit_synthetic_trace(_trace(), truth)
     for row in cal.fit["rows"]:
         assert row["calibrated"] == pytest.approx(row["measured"], rel=0.15), row
@@ -126,3 +135,36 @@ def test_targets_and_loss():
     assert calibrate.loss(t, {("inf", "request_throughput"): 10.0 * math.e, ("inf", "ttft_p50_s"): 0.5}) == (
         pytest.approx(1.0)
     )
+
+
+def test_a_profile_calibrates_from_a_served_results_file(tmp_path, capsys):
+    """`afd profile --calibrate-from R.json`: a served run of none R=1 ("measured" here by simulating tiny with known
+    serving costs, in afd bench serve's JSON shape) fits the profile's calibration, which then holds that run; a
+    file of another server, or no results file, is refused in one sentence (exit 2)."""
+    from helpers.cli import main_exit
+
+    from afd.planning.profile import load_profile
+    from afd.planning.simulator import simulate
+
+    truth = Calibration(step_s=2e-4, token_s=1.5e-4, request_s=1e-3, prompt_step_s=6e-3)
+    trace, d = _trace(), Deployment("none")
+    measured = simulate(d, tiny_shapes(), cpu_profile(truth), trace.workload, list(trace.rates), 100)
+    rates = ["inf" if math.isinf(r) else r for r in trace.rates]
+    raw = {"workload": trace.workload.describe() | {"rates": rates},
+           "results": [{"name": "none R=1", "runs": measured["runs"],
+                        "step_limits": {"max_num_seqs": d.max_num_seqs,
+                                        "max_num_batched_tokens": d.max_num_batched_tokens}}]}  # fmt: skip
+    results, base, out = tmp_path / "r.json", tmp_path / "base.json", tmp_path / "p.json"
+    results.write_text(json.dumps(raw))
+    cpu_profile().save(base)
+    code, _ = main_exit(capsys, "profile", "--calibrate-from", str(results), "--profile", str(base), "-o", str(out))
+    assert code == 0
+    fitted = load_profile(out)
+    assert fitted.parts == load_profile(base).parts and fitted.calibration.active
+    for row in fitted.calibration.fit["rows"]:
+        assert row["calibrated"] == pytest.approx(row["measured"], rel=0.15), row
+    raw["results"][0]["name"] = "async A=1,F=1"
+    results.write_text(json.dumps(raw))
+    for bad, why in ((str(results), "needs a run of `none` R=1"), (str(tmp_path / "missing.json"), "not a readable")):
+        code, err = main_exit(capsys, "profile", "--calibrate-from", bad, "--profile", str(base), "-o", str(out))
+        assert code == 2 and len(err.strip().splitlines()) == 1 and why in err, err

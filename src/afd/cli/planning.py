@@ -84,8 +84,17 @@ def add_planning_parsers(sub) -> None:
         "--calibration-requests", type=positive_int, default=128, help="requests of the calibration trace per rate"
     )
     p.add_argument(
-        "--calibration-rates", type=rate_list, default=[math.inf, 8.0], help="rates of the calibration trace (req/s)"
+        "--calibration-rates",
+        type=rate_list,
+        default=None,
+        help="rates of the calibration trace (req/s) (default: inf, 64, 8)",
     )
+    p.add_argument(
+        "--calibrate-from",
+        metavar="RESULTS.json",
+        help="measure nothing: fit --profile's calibration to this afd bench serve --json run of none R=1",
+    )
+    p.add_argument("--profile", default="h200", help="with --calibrate-from: the profile whose parts stand")
     p.add_argument("--output", "-o", required=True, help="the profile JSON to write")
     p.set_defaults(func=cmd_profile, starts_ranks=False)
 
@@ -188,23 +197,49 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _recalibrate(args: argparse.Namespace) -> int:
+    """`afd profile --calibrate-from RESULTS.json`: the profile's parts, its calibration fitted to a served run."""
+    from afd.planning.calibrate import calibrate_from_results, format_calibration
+    from afd.planning.profile import ProfileError, load_profile
+
+    try:
+        raw = json.loads(Path(args.calibrate_from).read_text())
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--calibrate-from {args.calibrate_from}: not a readable results JSON ({exc})") from None
+    try:
+        profile = calibrate_from_results(load_profile(args.profile), raw)
+    except ProfileError as exc:
+        raise UsageError(f"--profile {args.profile}: {exc}") from None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UsageError(f"--calibrate-from {args.calibrate_from}: {exc}") from None
+    print(format_calibration(profile.calibration), file=sys.stderr)
+    profile.save(args.output)
+    print(f"wrote {args.output}")
+    return 0
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     from afd.planning.measure import measure_profile
 
-    if args.device == "cuda" and args.dtype == "float32":
-        args.dtype = "bfloat16"
     if not Path(args.output).resolve().parent.is_dir():
         raise UsageError(f"--output {args.output}: the directory {Path(args.output).resolve().parent} does not exist")
+    if args.calibrate_from:
+        return _recalibrate(args)
+    if args.device == "cuda" and args.dtype == "float32":
+        args.dtype = "bfloat16"
     failures: tuple[type[BaseException], ...] = (TimeoutError,)
     if not args.no_calibration:  # the calibration serves a trace: afd serve and afd bench serve's client
         from afd.bench.serve_client import BenchError
         from afd.serve.run import ServeError
 
         failures += (ServeError, BenchError)
+    from afd.planning.calibrate import DEFAULT_RATES
+
+    rates = tuple(args.calibration_rates or DEFAULT_RATES)
     try:
         profile = measure_profile(
             args.model, args.dtype, args.device, exchange=not args.no_exchange, calibrate=not args.no_calibration,
-            calibration_requests=args.calibration_requests, calibration_rates=tuple(args.calibration_rates),
+            calibration_requests=args.calibration_requests, calibration_rates=rates,
             say=lambda m: print(m, file=sys.stderr),
         )  # fmt: skip
     except failures as exc:

@@ -22,11 +22,13 @@ from afd.planning.profile import Calibration, Profile
 
 logger = logging.getLogger(__name__)
 
-PARAMS = ("step_s", "token_s", "request_s", "held_s", "arrival_s", "front_end_s")
+PARAMS = ("step_s", "token_s", "request_s", "held_s", "arrival_s", "front_end_s", "prompt_step_s")
 # what the fit holds the simulated trace to, per rate
 TARGETS = ("request_throughput", "ttft_p50_s", "tpot_p50_s", "e2e_p50_s")
 DEFAULT_REQUESTS = 128
-DEFAULT_RATES = (math.inf, 8.0)
+# at capacity, where steps hold many prompts; a middle rate, where most steps hold one small prompt beside the
+# decodes (what `prompt_step_s` is seen in); a low one
+DEFAULT_RATES = (math.inf, 64.0, 8.0)
 SEARCH_EVALS = 1200  # simulations the pattern search may run
 
 
@@ -131,6 +133,7 @@ def fit_calibration(
     )
     scales = {"step_s": tpot / 10, "token_s": tpot / 200, "request_s": tpot / 10, "held_s": tpot / 1000}
     scales["front_end_s"] = ttft / 4
+    scales["prompt_step_s"] = tpot / 2
     # the front end's queue: the TTFT at the highest rate beyond the kernels', as if half the requests waited ahead
     half = max(trace.workload.num_requests / 2, 1.0)
     excess = max(measured.get((fastest, "ttft_p50_s"), 0.0) - kernels.get((fastest, "ttft_p50_s"), 0.0), 0.0)
@@ -168,13 +171,42 @@ def fit_calibration(
     return Calibration(**best, fit=fit)
 
 
+def calibrate_from_results(profile: Profile, raw: dict) -> Profile:
+    """`profile` with its calibration fitted to a served run of the user's own: `raw`, an `afd bench serve --json`
+    file of `none` R=1 on a generated workload (its rates, its server's token budget and sequence limit). The
+    profile's parts stay; what serving added on that machine and traffic is fitted as `afd profile` fits its trace."""
+    from afd.model.weights import load_model_config
+    from afd.planning.compare import workload_of
+    from afd.planning.costs import shapes_of
+    from afd.planning.deployment import Deployment
+
+    results = raw.get("results") or []
+    server = results[0] if results else {}
+    if server.get("name") != "none R=1":
+        found = server.get("name", "no server")
+        raise ValueError(f"a calibration needs a run of `none` R=1 (afd bench serve --compare none:R=1), not {found}")
+    workload, rates = workload_of(raw)
+    limits = server.get("step_limits") or {}
+    d = Deployment(
+        "none",
+        max_num_seqs=int(limits.get("max_num_seqs", 256)),
+        max_num_batched_tokens=int(limits.get("max_num_batched_tokens", 2048)),
+    )
+    config = load_model_config(profile.machine.get("model", "deepseek-v2-lite"))
+    trace = Trace(workload, tuple(rates))
+    shapes = shapes_of(config, profile.dtype)
+    cal = fit_calibration(profile, shapes, d, trace, server["runs"], config.vocab_size)
+    return replace(profile, calibration=cal, source=profile.source + " (calibrated against a served results file)")
+
+
 def format_calibration(cal: Calibration) -> str:
     """The fitted costs, and per target measured / kernels-only / calibrated (the fit's residuals)."""
     lines = [
         f"calibration: {cal.step_s * 1e3:.3f} ms per step, {cal.token_s * 1e3:.3f} ms per token, "
         f"{cal.request_s * 1e3:.3f} ms per request, {cal.held_s * 1e6:.2f} µs per request held per step, "
         f"{cal.arrival_s * 1e3:.3f} ms per request in the front end's queue, "
-        f"{cal.front_end_s * 1e3:.1f} ms before the first token",
+        f"{cal.front_end_s * 1e3:.1f} ms before the first token, steps holding prompt tokens at least "
+        f"{cal.prompt_step_s * 1e3:.2f} ms",
         f"{'rate':>6} {'metric':<20} {'measured':>10} {'kernels':>10} {'calibrated':>10} {'error':>7}",
     ]
     for r in cal.fit.get("rows", []):

@@ -191,15 +191,19 @@ class StepCosts:
             return 0.0
         attn = self._attention(load)
         if self.d.connector == "none":
-            return attn + self.layers * self._ffn_layer(load.tokens, 1) + self._host(load)
+            return self._floor(load, attn + self.layers * self._ffn_layer(load.tokens, 1) + self._host(load))
         m = self._ubatches(load)
         group = max(group_tokens, load.tokens)
         a = attn / self.layers / m + (self._launch if m > 1 else 0.0)
         f = self._ffn_layer(group / m, self.d.ffn)
         c = self._wire(load.tokens / m, group / m)
         if self.d.colocated:
-            return self.layers * m * (a + f) + self.layers * c + self._host(load)
-        return self.layers * costs.layer_cycle_s(a, f, c, m) + self._host(load)
+            return self._floor(load, self.layers * m * (a + f) + self.layers * c + self._host(load))
+        return self._floor(load, self.layers * costs.layer_cycle_s(a, f, c, m) + self._host(load))
+
+    def _floor(self, load: StepLoad, seconds: float) -> float:
+        """A step holding prompt tokens lasts at least the calibration's `prompt_step_s`."""
+        return max(seconds, self.p.calibration.prompt_step_s) if load.prefill else seconds
 
     def _wire(self, tokens: float, group_tokens: float) -> float:
         """One layer's round trip of a replica's `tokens`, the FFN rank's link carrying `group_tokens`' rows."""
@@ -224,6 +228,10 @@ class StepCosts:
         active = [x for x in loads if x.tokens]
         if not active:
             return 0.0
+        with_prompt = max(active, key=lambda x: x.prefill)
+        return self._floor(with_prompt, self._wave(active))
+
+    def _wave(self, active: list[StepLoad]) -> float:
         slowest = max(active, key=self._attention)
         tokens = sum(x.tokens for x in active)
         host = max(self._host(x) for x in active)

@@ -21,7 +21,7 @@ from afd.bench.exchange import run_bench_exchange
 from afd.bench.offline import device_name
 from afd.bench.step import run_bench_step
 from afd.model.weights import load_ffn_model, load_model_config
-from afd.planning import costs
+from afd.planning import calibrate, costs
 from afd.planning.profile import Calibration, Link, Part, Profile, fit_part, relative_errors
 from afd.profiling.graph_timing import graph_ms
 from afd.routing import Routing
@@ -112,7 +112,7 @@ def measure_profile(
     exchange: bool = True,
     calibrate: bool = True,
     calibration_requests: int = 128,
-    calibration_rates: tuple[float, ...] = (float("inf"), 8.0),
+    calibration_rates: tuple[float, ...] = calibrate.DEFAULT_RATES,
     say: Callable[[str], None] = logger.info,
 ) -> Profile:
     """Measure every part on this machine and fit it; `exchange=False` leaves the exchange parts out;

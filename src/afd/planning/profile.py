@@ -78,7 +78,9 @@ class Calibration:
     (`held_s`: every open stream and queued request the server tends while a step runs). Before the engine:
     `arrival_s`, the front end's own time per request (HTTP, tokenizing, routing) on its single loop, so requests
     reach the engine one at a time through a FIFO queue (`front_end_queue`); `front_end_s`, latency added to every
-    time to first token without taking anyone's time. `fit` records the trace and how well the simulator held it
+    time to first token without taking anyone's time. `prompt_step_s`: the shortest a step holding prompt tokens
+    lasts, whatever its size (on a GPU such a step launches its graph pieces and eager attention cores from the host,
+    which a small one waits on longer than its kernels run). `fit` records the trace and how well the simulator held it
     after the fit; zeros mean not calibrated (a field missing from an older profile loads as 0)."""
 
     step_s: float = 0.0
@@ -87,11 +89,22 @@ class Calibration:
     front_end_s: float = 0.0
     held_s: float = 0.0
     arrival_s: float = 0.0
+    prompt_step_s: float = 0.0
     fit: dict = field(default_factory=dict)
 
     @property
     def active(self) -> bool:
-        return bool(self.step_s or self.token_s or self.request_s or self.front_end_s or self.held_s or self.arrival_s)
+        return any(
+            (
+                self.step_s,
+                self.token_s,
+                self.request_s,
+                self.front_end_s,
+                self.held_s,
+                self.arrival_s,
+                self.prompt_step_s,
+            )
+        )
 
 
 def front_end_queue(arrivals: list[float], cost_s: float) -> list[float]:
