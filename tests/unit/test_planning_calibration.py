@@ -147,7 +147,7 @@ def test_a_profile_calibrates_from_a_served_results_file(tmp_path, capsys):
     from afd.planning.simulator import simulate
 
     truth = Calibration(step_s=2e-4, token_s=1.5e-4, request_s=1e-3, prompt_step_s=6e-3)
-    trace, d = _trace(), Deployment("none")
+    trace, d = _trace(), Deployment("none", max_num_seqs=32, max_num_batched_tokens=512)
     measured = simulate(d, tiny_shapes(), cpu_profile(truth), trace.workload, list(trace.rates), 100)
     rates = ["inf" if math.isinf(r) else r for r in trace.rates]
     raw = {"workload": trace.workload.describe() | {"rates": rates},
@@ -163,6 +163,13 @@ def test_a_profile_calibrates_from_a_served_results_file(tmp_path, capsys):
     assert fitted.parts == load_profile(base).parts and fitted.calibration.active
     for row in fitted.calibration.fit["rows"]:
         assert row["calibrated"] == pytest.approx(row["measured"], rel=0.15), row
+    # afd simulate --compare simulates under the limits the measured server ran with, unless flags say otherwise
+    sim_out = tmp_path / "sim.json"
+    for flags, budget in (([], d.max_num_batched_tokens), (["--max-num-batched-tokens", "64"], 64)):
+        code, err = main_exit(capsys, "simulate", "--model", "tiny", "--profile", str(out), "--compare", str(results),
+                              "--tolerance", "100", "--json", str(sim_out), *flags)  # fmt: skip
+        assert code == 0, err
+        assert json.loads(sim_out.read_text())["results"][0]["deployment"]["max_num_batched_tokens"] == budget
     raw["results"][0]["name"] = "async A=1,F=1"
     results.write_text(json.dumps(raw))
     for bad, why in ((str(results), "needs a run of `none` R=1"), (str(tmp_path / "missing.json"), "not a readable")):

@@ -28,9 +28,15 @@ def _add_workload(p: argparse.ArgumentParser, requests: int) -> None:
     p.add_argument("--max-tokens", type=positive_int, default=64, help="tokens generated per request")
     p.add_argument("--bench-seed", type=non_negative_int, default=0, help="seed of the prompts and arrivals")
     p.add_argument(
-        "--max-num-seqs", type=positive_int, default=DEFAULT_MAX_NUM_SEQS, help="sequences a replica runs at once"
+        "--max-num-seqs",
+        type=positive_int,
+        help=f"sequences a replica runs at once (default: a --compare file's server's, else {DEFAULT_MAX_NUM_SEQS})",
     )
-    p.add_argument("--max-num-batched-tokens", type=positive_int, default=SMALL_BUDGET, help="token budget of one step")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=positive_int,
+        help=f"token budget of one step (default: a --compare file's server's, else {SMALL_BUDGET})",
+    )
     p.add_argument("--gpus-per-node", type=positive_int, default=8, help="GPUs per node (NVLink inside)")
     p.add_argument("--inter-node-gbps", type=float, default=400.0, help="bandwidth per GPU between nodes (Gb/s)")
     p.add_argument("--inter-node-latency-us", type=float, default=10.0, help="latency between nodes (µs)")
@@ -150,10 +156,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise UsageError(f"--compare {args.compare}: {exc}") from None
         measured = raw["results"][0]
+    max_num_seqs, budget = _step_limits(args, measured)
     try:
         d = Deployment(
             args.connector, args.attention, args.ffn, args.replicas, args.ubatches, args.gpus_per_node,
-            args.max_num_seqs, args.max_num_batched_tokens, colocated=args.colocated, ubatch_decode=args.ubatch_decode,
+            max_num_seqs, budget, colocated=args.colocated, ubatch_decode=args.ubatch_decode,
         )  # fmt: skip
         result = simulate(d, shapes, profile, workload, rates)
     except (DeploymentError, ValueError) as exc:
@@ -177,15 +184,24 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return status
 
 
+def _step_limits(args: argparse.Namespace, measured: dict | None = None) -> tuple[int, int]:
+    """(max_num_seqs, max_num_batched_tokens): the flags, else those the measured server ran with (its results'
+    `step_limits`: simulated under other limits, a comparison would say nothing), else afd's CPU defaults."""
+    limits = (measured or {}).get("step_limits") or {}
+    seqs = args.max_num_seqs or int(limits.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS))
+    return seqs, args.max_num_batched_tokens or int(limits.get("max_num_batched_tokens", SMALL_BUDGET))
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from afd.bench.report import strict_json
     from afd.planning.deployment import Deployment, DeploymentError
     from afd.planning.plan import Slo, format_plan, plan
 
     shapes, profile, workload = _setup(args)
+    max_num_seqs, budget = _step_limits(args)
     base = Deployment(
-        "none", gpus_per_node=args.gpus_per_node, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, ubatch_decode=args.ubatch_decode,
+        "none", gpus_per_node=args.gpus_per_node, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+        ubatch_decode=args.ubatch_decode,
     )  # fmt: skip
     try:
         result = plan(args.gpus, shapes, profile, workload, Slo(args.slo_ttft, args.slo_tpot), base)

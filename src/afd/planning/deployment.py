@@ -88,6 +88,8 @@ class Deployment:
             "replicas": self.replicas,
             "ubatches": self.ubatches,
             "gpus": self.gpus,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
         }
 
 
