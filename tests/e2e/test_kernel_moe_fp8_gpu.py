@@ -62,6 +62,35 @@ def test_gpu_fp8_routed_experts_bf16_v2_lite(block):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.timeout(300)
+def test_gpu_fp8_rows_v2_lite_stay_close_to_bf16_rows_and_capture():
+    """`fp8_rows` at V2-Lite shapes (128 x 128 blocks, bf16 rows quantized in groups of 128): within 5e-2 of the
+    fp32 loop on the dequantized weights and bf16 rows (the activations' own quantization), two runs the same bits,
+    and a CUDA graph replay the same bits as eager."""
+    c = V2_LITE
+    q = fp8_experts(c["E"], c["H"], c["I"], (128, 128), device="cuda")
+    w13, w2 = q.dequantized(torch.float32)
+    for T in (1, 8, 64, 256):
+        x = torch.randn(T, c["H"], device="cuda", dtype=torch.bfloat16)
+        r = _routing(T, c["E"], c["K"], device="cuda", seed=T)
+
+        def run(x=x, r=r):
+            return kmoe.fused_routed_experts(x, r.topk_ids, r.topk_weights, q.w13, q.w2, 0, scales=_scales(q),
+                                             fp8_rows=True)  # fmt: skip
+
+        got = run()
+        assert torch.equal(got, run()), f"T={T}: runs differ"
+        oracle = moe.routed_experts(x.float(), r.topk_ids, r.topk_weights, w13, w2, 0, fixed_shape=False)
+        assert _rel(got, oracle) <= 5e-2, f"T={T}: vs fp32 {_rel(got, oracle):.2e}"
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = run()
+        graph.replay()
+        assert torch.equal(static_out, got), f"T={T}: the replay differs"
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.timeout(300)
 def test_gpu_fp8_grouped_expert_mlp_bf16_v2_lite():
     """The async form: 32 local FP8 experts, uneven groups incl. an empty one, padding rows; within 1e-2 of the
     fp32 loop on the dequantized weights; `fp8_grouped_expert_mlp_offsets` dispatches to it."""

@@ -161,3 +161,50 @@ def test_fp8_ffn_model_takes_the_kernels_where_they_run(monkeypatch):
     got = moe.fp8_routed_experts(x, r.topk_ids, r.topk_weights, odd, 0, fixed_shape=True)
     assert calls == ["routed-16bit"]  # the 16/32-bit kernels, on the dequantized weights
     torch.testing.assert_close(got, moe.routed_experts(x, r.topk_ids, r.topk_weights, w13, w2, 0), rtol=1e-5, atol=1e-5)
+
+
+def _dequantize_rows(x: torch.Tensor, group: int) -> torch.Tensor:
+    """What fp8 rows stand for: `quantize_row_groups`, then each value times its group's scale (fp32)."""
+    from afd.kernels.moe_tiles import quantize_row_groups
+
+    q, scale = quantize_row_groups(x, group)
+    return q.float() * scale.repeat_interleave(group, dim=1)
+
+
+ROW_SHAPES = [((16, 16), 160, 144), ((32, 32), 128, 96), ((128, 128), 256, 128)]  # (block, H, I): b1 divides both
+
+
+@cpu_only
+@pytest.mark.parametrize(("block", "hidden", "inter"), ROW_SHAPES, ids=["16x16", "32x32", "128x128"])
+@pytest.mark.parametrize("T", [1, 9])
+def test_fp8_rows_equal_the_loop_over_quantized_rows(block, hidden, inter, T):
+    """`fp8_rows`: x and each pair's SwiGLU output quantized per row in groups of b1, both GEMMs on fp8 x fp8 = a
+    loop over the pairs in fp32 on the same quantized values (1e-5 of the largest output), and within a few percent
+    of the bf16-rows path (the cost of quantizing the activations)."""
+    q = fp8_experts(E, hidden, inter, block, seed=T)
+    x = torch.randn(T, hidden, generator=torch.Generator().manual_seed(T))
+    r = _routing(T, E, 2, seed=T)
+    w13, w2 = q.dequantized(torch.float32)
+    ref = torch.zeros(T, hidden)
+    xs = _dequantize_rows(x, block[1])
+    for t in range(T):
+        for k in range(2):
+            e = int(r.topk_ids[t, k])
+            gate, up = (w13[e] @ xs[t]).split(inter)
+            act = _dequantize_rows((torch.nn.functional.silu(gate) * up)[None], block[1])[0]
+            ref[t] += r.topk_weights[t, k] * (w2[e] @ act)
+    got = kmoe.fused_routed_experts(x, r.topk_ids, r.topk_weights, q.w13, q.w2, 0, scales=_scales(q), fp8_rows=True)
+    assert got.shape == (T, hidden) and _rel(got, ref) <= 1e-5, f"relative error {_rel(got, ref):.2e}"
+    plain = kmoe.fused_routed_experts(x, r.topk_ids, r.topk_weights, q.w13, q.w2, 0, scales=_scales(q))
+    assert _rel(got, plain) <= 0.1
+
+
+def test_fp8_rows_are_refused_where_they_cannot_be_grouped():
+    from afd.kernels.moe_tiles import quantize_row_groups
+
+    with pytest.raises(ValueError, match="groups of 128"):
+        quantize_row_groups(torch.randn(2, 160), 128)
+    x = torch.randn(2, 32)
+    with pytest.raises(ValueError, match="need FP8 experts"):
+        kmoe.fused_routed_experts(x, torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1), torch.randn(1, 8, 32),
+                                  torch.randn(1, 32, 4), fp8_rows=True)  # fmt: skip

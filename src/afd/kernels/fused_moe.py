@@ -30,7 +30,7 @@ from afd.kernels.moe_combine import combine_pairs
 from afd.kernels.moe_down import expert_down
 from afd.kernels.moe_gate_up import check_gate_up, expert_gate_up
 from afd.kernels.moe_sort import PAIR_BLOCK, pair_tile, sort_pairs
-from afd.kernels.moe_tiles import TileConfig, rows_per_expert_hint, tile_bucket
+from afd.kernels.moe_tiles import TileConfig, quantize_row_groups, rows_per_expert_hint, tile_bucket
 
 
 def routed_compile_key(num_tokens: int, top_k: int, num_local_experts: int) -> tuple:
@@ -111,13 +111,16 @@ def fused_routed_experts(
     *,
     configs: tuple[TileConfig, TileConfig] | None = None,
     scales: ExpertScales | None = None,
+    fp8_rows: bool = False,
 ) -> torch.Tensor:
     """`afd.model.moe.routed_experts` in four launches: x [T, H] -> fp32 [T, H], the sum over the (t, k) pairs whose
     expert is one of the stacked `[expert_start, expert_start + E)` of `topk_weights[t, k] * expert(x[t])`.
 
     topk_ids: [T, K] int; topk_weights: [T, K] fp32; w13: [E, 2I, H]; w2: [E, H, I] (x's dtype, or FP8 with
     `scales`). No host sync and shapes that depend only on (T, K): capturable in a CUDA graph; no atomics: the same
-    bits every run.
+    bits every run. `fp8_rows` (FP8 experts only): x and the SwiGLU output are quantized per row in groups of the
+    weight block's width (`quantize_row_groups`, DeepSeek-V3's 1 x 128 activations), so both GEMMs take fp8 on both
+    sides of the MMA instead of converting each weight tile.
     """
     num_experts, hidden, inter = _check_experts(x, w13, w2, scales)
     num_tokens, top_k = topk_ids.shape
@@ -130,7 +133,16 @@ def fused_routed_experts(
     hint = rows_per_expert_hint(num_tokens, top_k, num_experts)
     up_cfg, down_cfg = configs or (None, None)
     up_scale, down_scale = _scale_args(scales)
-    act = expert_gate_up(x, offs, w13, token_idx=token_idx, rows_hint=hint, config=up_cfg, **up_scale)  # [P, I]
+    if fp8_rows:
+        if scales is None:
+            raise ValueError("fp8 rows need FP8 experts (their block scales)")
+        rows, up_scale["x_scale"] = quantize_row_groups(x, scales.block[1])
+        up_scale["out_dtype"] = x.dtype
+    else:
+        rows = x
+    act = expert_gate_up(rows, offs, w13, token_idx=token_idx, rows_hint=hint, config=up_cfg, **up_scale)  # [P, I]
+    if fp8_rows:
+        act, down_scale["act_scale"] = quantize_row_groups(act, scales.block[1])
     by_pair = torch.empty(num_tokens * top_k, hidden, dtype=torch.float32, device=x.device)  # [P, H]
     weights = topk_weights.reshape(-1).float().contiguous()  # [P]
     expert_down(

@@ -14,6 +14,7 @@ import triton.language as tl
 from afd.kernels.moe_tiles import (
     FP8_DTYPE,
     TileConfig,
+    check_fp8_rows,
     check_fp8_weight,
     dot_precision,
     down_config,
@@ -33,6 +34,7 @@ def _down_kernel(
     dest_ptr,  # [N] int destination row of each grouped row
     weight_ptr,  # [P] fp32 weight of each destination row
     scale_ptr,  # [E, ceil(H/SCALE_N), ceil(I/SCALE_K)] fp32 (HAS_SCALE)
+    act_scale_ptr,  # [N, I/SCALE_K] fp32 (X_SCALED): act's rows are fp8, one scale per row and K block
     hidden,
     inter,
     stride_am,
@@ -45,6 +47,8 @@ def _down_kernel(
     stride_se,
     stride_sn,
     stride_sk,
+    stride_asm,
+    stride_ask,
     HAS_DEST: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -56,6 +60,7 @@ def _down_kernel(
     HAS_SCALE: tl.constexpr,
     SCALE_N: tl.constexpr,
     SCALE_K: tl.constexpr,
+    X_SCALED: tl.constexpr,
 ):
     e = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -75,7 +80,11 @@ def _down_kernel(
             k_mask = k0 + k < inter
             a = load_2d(a_tile + k0 * stride_ak, r_mask, k_mask, False, EVEN_K)  # [BM, BK]
             w = load_2d(w_tile + k0 * stride_wk, n_mask, k_mask, EVEN_N, EVEN_K)  # [BN, BK]
-            if HAS_SCALE:  # see moe_gate_up: exact conversion, one scale per weight row in this K step
+            if X_SCALED:  # fp8 on both sides of the MMA (see moe_gate_up)
+                sw = tl.load(s_row + (k0 // SCALE_K) * stride_sk, mask=n_mask, other=0.0)  # [BN] fp32
+                sa = tl.load(act_scale_ptr + rows * stride_asm + (k0 // SCALE_K) * stride_ask, mask=r_mask, other=0.0)
+                acc += tl.dot(w, tl.trans(a)) * sw[:, None] * sa[None, :]
+            elif HAS_SCALE:  # see moe_gate_up: exact conversion, one scale per weight row in this K step
                 sw = tl.load(s_row + (k0 // SCALE_K) * stride_sk, mask=n_mask, other=0.0)  # [BN] fp32
                 acc += tl.dot(w.to(a.dtype), tl.trans(a), input_precision=PRECISION) * sw[:, None]
             else:
@@ -102,6 +111,7 @@ def expert_down(
     config: TileConfig | None = None,
     scale: torch.Tensor | None = None,
     block: tuple[int, int] | None = None,
+    act_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Down projection of grouped rows: `out[dest[r]] = weights[dest[r]] * (act[r] @ w2[e].T)`.
 
@@ -109,9 +119,12 @@ def expert_down(
     weights: [P] fp32 indexed by destination (None: no weighting); out: [P, H] (default a new [N, H] fp32).
     Accumulates in fp32 and stores in out's dtype. Only destinations of rows in a group are written.
     FP8 `w2` (float8_e4m3fn): `w2[e, i, j]` means `w2[e, i, j] * scale[e, i // b0, j // b1]`, `block = (b0, b1)`.
+    FP8 rows too (`act` float8_e4m3fn with `act_scale [N, I/b1]`, FP8 `w2` only): `act[r, j] * act_scale[r, j // b1]`.
     """
     num_experts, hidden, inter = w2.shape
-    if w2.dtype not in (act.dtype, FP8_DTYPE) or act.shape[-1] != inter:
+    if act_scale is not None:
+        check_fp8_rows(act, act_scale, w2, block)
+    elif w2.dtype not in (act.dtype, FP8_DTYPE) or act.shape[-1] != inter:
         raise ValueError(f"act {tuple(act.shape)} {act.dtype} does not fit w2 {tuple(w2.shape)} {w2.dtype}")
     has_scale = w2.dtype == FP8_DTYPE
     if has_scale:
@@ -122,7 +135,8 @@ def expert_down(
         return out
     if weights is not None and weights.dtype != torch.float32:
         raise ValueError(f"weights must be float32, got {weights.dtype}")
-    cfg = config or fit_dtype(down_config(rows_hint or rows_per_expert_hint(act.shape[0], 1, num_experts)), act.dtype)
+    dtype = torch.bfloat16 if act_scale is not None else act.dtype  # fp8 tiles fit bf16's table
+    cfg = config or fit_dtype(down_config(rows_hint or rows_per_expert_hint(act.shape[0], 1, num_experts)), dtype)
     block_k = scaled_block_k(cfg.block_k, block[1]) if has_scale else cfg.block_k
     scale_n, scale_k = block if has_scale else (1, 1)
     s = scale if has_scale else offs  # unused without HAS_SCALE
@@ -136,6 +150,7 @@ def expert_down(
         dest_idx if dest_idx is not None else offs,  # unused without HAS_DEST
         weights if weights is not None else out,  # unused without HAS_WEIGHT
         s,
+        act_scale if act_scale is not None else offs,  # unused without X_SCALED
         hidden,
         inter,
         act.stride(0),
@@ -146,6 +161,7 @@ def expert_down(
         out.stride(0),
         out.stride(1),
         *s_strides,
+        *(act_scale.stride() if act_scale is not None else (0, 0)),
         HAS_DEST=dest_idx is not None,
         HAS_WEIGHT=weights is not None,
         BLOCK_M=cfg.block_m,
@@ -157,6 +173,7 @@ def expert_down(
         HAS_SCALE=has_scale,
         SCALE_N=scale_n,
         SCALE_K=scale_k,
+        X_SCALED=act_scale is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -22,6 +22,7 @@ from afd.kernels.moe_tiles import (
     DTYPES,
     FP8_DTYPE,
     TileConfig,
+    check_fp8_rows,
     check_fp8_weight,
     dot_precision,
     fit_dtype,
@@ -40,6 +41,7 @@ def _gate_up_kernel(
     w_ptr,  # [E, 2I, H] gate rows then up rows
     act_ptr,  # [N, I] out
     scale_ptr,  # [E, 2 * ceil(I/SCALE_N), ceil(H/SCALE_K)] fp32 (HAS_SCALE): gate's rows from 0, up's from up_scale_row
+    x_scale_ptr,  # [T, H/SCALE_K] fp32 (X_SCALED): x's rows are fp8, one scale per row and K block
     inter,
     hidden,
     stride_xm,
@@ -52,6 +54,8 @@ def _gate_up_kernel(
     stride_se,
     stride_sn,
     stride_sk,
+    stride_xsm,
+    stride_xsk,
     up_scale_row,
     HAS_TOKEN_IDX: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -63,6 +67,7 @@ def _gate_up_kernel(
     HAS_SCALE: tl.constexpr,
     SCALE_N: tl.constexpr,
     SCALE_K: tl.constexpr,
+    X_SCALED: tl.constexpr,
 ):
     e = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -91,7 +96,14 @@ def _gate_up_kernel(
             wg = load_2d(w_gate + k0 * stride_wk, n_mask, k_mask, EVEN_N, EVEN_K)  # [BN, BK]
             wu = load_2d(w_up + k0 * stride_wk, n_mask, k_mask, EVEN_N, EVEN_K)  # [BN, BK]
             xt_t = tl.trans(xt)  # [BK, BM]
-            if HAS_SCALE:  # one scale per weight row in this K step; the fp8 -> x dtype conversion is exact
+            if X_SCALED:  # fp8 on both sides of the MMA; the weight rows' and the x rows' scales of this K block
+                s_k = (k0 // SCALE_K) * stride_sk
+                sg = tl.load(s_gate + s_k, mask=n_mask, other=0.0)  # [BN] fp32
+                su = tl.load(s_up + s_k, mask=n_mask, other=0.0)
+                sx = tl.load(x_scale_ptr + src * stride_xsm + (k0 // SCALE_K) * stride_xsk, mask=r_mask, other=0.0)
+                acc_gate += tl.dot(wg, xt_t) * sg[:, None] * sx[None, :]  # [BN, BM] fp32
+                acc_up += tl.dot(wu, xt_t) * su[:, None] * sx[None, :]
+            elif HAS_SCALE:  # one scale per weight row in this K step; the fp8 -> x dtype conversion is exact
                 s_k = (k0 // SCALE_K) * stride_sk
                 sg = tl.load(s_gate + s_k, mask=n_mask, other=0.0)  # [BN] fp32
                 su = tl.load(s_up + s_k, mask=n_mask, other=0.0)
@@ -112,10 +124,14 @@ def check_gate_up(
     w13: torch.Tensor,
     scale: torch.Tensor | None = None,
     block: tuple[int, int] | None = None,
+    x_scale: torch.Tensor | None = None,
 ) -> tuple[int, int, int]:
     """(E, H, I) of stacked gate/up weights `w13 [E, 2I, H]`, checked against rows `x [., H]`: w13 in x's dtype,
-    or float8_e4m3fn with fp32 `scale [E, 2 * ceil(I/b0), ceil(H/b1)]` in `block`s."""
-    if x.dtype not in DTYPES or w13.dtype not in (x.dtype, FP8_DTYPE):
+    or float8_e4m3fn with fp32 `scale [E, 2 * ceil(I/b0), ceil(H/b1)]` in `block`s; fp8 rows with `x_scale`
+    [., H/b1] need fp8 weights."""
+    if x_scale is not None:
+        check_fp8_rows(x, x_scale, w13, block)
+    elif x.dtype not in DTYPES or w13.dtype not in (x.dtype, FP8_DTYPE):
         raise ValueError(f"rows {x.dtype}, w13 {w13.dtype}: need one dtype of {DTYPES} (or fp8 weights)")
     num_experts, two_inter, hidden = w13.shape
     if x.shape[-1] != hidden or two_inter % 2:
@@ -135,6 +151,8 @@ def expert_gate_up(
     config: TileConfig | None = None,
     scale: torch.Tensor | None = None,
     block: tuple[int, int] | None = None,
+    x_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """SwiGLU of grouped rows: `act[r] = silu(x[src] @ w13[e, :I].T) * (x[src] @ w13[e, I:].T)`.
 
@@ -144,13 +162,15 @@ def expert_gate_up(
     are not written. `rows_hint`: expected largest group (picks the tile table's row), default N / E based.
     FP8 `w13` (float8_e4m3fn): `w13[e, i, j]` means `w13[e, i, j] * scale[e, r(i), j // b1]` with `block = (b0, b1)`,
     `r(i) = i // b0` for gate rows, `scale.shape[1] // 2 + (i - I) // b0` for up rows.
+    FP8 rows too (`x` float8_e4m3fn with fp32 `x_scale [T, H/b1]`, `quantize_row_groups(x, b1)`, FP8 `w13` only):
+    `x[t, j]` means `x[t, j] * x_scale[t, j // b1]`, and the MMA reads fp8 on both sides; act is `out_dtype`.
     """
-    num_experts, hidden, inter = check_gate_up(x, w13, scale, block)
+    num_experts, hidden, inter = check_gate_up(x, w13, scale, block, x_scale)
     num_rows = x.shape[0] if token_idx is None else token_idx.shape[0]
-    act = x.new_empty(num_rows, inter)  # [N, I]
+    act = x.new_empty(num_rows, inter, dtype=out_dtype or x.dtype)  # [N, I]
     if num_rows == 0 or num_experts == 0:
         return act
-    cfg = config or fit_dtype(gate_up_config(rows_hint or rows_per_expert_hint(num_rows, 1, num_experts)), x.dtype)
+    cfg = config or fit_dtype(gate_up_config(rows_hint or rows_per_expert_hint(num_rows, 1, num_experts)), act.dtype)
     has_scale = w13.dtype == FP8_DTYPE
     block_k = scaled_block_k(cfg.block_k, block[1]) if has_scale else cfg.block_k
     scale_n, scale_k = block if has_scale else (1, 1)
@@ -164,6 +184,7 @@ def expert_gate_up(
         w13,
         act,
         s,
+        x_scale if x_scale is not None else offs,  # unused without X_SCALED
         inter,
         hidden,
         x.stride(0),
@@ -173,7 +194,9 @@ def expert_gate_up(
         w13.stride(2),
         act.stride(0),
         act.stride(1),
-        *s_strides,
+        *s_strides[:3],
+        *(x_scale.stride() if x_scale is not None else (0, 0)),
+        s_strides[3],
         HAS_TOKEN_IDX=token_idx is not None,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
@@ -184,6 +207,7 @@ def expert_gate_up(
         HAS_SCALE=has_scale,
         SCALE_N=scale_n,
         SCALE_K=scale_k,
+        X_SCALED=x_scale is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

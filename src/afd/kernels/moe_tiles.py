@@ -109,6 +109,37 @@ def check_fp8_weight(
         raise ValueError(f"fp8 scales {tuple(scale.shape)} {scale.dtype} do not fit weight {tuple(w.shape)}, {want}")
 
 
+FP8_MAX = 448.0  # the largest finite e4m3fn value
+
+
+def quantize_row_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows `x [N, K]` (K a multiple of `group`) -> `(x_fp8 [N, K] float8_e4m3fn, scale [N, K/group] fp32)`, per
+    row and group `scale = amax / 448`, `x_fp8 = round(x / scale)` (DeepSeek-V3's 1 x 128 activation groups; the
+    weights' recipe); an all-zero group gets scale 1. Shapes only: capturable in a CUDA graph."""
+    rows, width = x.shape
+    if width % group:
+        raise ValueError(f"rows of {width} do not split into groups of {group}")
+    groups = x.float().view(rows, width // group, group)
+    amax = groups.abs().amax(dim=-1, keepdim=True)  # [N, K/group, 1]
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (groups / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(rows, width)
+    return q, scale.squeeze(-1)
+
+
+def check_fp8_rows(
+    x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, block: tuple[int, int] | None
+) -> None:
+    """fp8 rows `x [N, K]` with `x_scale [N, K/b1]` (`quantize_row_groups(x, b1)`) go with fp8 weights of `block`."""
+    if w.dtype != FP8_DTYPE or block is None:
+        raise ValueError(f"fp8 rows need fp8 weights with their block size, got {w.dtype}")
+    want = (x.shape[0], x.shape[1] // block[1])
+    if x.dtype != FP8_DTYPE or x.shape[1] % block[1] or x_scale.dtype != torch.float32 or tuple(x_scale.shape) != want:
+        raise ValueError(
+            f"fp8 rows {tuple(x.shape)} {x.dtype} with scales {tuple(x_scale.shape)} {x_scale.dtype} do not fit "
+            f"groups of {block[1]}"
+        )
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs: full fp32 products (tl.dot would otherwise round them to tf32); bf16/fp16: the default.
     return "ieee" if dtype == torch.float32 else "tf32"
