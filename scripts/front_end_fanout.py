@@ -8,6 +8,7 @@ computes nothing (every running request gets one token per step, each step lasti
 as the client (`afd.bench.serve_client.bench_url`, every request at once). With `--step-ms 0` the replica steps as
 fast as the front end takes its tokens, so the run's output tokens/s is the front end's fan-out rate, and its
 inter-token latency what one step of `--streams` streams costs it. Any CPU; compare trees by PYTHONPATH.
+`--profile-front FILE`: the front end's process under cProfile (read it with `python -m pstats FILE`).
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def run_replica(address, step_s: float, max_num_seqs: int) -> None:
         link.close()
 
 
-def run_front_end(port_out, stop_reader, streams: int) -> None:
+def run_front_end(port_out, stop_reader, streams: int, profile_path: str | None = None) -> None:
     from afd.runtime.link import FrontLink
     from afd.serve.frontend import ReplicaPool
     from afd.serve.server import serve
@@ -109,7 +110,14 @@ def run_front_end(port_out, stop_reader, streams: int) -> None:
         loop.add_reader(stop_reader.fileno(), stop.set)  # the parent writes to the pipe when it is done
         await serve(state, sock, stop, lambda: port_out.put(sock.getsockname()[1]))
 
-    asyncio.run(main())
+    if profile_path:  # the front end's own functions by time, over the whole run
+        import cProfile
+
+        profile = cProfile.Profile()
+        profile.runcall(asyncio.run, main())
+        profile.dump_stats(profile_path)
+    else:
+        asyncio.run(main())
     link.close()
 
 
@@ -119,6 +127,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--step-ms", type=float, default=0.0)
     parser.add_argument("--json")
+    parser.add_argument("--profile-front", metavar="FILE", help="cProfile the front end's process into FILE (pstats)")
     args = parser.parse_args()
 
     from afd.bench.serve_client import bench_url
@@ -126,7 +135,7 @@ def main() -> None:
 
     ctx = mp.get_context("spawn")
     out, (stop_r, stop_w) = ctx.Queue(), mp.Pipe(duplex=False)
-    front = ctx.Process(target=run_front_end, args=(out, stop_r, args.streams), daemon=True)
+    front = ctx.Process(target=run_front_end, args=(out, stop_r, args.streams, args.profile_front), daemon=True)
     front.start()
     address = out.get(timeout=60)
     replica = ctx.Process(target=run_replica, args=(address, args.step_ms / 1e3, args.streams), daemon=True)

@@ -81,7 +81,11 @@ class ReplicaPool:
         self.alive = [True] * self.num_replicas  # its link is up
         self.accepting = [True] * self.num_replicas  # new requests may go to it (not draining, not restarting)
         self.metrics = ServeMetrics(self.num_replicas)
-        self.requests: dict[str, Submitted] = {}
+        self.requests: dict[str, Submitted] = {}  # through `_track` / `_untrack` only: they keep the sums below
+        # per replica, over its requests: outstanding tokens (the balancer's load) and requests held; kept as
+        # requests come, advance and end, so a burst of a thousand submits is not a thousand walks over the others
+        self._load = [0] * self.num_replicas
+        self._held = [0] * self.num_replicas
         self.stopping = False
         self._byes = [threading.Event() for _ in range(self.num_replicas)]
         self._socks: list[socket.socket] = []
@@ -241,13 +245,15 @@ class ReplicaPool:
                 sub.stamps["front_got"] = now
             else:
                 m.itl.observe(now - sub.last_token_at)
+            before = sub.outstanding
             sub.generated += len(tokens)
+            self._load[sub.replica] += sub.outstanding - before
             sub.last_token_at = now
             sub.queue.put_nowait(Event("tokens", items=tokens))
         m.generation_tokens.inc(len(items))  # once per message: a counter's lock per stream cost ~2 us each
 
     def _on_finished(self, message: Message) -> None:
-        sub = self.requests.pop(message["rid"], None)
+        sub = self._untrack(message["rid"])
         if sub is None:
             return
         reason = message["reason"]
@@ -269,19 +275,26 @@ class ReplicaPool:
     def waiting(self, more: int = 0) -> int:
         """Requests beyond what the replicas run at once (they wait in a replica's queue); with `more`, how many
         would wait once `more` requests were added (they take the free running places first)."""
-        per_replica = [0] * self.num_replicas
-        for sub in self.requests.values():
-            per_replica[sub.replica] += 1
-        pairs = list(zip(per_replica, self.max_num_seqs, strict=True))
+        pairs = list(zip(self._held, self.max_num_seqs, strict=True))
         waiting = sum(max(0, n - cap) for n, cap in pairs)
         free = sum(max(0, cap - n) for (n, cap), ok in zip(pairs, self.serving(), strict=True) if ok)
         return waiting + max(0, more - free)
 
     def loads(self) -> list[int]:
-        load = [0] * self.num_replicas
-        for sub in self.requests.values():
-            load[sub.replica] += sub.outstanding
-        return load
+        """Outstanding tokens per replica (`afd.serve.balancer`)."""
+        return list(self._load)
+
+    def _track(self, sub: Submitted) -> None:
+        self.requests[sub.rid] = sub
+        self._load[sub.replica] += sub.outstanding
+        self._held[sub.replica] += 1
+
+    def _untrack(self, rid: str) -> Submitted | None:
+        sub = self.requests.pop(rid, None)
+        if sub is not None:
+            self._load[sub.replica] -= sub.outstanding
+            self._held[sub.replica] -= 1
+        return sub
 
     def submit(
         self,
@@ -303,7 +316,7 @@ class ReplicaPool:
         except ValueError:
             raise LookupError("no replica serves now") from None
         sub = Submitted(rid, replica, len(prompt_ids), max_tokens, time.perf_counter())
-        self.requests[rid] = sub
+        self._track(sub)
         self.metrics.replicas[replica].prompt_tokens.inc(len(prompt_ids))
         message = {
             "type": "add",
@@ -322,7 +335,7 @@ class ReplicaPool:
 
     def abort(self, rid: str, reason: str = "abort") -> None:
         """Stop a request (a stop string matched, or its client left): the replica frees its cache."""
-        sub = self.requests.pop(rid, None)
+        sub = self._untrack(rid)
         if sub is None:
             return
         self._count_end(sub, reason)
@@ -339,7 +352,7 @@ class ReplicaPool:
         """End every request (of one replica, or all) with an error event carrying `why`."""
         for rid, sub in list(self.requests.items()):
             if replica is None or sub.replica == replica:
-                del self.requests[rid]
+                self._untrack(rid)
                 self._count_end(sub, "error")
                 sub.queue.put_nowait(Event("finished", reason="error", message=why, status=503))
 
