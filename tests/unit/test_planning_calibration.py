@@ -116,11 +116,13 @@ def test_pattern_search_finds_a_known_minimum():
 def test_calibration_recovers_the_cost_of_a_synthetic_served_trace():
     """A "measured" trace simulated with known serving costs: the fit from the kernels-only profile finds costs
     that hold that trace within 15% on every target and 5% on capacity."""
-    truth = Calibration(step_s=2e-4, token_s=1.5e-4, request_s=1e-3, front_end_s=4e-3, prompt_step_s=6e-3)
+    truth = Calibration(step_s=2e-4, token_s=1.5e-4, request_s=1e-3, front_end_s=4e-3)
     measured, cal, again = fit_synthetic_trace(_trace(), truth)
     for row in cal.fit["rows"]:
         assert row["calibrated"] == pytest.approx(row["measured"], rel=0.15), row
     assert "per token" in calibrate.format_calibration(cal)
+    assert cal.prompt_step_s == 0.0  # a CPU's profile: no floor for steps holding prompt tokens
+    assert calibrate.default_rates("cpu") == (math.inf, 8.0) and 64.0 in calibrate.default_rates("cuda")
     # the fitted profile's simulation of the same trace agrees with the "measurement"
     assert again["summary"]["request_throughput"] == pytest.approx(
         measured[0]["summary"]["request_throughput"], rel=0.05
@@ -141,6 +143,8 @@ def test_a_profile_calibrates_from_a_served_results_file(tmp_path, capsys):
     """`afd profile --calibrate-from R.json`: a served run of none R=1 ("measured" here by simulating tiny with known
     serving costs, in afd bench serve's JSON shape) fits the profile's calibration, which then holds that run; a
     file of another server, or no results file, is refused in one sentence (exit 2)."""
+    from dataclasses import replace
+
     from helpers.cli import main_exit
 
     from afd.planning.profile import load_profile
@@ -156,11 +160,12 @@ def test_a_profile_calibrates_from_a_served_results_file(tmp_path, capsys):
                                         "max_num_batched_tokens": d.max_num_batched_tokens}}]}  # fmt: skip
     results, base, out = tmp_path / "r.json", tmp_path / "base.json", tmp_path / "p.json"
     results.write_text(json.dumps(raw))
-    cpu_profile().save(base)
+    gpu = cpu_profile()  # its parts, as measured on a GPU: the fit then has a floor for steps holding prompt tokens
+    replace(gpu, machine={**gpu.machine, "device": "1x NVIDIA H200"}).save(base)
     code, _ = main_exit(capsys, "profile", "--calibrate-from", str(results), "--profile", str(base), "-o", str(out))
     assert code == 0
     fitted = load_profile(out)
-    assert fitted.parts == load_profile(base).parts and fitted.calibration.active
+    assert fitted.parts == load_profile(base).parts and fitted.calibration.prompt_step_s > 0
     for row in fitted.calibration.fit["rows"]:
         assert row["calibrated"] == pytest.approx(row["measured"], rel=0.15), row
     # afd simulate --compare simulates under the limits the measured server ran with, unless flags say otherwise

@@ -93,7 +93,7 @@ def add_planning_parsers(sub) -> None:
         "--calibration-rates",
         type=rate_list,
         default=None,
-        help="rates of the calibration trace (req/s) (default: inf, 64, 8)",
+        help="rates of the calibration trace (req/s) (default: inf, 64, 8 on a GPU; inf, 8 on a CPU)",
     )
     p.add_argument(
         "--calibrate-from",
@@ -249,9 +249,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
         from afd.serve.run import ServeError
 
         failures += (ServeError, BenchError)
-    from afd.planning.calibrate import DEFAULT_RATES
+    from afd.planning.calibrate import default_rates
 
-    rates = tuple(args.calibration_rates or DEFAULT_RATES)
+    rates = tuple(args.calibration_rates or default_rates(args.device))
     try:
         profile = measure_profile(
             args.model, args.dtype, args.device, exchange=not args.no_exchange, calibrate=not args.no_calibration,

@@ -126,9 +126,7 @@ def quantize_row_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torc
     return q, scale.squeeze(-1)
 
 
-def check_fp8_rows(
-    x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, block: tuple[int, int] | None
-) -> None:
+def check_fp8_rows(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, block: tuple[int, int] | None) -> None:
     """fp8 rows `x [N, K]` with `x_scale [N, K/b1]` (`quantize_row_groups(x, b1)`) go with fp8 weights of `block`."""
     if w.dtype != FP8_DTYPE or block is None:
         raise ValueError(f"fp8 rows need fp8 weights with their block size, got {w.dtype}")

@@ -23,12 +23,22 @@ from afd.planning.profile import Calibration, Profile
 logger = logging.getLogger(__name__)
 
 PARAMS = ("step_s", "token_s", "request_s", "held_s", "arrival_s", "front_end_s", "prompt_step_s")
+# `prompt_step_s` is a GPU's: a step there is launched from the host and runs on the device after, so a small step
+# holding prompt tokens lasts its launches; on a CPU the host runs the step itself, and the parts already hold it
+CPU_PARAMS = tuple(p for p in PARAMS if p != "prompt_step_s")
 # what the fit holds the simulated trace to, per rate
 TARGETS = ("request_throughput", "ttft_p50_s", "tpot_p50_s", "e2e_p50_s")
 DEFAULT_REQUESTS = 128
-# at capacity, where steps hold many prompts; a middle rate, where most steps hold one small prompt beside the
-# decodes (what `prompt_step_s` is seen in); a low one
-DEFAULT_RATES = (math.inf, 64.0, 8.0)
+# at capacity, where steps hold many prompts; on a GPU a middle rate, where most steps hold one small prompt beside
+# the decodes (what `prompt_step_s` is seen in); a low one
+GPU_RATES, CPU_RATES = (math.inf, 64.0, 8.0), (math.inf, 8.0)
+
+
+def default_rates(device: str) -> tuple[float, ...]:
+    """The calibration trace's rates on `device` ("cuda" or "cpu")."""
+    return GPU_RATES if device == "cuda" else CPU_RATES
+
+
 SEARCH_EVALS = 1200  # simulations the pattern search may run
 
 
@@ -40,7 +50,7 @@ class Trace:
     rates: tuple[float, ...]
 
 
-def calibration_trace(requests: int = DEFAULT_REQUESTS, rates: tuple[float, ...] = DEFAULT_RATES) -> Trace:
+def calibration_trace(requests: int = DEFAULT_REQUESTS, rates: tuple[float, ...] = CPU_RATES) -> Trace:
     """Mixed prompt lengths (median 32, capped at 256), 32 tokens out, seed 1: short enough for a CPU, varied
     enough that steps of every kind (prefill, mixed, decode at small and large batches) occur."""
     w = Workload("mixed", requests, long_len=256, short_len=32, max_tokens=32, seed=1, warmups=8)
@@ -118,7 +128,7 @@ def fit_calibration(
     measured = targets_of(measured_runs)
     if not measured:
         raise ValueError("the calibration trace measured nothing to fit")
-    zero = dict.fromkeys(PARAMS, 0.0)
+    zero = dict.fromkeys(PARAMS if profile.on_gpu else CPU_PARAMS, 0.0)
     kernels = simulated_targets(profile, s, deployment, trace, prompt_lens, zero)
     fastest = str(measured_runs[0]["rate"])
     tokens = sum(trace.workload.max_tokens_of())

@@ -112,7 +112,7 @@ def measure_profile(
     exchange: bool = True,
     calibrate: bool = True,
     calibration_requests: int = 128,
-    calibration_rates: tuple[float, ...] = calibrate.DEFAULT_RATES,
+    calibration_rates: tuple[float, ...] | None = None,
     say: Callable[[str], None] = logger.info,
 ) -> Profile:
     """Measure every part on this machine and fit it; `exchange=False` leaves the exchange parts out;
@@ -185,7 +185,10 @@ def measure_profile(
     profile = Profile(machine, parts, source, dtype, float(memory), 0.0, Link())
     if not calibrate:
         return profile
-    return measure_calibration(profile, model, dtype, device, calibration_requests, calibration_rates, say)
+    from afd.planning.calibrate import default_rates
+
+    rates = calibration_rates or default_rates(device)
+    return measure_calibration(profile, model, dtype, device, calibration_requests, rates, say)
 
 
 def measure_calibration(
@@ -200,7 +203,6 @@ def measure_calibration(
     """Serve the calibration trace on this machine and fit what the simulator must add to the parts to hold it."""
     from dataclasses import replace
 
-    from afd.planning import calibrate
     from afd.planning.deployment import Deployment
     from afd.runtime.limits import DEFAULT_MAX_NUM_SEQS, LARGE_BUDGET, SMALL_BUDGET
 
