@@ -32,14 +32,12 @@ DEFAULT_REQUESTS = 128
 # at capacity, where steps hold many prompts; on a GPU a middle rate, where most steps hold one small prompt beside
 # the decodes (what `prompt_step_s` is seen in); a low one
 GPU_RATES, CPU_RATES = (math.inf, 64.0, 8.0), (math.inf, 8.0)
+SEARCH_EVALS = 1200  # simulations the pattern search may run
 
 
 def default_rates(device: str) -> tuple[float, ...]:
     """The calibration trace's rates on `device` ("cuda" or "cpu")."""
     return GPU_RATES if device == "cuda" else CPU_RATES
-
-
-SEARCH_EVALS = 1200  # simulations the pattern search may run
 
 
 @dataclass(frozen=True)
@@ -189,6 +187,7 @@ def calibrate_from_results(profile: Profile, raw: dict) -> Profile:
     from afd.planning.compare import workload_of
     from afd.planning.costs import shapes_of
     from afd.planning.deployment import Deployment
+    from afd.runtime.limits import DEFAULT_MAX_NUM_SEQS, SMALL_BUDGET
 
     results = raw.get("results") or []
     server = results[0] if results else {}
@@ -199,8 +198,8 @@ def calibrate_from_results(profile: Profile, raw: dict) -> Profile:
     limits = server.get("step_limits") or {}
     d = Deployment(
         "none",
-        max_num_seqs=int(limits.get("max_num_seqs", 256)),
-        max_num_batched_tokens=int(limits.get("max_num_batched_tokens", 2048)),
+        max_num_seqs=int(limits.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS)),
+        max_num_batched_tokens=int(limits.get("max_num_batched_tokens", SMALL_BUDGET)),
     )
     config = load_model_config(profile.machine.get("model", "deepseek-v2-lite"))
     trace = Trace(workload, tuple(rates))
