@@ -171,6 +171,12 @@ def _dequantize_rows(x: torch.Tensor, group: int) -> torch.Tensor:
     return q.float() * scale.repeat_interleave(group, dim=1)
 
 
+def _expert_on_fp8_rows(w13: torch.Tensor, w2: torch.Tensor, row: torch.Tensor, group: int) -> torch.Tensor:
+    """One expert on one already quantized row, its SwiGLU output quantized as the kernels do (fp32)."""
+    gate, up = (w13 @ row).split(w2.shape[1])
+    return w2 @ _dequantize_rows((torch.nn.functional.silu(gate) * up)[None], group)[0]
+
+
 ROW_SHAPES = [((16, 16), 160, 144), ((32, 32), 128, 96), ((128, 128), 256, 128)]  # (block, H, I): b1 divides both
 
 
@@ -190,13 +196,28 @@ def test_fp8_rows_equal_the_loop_over_quantized_rows(block, hidden, inter, T):
     for t in range(T):
         for k in range(2):
             e = int(r.topk_ids[t, k])
-            gate, up = (w13[e] @ xs[t]).split(inter)
-            act = _dequantize_rows((torch.nn.functional.silu(gate) * up)[None], block[1])[0]
-            ref[t] += r.topk_weights[t, k] * (w2[e] @ act)
+            ref[t] += r.topk_weights[t, k] * _expert_on_fp8_rows(w13[e], w2[e], xs[t], block[1])
     got = kmoe.fused_routed_experts(x, r.topk_ids, r.topk_weights, q.w13, q.w2, 0, scales=_scales(q), fp8_rows=True)
     assert got.shape == (T, hidden) and _rel(got, ref) <= 1e-5, f"relative error {_rel(got, ref):.2e}"
     plain = kmoe.fused_routed_experts(x, r.topk_ids, r.topk_weights, q.w13, q.w2, 0, scales=_scales(q))
     assert _rel(got, plain) <= 0.1
+
+
+@cpu_only
+def test_fp8_rows_in_the_grouped_form_equal_the_loop_over_quantized_rows():
+    """The async form with `fp8_rows`: grouped rows (empty experts, padding rows) against the same loop per row."""
+    block, hidden, inter = ROW_SHAPES[1]
+    sizes = [3, 0, 5, 1, 0, 2]
+    q = fp8_experts(len(sizes), hidden, inter, block, seed=4)
+    n = sum(sizes)
+    x = torch.randn(n + 3, hidden, generator=torch.Generator().manual_seed(n))
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    w13, w2 = q.dequantized(torch.float32)
+    xs = _dequantize_rows(x[:n], block[1])
+    experts = [e for e, size in enumerate(sizes) for _ in range(size)]
+    ref = torch.stack([_expert_on_fp8_rows(w13[e], w2[e], xs[r], block[1]) for r, e in enumerate(experts)])
+    got = kmoe.fused_grouped_expert_mlp(x, offs, q.w13, q.w2, scales=_scales(q), fp8_rows=True)
+    assert got.dtype == x.dtype and _rel(got[:n], ref) <= 1e-5, f"relative error {_rel(got[:n], ref):.2e}"
 
 
 def test_fp8_rows_are_refused_where_they_cannot_be_grouped():

@@ -80,6 +80,15 @@ def _scale_args(scales: ExpertScales | None) -> tuple[dict, dict]:
     return {"scale": scales.w13, "block": scales.block}, {"scale": scales.w2, "block": scales.block}
 
 
+def _as_fp8_rows(rows: torch.Tensor, scales: ExpertScales | None, kwargs: dict, key: str) -> torch.Tensor:
+    """`rows` quantized per row in groups of the weight block's width (`quantize_row_groups`), their scales put
+    in the next launch's keyword arguments under `key`."""
+    if scales is None:
+        raise ValueError("fp8 rows need FP8 experts (their block scales)")
+    q, kwargs[key] = quantize_row_groups(rows, scales.block[1])
+    return q
+
+
 def fused_grouped_expert_mlp(
     x: torch.Tensor,
     offs: torch.Tensor,
@@ -88,15 +97,20 @@ def fused_grouped_expert_mlp(
     *,
     configs: tuple[TileConfig, TileConfig] | None = None,
     scales: ExpertScales | None = None,
+    fp8_rows: bool = False,
 ) -> torch.Tensor:
     """`afd.model.moe.grouped_expert_mlp_offsets` in two launches: x [N, H] grouped by `offs` [E] int32 (device
     cumulative ends), w13 [E, 2I, H], w2 [E, H, I] (x's dtype, or FP8 with `scales`) -> [N, H] in x.dtype,
-    unweighted; rows at and past `offs[-1]` are not written (undefined), as there."""
+    unweighted; rows at and past `offs[-1]` are not written (undefined), as there. `fp8_rows`: as in
+    `fused_routed_experts`."""
     num_experts, _, _ = _check_experts(x, w13, w2, scales)
     hint = rows_per_expert_hint(x.shape[0], 1, num_experts)
     up_cfg, down_cfg = configs or (None, None)
     up_scale, down_scale = _scale_args(scales)
-    act = expert_gate_up(x, offs, w13, rows_hint=hint, config=up_cfg, **up_scale)  # [N, I]
+    rows = _as_fp8_rows(x, scales, up_scale, "x_scale") if fp8_rows else x
+    act = expert_gate_up(rows, offs, w13, rows_hint=hint, config=up_cfg, out_dtype=x.dtype, **up_scale)  # [N, I]
+    if fp8_rows:
+        act = _as_fp8_rows(act, scales, down_scale, "act_scale")
     out = torch.empty_like(x)  # [N, H]
     return expert_down(act, offs, w2, out=out, rows_hint=hint, config=down_cfg, **down_scale)
 
@@ -133,16 +147,12 @@ def fused_routed_experts(
     hint = rows_per_expert_hint(num_tokens, top_k, num_experts)
     up_cfg, down_cfg = configs or (None, None)
     up_scale, down_scale = _scale_args(scales)
+    rows = _as_fp8_rows(x, scales, up_scale, "x_scale") if fp8_rows else x
+    act = expert_gate_up(  # [P, I]
+        rows, offs, w13, token_idx=token_idx, rows_hint=hint, config=up_cfg, out_dtype=x.dtype, **up_scale
+    )
     if fp8_rows:
-        if scales is None:
-            raise ValueError("fp8 rows need FP8 experts (their block scales)")
-        rows, up_scale["x_scale"] = quantize_row_groups(x, scales.block[1])
-        up_scale["out_dtype"] = x.dtype
-    else:
-        rows = x
-    act = expert_gate_up(rows, offs, w13, token_idx=token_idx, rows_hint=hint, config=up_cfg, **up_scale)  # [P, I]
-    if fp8_rows:
-        act, down_scale["act_scale"] = quantize_row_groups(act, scales.block[1])
+        act = _as_fp8_rows(act, scales, down_scale, "act_scale")
     by_pair = torch.empty(num_tokens * top_k, hidden, dtype=torch.float32, device=x.device)  # [P, H]
     weights = topk_weights.reshape(-1).float().contiguous()  # [P]
     expert_down(
