@@ -177,12 +177,12 @@ def _expert_on_fp8_rows(w13: torch.Tensor, w2: torch.Tensor, row: torch.Tensor, 
     return w2 @ _dequantize_rows((torch.nn.functional.silu(gate) * up)[None], group)[0]
 
 
-ROW_SHAPES = [((16, 16), 160, 144), ((32, 32), 128, 96), ((128, 128), 256, 128)]  # (block, H, I): b1 divides both
+# (block, H, I, T): b1 divides H and I; several tokens where the interpreter is quick, one on the release's blocks
+ROW_SHAPES = [((16, 16), 160, 144, 9), ((32, 32), 128, 96, 5), ((128, 128), 256, 128, 1)]
 
 
 @cpu_only
-@pytest.mark.parametrize(("block", "hidden", "inter"), ROW_SHAPES, ids=["16x16", "32x32", "128x128"])
-@pytest.mark.parametrize("T", [1, 9])
+@pytest.mark.parametrize(("block", "hidden", "inter", "T"), ROW_SHAPES, ids=["16x16", "32x32", "128x128"])
 def test_fp8_rows_equal_the_loop_over_quantized_rows(block, hidden, inter, T):
     """`fp8_rows`: x and each pair's SwiGLU output quantized per row in groups of b1, both GEMMs on fp8 x fp8 = a
     loop over the pairs in fp32 on the same quantized values (1e-5 of the largest output), and within a few percent
@@ -206,7 +206,7 @@ def test_fp8_rows_equal_the_loop_over_quantized_rows(block, hidden, inter, T):
 @cpu_only
 def test_fp8_rows_in_the_grouped_form_equal_the_loop_over_quantized_rows():
     """The async form with `fp8_rows`: grouped rows (empty experts, padding rows) against the same loop per row."""
-    block, hidden, inter = ROW_SHAPES[1]
+    block, hidden, inter, _ = ROW_SHAPES[1]
     sizes = [3, 0, 5, 1, 0, 2]
     q = fp8_experts(len(sizes), hidden, inter, block, seed=4)
     n = sum(sizes)
