@@ -180,3 +180,39 @@ def test_a_profile_calibrates_from_a_served_results_file(tmp_path, capsys):
     for bad, why in ((str(results), "needs a run of `none` R=1"), (str(tmp_path / "missing.json"), "not a readable")):
         code, err = main_exit(capsys, "profile", "--calibrate-from", bad, "--profile", str(base), "-o", str(out))
         assert code == 2 and len(err.strip().splitlines()) == 1 and why in err, err
+
+
+def test_a_profile_on_one_gpu_measures_async_alone_and_names_what_it_assumed(monkeypatch):
+    """p2p's exchange needs a GPU per rank: on one GPU `afd profile` measures async's round trip only, and takes it
+    for p2p's under `machine.assumed` (it once started p2p's two NCCL ranks on one device and failed). The parts
+    come from stand-ins here; on two GPUs both connectors are asked for."""
+    import afd.planning.measure as measure
+
+    asked: list[tuple[str, ...]] = []
+    rows = [(b * 1e6, b * 1e9, 1e-4 + b * 1e-6) for b in (1.0, 8.0, 64.0, 512.0)]
+    step = {
+        "decode": [{"batch": b, "context": c, "graph_ms": 5.0 + b / 100 + c / 1000, "eager_ms": 9.0}
+                   for b in (1, 8, 64) for c in (512, 2048)],
+        "prefill": [{"batch": b, "context": c, "tokens": b * c, "ms": 2.0 + b * c / 500}
+                    for b, c in ((1, 512), (8, 1024))],
+    }  # fmt: skip
+
+    def exchange(**kwargs):
+        asked.append(kwargs["connectors"])
+        slower = {"p2p": 10.0, "async": 0.0}  # µs more per round trip
+        return {"rows": [{"connector": c, "bytes": t * 4096, "p50_us": 20 + slower[c] + t / 10}
+                         for c in kwargs["connectors"] for t in kwargs["tokens"]]}  # fmt: skip
+
+    monkeypatch.setattr(measure, "_expert_rows", lambda *args: (rows, rows))
+    monkeypatch.setattr(measure, "run_bench_step", lambda **kwargs: step)
+    monkeypatch.setattr(measure, "run_bench_exchange", exchange)
+    monkeypatch.setattr(measure, "device_name", lambda device: "1x a test GPU")
+    monkeypatch.setattr(measure.torch.cuda, "get_device_properties", lambda i: type("P", (), {"total_memory": 80e9}))
+    for gpus, connectors in ((1, ("async",)), (2, ("p2p", "async"))):
+        monkeypatch.setattr(measure.torch.cuda, "device_count", lambda gpus=gpus: gpus)
+        p = measure.measure_profile("deepseek-v2-lite", "bfloat16", "cuda", calibrate=False, say=lambda m: None)
+        assert asked[-1] == connectors
+        if gpus == 1:
+            assert p.parts["exchange_p2p"] == p.parts["exchange_async"] and "exchange_p2p" in p.machine["assumed"]
+        else:
+            assert "assumed" not in p.machine and p.parts["exchange_p2p"] != p.parts["exchange_async"]
