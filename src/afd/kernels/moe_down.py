@@ -80,13 +80,15 @@ def _down_kernel(
             k_mask = k0 + k < inter
             a = load_2d(a_tile + k0 * stride_ak, r_mask, k_mask, False, EVEN_K)  # [BM, BK]
             w = load_2d(w_tile + k0 * stride_wk, n_mask, k_mask, EVEN_N, EVEN_K)  # [BN, BK]
-            if X_SCALED:  # fp8 on both sides of the MMA (see moe_gate_up)
+            if HAS_SCALE:  # see moe_gate_up: one scale per weight row in this K step
                 sw = tl.load(s_row + (k0 // SCALE_K) * stride_sk, mask=n_mask, other=0.0)  # [BN] fp32
-                sa = tl.load(act_scale_ptr + rows * stride_asm + (k0 // SCALE_K) * stride_ask, mask=r_mask, other=0.0)
-                acc += tl.dot(w, tl.trans(a)) * sw[:, None] * sa[None, :]
-            elif HAS_SCALE:  # see moe_gate_up: exact conversion, one scale per weight row in this K step
-                sw = tl.load(s_row + (k0 // SCALE_K) * stride_sk, mask=n_mask, other=0.0)  # [BN] fp32
-                acc += tl.dot(w.to(a.dtype), tl.trans(a), input_precision=PRECISION) * sw[:, None]
+                if X_SCALED:  # fp8 on both sides of the MMA, times the act rows' scales too
+                    sa = tl.load(
+                        act_scale_ptr + rows * stride_asm + (k0 // SCALE_K) * stride_ask, mask=r_mask, other=0.0
+                    )
+                    acc += tl.dot(w, tl.trans(a)) * sw[:, None] * sa[None, :]
+                else:  # exact conversion
+                    acc += tl.dot(w.to(a.dtype), tl.trans(a), input_precision=PRECISION) * sw[:, None]
             else:
                 acc = tl.dot(w, tl.trans(a), acc, input_precision=PRECISION)  # [BN, BM]
         if HAS_DEST:

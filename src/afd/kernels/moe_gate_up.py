@@ -96,21 +96,19 @@ def _gate_up_kernel(
             wg = load_2d(w_gate + k0 * stride_wk, n_mask, k_mask, EVEN_N, EVEN_K)  # [BN, BK]
             wu = load_2d(w_up + k0 * stride_wk, n_mask, k_mask, EVEN_N, EVEN_K)  # [BN, BK]
             xt_t = tl.trans(xt)  # [BK, BM]
-            if X_SCALED:  # fp8 on both sides of the MMA; the weight rows' and the x rows' scales of this K block
+            if HAS_SCALE:  # one scale per weight row in this K step
                 s_k = (k0 // SCALE_K) * stride_sk
                 sg = tl.load(s_gate + s_k, mask=n_mask, other=0.0)  # [BN] fp32
                 su = tl.load(s_up + s_k, mask=n_mask, other=0.0)
-                sx = tl.load(x_scale_ptr + src * stride_xsm + (k0 // SCALE_K) * stride_xsk, mask=r_mask, other=0.0)
-                acc_gate += tl.dot(wg, xt_t) * sg[:, None] * sx[None, :]  # [BN, BM] fp32
-                acc_up += tl.dot(wu, xt_t) * su[:, None] * sx[None, :]
-            elif HAS_SCALE:  # one scale per weight row in this K step; the fp8 -> x dtype conversion is exact
-                s_k = (k0 // SCALE_K) * stride_sk
-                sg = tl.load(s_gate + s_k, mask=n_mask, other=0.0)  # [BN] fp32
-                su = tl.load(s_up + s_k, mask=n_mask, other=0.0)
-                part_gate = tl.dot(wg.to(xt.dtype), xt_t, input_precision=PRECISION)  # [BN, BM] fp32
-                part_up = tl.dot(wu.to(xt.dtype), xt_t, input_precision=PRECISION)
-                acc_gate += part_gate * sg[:, None]
-                acc_up += part_up * su[:, None]
+                if X_SCALED:  # fp8 on both sides of the MMA, times the x rows' scales of this K block too
+                    sx = tl.load(x_scale_ptr + src * stride_xsm + (k0 // SCALE_K) * stride_xsk, mask=r_mask, other=0.0)
+                    acc_gate += tl.dot(wg, xt_t) * sg[:, None] * sx[None, :]  # [BN, BM] fp32
+                    acc_up += tl.dot(wu, xt_t) * su[:, None] * sx[None, :]
+                else:  # the fp8 -> x dtype conversion is exact
+                    part_gate = tl.dot(wg.to(xt.dtype), xt_t, input_precision=PRECISION)  # [BN, BM] fp32
+                    part_up = tl.dot(wu.to(xt.dtype), xt_t, input_precision=PRECISION)
+                    acc_gate += part_gate * sg[:, None]
+                    acc_up += part_up * su[:, None]
             else:
                 acc_gate = tl.dot(wg, xt_t, acc_gate, input_precision=PRECISION)  # [BN, BM]
                 acc_up = tl.dot(wu, xt_t, acc_up, input_precision=PRECISION)
