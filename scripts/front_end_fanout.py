@@ -8,7 +8,8 @@ computes nothing (every running request gets one token per step, each step lasti
 as the client (`afd.bench.serve_client.bench_url`, every request at once). With `--step-ms 0` the replica steps as
 fast as the front end takes its tokens, so the run's output tokens/s is the front end's fan-out rate, and its
 inter-token latency what one step of `--streams` streams costs it. Any CPU; compare trees by PYTHONPATH.
-`--profile-front FILE`: the front end's process under cProfile (read it with `python -m pstats FILE`).
+`--profile-front FILE`: the front end's process under cProfile (read it with `python -m pstats FILE`);
+`--profile-client FILE` the client's.
 """
 
 from __future__ import annotations
@@ -128,6 +129,7 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=0.0)
     parser.add_argument("--json")
     parser.add_argument("--profile-front", metavar="FILE", help="cProfile the front end's process into FILE (pstats)")
+    parser.add_argument("--profile-client", metavar="FILE", help="cProfile this process (the client) into FILE")
     args = parser.parse_args()
 
     from afd.bench.serve_client import bench_url
@@ -142,9 +144,18 @@ def main() -> None:
     replica.start()
     port = out.get(timeout=60)
     workload = Workload("uniform", requests=args.streams, long_len=8, short_len=8, max_tokens=args.max_tokens)
+    client = None
+    if args.profile_client:  # the client's own cost per event: is it the client or the front end that keeps up?
+        import cProfile
+
+        client = cProfile.Profile()
+        client.enable()
     try:
         (run,) = bench_url(f"http://127.0.0.1:{port}", workload, [float("inf")], vocab_size=VOCAB)
     finally:
+        if client is not None:
+            client.disable()
+            client.dump_stats(args.profile_client)
         stop_w.send(b"x")
         front.join(30)
         replica.join(30)

@@ -32,6 +32,9 @@
 #                        .whl/old.tar, PAIRS times (default 3), runs NAME_now_i / NAME_old_i (default NAME: capacity);
 #                        ARGS: the workload (default the mixed one, $CAPACITY_REQUESTS requests, default 512), e.g.
 #                        `capacity-ab 1 trace --trace $PWD/docs/bench/traces/prefill_heavy.jsonl`
+#   fanout-ab [PAIRS] [ARGS]  the front end's fan-out (scripts/front_end_fanout.py --streams 1024 --max-tokens 64
+#                        --step-ms 20, no GPU) on this tree and on the older one of .whl/old.tar, alternated PAIRS
+#                        times (default 3), into $OUT/fanout.jsonl (a "tree" key: now / old)
 #   startup [RUNS]       seconds from `afd serve` (`none` R=1, GPU 0) to a healthy /health, RUNS times (default 2) after
 #                        one start that fills Triton's cache
 #   kernels              the MLA decode launch sweep, and the step's numerics against eager PyTorch ops
@@ -43,8 +46,8 @@ cd "$(dirname "$0")/.."
 source scripts/device_env.sh
 SUB=${1:-}; shift || true
 case $SUB in
-  step|step-fp8|moe-fp8|linear-fp8|exchange|stress|offline|timeline|serve|front|front-ab|capacity-ab|startup|kernels|cross-replica|profile) ;;
-  *) echo "usage: bash scripts/gpu_bench.sh step|step-fp8|moe-fp8|linear-fp8|exchange|stress|offline|timeline|serve|front|front-ab|capacity-ab|startup|kernels|cross-replica|profile [ARGS...]" >&2
+  step|step-fp8|moe-fp8|linear-fp8|exchange|stress|offline|timeline|serve|front|front-ab|capacity-ab|fanout-ab|startup|kernels|cross-replica|profile) ;;
+  *) echo "usage: bash scripts/gpu_bench.sh step|step-fp8|moe-fp8|linear-fp8|exchange|stress|offline|timeline|serve|front|front-ab|capacity-ab|fanout-ab|startup|kernels|cross-replica|profile [ARGS...]" >&2
     exit 2 ;;
 esac
 log_run "bench_${SUB:-none}"
@@ -98,6 +101,15 @@ case $SUB in
     export CUDA_VISIBLE_DEVICES=0
     name=${2:-capacity}
     capacity_ab "${1:-3}" "${name}_now" "${name}_old" "${@:3}" ;;
+  fanout-ab)
+    mkdir -p /tmp/old_tree && tar -xf .whl/old.tar -C /tmp/old_tree
+    for ((i = 1; i <= ${1:-3}; i++)); do
+      for tree in now old; do
+        src=src; [[ $tree == old ]] && src=/tmp/old_tree/src
+        PYTHONPATH=$src:/tmp/site timeout 120 python3 scripts/front_end_fanout.py --streams 1024 --max-tokens 64 \
+          --step-ms 20 "${@:2}" 2>>"$B/fanout.err" | sed "s/^{/{\"tree\": \"$tree\", /" | tee -a "$OUT/fanout.jsonl"
+      done
+    done ;;
   startup)
     export CUDA_VISIBLE_DEVICES=0 AFD_LOG_DIR=$B/logs
     serve_start cache_fill
