@@ -1,8 +1,9 @@
-"""The decode MoE's routed experts alone, bf16 weights against block-scaled FP8 ones, on one GPU: per T, one CUDA
-graph of `--layers` MoE layers of distinct weights (so nothing stays in L2), replayed; ms per layer and the touched
-weights' bytes per second. Rows: bf16 (afd's Triton kernels), fp8 (the same kernels on FP8 weights, scales applied
-in the kernel), fp8-rows (the activations quantized per row in groups of 128 too: fp8 on both sides of the MMA),
-fp8-dequant (FP8 weights dequantized per call, then the bf16 path: what runs without the kernels).
+"""The MoE's routed experts alone, bf16 weights against block-scaled FP8 ones, on one GPU: per T, one CUDA graph of
+`--layers` MoE layers of distinct weights (so nothing stays in L2), replayed; ms per layer and the touched weights'
+bytes per second. Rows: bf16 (afd's Triton kernels at every T, past the engine's `FUSED_MOE_MAX_PAIRS` too), fp8 (the
+same kernels on FP8 weights with fp8 rows: x and the SwiGLU output quantized per row in groups of `--block`, fp8 x fp8
+MMAs, what the engine runs at every T), fp8-dequant (FP8 weights dequantized per call, then the bf16 path: what runs
+without the kernels).
 
     PYTHONPATH=src python3 scripts/gpu_moe_fp8.py [--tokens 1,8,64,256] [--layers 26] [--block 128] [--sweep]
 
@@ -72,11 +73,11 @@ def report(row: str, T: int, ms: float, weight_bytes: float, **extra) -> None:
     print(json.dumps({"row": row, "T": T, "ms_per_layer": round(ms, 4), "GBps": round(gbps), **extra}), flush=True)
 
 
-def fp8_step(configs=None, fp8_rows=False):
+def fp8_step(configs=None):
     def step(i, x, ids, weights):
         q = layers8[i]
         scales = ExpertScales(q.w13_scale_inv, q.w2_scale_inv, q.block)
-        return fused_routed_experts(x, ids, weights, q.w13, q.w2, 0, scales=scales, configs=configs, fp8_rows=fp8_rows)
+        return fused_routed_experts(x, ids, weights, q.w13, q.w2, 0, scales=scales, configs=configs)
 
     return step
 
@@ -91,7 +92,6 @@ scale_bytes = 1 + 4 / (block[0] * block[1])  # one byte per weight plus its shar
 for T in [int(t) for t in args.tokens.split(",")]:
     report("bf16", T, timed(lambda i, x, ids, w: fused_routed_experts(x, ids, w, *layers16[i], 0), T), 2)
     report("fp8", T, timed(fp8_step(), T), scale_bytes)
-    report("fp8-rows", T, timed(fp8_step(fp8_rows=True), T), scale_bytes)
     dq = timed(lambda i, x, ids, w: routed_experts(x, ids, w, *layers8[i].dequantized(torch.bfloat16), 0), T)
     report("fp8-dequant", T, dq, scale_bytes)
     if args.sweep:  # the table's row bucket for this T (what the kernels pick), other tile shapes around it

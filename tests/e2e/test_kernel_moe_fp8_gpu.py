@@ -1,6 +1,13 @@
-"""The GPU half of tests/unit/test_kernel_moe_fp8.py: block-scaled FP8 experts with bf16 activations at V2-Lite
-shapes, the FFN layer with FP8 experts against the same layer on the dequantized bf16 weights, CUDA graphs, host
-syncs. Skipped without CUDA (the interpreter cannot check bf16: see the unit test's docstring)."""
+"""The GPU half of tests/unit/test_kernel_moe_fp8.py: block-scaled FP8 experts (fp8 rows, fp8 x fp8 MMAs) with bf16
+activations at V2-Lite shapes, decode and prefill sizes, the FFN layer with FP8 experts against the same layer on the
+dequantized bf16 weights, CUDA graphs, host syncs. Skipped without CUDA (the interpreter cannot check bf16: see the
+unit test's docstring).
+
+Tolerances (relative L2 norm; measured on an H200, 2026-12-02): the kernels against the eager loop over the same
+quantized values (`helpers.kernels_moe_fp8.fp8_rows_routed_reference`) 1e-2 (measured 1.0-5.7e-3: fp32 summation
+order and the odd activation that rounds to the neighbouring fp8 value); against unquantized bf16/fp32 rows 6e-2
+(measured 3.8-4.4e-2 at these random weights, 1.8e-2 for a whole V2-Lite FFN layer with its shared experts): what
+quantizing the activations to e4m3 in 1 x b1 groups costs."""
 
 from __future__ import annotations
 
@@ -12,7 +19,7 @@ import torch
 pytest.importorskip("triton")
 
 from helpers.kernels_moe import _routing  # noqa: E402
-from helpers.kernels_moe_fp8 import fp8_experts  # noqa: E402
+from helpers.kernels_moe_fp8 import fp8_experts, fp8_rows_grouped_reference, fp8_rows_routed_reference  # noqa: E402
 
 import afd.kernels.fused_moe as kmoe  # noqa: E402
 import afd.model.moe as moe  # noqa: E402
@@ -21,6 +28,7 @@ from afd.model.fp8 import FP8Experts  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 V2_LITE = {"E": 64, "H": 2048, "I": 1408, "K": 6}
+SAME_VALUES, FP8_ROWS = 1e-2, 6e-2
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -34,14 +42,15 @@ def _scales(q: FP8Experts) -> kmoe.ExpertScales:
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("block", [(128, 128), (16, 16)], ids=["128x128", "16x16"])
+@pytest.mark.parametrize("block", [(128, 128), (32, 32)], ids=["128x128", "32x32"])
 def test_gpu_fp8_routed_experts_bf16_v2_lite(block):
-    """V2-Lite shapes, bf16 rows, FP8 experts: relative error to the fp32 loop on the dequantized weights <= 5e-3
-    (the kernel's products are exact e4m3 x bf16; it rounds only act to bf16), within 1e-2 of the bf16 kernel on
-    the weights dequantized to bf16; two runs give the same bits; `fp8_routed_experts` dispatches to it."""
+    """V2-Lite shapes, bf16 rows, FP8 experts, decode and prefill sizes (T*K up to 24576 pairs, past
+    `FUSED_MOE_MAX_PAIRS`): within `SAME_VALUES` of the loop over the quantized rows, within `FP8_ROWS` of the fp32
+    loop on unquantized rows and of the bf16 kernel on the weights dequantized to bf16; two runs give the same bits;
+    `fp8_routed_experts` dispatches to it at every size."""
     c = V2_LITE
     q = fp8_experts(c["E"], c["H"], c["I"], block, device="cuda")
-    for T in (1, 8, 64, 256):
+    for T in (1, 8, 64, 256, 1024, 4096):
         x = torch.randn(T, c["H"], device="cuda", dtype=torch.bfloat16)
         r = _routing(T, c["E"], c["K"], device="cuda", seed=T)
         for start, stop in ((0, c["E"]), (16, 48)):
@@ -49,64 +58,40 @@ def test_gpu_fp8_routed_experts_bf16_v2_lite(block):
             args = (x, r.topk_ids, r.topk_weights, s.w13, s.w2, start)
             got = kmoe.fused_routed_experts(*args, scales=_scales(s))
             assert torch.equal(got, kmoe.fused_routed_experts(*args, scales=_scales(s))), f"T={T}: runs differ"
+            ref = fp8_rows_routed_reference(x, r.topk_ids, r.topk_weights, s, start)
+            assert _rel(got, ref) <= SAME_VALUES, f"T={T} [{start}, {stop}): vs the loop {_rel(got, ref):.2e}"
             w13, w2 = s.dequantized(torch.float32)
             oracle = moe.routed_experts(x.float(), r.topk_ids, r.topk_weights, w13, w2, start, fixed_shape=False)
-            assert _rel(got, oracle) <= 5e-3, f"T={T} [{start}, {stop}): vs fp32 {_rel(got, oracle):.2e}"
+            assert _rel(got, oracle) <= FP8_ROWS, f"T={T} [{start}, {stop}): vs fp32 {_rel(got, oracle):.2e}"
             b13, b2 = s.dequantized(torch.bfloat16)
             bf16 = kmoe.fused_routed_experts(x, r.topk_ids, r.topk_weights, b13, b2, start)
-            assert _rel(got, bf16) <= 1e-2, f"T={T} [{start}, {stop}): vs bf16 kernel {_rel(got, bf16):.2e}"
+            assert _rel(got, bf16) <= FP8_ROWS, f"T={T} [{start}, {stop}): vs bf16 kernel {_rel(got, bf16):.2e}"
             dispatched = moe.fp8_routed_experts(x, r.topk_ids, r.topk_weights, s, start, fixed_shape=True)
-            assert torch.equal(dispatched, got), "fp8_routed_experts did not take the kernel"
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.timeout(300)
-def test_gpu_fp8_rows_v2_lite_stay_close_to_bf16_rows_and_capture():
-    """`fp8_rows` at V2-Lite shapes (128 x 128 blocks, bf16 rows quantized in groups of 128): within 5e-2 of the
-    fp32 loop on the dequantized weights and bf16 rows (the activations' own quantization), two runs the same bits,
-    and a CUDA graph replay the same bits as eager."""
-    c = V2_LITE
-    q = fp8_experts(c["E"], c["H"], c["I"], (128, 128), device="cuda")
-    w13, w2 = q.dequantized(torch.float32)
-    for T in (1, 8, 64, 256):
-        x = torch.randn(T, c["H"], device="cuda", dtype=torch.bfloat16)
-        r = _routing(T, c["E"], c["K"], device="cuda", seed=T)
-
-        def run(x=x, r=r):
-            return kmoe.fused_routed_experts(x, r.topk_ids, r.topk_weights, q.w13, q.w2, 0, scales=_scales(q),
-                                             fp8_rows=True)  # fmt: skip
-
-        got = run()
-        assert torch.equal(got, run()), f"T={T}: runs differ"
-        oracle = moe.routed_experts(x.float(), r.topk_ids, r.topk_weights, w13, w2, 0, fixed_shape=False)
-        assert _rel(got, oracle) <= 5e-2, f"T={T}: vs fp32 {_rel(got, oracle):.2e}"
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_out = run()
-        graph.replay()
-        assert torch.equal(static_out, got), f"T={T}: the replay differs"
+            assert torch.equal(dispatched, got), f"T={T}: fp8_routed_experts did not take the kernel"
 
 
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.timeout(300)
 def test_gpu_fp8_grouped_expert_mlp_bf16_v2_lite():
-    """The async form: 32 local FP8 experts, uneven groups incl. an empty one, padding rows; within 1e-2 of the
-    fp32 loop on the dequantized weights; `fp8_grouped_expert_mlp_offsets` dispatches to it."""
+    """The async form: 32 local FP8 experts, uneven groups incl. an empty one, padding rows, up to past
+    `FUSED_MOE_MAX_PAIRS` rows; within `SAME_VALUES` of the loop over the quantized rows and `FP8_ROWS` of the fp32
+    loop on unquantized rows; `fp8_grouped_expert_mlp_offsets` dispatches to it."""
     c = V2_LITE
     q = fp8_experts(32, c["H"], c["I"], (128, 128), device="cuda")
     w13, w2 = q.dequantized(torch.float32)
     g = torch.Generator().manual_seed(0)
-    for total in (6, 48, 384):
+    for total in (6, 48, 384, 3000):
         sizes = torch.multinomial(torch.ones(32), total, replacement=True, generator=g).bincount(minlength=32)
         sizes[3] = 0
         n = int(sizes.sum())
         x = torch.randn(n + 5, c["H"], device="cuda", dtype=torch.bfloat16)
         offs = sizes.cumsum(0).to(torch.int32).cuda()
         got = kmoe.fused_grouped_expert_mlp(x, offs, q.w13, q.w2, scales=_scales(q))
-        ref = moe.grouped_expert_mlp(x[:n].float(), sizes.tolist(), w13, w2, use_grouped_mm=False)
-        assert _rel(got[:n], ref) <= 1e-2, f"{n} rows: relative error {_rel(got[:n], ref):.2e}"
+        ref = fp8_rows_grouped_reference(x, sizes.tolist(), q)
+        assert _rel(got[:n], ref) <= SAME_VALUES, f"{n} rows: vs the loop {_rel(got[:n], ref):.2e}"
+        oracle = moe.grouped_expert_mlp(x[:n].float(), sizes.tolist(), w13, w2, use_grouped_mm=False)
+        assert _rel(got[:n], oracle) <= FP8_ROWS, f"{n} rows: vs fp32 {_rel(got[:n], oracle):.2e}"
         assert torch.equal(moe.fp8_grouped_expert_mlp_offsets(x, offs, q)[:n], got[:n])
 
 
@@ -114,11 +99,12 @@ def test_gpu_fp8_grouped_expert_mlp_bf16_v2_lite():
 @needs_cuda
 @pytest.mark.timeout(300)
 def test_gpu_fp8_moe_replays_from_a_cuda_graph_and_never_syncs():
-    """Captured per T, replayed with new rows and routing copied in: the same bits as eager; an eager call makes
-    no host synchronisation."""
+    """Captured per T (decode and prefill sizes), replayed with new rows and routing copied in, padding rows routed
+    to no expert (id -1, as the expert-pass graphs pad): the same bits as eager; an eager call makes no host
+    synchronisation."""
     c = V2_LITE
     q = fp8_experts(c["E"], c["H"], c["I"], (128, 128), device="cuda").shard(8, 56)
-    for T in (1, 8, 64, 256):
+    for T in (1, 8, 64, 256, 1024, 4096):
         x = torch.randn(T, c["H"], device="cuda", dtype=torch.bfloat16)
         r = _routing(T, c["E"], c["K"], device="cuda", seed=1)
         ids, weights = r.topk_ids.clone(), r.topk_weights.clone()
@@ -139,8 +125,14 @@ def test_gpu_fp8_moe_replays_from_a_cuda_graph_and_never_syncs():
             x.copy_(torch.randn(T, c["H"], device="cuda", dtype=torch.bfloat16))
             ids.copy_(r.topk_ids)
             weights.copy_(r.topk_weights)
+            if seed == 3:  # the last quarter of the rows: padding (zeros, weight 0, expert -1)
+                x[T - T // 4 :].zero_()
+                ids[T - T // 4 :] = -1
+                weights[T - T // 4 :] = 0.0
             graph.replay()
             assert torch.equal(static_out, run()), f"T={T} seed={seed}"
+            if seed == 3 and T >= 4:
+                assert torch.equal(static_out[T - T // 4 :], torch.zeros_like(static_out[T - T // 4 :]))
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("warn")
         try:
@@ -158,24 +150,24 @@ def test_gpu_fp8_moe_replays_from_a_cuda_graph_and_never_syncs():
 @pytest.mark.timeout(600)
 def test_gpu_fp8_ffn_layer_matches_the_dequantized_bf16_layer():
     """DeepSeek-V2-Lite with `quantization="fp8"` in bf16: one MoE layer's FFN output (routed experts in the FP8
-    kernels, shared experts dequantized per call) against the same layer with every FP8 weight dequantized to bf16
-    first (`eager_ops`: the dequantize + `torch._grouped_mm` path), relative error <= 1e-2 for decode sizes; the
-    grouped (async) form too."""
+    kernels with fp8 rows, shared experts in the FP8 linear kernel) against the same layer with every FP8 weight
+    dequantized to bf16 first (`eager_ops`: the dequantize + `torch._grouped_mm` path), relative error <=
+    `FP8_ROWS` for decode and prefill sizes; the grouped (async) form too."""
     from afd.model.weights import load_ffn_model
 
     ffn = load_ffn_model("deepseek-v2-lite", dtype="bfloat16", device="cuda", quantization="fp8")
     config = ffn.config
     layer = next(i for i in range(config.num_hidden_layers) if config.is_moe_layer(i))
     assert ffn._layer(layer).experts.fp8() is not None
-    for T in (1, 8, 64, 256):
+    for T in (1, 8, 64, 256, 1024, 4096):
         x = torch.randn(T, config.hidden_size, device="cuda", dtype=torch.bfloat16) * 0.5
         r = _routing(T, config.n_routed_experts, config.num_experts_per_tok, device="cuda", seed=T)
         got = ffn(layer, x, r)
         with eager_ops():
             ref = ffn(layer, x, r)
-        assert _rel(got, ref) <= 1e-2, f"T={T}: fp8 layer vs dequantized bf16 layer {_rel(got, ref):.2e}"
+        assert _rel(got, ref) <= FP8_ROWS, f"T={T}: fp8 layer vs dequantized bf16 layer {_rel(got, ref):.2e}"
         sizes = [T] + [0] * (ffn.num_local_experts - 1)
         grouped = ffn.experts(layer, x, sizes)
         with eager_ops():
             grouped_ref = ffn.experts(layer, x, sizes)
-        assert _rel(grouped, grouped_ref) <= 1e-2, f"T={T}: grouped form {_rel(grouped, grouped_ref):.2e}"
+        assert _rel(grouped, grouped_ref) <= FP8_ROWS, f"T={T}: grouped form {_rel(grouped, grouped_ref):.2e}"

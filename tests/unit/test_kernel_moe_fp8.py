@@ -1,10 +1,13 @@
-"""Block-scaled FP8 experts in the decode MoE kernels (afd.kernels.fused_moe with `scales`) against the eager code
-on the dequantized weights (afd.model.fp8.FP8Experts.dequantized, then afd.model.moe), and the MoE's choice of them.
+"""Block-scaled FP8 experts in the decode MoE kernels (afd.kernels.fused_moe with `scales`: fp8 rows, fp8 x fp8 MMAs)
+against an eager loop over the same quantized values (helpers.kernels_moe_fp8: rows and SwiGLU outputs quantized per
+row in groups of b1, weights dequantized), and the MoE's choice of them (any batch size).
 
-CPU: Triton's interpreter. The weights really are float8_e4m3fn there (the fp8 loads, the conversion and every
-block-scale index run as on the GPU), but the activations are fp32: this Triton's interpreter computes bf16 `tl.dot`
-wrongly (garbage, checked by hand), so bf16 activations are covered only on CUDA (tests/e2e/test_kernel_moe_fp8_gpu.py,
-V2-Lite shapes, CUDA graphs). Blocks 16 x 16, 128 x 128 and a ragged (24, 32); each block's magnitude differs
+CPU: Triton's interpreter. Weights and rows really are float8_e4m3fn there (the fp8 loads, the MMAs and every
+block-scale index run as on the GPU), the activations around them fp32: this Triton's interpreter computes bf16
+`tl.dot` wrongly (garbage, checked by hand), so bf16 activations are covered only on CUDA
+(tests/e2e/test_kernel_moe_fp8_gpu.py, V2-Lite shapes, CUDA graphs); it also takes fp8 dots of a K step under 32,
+which the GPU's compiler refuses, so only b1 multiples of 32 are tested. Blocks (16, 32), 128 x 128 and a ragged
+(24, 32), on sizes that split into row groups evenly and raggedly; each weight block's magnitude differs
 (`helpers.kernels_moe_fp8`), so a scale read from the wrong block fails the 1e-5 bound.
 """
 
@@ -22,20 +25,30 @@ import pytest  # noqa: E402
 pytest.importorskip("triton")
 
 from helpers.kernels_moe import _routing  # noqa: E402
-from helpers.kernels_moe_fp8 import fp8_experts  # noqa: E402
+from helpers.kernels_moe_fp8 import (  # noqa: E402
+    dequantized_rows,
+    fp8_experts,
+    fp8_rows_grouped_reference,
+    fp8_rows_routed_reference,
+)
 
 import afd.kernels.fused_moe as kmoe  # noqa: E402
 import afd.model.moe as moe  # noqa: E402
-from afd.kernels.moe_tiles import TileConfig, fp8_block_supported, scaled_block_k  # noqa: E402
+from afd.kernels.moe_down import expert_down  # noqa: E402
+from afd.kernels.moe_gate_up import expert_gate_up  # noqa: E402
+from afd.kernels.moe_tiles import TileConfig, fp8_block_supported, quantize_row_groups, scaled_block_k  # noqa: E402
 from afd.model.fp8 import FP8Experts  # noqa: E402
 from afd.model.weights import load_ffn_model  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 cpu_only = pytest.mark.skipif(not INTERPRET, reason="interpreter test (runs where there is no GPU)")
 
-E, H, INTER = 8, 160, 144  # two 128-wide scale blocks along H and I, the second partial; ragged against 16 too
-BLOCKS = [(16, 16), (128, 128), (24, 32)]
-SMALL_TILES = (TileConfig(16, 16, 32), TileConfig(16, 32, 16))  # several chunks, N tiles and K steps per block
+E = 8
+# (block, H, I): 160 and 144 are two 128-wide blocks, the second partial, and 144 is ragged against 32 too; the
+# release's block on sizes it divides
+SHAPES = [((16, 32), 160, 144), ((128, 128), 160, 144), ((24, 32), 160, 144), ((128, 128), 256, 128)]
+SHAPE_IDS = ["16x32", "128x128-ragged", "24x32", "128x128"]
+SMALL_TILES = (TileConfig(16, 16, 32), TileConfig(16, 32, 32))  # several chunks, N tiles and K steps per block
 
 
 def _scales(q: FP8Experts) -> kmoe.ExpertScales:
@@ -47,52 +60,64 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @cpu_only
-@pytest.mark.parametrize("block", BLOCKS, ids=lambda b: f"{b[0]}x{b[1]}")
+@pytest.mark.parametrize(("block", "hidden", "inter"), SHAPES, ids=SHAPE_IDS)
 # one token on all experts, 17 on a shard: each value of each once beside every block (the interpreter is slow)
 @pytest.mark.parametrize(("T", "expert_range"), [(1, (0, 8)), (17, (3, 6))], ids=["T1-all", "T17-shard"])
 @pytest.mark.parametrize("tiles", [None, SMALL_TILES], ids=["table", "small_tiles"])
-def test_fp8_fused_routed_experts_equal_the_dequantized_loop(block, T, expert_range, tiles):
-    """FP8 weights with their scales in the four launches = the exact loop on the dequantized fp32 weights within
-    1e-5 (relative to the largest output), on all experts and on a shard, with the table's tiles and small ones."""
+def test_fp8_fused_routed_experts_equal_the_loop_over_quantized_rows(block, hidden, inter, T, expert_range, tiles):
+    """FP8 weights with their scales in the four launches (rows and SwiGLU outputs quantized per row in groups of b1,
+    fp8 x fp8) = the eager loop on the same quantized values within 1e-5 (relative to the largest output), on all
+    experts and on a shard, with the table's tiles and small ones; within 10% of the loop on unquantized rows (what
+    quantizing the activations costs)."""
     start, stop = expert_range
-    q = fp8_experts(E, H, INTER, block, seed=T).shard(start, stop)
-    x = torch.randn(T, H, generator=torch.Generator().manual_seed(T))
+    q = fp8_experts(E, hidden, inter, block, seed=T).shard(start, stop)
+    x = torch.randn(T, hidden, generator=torch.Generator().manual_seed(T))
     r = _routing(T, E, 2, seed=T)
-    ref = moe.routed_experts(x, r.topk_ids, r.topk_weights, *q.dequantized(torch.float32), start, fixed_shape=False)
+    ref = fp8_rows_routed_reference(x, r.topk_ids, r.topk_weights, q, start)
     got = kmoe.fused_routed_experts(x, r.topk_ids, r.topk_weights, q.w13, q.w2, start, configs=tiles, scales=_scales(q))
-    assert got.dtype == torch.float32 and got.shape == (T, H)
+    assert got.dtype == torch.float32 and got.shape == (T, hidden)
     assert _rel(got, ref) <= 1e-5, f"relative error {_rel(got, ref):.2e}"
+    w13, w2 = q.dequantized(torch.float32)
+    plain = moe.routed_experts(x, r.topk_ids, r.topk_weights, w13, w2, start, fixed_shape=False)
+    assert 0 < _rel(got, plain) <= 0.1, f"against unquantized rows {_rel(got, plain):.2e}"
 
 
 @cpu_only
-@pytest.mark.parametrize("block", BLOCKS, ids=lambda b: f"{b[0]}x{b[1]}")
-def test_fp8_fused_grouped_expert_mlp_equals_the_dequantized_loop(block):
+@pytest.mark.parametrize(("block", "hidden", "inter"), SHAPES[:3], ids=SHAPE_IDS[:3])
+def test_fp8_fused_grouped_expert_mlp_equals_the_loop_over_quantized_rows(block, hidden, inter):
     """The async form (rows grouped, device offsets, unweighted), empty experts and padding rows included."""
     sizes = [3, 0, 5, 1, 0, 2]
-    q = fp8_experts(len(sizes), H, INTER, block, seed=2)
+    q = fp8_experts(len(sizes), hidden, inter, block, seed=2)
     n = sum(sizes)
-    x = torch.randn(n + 3, H, generator=torch.Generator().manual_seed(n))
+    x = torch.randn(n + 3, hidden, generator=torch.Generator().manual_seed(n))
     offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
-    ref = moe.grouped_expert_mlp(x[:n], sizes, *q.dequantized(torch.float32), use_grouped_mm=False)
+    ref = fp8_rows_grouped_reference(x, sizes, q)
     got = kmoe.fused_grouped_expert_mlp(x, offs, q.w13, q.w2, scales=_scales(q))
     assert got.dtype == x.dtype and got.shape == x.shape
-    assert _rel(got[:n], ref) <= 1e-5
+    assert _rel(got[:n], ref) <= 1e-5, f"relative error {_rel(got[:n], ref):.2e}"
 
 
 def test_fp8_reduction_step_stays_inside_a_scale_block():
-    """The K step is the largest power of two up to the table's that divides b1; b1 not a multiple of 16 is refused."""
+    """The K step is the largest power of two up to the table's that divides b1, at least 16 for 16/32-bit rows (the
+    FP8 linear) and 32 for fp8 rows (the MoE); b1 not a multiple of that is refused."""
     assert [scaled_block_k(128, b) for b in (128, 256, 16, 48, 96, 64)] == [128, 128, 16, 16, 32, 64]
+    assert [scaled_block_k(k, b, 32) for k, b in ((128, 96), (128, 64), (16, 128), (64, 32))] == [32, 64, 32, 32]
     assert fp8_block_supported((128, 128)) and fp8_block_supported((1, 16)) and fp8_block_supported((24, 32))
     assert not fp8_block_supported((128, 24)) and not fp8_block_supported((16, 8))
+    assert fp8_block_supported((128, 128), 32) and fp8_block_supported((24, 32), 32)
+    assert not fp8_block_supported((16, 16), 32) and not fp8_block_supported((128, 48), 32)
     with pytest.raises(ValueError, match="multiple of 16"):
         scaled_block_k(128, 24)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        scaled_block_k(128, 16, 32)
 
 
 @cpu_only
-def test_fp8_weights_without_fitting_scales_are_refused():
-    """FP8 weights need their scales, of the shape the block size gives, and both weights FP8."""
-    q = fp8_experts(4, H, INTER, (128, 128))
-    x = torch.randn(3, H)
+def test_fp8_weights_without_fitting_scales_or_fp8_rows_are_refused():
+    """FP8 weights need their scales, of the shape the block size gives, both weights FP8, and (the kernels
+    themselves) fp8 rows with their scales; fp8 rows need FP8 weights."""
+    q = fp8_experts(4, 160, 144, (128, 128))
+    x = torch.randn(3, 160)
     r = _routing(3, 4, 2)
     args = (x, r.topk_ids, r.topk_weights, q.w13, q.w2)
     with pytest.raises(ValueError, match="needs its block scales"):
@@ -100,17 +125,55 @@ def test_fp8_weights_without_fitting_scales_are_refused():
     bad = kmoe.ExpertScales(q.w13_scale_inv[:, :1], q.w2_scale_inv, q.block)
     with pytest.raises(ValueError, match="do not fit"):
         kmoe.fused_routed_experts(*args, scales=bad)
-    with pytest.raises(ValueError, match="not supported"):
-        kmoe.fused_routed_experts(*args, scales=kmoe.ExpertScales(q.w13_scale_inv, q.w2_scale_inv, (128, 24)))
+    for block in ((128, 24), (128, 16)):  # b1 not a multiple of 32
+        with pytest.raises(ValueError, match="not supported.*multiple of 32"):
+            kmoe.fused_routed_experts(*args, scales=kmoe.ExpertScales(q.w13_scale_inv, q.w2_scale_inv, block))
     with pytest.raises(ValueError, match="does not fit"):
         kmoe.fused_routed_experts(x, r.topk_ids, r.topk_weights, q.w13, q.w2.float(), scales=_scales(q))
+    w13, w2 = q.dequantized(torch.float32)
+    with pytest.raises(ValueError, match="fp8 rows need fp8 weights"):  # scales beside 16/32-bit weights
+        kmoe.fused_routed_experts(x, r.topk_ids, r.topk_weights, w13, w2, scales=_scales(q))
+
+    offs = torch.tensor([1, 2, 3, 3], dtype=torch.int32)
+    scale = {"scale": q.w13_scale_inv, "block": q.block}
+    with pytest.raises(ValueError, match="fp8 weights need fp8 rows"):  # 16/32-bit rows into FP8 weights
+        expert_gate_up(x, offs, q.w13, **scale)
+    rows, x_scale = quantize_row_groups(x, 128)
+    with pytest.raises(ValueError, match="do not fit groups of 128"):
+        expert_gate_up(rows, offs, q.w13, x_scale=x_scale[:, :1], **scale)
+    with pytest.raises(ValueError, match="fp8 rows need fp8 weights"):
+        expert_gate_up(rows, offs, w13, x_scale=x_scale)
+    act = torch.randn(3, 144)
+    with pytest.raises(ValueError, match="fp8 weights need fp8 rows"):
+        expert_down(act, offs, q.w2, scale=q.w2_scale_inv, block=q.block)
+    act_fp8, act_scale = quantize_row_groups(act, 128)
+    with pytest.raises(ValueError, match="fp8 rows need fp8 weights"):
+        expert_down(act_fp8, offs, w2, act_scale=act_scale)
+
+
+def test_quantize_row_groups_scales_each_group_the_last_one_partial():
+    """Per row and group of `group` columns (the last one partial when it does not divide the width): scale =
+    amax / 448 (1 for an all-zero group), the largest value at +-448 exactly, every value within e4m3's rounding."""
+    x = torch.randn(3, 40, generator=torch.Generator().manual_seed(0))
+    x[1, 16:32] = 0.0
+    q, scale = quantize_row_groups(x, 16)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (3, 40) and scale.shape == (3, 3)
+    groups = [x[:, 0:16], x[:, 16:32], x[:, 32:40]]
+    amax = torch.stack([g.abs().amax(dim=1) for g in groups], dim=1)  # [3, 3]
+    want = torch.where(amax > 0, amax / 448, torch.ones_like(amax))
+    torch.testing.assert_close(scale, want, rtol=0, atol=0)
+    assert torch.equal(q.float().abs().amax(dim=1), torch.full((3,), 448.0))
+    back = dequantized_rows(x, 16)
+    bound = (scale * 16).repeat_interleave(16, dim=1)[:, :40]  # half e4m3's largest step (32, in [256, 448])
+    assert ((back - x).abs() <= bound).all()
+    assert torch.equal(back[1, 16:32], torch.zeros(16))
 
 
 def test_fp8_moe_off_the_kernels_is_the_dequantized_path():
     """Where the kernels do not run (CPU here), the fp8 entry points are the 16/32-bit ones on the dequantized
     weights, bit for bit."""
-    q = fp8_experts(E, H, INTER, (16, 16)).shard(2, 7)
-    x = torch.randn(5, H)
+    q = fp8_experts(E, 160, 144, (16, 32)).shard(2, 7)
+    x = torch.randn(5, 160)
     r = _routing(5, E, 3, seed=1)
     w13, w2 = q.dequantized(torch.float32)
     got = moe.fp8_routed_experts(x, r.topk_ids, r.topk_weights, q, 2)
@@ -119,113 +182,85 @@ def test_fp8_moe_off_the_kernels_is_the_dequantized_path():
     assert torch.equal(moe.fp8_grouped_expert_mlp(x, sizes, q), moe.grouped_expert_mlp(x, sizes, w13, w2))
 
 
+class _Calls:
+    """Spies on the fused kernels' entry points: which ran, with FP8 scales or not."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.seen: list[str] = []
+        real_routed, real_grouped = kmoe.fused_routed_experts, kmoe.fused_grouped_expert_mlp
+
+        def routed(*args, scales=None, **kw):
+            self.seen.append("routed" if scales is not None else "routed-16bit")
+            return real_routed(*args, scales=scales, **kw)
+
+        def grouped(*args, scales=None, **kw):
+            self.seen.append("grouped" if scales is not None else "grouped-16bit")
+            return real_grouped(*args, scales=scales, **kw)
+
+        monkeypatch.setattr(kmoe, "fused_routed_experts", routed)
+        monkeypatch.setattr(kmoe, "fused_grouped_expert_mlp", grouped)
+
+
 @cpu_only
 def test_fp8_ffn_model_takes_the_kernels_where_they_run(monkeypatch):
-    """An FFN model with FP8 experts (`quantization="fp8"`) hands the FP8 weights and scales to the kernels in all
-    three forms (p2p top-k, async grouped, device offsets) where `_fused_moe_enabled` says so (forced on here; on
-    CUDA it is the device and the batch size), within 1e-5 of the dequantized path; a block size the kernels do not
-    take falls back to it."""
+    """An FFN model with FP8 experts (`quantization="fp8"`, the tiny preset: H 64 and I 32 in one partial 128 group)
+    hands the FP8 weights and scales to the kernels in all three forms (p2p top-k, async grouped, device offsets)
+    where `_moe_kernels_run` says so (forced on here; on CUDA it is the device, dtype and `afd.kernels.enabled`), each
+    within 1e-5 of the loop over quantized rows; a block size the kernels do not take falls back to the dequantized
+    weights (in the 16-bit kernels at this size)."""
     ffn = load_ffn_model("tiny", quantization="fp8")
     layer = next(i for i in range(ffn.config.num_hidden_layers) if ffn.config.is_moe_layer(i))
+    q = ffn._layer(layer).experts.fp8()
     x = torch.randn(6, ffn.config.hidden_size, generator=torch.Generator().manual_seed(0))
     r = _routing(6, ffn.config.n_routed_experts, ffn.config.num_experts_per_tok, seed=3)
     sizes = [1, 0, 2, 0, 3] + [0] * (ffn.num_local_experts - 5)
     offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
-    ref = (ffn(layer, x, r), ffn.experts(layer, x, sizes), ffn.experts_offsets(layer, x, offs))
 
-    calls: list[str] = []
-    real_routed, real_grouped = kmoe.fused_routed_experts, kmoe.fused_grouped_expert_mlp
-
-    def routed(*args, scales=None, **kw):
-        calls.append("routed" if scales is not None else "routed-16bit")
-        return real_routed(*args, scales=scales, **kw)
-
-    def grouped(*args, scales=None, **kw):
-        calls.append("grouped" if scales is not None else "grouped-16bit")
-        return real_grouped(*args, scales=scales, **kw)
-
-    monkeypatch.setattr(moe, "_fused_moe_enabled", lambda x, n: True)
+    calls = _Calls(monkeypatch)
+    monkeypatch.setattr(moe, "_moe_kernels_run", lambda x: True)
     monkeypatch.setattr(moe, "_grouped_mm_supported", lambda device, dtype: True)
-    monkeypatch.setattr(kmoe, "fused_routed_experts", routed)
-    monkeypatch.setattr(kmoe, "fused_grouped_expert_mlp", grouped)
-    got = (ffn(layer, x, r), ffn.experts(layer, x, sizes), ffn.experts_offsets(layer, x, offs))
-    assert calls == ["routed", "grouped", "grouped"]
+    got = (ffn.experts_topk(layer, x, r), ffn.experts(layer, x, sizes), ffn.experts_offsets(layer, x, offs))
+    assert calls.seen == ["routed", "grouped", "grouped"]
     n = sum(sizes)
-    torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got[1], ref[1], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got[2][:n], ref[2][:n], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        got[0], fp8_rows_routed_reference(x, r.topk_ids, r.topk_weights, q), rtol=1e-5, atol=1e-5
+    )
+    grouped_ref = fp8_rows_grouped_reference(x, sizes, q)
+    torch.testing.assert_close(got[1], grouped_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[2][:n], grouped_ref, rtol=1e-5, atol=1e-5)
 
-    odd = fp8_experts(4, ffn.config.hidden_size, 40, (16, 24))  # b1 = 24: the kernels refuse it
-    w13, w2 = odd.dequantized(torch.float32)
-    calls.clear()
-    got = moe.fp8_routed_experts(x, r.topk_ids, r.topk_weights, odd, 0, fixed_shape=True)
-    assert calls == ["routed-16bit"]  # the 16/32-bit kernels, on the dequantized weights
-    torch.testing.assert_close(got, moe.routed_experts(x, r.topk_ids, r.topk_weights, w13, w2, 0), rtol=1e-5, atol=1e-5)
-
-
-def _dequantize_rows(x: torch.Tensor, group: int) -> torch.Tensor:
-    """What fp8 rows stand for: `quantize_row_groups`, then each value times its group's scale (fp32)."""
-    from afd.kernels.moe_tiles import quantize_row_groups
-
-    q, scale = quantize_row_groups(x, group)
-    return q.float() * scale.repeat_interleave(group, dim=1)
-
-
-def _expert_on_fp8_rows(w13: torch.Tensor, w2: torch.Tensor, row: torch.Tensor, group: int) -> torch.Tensor:
-    """One expert on one already quantized row, its SwiGLU output quantized as the kernels do (fp32)."""
-    gate, up = (w13 @ row).split(w2.shape[1])
-    return w2 @ _dequantize_rows((torch.nn.functional.silu(gate) * up)[None], group)[0]
-
-
-# (block, H, I, T): b1 divides H and I; several tokens where the interpreter is quick, one on the release's blocks
-ROW_SHAPES = [((16, 16), 160, 144, 9), ((32, 32), 128, 96, 5), ((128, 128), 256, 128, 1)]
+    for block in ((16, 24), (16, 16)):  # b1 not a multiple of 32: the kernels refuse it with fp8 rows
+        odd = fp8_experts(4, ffn.config.hidden_size, 48, block)
+        w13, w2 = odd.dequantized(torch.float32)
+        calls.seen.clear()
+        got = moe.fp8_routed_experts(x, r.topk_ids, r.topk_weights, odd, 0, fixed_shape=True)
+        assert calls.seen == ["routed-16bit"]  # the 16/32-bit kernels, on the dequantized weights
+        want = moe.routed_experts(x, r.topk_ids, r.topk_weights, w13, w2, 0)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @cpu_only
-@pytest.mark.parametrize(("block", "hidden", "inter", "T"), ROW_SHAPES, ids=["16x16", "32x32", "128x128"])
-def test_fp8_rows_equal_the_loop_over_quantized_rows(block, hidden, inter, T):
-    """`fp8_rows`: x and each pair's SwiGLU output quantized per row in groups of b1, both GEMMs on fp8 x fp8 = a
-    loop over the pairs in fp32 on the same quantized values (1e-5 of the largest output), and within a few percent
-    of the bf16-rows path (the cost of quantizing the activations)."""
-    q = fp8_experts(E, hidden, inter, block, seed=T)
-    x = torch.randn(T, hidden, generator=torch.Generator().manual_seed(T))
-    r = _routing(T, E, 2, seed=T)
-    w13, w2 = q.dequantized(torch.float32)
-    ref = torch.zeros(T, hidden)
-    xs = _dequantize_rows(x, block[1])
-    for t in range(T):
-        for k in range(2):
-            e = int(r.topk_ids[t, k])
-            ref[t] += r.topk_weights[t, k] * _expert_on_fp8_rows(w13[e], w2[e], xs[t], block[1])
-    got = kmoe.fused_routed_experts(x, r.topk_ids, r.topk_weights, q.w13, q.w2, 0, scales=_scales(q), fp8_rows=True)
-    assert got.shape == (T, hidden) and _rel(got, ref) <= 1e-5, f"relative error {_rel(got, ref):.2e}"
-    plain = kmoe.fused_routed_experts(x, r.topk_ids, r.topk_weights, q.w13, q.w2, 0, scales=_scales(q))
-    assert _rel(got, plain) <= 0.1
+def test_fp8_experts_take_the_kernels_above_the_decode_size(monkeypatch):
+    """Past `FUSED_MOE_MAX_PAIRS` (token, k) pairs or grouped rows, where 16-bit experts leave the kernels for
+    `torch._grouped_mm`, FP8 experts stay in them (prefill: dequantizing per call cost ~6 ms a V2-Lite layer on an
+    H200), in all three forms, within 1e-5 of the loop over quantized rows."""
+    monkeypatch.setattr(moe, "_moe_kernels_run", lambda x: True)
+    monkeypatch.setattr(moe, "_grouped_mm_supported", lambda device, dtype: True)
+    num_tokens, top_k = moe.FUSED_MOE_MAX_PAIRS // 8 + 1, 8  # 2056 pairs (few tokens: the interpreter is slow)
+    x = torch.randn(num_tokens, 32, generator=torch.Generator().manual_seed(5))
+    assert moe._fused_moe_enabled(x, moe.FUSED_MOE_MAX_PAIRS) and not moe._fused_moe_enabled(x, num_tokens * top_k)
+    q = fp8_experts(12, 32, 32, (16, 32), seed=5)
+    r = _routing(num_tokens, 12, top_k, seed=5)
+    calls = _Calls(monkeypatch)
+    got = moe.fp8_routed_experts(x, r.topk_ids, r.topk_weights, q, 0, fixed_shape=True)
+    ref = fp8_rows_routed_reference(x, r.topk_ids, r.topk_weights, q)
+    assert calls.seen == ["routed"] and _rel(got, ref) <= 1e-5, f"relative error {_rel(got, ref):.2e}"
 
-
-@cpu_only
-def test_fp8_rows_in_the_grouped_form_equal_the_loop_over_quantized_rows():
-    """The async form with `fp8_rows`: grouped rows (empty experts, padding rows) against the same loop per row."""
-    block, hidden, inter, _ = ROW_SHAPES[1]
-    sizes = [3, 0, 5, 1, 0, 2]
-    q = fp8_experts(len(sizes), hidden, inter, block, seed=4)
-    n = sum(sizes)
-    x = torch.randn(n + 3, hidden, generator=torch.Generator().manual_seed(n))
-    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
-    w13, w2 = q.dequantized(torch.float32)
-    xs = _dequantize_rows(x[:n], block[1])
-    experts = [e for e, size in enumerate(sizes) for _ in range(size)]
-    ref = torch.stack([_expert_on_fp8_rows(w13[e], w2[e], xs[r], block[1]) for r, e in enumerate(experts)])
-    got = kmoe.fused_grouped_expert_mlp(x, offs, q.w13, q.w2, scales=_scales(q), fp8_rows=True)
-    assert got.dtype == x.dtype and _rel(got[:n], ref) <= 1e-5, f"relative error {_rel(got[:n], ref):.2e}"
-
-
-def test_fp8_rows_are_refused_where_they_cannot_be_grouped():
-    from afd.kernels.moe_tiles import quantize_row_groups
-
-    with pytest.raises(ValueError, match="groups of 128"):
-        quantize_row_groups(torch.randn(2, 160), 128)
-    x = torch.randn(2, 32)
-    with pytest.raises(ValueError, match="need FP8 experts"):
-        kmoe.fused_routed_experts(x, torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1), torch.randn(1, 8, 32),
-                                  torch.randn(1, 32, 4), fp8_rows=True)  # fmt: skip
+    sizes = [700, 0, 900, 500] + [0] * 8  # 2100 grouped rows
+    rows = torch.randn(sum(sizes), 32, generator=torch.Generator().manual_seed(6))
+    calls.seen.clear()
+    grouped = moe.fp8_grouped_expert_mlp(rows, sizes, q)
+    offsets = moe.fp8_grouped_expert_mlp_offsets(rows, torch.tensor(sizes).cumsum(0).to(torch.int32), q)
+    assert calls.seen == ["grouped", "grouped"]
+    ref = fp8_rows_grouped_reference(rows, sizes, q)
+    assert _rel(grouped, ref) <= 1e-5 and torch.equal(offsets, grouped)

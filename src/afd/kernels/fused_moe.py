@@ -13,9 +13,12 @@ reading the weights, not by the matmuls, and `torch._grouped_mm` streams them at
 The eager PyTorch code in `afd.model.moe` stays the CPU path and the oracle of the tests (`test_kernel_moe.py`).
 Tile shapes come from the fixed table in `moe_tiles`.
 
-Block-scaled FP8 experts (DeepSeek-V3's format: `w13`/`w2` float8_e4m3fn, one fp32 scale per `(b0, b1)` block, passed
-as `w13_scale`/`w2_scale`/`block`) take the same four launches: the GEMMs read the fp8 bytes and apply the scales
-in registers (`moe_gate_up`), half the bytes of bf16 weights and nothing dequantized in memory.
+Block-scaled FP8 experts (DeepSeek-V3's format: `w13`/`w2` float8_e4m3fn, one fp32 scale per `(b0, b1)` block,
+passed as `ExpertScales`) take the same four launches with fp8 rows: x, and each pair's SwiGLU output before the
+down projection, quantized per row in groups of `b1` (`moe_tiles.quantize_row_groups`, DeepSeek-V3's 1 x 128
+activations), so both GEMMs are fp8 x fp8 MMAs with both scales applied in registers: half the weight bytes of
+bf16, no weight tile converted, nothing dequantized in memory. On one H200 that beats converting each weight tile
+to bf16 rows at every batch size measured (1 to 4096 tokens; docs/fp8.md), so it is the only FP8 form.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from afd.kernels.moe_combine import combine_pairs
 from afd.kernels.moe_down import expert_down
 from afd.kernels.moe_gate_up import check_gate_up, expert_gate_up
 from afd.kernels.moe_sort import PAIR_BLOCK, pair_tile, sort_pairs
-from afd.kernels.moe_tiles import TileConfig, quantize_row_groups, rows_per_expert_hint, tile_bucket
+from afd.kernels.moe_tiles import DTYPES, TileConfig, quantize_row_groups, rows_per_expert_hint, tile_bucket
 
 
 def routed_compile_key(num_tokens: int, top_k: int, num_local_experts: int) -> tuple:
@@ -54,20 +57,29 @@ def warm_up_token_counts(top_k: int, num_local_experts: int, max_tokens: int) ->
 @dataclass(frozen=True)
 class ExpertScales:
     """fp32 block scales of FP8 experts: `w13 [E, 2 * ceil(I/b0), ceil(H/b1)]` (gate's rows, then up's), `w2 [E,
-    ceil(H/b0), ceil(I/b1)]`, `block = (b0, b1)` (b1 a multiple of 16: `moe_tiles.fp8_block_supported`)."""
+    ceil(H/b0), ceil(I/b1)]`, `block = (b0, b1)` (b1 a multiple of 32, an fp8 MMA's smallest K step:
+    `moe_tiles.FP8_MIN_BLOCK_K`)."""
 
     w13: torch.Tensor
     w2: torch.Tensor
     block: tuple[int, int]
 
 
+def _fp8_rows(x: torch.Tensor, scales: ExpertScales | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What the gate/up GEMM reads of rows `x [N, H]`: x itself for 16/32-bit experts (no scales); with FP8 experts'
+    `scales`, x quantized per row in groups of the block's width and its scales [N, ceil(H/b1)]."""
+    if x.dtype not in DTYPES:
+        raise ValueError(f"rows {x.dtype}: need one dtype of {DTYPES}")
+    return (x, None) if scales is None else quantize_row_groups(x, scales.block[1])
+
+
 def _check_experts(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None
+    rows: torch.Tensor, x_scale: torch.Tensor | None, w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None
 ) -> tuple[int, int, int]:
-    """(E, H, I) of stacked experts `w13 [E, 2I, H]`, `w2 [E, H, I]`, checked against rows `x [., H]`: both in x's
-    dtype, or both float8_e4m3fn with `scales`."""
-    block = scales.block if scales is not None else None
-    num_experts, hidden, inter = check_gate_up(x, w13, scales.w13 if scales else None, block)
+    """(E, H, I) of stacked experts `w13 [E, 2I, H]`, `w2 [E, H, I]`, checked against the rows `_fp8_rows` gave: both
+    in the rows' dtype, or both float8_e4m3fn with `scales`."""
+    scale, block = (scales.w13, scales.block) if scales is not None else (None, None)
+    num_experts, hidden, inter = check_gate_up(rows, w13, scale, block, x_scale)
     if w2.dtype != w13.dtype or tuple(w2.shape) != (num_experts, hidden, inter):
         raise ValueError(f"w2 {tuple(w2.shape)} {w2.dtype} does not fit w13 {tuple(w13.shape)} {w13.dtype}")
     return num_experts, hidden, inter
@@ -80,12 +92,12 @@ def _scale_args(scales: ExpertScales | None) -> tuple[dict, dict]:
     return {"scale": scales.w13, "block": scales.block}, {"scale": scales.w2, "block": scales.block}
 
 
-def _as_fp8_rows(rows: torch.Tensor, scales: ExpertScales | None, kwargs: dict, key: str) -> torch.Tensor:
-    """`rows` quantized per row in groups of the weight block's width (`quantize_row_groups`), their scales put
-    in the next launch's keyword arguments under `key`."""
+def _down_rows(act: torch.Tensor, scales: ExpertScales | None, down_kwargs: dict) -> torch.Tensor:
+    """What the down GEMM reads of the SwiGLU output `act [N, I]`: act itself, or (FP8 experts) act quantized per
+    row in groups of the block's width, its scales put in `down_kwargs` as `act_scale`."""
     if scales is None:
-        raise ValueError("fp8 rows need FP8 experts (their block scales)")
-    q, kwargs[key] = quantize_row_groups(rows, scales.block[1])
+        return act
+    q, down_kwargs["act_scale"] = quantize_row_groups(act, scales.block[1])
     return q
 
 
@@ -97,20 +109,20 @@ def fused_grouped_expert_mlp(
     *,
     configs: tuple[TileConfig, TileConfig] | None = None,
     scales: ExpertScales | None = None,
-    fp8_rows: bool = False,
 ) -> torch.Tensor:
     """`afd.model.moe.grouped_expert_mlp_offsets` in two launches: x [N, H] grouped by `offs` [E] int32 (device
-    cumulative ends), w13 [E, 2I, H], w2 [E, H, I] (x's dtype, or FP8 with `scales`) -> [N, H] in x.dtype,
-    unweighted; rows at and past `offs[-1]` are not written (undefined), as there. `fp8_rows`: as in
-    `fused_routed_experts`."""
-    num_experts, _, _ = _check_experts(x, w13, w2, scales)
+    cumulative ends), w13 [E, 2I, H], w2 [E, H, I] (x's dtype, or FP8 with `scales`: fp8 rows, as in
+    `fused_routed_experts`) -> [N, H] in x.dtype, unweighted; rows at and past `offs[-1]` are not written
+    (undefined), as there."""
+    rows, x_scale = _fp8_rows(x, scales)  # [N, H], [N, ceil(H/b1)] (FP8 only)
+    num_experts, _, _ = _check_experts(rows, x_scale, w13, w2, scales)
     hint = rows_per_expert_hint(x.shape[0], 1, num_experts)
     up_cfg, down_cfg = configs or (None, None)
     up_scale, down_scale = _scale_args(scales)
-    rows = _as_fp8_rows(x, scales, up_scale, "x_scale") if fp8_rows else x
-    act = expert_gate_up(rows, offs, w13, rows_hint=hint, config=up_cfg, out_dtype=x.dtype, **up_scale)  # [N, I]
-    if fp8_rows:
-        act = _as_fp8_rows(act, scales, down_scale, "act_scale")
+    act = expert_gate_up(  # [N, I]
+        rows, offs, w13, rows_hint=hint, config=up_cfg, x_scale=x_scale, out_dtype=x.dtype, **up_scale
+    )
+    act = _down_rows(act, scales, down_scale)
     out = torch.empty_like(x)  # [N, H]
     return expert_down(act, offs, w2, out=out, rows_hint=hint, config=down_cfg, **down_scale)
 
@@ -125,18 +137,17 @@ def fused_routed_experts(
     *,
     configs: tuple[TileConfig, TileConfig] | None = None,
     scales: ExpertScales | None = None,
-    fp8_rows: bool = False,
 ) -> torch.Tensor:
     """`afd.model.moe.routed_experts` in four launches: x [T, H] -> fp32 [T, H], the sum over the (t, k) pairs whose
     expert is one of the stacked `[expert_start, expert_start + E)` of `topk_weights[t, k] * expert(x[t])`.
 
     topk_ids: [T, K] int; topk_weights: [T, K] fp32; w13: [E, 2I, H]; w2: [E, H, I] (x's dtype, or FP8 with
     `scales`). No host sync and shapes that depend only on (T, K): capturable in a CUDA graph; no atomics: the same
-    bits every run. `fp8_rows` (FP8 experts only): x and the SwiGLU output are quantized per row in groups of the
-    weight block's width (`quantize_row_groups`, DeepSeek-V3's 1 x 128 activations), so both GEMMs take fp8 on both
-    sides of the MMA instead of converting each weight tile.
+    bits every run. FP8 experts take fp8 rows: x and each pair's SwiGLU output quantized per row in groups of the
+    block's width `b1` (`quantize_row_groups`), both GEMMs fp8 x fp8.
     """
-    num_experts, hidden, inter = _check_experts(x, w13, w2, scales)
+    rows, x_scale = _fp8_rows(x, scales)  # [T, H], [T, ceil(H/b1)] (FP8 only)
+    num_experts, hidden, _ = _check_experts(rows, x_scale, w13, w2, scales)
     num_tokens, top_k = topk_ids.shape
     out = torch.empty(num_tokens, hidden, dtype=torch.float32, device=x.device)  # [T, H]
     if num_tokens == 0:
@@ -147,12 +158,18 @@ def fused_routed_experts(
     hint = rows_per_expert_hint(num_tokens, top_k, num_experts)
     up_cfg, down_cfg = configs or (None, None)
     up_scale, down_scale = _scale_args(scales)
-    rows = _as_fp8_rows(x, scales, up_scale, "x_scale") if fp8_rows else x
     act = expert_gate_up(  # [P, I]
-        rows, offs, w13, token_idx=token_idx, rows_hint=hint, config=up_cfg, out_dtype=x.dtype, **up_scale
+        rows,
+        offs,
+        w13,
+        token_idx=token_idx,
+        rows_hint=hint,
+        config=up_cfg,
+        x_scale=x_scale,
+        out_dtype=x.dtype,
+        **up_scale,
     )
-    if fp8_rows:
-        act = _as_fp8_rows(act, scales, down_scale, "act_scale")
+    act = _down_rows(act, scales, down_scale)  # [P, I], fp8 for FP8 experts
     by_pair = torch.empty(num_tokens * top_k, hidden, dtype=torch.float32, device=x.device)  # [P, H]
     weights = topk_weights.reshape(-1).float().contiguous()  # [P]
     expert_down(

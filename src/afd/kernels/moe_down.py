@@ -2,7 +2,7 @@
 
 Grid (expert, tile of H): `y = act @ w2[e].T` in fp32, optionally times a per-destination weight and stored to
 a per-row destination index, so the result lands in (t, k) pair order. Same "swap AB" tiling as `moe_gate_up`,
-and the same in-kernel handling of block-scaled FP8 weights (`HAS_SCALE`).
+and the same fp8 x fp8 MMAs for block-scaled FP8 weights with fp8 rows (`HAS_SCALE`).
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ import triton.language as tl
 
 from afd.kernels.moe_tiles import (
     FP8_DTYPE,
+    FP8_MIN_BLOCK_K,
     TileConfig,
-    check_fp8_rows,
     check_fp8_weight,
+    check_rows,
     dot_precision,
     down_config,
     fit_dtype,
@@ -27,14 +28,14 @@ from afd.kernels.moe_tiles import (
 
 @triton.jit
 def _down_kernel(
-    act_ptr,  # [N, I] grouped rows
+    act_ptr,  # [N, I] grouped rows, fp8 when HAS_SCALE
     offs_ptr,  # [E] int32 cumulative group ends
     w_ptr,  # [E, H, I]
     out_ptr,  # [P, H] out (row dest[r], or r without HAS_DEST)
     dest_ptr,  # [N] int destination row of each grouped row
     weight_ptr,  # [P] fp32 weight of each destination row
     scale_ptr,  # [E, ceil(H/SCALE_N), ceil(I/SCALE_K)] fp32 (HAS_SCALE)
-    act_scale_ptr,  # [N, I/SCALE_K] fp32 (X_SCALED): act's rows are fp8, one scale per row and K block
+    act_scale_ptr,  # [N, ceil(I/SCALE_K)] fp32 (HAS_SCALE): one scale per row of act and K block
     hidden,
     inter,
     stride_am,
@@ -60,7 +61,6 @@ def _down_kernel(
     HAS_SCALE: tl.constexpr,
     SCALE_N: tl.constexpr,
     SCALE_K: tl.constexpr,
-    X_SCALED: tl.constexpr,
 ):
     e = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -80,15 +80,11 @@ def _down_kernel(
             k_mask = k0 + k < inter
             a = load_2d(a_tile + k0 * stride_ak, r_mask, k_mask, False, EVEN_K)  # [BM, BK]
             w = load_2d(w_tile + k0 * stride_wk, n_mask, k_mask, EVEN_N, EVEN_K)  # [BN, BK]
-            if HAS_SCALE:  # see moe_gate_up: one scale per weight row in this K step
-                sw = tl.load(s_row + (k0 // SCALE_K) * stride_sk, mask=n_mask, other=0.0)  # [BN] fp32
-                if X_SCALED:  # fp8 on both sides of the MMA, times the act rows' scales too
-                    sa = tl.load(
-                        act_scale_ptr + rows * stride_asm + (k0 // SCALE_K) * stride_ask, mask=r_mask, other=0.0
-                    )
-                    acc += tl.dot(w, tl.trans(a)) * sw[:, None] * sa[None, :]
-                else:  # exact conversion
-                    acc += tl.dot(w.to(a.dtype), tl.trans(a), input_precision=PRECISION) * sw[:, None]
+            if HAS_SCALE:  # as in moe_gate_up: fp8 x fp8, one scale per weight row and one per act row
+                s_k = k0 // SCALE_K
+                sw = tl.load(s_row + s_k * stride_sk, mask=n_mask, other=0.0)  # [BN] fp32
+                sa = tl.load(act_scale_ptr + rows * stride_asm + s_k * stride_ask, mask=r_mask, other=0.0)  # [BM]
+                acc += tl.dot(w, tl.trans(a)) * sw[:, None] * sa[None, :]  # [BN, BM] fp32
             else:
                 acc = tl.dot(w, tl.trans(a), acc, input_precision=PRECISION)  # [BN, BM]
         if HAS_DEST:
@@ -120,28 +116,27 @@ def expert_down(
     act: [N, I] grouped as `offs` [E] int32 says; w2: [E, H, I]; dest_idx: [N] int (None: `dest[r] = r`);
     weights: [P] fp32 indexed by destination (None: no weighting); out: [P, H] (default a new [N, H] fp32).
     Accumulates in fp32 and stores in out's dtype. Only destinations of rows in a group are written.
-    FP8 `w2` (float8_e4m3fn): `w2[e, i, j]` means `w2[e, i, j] * scale[e, i // b0, j // b1]`, `block = (b0, b1)`.
-    FP8 rows too (`act` float8_e4m3fn with `act_scale [N, I/b1]`, FP8 `w2` only): `act[r, j] * act_scale[r, j // b1]`.
+    FP8 `w2` (float8_e4m3fn): `w2[e, i, j]` means `w2[e, i, j] * scale[e, i // b0, j // b1]`, `block = (b0, b1)`,
+    and takes fp8 rows: `act` float8_e4m3fn with fp32 `act_scale [N, ceil(I/b1)]`, `act[r, j] * act_scale[r, j // b1]`.
     """
     num_experts, hidden, inter = w2.shape
-    if act_scale is not None:
-        check_fp8_rows(act, act_scale, w2, block)
-    elif w2.dtype not in (act.dtype, FP8_DTYPE) or act.shape[-1] != inter:
+    if act.shape[-1] != inter:
         raise ValueError(f"act {tuple(act.shape)} {act.dtype} does not fit w2 {tuple(w2.shape)} {w2.dtype}")
     has_scale = w2.dtype == FP8_DTYPE
     if has_scale:
-        check_fp8_weight(w2, scale, block, -(-hidden // block[0]) if block else 0)
+        check_fp8_weight(w2, scale, block, -(-hidden // block[0]) if block else 0, FP8_MIN_BLOCK_K)
+    check_rows(act, act_scale, w2, block)
     if out is None:
         out = torch.empty(act.shape[0], hidden, dtype=torch.float32, device=act.device)  # [N, H]
     if act.shape[0] == 0 or num_experts == 0:
         return out
     if weights is not None and weights.dtype != torch.float32:
         raise ValueError(f"weights must be float32, got {weights.dtype}")
-    dtype = torch.bfloat16 if act_scale is not None else act.dtype  # fp8 tiles fit bf16's table
+    dtype = torch.bfloat16 if has_scale else act.dtype  # fp8 tiles fit bf16's table
     cfg = config or fit_dtype(down_config(rows_hint or rows_per_expert_hint(act.shape[0], 1, num_experts)), dtype)
-    block_k = scaled_block_k(cfg.block_k, block[1]) if has_scale else cfg.block_k
+    block_k = scaled_block_k(cfg.block_k, block[1], FP8_MIN_BLOCK_K) if has_scale else cfg.block_k
     scale_n, scale_k = block if has_scale else (1, 1)
-    s = scale if has_scale else offs  # unused without HAS_SCALE
+    s, act_s = (scale, act_scale) if has_scale else (offs, offs)  # unused without HAS_SCALE
     s_strides = (s.stride(0), s.stride(1), s.stride(2)) if has_scale else (0, 0, 0)
     grid = (num_experts, triton.cdiv(hidden, cfg.block_n))
     _down_kernel[grid](
@@ -152,7 +147,7 @@ def expert_down(
         dest_idx if dest_idx is not None else offs,  # unused without HAS_DEST
         weights if weights is not None else out,  # unused without HAS_WEIGHT
         s,
-        act_scale if act_scale is not None else offs,  # unused without X_SCALED
+        act_s,
         hidden,
         inter,
         act.stride(0),
@@ -163,7 +158,7 @@ def expert_down(
         out.stride(0),
         out.stride(1),
         *s_strides,
-        *(act_scale.stride() if act_scale is not None else (0, 0)),
+        *(act_s.stride() if has_scale else (0, 0)),
         HAS_DEST=dest_idx is not None,
         HAS_WEIGHT=weights is not None,
         BLOCK_M=cfg.block_m,
@@ -175,7 +170,6 @@ def expert_down(
         HAS_SCALE=has_scale,
         SCALE_N=scale_n,
         SCALE_K=scale_k,
-        X_SCALED=act_scale is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -6,10 +6,10 @@ rows of the same I columns of `w13[e]` (once per chunk; one chunk at decode) and
 `act = silu(x @ w_gate.T) * (x @ w_up.T)`. The weight tile is the MMA's M side and the rows its N side
 ("swap AB"), so 1..16 rows still fill a tensor-core tile. fp32 accumulation.
 
-FP8 weights (`HAS_SCALE`): `w13` float8_e4m3fn with fp32 block scales (gate's scale rows, then up's). Each K step
-converts the fp8 tile to the rows' dtype (exact: every e4m3 value is a bf16/fp16/fp32 value), takes the MMA, and
-adds it times the weight rows' scales of that K block (`moe_tiles.scaled_block_k` keeps a step inside one scale
-block), so only fp8 bytes leave memory and no dequantized weight is ever written.
+FP8 (`HAS_SCALE`): `w13` float8_e4m3fn with fp32 block scales (gate's scale rows, then up's) and the rows fp8 too,
+one fp32 scale per row and K block (`moe_tiles.quantize_row_groups`). Each K step (`moe_tiles.scaled_block_k` keeps
+it inside one scale block) takes an fp8 x fp8 MMA and adds it times the weight rows' and the rows' scales, so only
+fp8 bytes leave memory, no tile is converted and no dequantized weight is ever written.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import triton
 import triton.language as tl
 
 from afd.kernels.moe_tiles import (
-    DTYPES,
     FP8_DTYPE,
+    FP8_MIN_BLOCK_K,
     TileConfig,
-    check_fp8_rows,
     check_fp8_weight,
+    check_rows,
     dot_precision,
     fit_dtype,
     gate_up_config,
@@ -35,13 +35,13 @@ from afd.kernels.moe_tiles import (
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr,  # [T, H] rows (gathered through token_ptr when HAS_TOKEN_IDX)
+    x_ptr,  # [T, H] rows (gathered through token_ptr when HAS_TOKEN_IDX), fp8 when HAS_SCALE
     token_ptr,  # [N] int row of x for each grouped row
     offs_ptr,  # [E] int32 cumulative group ends
     w_ptr,  # [E, 2I, H] gate rows then up rows
     act_ptr,  # [N, I] out
     scale_ptr,  # [E, 2 * ceil(I/SCALE_N), ceil(H/SCALE_K)] fp32 (HAS_SCALE): gate's rows from 0, up's from up_scale_row
-    x_scale_ptr,  # [T, H/SCALE_K] fp32 (X_SCALED): x's rows are fp8, one scale per row and K block
+    x_scale_ptr,  # [T, ceil(H/SCALE_K)] fp32 (HAS_SCALE): one scale per row of x and K block
     inter,
     hidden,
     stride_xm,
@@ -67,7 +67,6 @@ def _gate_up_kernel(
     HAS_SCALE: tl.constexpr,
     SCALE_N: tl.constexpr,
     SCALE_K: tl.constexpr,
-    X_SCALED: tl.constexpr,
 ):
     e = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -96,19 +95,13 @@ def _gate_up_kernel(
             wg = load_2d(w_gate + k0 * stride_wk, n_mask, k_mask, EVEN_N, EVEN_K)  # [BN, BK]
             wu = load_2d(w_up + k0 * stride_wk, n_mask, k_mask, EVEN_N, EVEN_K)  # [BN, BK]
             xt_t = tl.trans(xt)  # [BK, BM]
-            if HAS_SCALE:  # one scale per weight row in this K step
-                s_k = (k0 // SCALE_K) * stride_sk
-                sg = tl.load(s_gate + s_k, mask=n_mask, other=0.0)  # [BN] fp32
-                su = tl.load(s_up + s_k, mask=n_mask, other=0.0)
-                if X_SCALED:  # fp8 on both sides of the MMA, times the x rows' scales of this K block too
-                    sx = tl.load(x_scale_ptr + src * stride_xsm + (k0 // SCALE_K) * stride_xsk, mask=r_mask, other=0.0)
-                    acc_gate += tl.dot(wg, xt_t) * sg[:, None] * sx[None, :]  # [BN, BM] fp32
-                    acc_up += tl.dot(wu, xt_t) * su[:, None] * sx[None, :]
-                else:  # the fp8 -> x dtype conversion is exact
-                    part_gate = tl.dot(wg.to(xt.dtype), xt_t, input_precision=PRECISION)  # [BN, BM] fp32
-                    part_up = tl.dot(wu.to(xt.dtype), xt_t, input_precision=PRECISION)
-                    acc_gate += part_gate * sg[:, None]
-                    acc_up += part_up * su[:, None]
+            if HAS_SCALE:  # fp8 x fp8, times this K block's scales: one per weight row, one per x row
+                s_k = k0 // SCALE_K
+                sg = tl.load(s_gate + s_k * stride_sk, mask=n_mask, other=0.0)  # [BN] fp32
+                su = tl.load(s_up + s_k * stride_sk, mask=n_mask, other=0.0)
+                sx = tl.load(x_scale_ptr + src * stride_xsm + s_k * stride_xsk, mask=r_mask, other=0.0)  # [BM] fp32
+                acc_gate += tl.dot(wg, xt_t) * sg[:, None] * sx[None, :]  # [BN, BM] fp32
+                acc_up += tl.dot(wu, xt_t) * su[:, None] * sx[None, :]
             else:
                 acc_gate = tl.dot(wg, xt_t, acc_gate, input_precision=PRECISION)  # [BN, BM]
                 acc_up = tl.dot(wu, xt_t, acc_up, input_precision=PRECISION)
@@ -125,17 +118,14 @@ def check_gate_up(
     x_scale: torch.Tensor | None = None,
 ) -> tuple[int, int, int]:
     """(E, H, I) of stacked gate/up weights `w13 [E, 2I, H]`, checked against rows `x [., H]`: w13 in x's dtype,
-    or float8_e4m3fn with fp32 `scale [E, 2 * ceil(I/b0), ceil(H/b1)]` in `block`s; fp8 rows with `x_scale`
-    [., H/b1] need fp8 weights."""
-    if x_scale is not None:
-        check_fp8_rows(x, x_scale, w13, block)
-    elif x.dtype not in DTYPES or w13.dtype not in (x.dtype, FP8_DTYPE):
-        raise ValueError(f"rows {x.dtype}, w13 {w13.dtype}: need one dtype of {DTYPES} (or fp8 weights)")
+    or float8_e4m3fn with fp32 `scale [E, 2 * ceil(I/b0), ceil(H/b1)]` in `block`s and fp8 rows with their
+    `x_scale [., ceil(H/b1)]` (`moe_tiles.check_rows`)."""
     num_experts, two_inter, hidden = w13.shape
     if x.shape[-1] != hidden or two_inter % 2:
         raise ValueError(f"x {tuple(x.shape)} and w13 {tuple(w13.shape)} do not fit together")
     if w13.dtype == FP8_DTYPE:
-        check_fp8_weight(w13, scale, block, 2 * -(-(two_inter // 2) // block[0]) if block else 0)
+        check_fp8_weight(w13, scale, block, 2 * -(-(two_inter // 2) // block[0]) if block else 0, FP8_MIN_BLOCK_K)
+    check_rows(x, x_scale, w13, block)
     return num_experts, hidden, two_inter // 2
 
 
@@ -156,23 +146,25 @@ def expert_gate_up(
 
     x: [T, H]; offs: [E] int32 cumulative group ends on x's device (row r belongs to expert e when
     `offs[e-1] <= r < offs[e]`); w13: [E, 2I, H]; token_idx: [N] int, the row of x of each grouped row
-    (None: x is already grouped, `src = r`, N = T). Returns act [N, I] in x.dtype; rows at and past `offs[-1]`
-    are not written. `rows_hint`: expected largest group (picks the tile table's row), default N / E based.
+    (None: x is already grouped, `src = r`, N = T). Returns act [N, I] in `out_dtype` (default: x's dtype, bf16
+    for fp8 rows); rows at and past `offs[-1]` are not written. `rows_hint`: expected largest group (picks the
+    tile table's row), default N / E based.
     FP8 `w13` (float8_e4m3fn): `w13[e, i, j]` means `w13[e, i, j] * scale[e, r(i), j // b1]` with `block = (b0, b1)`,
-    `r(i) = i // b0` for gate rows, `scale.shape[1] // 2 + (i - I) // b0` for up rows.
-    FP8 rows too (`x` float8_e4m3fn with fp32 `x_scale [T, H/b1]`, `quantize_row_groups(x, b1)`, FP8 `w13` only):
-    `x[t, j]` means `x[t, j] * x_scale[t, j // b1]`, and the MMA reads fp8 on both sides; act is `out_dtype`.
+    `r(i) = i // b0` for gate rows, `scale.shape[1] // 2 + (i - I) // b0` for up rows, and takes fp8 rows: `x`
+    float8_e4m3fn with fp32 `x_scale [T, ceil(H/b1)]` (`quantize_row_groups(x, b1)`), `x[t, j]` meaning
+    `x[t, j] * x_scale[t, j // b1]`.
     """
     num_experts, hidden, inter = check_gate_up(x, w13, scale, block, x_scale)
     num_rows = x.shape[0] if token_idx is None else token_idx.shape[0]
-    act = x.new_empty(num_rows, inter, dtype=out_dtype or x.dtype)  # [N, I]
+    out_dtype = out_dtype or (torch.bfloat16 if x.dtype == FP8_DTYPE else x.dtype)
+    act = x.new_empty(num_rows, inter, dtype=out_dtype)  # [N, I]
     if num_rows == 0 or num_experts == 0:
         return act
     cfg = config or fit_dtype(gate_up_config(rows_hint or rows_per_expert_hint(num_rows, 1, num_experts)), act.dtype)
     has_scale = w13.dtype == FP8_DTYPE
-    block_k = scaled_block_k(cfg.block_k, block[1]) if has_scale else cfg.block_k
+    block_k = scaled_block_k(cfg.block_k, block[1], FP8_MIN_BLOCK_K) if has_scale else cfg.block_k
     scale_n, scale_k = block if has_scale else (1, 1)
-    s = scale if has_scale else offs  # unused without HAS_SCALE
+    s, xs = (scale, x_scale) if has_scale else (offs, offs)  # unused without HAS_SCALE
     s_strides = (s.stride(0), s.stride(1), s.stride(2), s.shape[1] // 2) if has_scale else (0, 0, 0, 0)
     grid = (num_experts, triton.cdiv(inter, cfg.block_n))
     _gate_up_kernel[grid](
@@ -182,7 +174,7 @@ def expert_gate_up(
         w13,
         act,
         s,
-        x_scale if x_scale is not None else offs,  # unused without X_SCALED
+        xs,
         inter,
         hidden,
         x.stride(0),
@@ -193,7 +185,7 @@ def expert_gate_up(
         act.stride(0),
         act.stride(1),
         *s_strides[:3],
-        *(x_scale.stride() if x_scale is not None else (0, 0)),
+        *(xs.stride() if has_scale else (0, 0)),
         s_strides[3],
         HAS_TOKEN_IDX=token_idx is not None,
         BLOCK_M=cfg.block_m,
@@ -205,7 +197,6 @@ def expert_gate_up(
         HAS_SCALE=has_scale,
         SCALE_N=scale_n,
         SCALE_K=scale_k,
-        X_SCALED=x_scale is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -3,7 +3,8 @@
 Block sizes come from a small fixed table by rows per expert: no autotuning at run time, so every run is
 deterministic and capturable. Block-scaled FP8 weights (float8_e4m3fn, one fp32 scale per `(b0, b1)` block) take
 the same table with the reduction step cut to divide `b1` (`scaled_block_k`), so a weight tile never straddles
-two scale blocks along K and its scales are one per weight row.
+two scale blocks along K and its scales are one per weight row; their rows are fp8 too, one scale per row and
+`b1`-wide group (`quantize_row_groups`), so a K step has one scale per row as well.
 """
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FP8_DTYPE = torch.float8_e4m3fn
 MIN_BLOCK_K = 16  # tl.dot's smallest reduction step
+FP8_MIN_BLOCK_K = 32  # an fp8 x fp8 tl.dot's (the MoE kernels' fp8 rows): Triton refuses less on the GPU
 
 
 @dataclass(frozen=True)
@@ -79,31 +82,37 @@ def fit_dtype(cfg: TileConfig, dtype: torch.dtype) -> TileConfig:
     return TileConfig(cfg.block_m, cfg.block_n, max(16, cfg.block_k // 2), cfg.num_warps, cfg.num_stages)
 
 
-def fp8_block_supported(block: tuple[int, int]) -> bool:
-    """Whether the kernels take FP8 weights in `(b0, b1)` blocks: any b0; b1 a multiple of `MIN_BLOCK_K`, so a
-    power-of-two reduction step of at least 16 divides it (DeepSeek-V3's 128 x 128 does)."""
-    return block[0] > 0 and block[1] > 0 and block[1] % MIN_BLOCK_K == 0
+def fp8_block_supported(block: tuple[int, int], min_k: int = MIN_BLOCK_K) -> bool:
+    """Whether the kernels take FP8 weights in `(b0, b1)` blocks: any b0; b1 a multiple of `min_k`, so a
+    power-of-two reduction step of at least `min_k` divides it (`MIN_BLOCK_K` for 16/32-bit rows,
+    `FP8_MIN_BLOCK_K` for fp8 rows; DeepSeek-V3's 128 x 128 suits both)."""
+    return block[0] > 0 and block[1] > 0 and block[1] % min_k == 0
 
 
-def scaled_block_k(block_k: int, scale_k: int) -> int:
+def scaled_block_k(block_k: int, scale_k: int, min_k: int = MIN_BLOCK_K) -> int:
     """The reduction step for weights scaled in blocks `scale_k` wide along K: the largest power of two up to
-    `block_k` that divides `scale_k`, so each K step reads one scale per weight row."""
-    if scale_k % MIN_BLOCK_K:
-        raise ValueError(f"an fp8 scale block {scale_k} wide along K is not a multiple of {MIN_BLOCK_K}")
-    step = block_k
+    `block_k` (at least `min_k`) that divides `scale_k`, so each K step reads one scale per weight row."""
+    if scale_k % min_k:
+        raise ValueError(f"an fp8 scale block {scale_k} wide along K is not a multiple of {min_k}")
+    step = max(block_k, min_k)
     while scale_k % step:
         step //= 2
     return step
 
 
 def check_fp8_weight(
-    w: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None, scale_rows: int
+    w: torch.Tensor,
+    scale: torch.Tensor | None,
+    block: tuple[int, int] | None,
+    scale_rows: int,
+    min_k: int = MIN_BLOCK_K,
 ) -> None:
-    """A float8_e4m3fn weight `[E, N, K]` needs fp32 `scale [E, scale_rows, ceil(K/b1)]` and a supported block."""
+    """A float8_e4m3fn weight `[E, N, K]` needs fp32 `scale [E, scale_rows, ceil(K/b1)]` and a block the kernels
+    take (`fp8_block_supported(block, min_k)`)."""
     if scale is None or block is None:
         raise ValueError(f"an {w.dtype} weight needs its block scales and block size")
-    if not fp8_block_supported(block):
-        raise ValueError(f"fp8 block {block} is not supported by the kernels (b1 must be a multiple of 16)")
+    if not fp8_block_supported(block, min_k):
+        raise ValueError(f"fp8 block {block} is not supported by the kernels (b1 must be a multiple of {min_k})")
     want = (w.shape[0], scale_rows, -(-w.shape[2] // block[1]))
     if scale.dtype != torch.float32 or tuple(scale.shape) != want:
         raise ValueError(f"fp8 scales {tuple(scale.shape)} {scale.dtype} do not fit weight {tuple(w.shape)}, {want}")
@@ -113,25 +122,35 @@ FP8_MAX = 448.0  # the largest finite e4m3fn value
 
 
 def quantize_row_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows `x [N, K]` (K a multiple of `group`) -> `(x_fp8 [N, K] float8_e4m3fn, scale [N, K/group] fp32)`, per
-    row and group `scale = amax / 448`, `x_fp8 = round(x / scale)` (DeepSeek-V3's 1 x 128 activation groups; the
-    weights' recipe); an all-zero group gets scale 1. Shapes only: capturable in a CUDA graph."""
+    """Rows `x [N, K]` -> `(x_fp8 [N, K] float8_e4m3fn, scale [N, ceil(K/group)] fp32)`, per row and group
+    `scale = amax / 448`, `x_fp8 = round(x / scale)` (DeepSeek-V3's 1 x 128 activation groups; the weights'
+    recipe); the last group may be partial, like the weights' last block; an all-zero group gets scale 1.
+    Shapes only: capturable in a CUDA graph."""
     rows, width = x.shape
+    num_groups = -(-width // group)
+    padded = x.float()
     if width % group:
-        raise ValueError(f"rows of {width} do not split into groups of {group}")
-    groups = x.float().view(rows, width // group, group)
-    amax = groups.abs().amax(dim=-1, keepdim=True)  # [N, K/group, 1]
+        padded = F.pad(padded, (0, num_groups * group - width))  # zeros change no group's amax
+    groups = padded.view(rows, num_groups, group)
+    amax = groups.abs().amax(dim=-1, keepdim=True)  # [N, G, 1]
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (groups / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(rows, width)
+    q = (groups / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(rows, num_groups * group)[:, :width]
     return q, scale.squeeze(-1)
 
 
-def check_fp8_rows(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, block: tuple[int, int] | None) -> None:
-    """fp8 rows `x [N, K]` with `x_scale [N, K/b1]` (`quantize_row_groups(x, b1)`) go with fp8 weights of `block`."""
-    if w.dtype != FP8_DTYPE or block is None:
-        raise ValueError(f"fp8 rows need fp8 weights with their block size, got {w.dtype}")
-    want = (x.shape[0], x.shape[1] // block[1])
-    if x.dtype != FP8_DTYPE or x.shape[1] % block[1] or x_scale.dtype != torch.float32 or tuple(x_scale.shape) != want:
+def check_rows(x: torch.Tensor, x_scale: torch.Tensor | None, w: torch.Tensor, block: tuple[int, int] | None) -> None:
+    """Rows `x [N, K]` against weights `w [E, ., K]`: 16/32-bit rows with weights of their dtype, or fp8 rows with
+    fp8 weights of `block` and `x_scale [N, ceil(K/b1)]` fp32 (`quantize_row_groups(x, b1)`), never one fp8 alone."""
+    if w.dtype != FP8_DTYPE:
+        if x_scale is not None:
+            raise ValueError(f"fp8 rows need fp8 weights, got {w.dtype}")
+        if x.dtype not in DTYPES or w.dtype != x.dtype:
+            raise ValueError(f"rows {x.dtype}, weights {w.dtype}: need one dtype of {DTYPES}, or fp8 rows and weights")
+        return
+    if x_scale is None or block is None:
+        raise ValueError("fp8 weights need fp8 rows with their scales (quantize_row_groups) and the block size")
+    want = (x.shape[0], -(-x.shape[1] // block[1]))
+    if x.dtype != FP8_DTYPE or x_scale.dtype != torch.float32 or tuple(x_scale.shape) != want:
         raise ValueError(
             f"fp8 rows {tuple(x.shape)} {x.dtype} with scales {tuple(x_scale.shape)} {x_scale.dtype} do not fit "
             f"groups of {block[1]}"

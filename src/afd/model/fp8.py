@@ -10,13 +10,13 @@ plus `weight_scale_inv: [ceil(out/b0), ceil(in/b1)] float32`, and means
 
 Where dequantization happens: the weights stay FP8 in the model (`FP8Linear`, and the experts' stacked `w13`/`w2`
 with their scales in `afd.model.ffn_side.Experts`, handed to the MoE as `FP8Experts`). On CUDA (sm89+, Triton) the
-linears run `afd.kernels.fp8_linear` on the FP8 bytes and the routed experts of a decode-sized batch afd's MoE
-kernels (`afd.model.moe.fp8_routed_experts`), scales applied in the kernels; everything else dequantizes its weight
-to the compute dtype just before it runs (`dequantize`). Why not dequantize once at load: the memory a rank holds is
-then the FP8 bytes (what lets DeepSeek-V3 fit one node, and what `afd.runtime.resources` and `afd bench step`'s floor
-count), and the tensors a block-scaled FP8 kernel reads (weight, scale, block size) are already where the matmul is.
-The eager dequantization is the CPU path and the kernels' test oracle; it is correct, not fast (it re-expands the
-weight every call).
+linears run `afd.kernels.fp8_linear` on the FP8 bytes and the routed experts afd's MoE kernels at any batch size
+(`afd.model.moe.fp8_routed_experts`, rows quantized to fp8 too), scales applied in the kernels; everything else
+dequantizes its weight to the compute dtype just before it runs (`dequantize`). Why not dequantize once at load: the
+memory a rank holds is then the FP8 bytes (what lets DeepSeek-V3 fit one node, and what `afd.runtime.resources` and
+`afd bench step`'s floor count), and the tensors a block-scaled FP8 kernel reads (weight, scale, block size) are
+already where the matmul is. The eager dequantization is the CPU path and the kernels' test oracle; it is correct,
+not fast (it re-expands the weight every call).
 """
 
 from __future__ import annotations

@@ -18,13 +18,15 @@ Decode-shaped batches on CUDA (at most `FUSED_MOE_MAX_PAIRS` (token, k) pairs, o
 afd's Triton kernels (`afd.kernels.fused_moe`) in the fixed-shape path and in `grouped_expert_mlp_offsets`, when
 `afd.kernels.enabled` allows them: a counting sort, gate/up + SwiGLU, down + weighting straight into (t, k)
 order, and a sum over k — four launches, no host sync, no atomics, each touched expert's weights read once.
-Larger batches keep `torch._grouped_mm`, the better GEMM once every expert has many rows.
+Larger batches of 16/32-bit experts keep `torch._grouped_mm`, the better GEMM once every expert has many rows.
 
 FP8 experts (`afd.model.fp8.FP8Experts`, DeepSeek-V3's block-scaled format) go through the `fp8_*` twins of the three
-entry points: where the 16-bit weights would take the Triton decode kernels, the same kernels read the FP8 bytes and
-apply the block scales in registers (half the bytes streamed, nothing dequantized in memory, capturable the same
-way); everywhere else (CPU, prefill-sized batches, block sizes the kernels do not take) the weights are dequantized
-to the compute dtype and the 16/32-bit path runs.
+entry points: on CUDA with the kernels enabled, the same Triton kernels at any batch size, prefill included, with
+the rows quantized to fp8 per 1 x b1 group (fp8 x fp8 MMAs, both scales in registers: half the weight bytes
+streamed, nothing dequantized in memory, capturable the same way). No size limit: on one H200 a V2-Lite layer takes
+0.06 ms at 1 token and 2.3 ms at 4096, where dequantizing the weights per call costs 5.8-6.9 ms (docs/fp8.md).
+Elsewhere (CPU, `eager_ops`, a block width b1 not a multiple of 32, the exact loop) the weights are dequantized to
+the compute dtype and the 16/32-bit path runs.
 """
 
 from __future__ import annotations
@@ -172,15 +174,19 @@ def grouped_expert_mlp(
     return out
 
 
-def _fused_moe_enabled(x: torch.Tensor, num_rows: int) -> bool:
-    """Whether rows `x` take the Triton decode kernels: CUDA, a dtype they support, a decode-sized batch
-    (at most `FUSED_MOE_MAX_PAIRS` rows or pairs), and `afd.kernels.enabled`."""
+def _moe_kernels_run(x: torch.Tensor) -> bool:
+    """Whether afd's Triton MoE kernels can take rows `x`: CUDA, a dtype they support, `afd.kernels.enabled`."""
     return (
         x.device.type == "cuda"
         and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
-        and num_rows <= FUSED_MOE_MAX_PAIRS
         and kernels.enabled(x.device)
     )
+
+
+def _fused_moe_enabled(x: torch.Tensor, num_rows: int) -> bool:
+    """Whether 16-bit experts take the Triton decode kernels for rows `x`: where they run (`_moe_kernels_run`) and a
+    decode-sized batch (at most `FUSED_MOE_MAX_PAIRS` rows or pairs; above it `torch._grouped_mm`)."""
+    return num_rows <= FUSED_MOE_MAX_PAIRS and _moe_kernels_run(x)
 
 
 def _offsets_on(group_sizes: list[int], device: torch.device) -> torch.Tensor:
@@ -297,14 +303,15 @@ def routed_experts(
     return by_pair.view(x.shape[0], topk_ids.shape[1], -1).sum(dim=1)  # [T, H]
 
 
-def _fp8_kernels_take(x: torch.Tensor, num_rows: int, experts: FP8Experts) -> bool:
-    """Whether FP8 experts run in afd's Triton kernels: where 16-bit ones would (`_fused_moe_enabled`) and for a
-    block size the kernels take."""
-    if not _fused_moe_enabled(x, num_rows):
+def _fp8_kernels_take(x: torch.Tensor, experts: FP8Experts) -> bool:
+    """Whether FP8 experts run in afd's Triton kernels for rows `x`: wherever the kernels run, at any number of rows
+    (unlike 16-bit experts: the alternative, dequantizing per call, is slower at every size), for a block size they
+    take with fp8 rows (b1 a multiple of 32)."""
+    if not _moe_kernels_run(x):
         return False
-    from afd.kernels.moe_tiles import fp8_block_supported
+    from afd.kernels.moe_tiles import FP8_MIN_BLOCK_K, fp8_block_supported
 
-    return fp8_block_supported(experts.block)
+    return fp8_block_supported(experts.block, FP8_MIN_BLOCK_K)
 
 
 def _scales(experts: FP8Experts):  # -> afd.kernels.fused_moe.ExpertScales (imports triton: only once enabled)
@@ -322,12 +329,13 @@ def fp8_routed_experts(
     *,
     fixed_shape: bool | None = None,
 ) -> torch.Tensor:
-    """`routed_experts` with FP8 experts: the fused kernels on the FP8 weights where the fixed-shape path would run
-    them (CUDA, decode-sized), else `routed_experts` on the dequantized weights."""
+    """`routed_experts` with FP8 experts: on the fixed-shape path the fused kernels on the FP8 weights with fp8 rows
+    wherever they run (`_fp8_kernels_take`: CUDA, any T), same contract (no host sync, shapes from T only); else
+    `routed_experts` on the dequantized weights."""
     if fixed_shape is None:
         fixed_shape = _grouped_mm_supported(x.device, x.dtype)
     num_local = experts.w13.shape[0]
-    if fixed_shape and x.shape[0] > 0 and num_local > 0 and _fp8_kernels_take(x, topk_ids.numel(), experts):
+    if fixed_shape and x.shape[0] > 0 and num_local > 0 and _fp8_kernels_take(x, experts):
         from afd.kernels.fused_moe import fused_routed_experts
 
         w13, w2 = experts.w13, experts.w2
@@ -337,9 +345,10 @@ def fp8_routed_experts(
 
 
 def fp8_grouped_expert_mlp_offsets(x: torch.Tensor, offs: torch.Tensor, experts: FP8Experts) -> torch.Tensor:
-    """`grouped_expert_mlp_offsets` with FP8 experts (same contract): the fused kernels on the FP8 weights for a
-    decode-sized group on CUDA, else the dequantized weights through `torch._grouped_mm`."""
-    if _fp8_kernels_take(x, x.shape[0], experts):
+    """`grouped_expert_mlp_offsets` with FP8 experts (same contract): the fused kernels on the FP8 weights with fp8
+    rows wherever they run (`_fp8_kernels_take`: CUDA, any N), else the dequantized weights through
+    `torch._grouped_mm`."""
+    if _fp8_kernels_take(x, experts):
         from afd.kernels.fused_moe import fused_grouped_expert_mlp
 
         return fused_grouped_expert_mlp(x, offs, experts.w13, experts.w2, scales=_scales(experts))
@@ -354,6 +363,6 @@ def fp8_grouped_expert_mlp(
     if use_grouped_mm is None:
         use_grouped_mm = _grouped_mm_supported(x.device, x.dtype)
     fits = len(group_sizes) == experts.w13.shape[0] and sum(group_sizes) == x.shape[0]
-    if fits and use_grouped_mm and x.shape[0] > 0 and _fp8_kernels_take(x, x.shape[0], experts):
+    if fits and use_grouped_mm and x.shape[0] > 0 and _fp8_kernels_take(x, experts):
         return fp8_grouped_expert_mlp_offsets(x, _offsets_on(group_sizes, x.device), experts)
     return grouped_expert_mlp(x, group_sizes, *experts.dequantized(x.dtype), use_grouped_mm=use_grouped_mm)
