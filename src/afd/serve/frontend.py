@@ -28,7 +28,6 @@ from afd.serve.metrics import ServeMetrics
 
 logger = logging.getLogger(__name__)
 
-DRAIN_BYTES = 1 << 22  # the most one turn of the loop reads from a replica before handling it (the rest: next turn)
 LOSS_CAUSE_WAIT_S = 0.5  # how long a lost replica's requests wait to be told the cause (a rank's death) at most
 
 
@@ -139,38 +138,26 @@ class ReplicaPool:
         return [a and b for a, b in zip(self.alive, self.accepting, strict=True)]
 
     def _readable(self, replica: int) -> None:
-        """Read all the replica has sent so far (up to `DRAIN_BYTES`), then handle it. Why all: a front end behind
-        its replica then hands each stream several steps' tokens at once, and a stream writes them in one go (one
-        wake-up and one write instead of one per step); read one piece at a time, the streams would take one
-        step's token per turn of the loop however far behind they were."""
-        sock, buffer, got = self._socks[replica], self._inbuf[replica], 0
-        while got < DRAIN_BYTES:
-            try:
-                data = sock.recv(RECV_BYTES)
-            except BlockingIOError:
-                break
-            except OSError:
-                data = b""
-            if not data:  # the replica's process ended, or its link was shut (a failure unless it said bye first)
-                if not self._handle(replica, buffer):
-                    self._stop_reading(replica)
-                    self._gone(replica)
-                return
-            buffer += data
-            got += len(data)
-        self._handle(replica, buffer)
-
-    def _handle(self, replica: int, buffer: bytearray) -> bool:
-        """Handle the whole messages in `buffer`; whether one was the replica's `bye` (then nothing more is read)."""
+        try:
+            data = self._socks[replica].recv(RECV_BYTES)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:  # the replica's process ended, or its link was shut
+            self._stop_reading(replica)
+            self._gone(replica)
+            return
+        buffer = self._inbuf[replica]
+        buffer += data
         for message in decode_frames(buffer):
             if isinstance(message, dict) and message.get("type") == "bye":
                 self._stop_reading(replica)
-                return True
+                return
             try:
                 self._on_message(replica, message)
             except Exception:  # one message that cannot be handled must not drop the rest of what arrived
                 logger.exception("replica %d sent a message that could not be handled", replica)
-        return False
 
     def _stop_reading(self, replica: int) -> None:
         self._byes[replica].set()  # nothing more will come: a shutdown need not wait for it
