@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from afd.serve.frontend import Event, ReplicaPool, Submitted
 from afd.serve.protocol import APIError, GenerationParams
@@ -81,25 +81,6 @@ class Piece:
     prompt_logprobs: list[float | None] | None = None  # on the last piece, when the replica scored the prompt
     engine_ttft_s: float | None = None  # on the last piece: the replica's own time to the first token
     stamps: dict[str, float] | None = None  # the request's moments to its first token (`Submitted.stamps`), shared
-    tokens: int = 1  # tokens whose text it carries, when it carries any (`token_id` set): more once `merge_tokens`d
-
-
-def merge_tokens(pieces: list[Piece]) -> list[Piece]:
-    """Consecutive token pieces as one, their text joined (`token_id` and `logprob` the last one's); the end piece
-    stays apart. Why: a stream behind its replica finds several steps' tokens at once, and one chunk for them costs
-    the front end what one token's does (its per-token encoding, not the engine, bounds a thousand streams). Not for
-    requests that asked for logprobs (each token's entry stays in its own chunk)."""
-    merged: list[Piece] = []
-    for piece in pieces:
-        last = merged[-1] if merged else None
-        if last is not None and last.token_id is not None and piece.token_id is not None and last.finish_reason is None:
-            merged[-1] = replace(
-                last, text=last.text + piece.text, token_id=piece.token_id, logprob=piece.logprob,
-                tokens=last.tokens + piece.tokens,
-            )  # fmt: skip
-        else:
-            merged.append(piece)
-    return merged
 
 
 @dataclass

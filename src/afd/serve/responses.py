@@ -18,7 +18,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from afd.serve.output import Piece, Prepared, Run, merge_tokens, prepare, run_request
+from afd.serve.output import Piece, Prepared, Run, prepare, run_request
 from afd.serve.protocol import (
     DONE,
     AfdTiming,
@@ -235,20 +235,16 @@ async def chat_response(call: Call) -> ChatCompletionResponse:
 Chunk = CompletionStreamResponse | ChatCompletionStreamResponse
 
 
-async def _events(
-    call: Call, envelope: Callable[..., Chunk], chunk_of: Callable, first: list, merge: bool
-) -> AsyncIterator[bytes]:
+async def _events(call: Call, envelope: Callable[..., Chunk], chunk_of: Callable, first: list) -> AsyncIterator[bytes]:
     """`first`'s chunks, then `chunk_of(i, piece)` for every piece (one per token, its text possibly held back, and
-    the last with `finish_reason`), then usage when asked, then [DONE]; the pieces of one event in one write.
-    `merge` (no logprobs asked for): the tokens a single-choice stream finds waiting together go out as one chunk
-    (`merge_tokens`). With
+    the last with `finish_reason`), then usage when asked, then [DONE]; the pieces of one event in one write. With
     `afd_timing` asked for, each choice's closing chunk also says how long its replica took to the first token, and
     the moments on the way there (`Submitted.stamps`)."""
     generated = 0
 
     def event_of(i: int, piece: Piece) -> bytes:
         nonlocal generated
-        generated += piece.tokens if piece.token_id is not None else 0
+        generated += piece.token_id is not None
         chunk = envelope(choices=[chunk_of(i, piece)])
         if call.params.afd_timing and piece.finish_reason is not None:
             chunk.afd_timing = AfdTiming(index=i, engine_ttft_s=piece.engine_ttft_s, stamps=piece.stamps)
@@ -264,7 +260,7 @@ async def _events(
             async with aclosing(call.runs[0].batches()) as batches:
                 async for batch in batches:
                     if batch:
-                        yield b"".join(event_of(0, piece) for piece in (merge_tokens(batch) if merge else batch))
+                        yield b"".join(event_of(0, piece) for piece in batch)
         else:
             async with aclosing(call.pieces()) as pieces:
                 async for i, piece in pieces:
@@ -298,7 +294,7 @@ def stream_completion(call: Call) -> AsyncIterator[bytes]:
     def envelope(**fields) -> CompletionStreamResponse:
         return CompletionStreamResponse(id=call.id, created=call.created, model=call.model, **fields)
 
-    return _events(call, envelope, chunk_of, first, merge=not want_logprobs)
+    return _events(call, envelope, chunk_of, first)
 
 
 def stream_chat(call: Call) -> AsyncIterator[bytes]:
@@ -317,4 +313,4 @@ def stream_chat(call: Call) -> AsyncIterator[bytes]:
     def envelope(**fields) -> ChatCompletionStreamResponse:
         return ChatCompletionStreamResponse(id=call.id, created=call.created, model=call.model, **fields)
 
-    return _events(call, envelope, chunk_of, first, merge=not want_logprobs)
+    return _events(call, envelope, chunk_of, first)
