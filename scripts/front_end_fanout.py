@@ -7,7 +7,9 @@ replica pool), one replica running the real replica loop (`afd.runtime.online.se
 computes nothing (every running request gets one token per step, each step lasting `--step-ms`), and this process
 as the client (`afd.bench.serve_client.bench_url`, every request at once). With `--step-ms 0` the replica steps as
 fast as the front end takes its tokens, so the run's output tokens/s is the front end's fan-out rate, and its
-inter-token latency what one step of `--streams` streams costs it. Any CPU; compare trees by PYTHONPATH.
+inter-token latency what one step of `--streams` streams costs it. `front_cpu_us_per_token`: the front end's own CPU
+time per token passed on (start-up included), the figure that holds on a host whose cores the three processes
+share. Any CPU; compare trees by PYTHONPATH.
 `--profile-front FILE`: the front end's process under cProfile (read it with `python -m pstats FILE`);
 `--profile-client FILE` the client's.
 """
@@ -111,6 +113,7 @@ def run_front_end(port_out, stop_reader, streams: int, profile_path: str | None 
         loop.add_reader(stop_reader.fileno(), stop.set)  # the parent writes to the pipe when it is done
         await serve(state, sock, stop, lambda: port_out.put(sock.getsockname()[1]))
 
+    started = time.process_time()
     if profile_path:  # the front end's own functions by time, over the whole run
         import cProfile
 
@@ -119,6 +122,7 @@ def run_front_end(port_out, stop_reader, streams: int, profile_path: str | None 
         profile.dump_stats(profile_path)
     else:
         asyncio.run(main())
+    port_out.put(time.process_time() - started)  # the front end's CPU seconds: its cost, whatever else the host runs
     link.close()
 
 
@@ -157,6 +161,7 @@ def main() -> None:
             client.disable()
             client.dump_stats(args.profile_client)
         stop_w.send(b"x")
+        front_cpu_s = out.get(timeout=30)
         front.join(30)
         replica.join(30)
     s = run["summary"]
@@ -171,6 +176,8 @@ def main() -> None:
         "us_per_token": round(1e6 / s["output_tok_s"], 1) if s["output_tok_s"] else None,
         "itl_p50_ms": round(itl[len(itl) // 2] * 1e3, 2) if itl else None,
         "ttft_p50_ms": round(s["ttft_p50_s"] * 1e3, 1),
+        "front_cpu_s": round(front_cpu_s, 3),
+        "front_cpu_us_per_token": round(front_cpu_s * 1e6 / max(s["output_tokens"], 1), 1),
     }
     print(json.dumps(row))
     if args.json:
