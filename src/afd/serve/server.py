@@ -9,6 +9,7 @@ must happen before a body is read (the API key, the `Host` rule) is `gate.Gate`'
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import socket
@@ -189,6 +190,8 @@ async def serve(
     gate = Gate(build_app(state), state.options.api_key, body_limit(state.pool.max_model_len))
     server = uvicorn_server(gate)
     await server.startup(sockets=[sock])
+    gc.collect()
+    gc.freeze()  # what start-up made lives as long as the server: no collection need walk it again
     watcher = asyncio.create_task(state.healer.run()) if state.healer is not None else None
     spinner = asyncio.create_task(spin()) if state.options.busy_poll else None
     on_ready()
