@@ -10,6 +10,9 @@
 #                        by side (scripts/compare_steps.py): graph ms of each, fp8/bf16, fp8's floor and graph/floor
 #   moe-fp8 [ARGS]       the routed experts alone, bf16 vs FP8 kernels vs FP8 dequantized per call, 26 layers in one
 #                        CUDA graph, T = 1,8,64,256 (scripts/gpu_moe_fp8.py; --sweep times FP8 tile shapes too)
+#   numerics-fp8 [ARGS]  `--quantization fp8` against the bf16 weights it was made from, V2-Lite on GPU 0: mean / max
+#                        |Δp| of each next token over 16 x 256 positions, argmax agreement where bf16's top-2 margin
+#                        is above 1e-2 (scripts/quant_numerics.py), into $OUT/numerics_fp8.json
 #   linear-fp8 [ARGS]    FP8Linear's kernel against bf16 F.linear at V2-Lite and V3 linear shapes, M = 1,64,256,8192:
 #                        ms, bytes/s, the HBM floor, fp8/bf16 (scripts/gpu_fp8_linear.py; --models, --rows, --only,
 #                        --dequant times dequantize-per-call too, --sweep other tile shapes)
@@ -46,8 +49,8 @@ cd "$(dirname "$0")/.."
 source scripts/device_env.sh
 SUB=${1:-}; shift || true
 case $SUB in
-  step|step-fp8|moe-fp8|linear-fp8|exchange|stress|offline|timeline|serve|front|front-ab|capacity-ab|fanout-ab|startup|kernels|cross-replica|profile) ;;
-  *) echo "usage: bash scripts/gpu_bench.sh step|step-fp8|moe-fp8|linear-fp8|exchange|stress|offline|timeline|serve|front|front-ab|capacity-ab|fanout-ab|startup|kernels|cross-replica|profile [ARGS...]" >&2
+  step|step-fp8|moe-fp8|numerics-fp8|linear-fp8|exchange|stress|offline|timeline|serve|front|front-ab|capacity-ab|fanout-ab|startup|kernels|cross-replica|profile) ;;
+  *) echo "usage: bash scripts/gpu_bench.sh step|step-fp8|moe-fp8|numerics-fp8|linear-fp8|exchange|stress|offline|timeline|serve|front|front-ab|capacity-ab|fanout-ab|startup|kernels|cross-replica|profile [ARGS...]" >&2
     exit 2 ;;
 esac
 log_run "bench_${SUB:-none}"
@@ -69,6 +72,10 @@ case $SUB in
     python3 scripts/compare_steps.py "$OUT/step_bf16.json" "$OUT/step_fp8.json" | tee "$OUT/step_fp8_vs_bf16.txt" ;;
   moe-fp8)
     CUDA_VISIBLE_DEVICES=0 timeout 500 python3 scripts/gpu_moe_fp8.py "$@" | tee "$OUT/moe_fp8.jsonl" ;;
+  numerics-fp8)
+    CUDA_VISIBLE_DEVICES=0 timeout 400 python3 scripts/quant_numerics.py "$@" --json "$OUT/numerics_fp8.json" \
+      2>"$B/numerics_fp8.err"
+    echo "numerics-fp8 rc=$?"; grep -v "^\[afd" "$B/numerics_fp8.err" | tail -n 3 ;;
   linear-fp8)
     CUDA_VISIBLE_DEVICES=0 timeout 560 python3 scripts/gpu_fp8_linear.py "$@" >"$OUT/linear_fp8.jsonl" \
       2>"$OUT/linear_fp8.txt"

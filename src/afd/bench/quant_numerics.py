@@ -1,0 +1,104 @@
+"""How far a quantized model's next-token distributions lie from the same model unquantized: the numerics target of
+FP8 (`--quantization fp8` against the 16-bit weights it was made from).
+
+Both models are loaded from the same weights (a checkpoint, or a preset's seeded random ones), one of them
+quantized at load; every prompt runs through each in one forward without a cache (the oracle's way of scoring every
+position). Per position: |Δp| of the prompt's actual next token (as `afd bench` scores connectors), and whether the
+two argmax tokens agree where the reference's top-2 margin (p1 - p2) is above `margin` (below it a tie breaks
+either way). The reference's top-1 probability is reported too: on random weights distributions are flat, and
+a small |Δp| then says less than on a trained model.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from afd.engine.engine import LocalExchange
+from afd.model.batch import Batch
+
+
+@dataclass(frozen=True)
+class QuantNumerics:
+    positions: int  # scored positions (every prompt token but the last)
+    mean_abs_dprob: float  # of the actual next token
+    max_abs_dprob: float
+    decided: int  # positions whose reference top-2 margin is above `margin`
+    argmax_equal: int  # of those, where both models pick the same token
+    mean_top1_prob: float  # the reference's, over all positions: how peaked the distributions are
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def random_prompts(vocab_size: int, count: int, length: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_size) for _ in range(length)] for _ in range(count)]
+
+
+def prompt_probs(attn, ffn, prompt: list[int]) -> torch.Tensor:
+    """Next-token probabilities at every position of `prompt` [len, V] fp32, one forward without a cache."""
+    device = next(attn.parameters()).device
+    batch = Batch(slots=[0], query_lens=[len(prompt)], context_lens=[0])
+    ids = torch.tensor(prompt, device=device)
+    with torch.inference_mode():
+        hidden = attn(ids, torch.arange(len(prompt), device=device), batch, None, LocalExchange(ffn))
+        return torch.softmax(attn.compute_logits(hidden), dim=-1)
+
+
+def compare(
+    reference: list[torch.Tensor], other: list[torch.Tensor], prompts: list[list[int]], margin: float
+) -> QuantNumerics:
+    """The per-position comparison of two models' `prompt_probs` over the same prompts."""
+    dprob, decided, equal, top1 = [], 0, 0, []
+    for ref, run, prompt in zip(reference, other, prompts, strict=True):
+        nxt = torch.tensor(prompt[1:], device=ref.device)[:, None]  # [n-1, 1]
+        dprob.append((ref[:-1].gather(1, nxt) - run[:-1].gather(1, nxt)).abs().squeeze(1))
+        best = ref.topk(2, dim=-1)
+        sure = best.values[:, 0] - best.values[:, 1] > margin
+        decided += int(sure.sum())
+        equal += int((sure & (best.indices[:, 0] == run.argmax(dim=-1))).sum())
+        top1.append(best.values[:, 0])
+    d, t = torch.cat(dprob), torch.cat(top1)
+    return QuantNumerics(d.numel(), float(d.mean()), float(d.max()), decided, equal, float(t.mean()))
+
+
+def quantization_numerics(
+    model: str | Path,
+    *,
+    quantization: str = "fp8",
+    dtype: str = "bfloat16",
+    device: str = "cuda",
+    prompts: int = 16,
+    prompt_len: int = 257,
+    margin: float = 1e-2,
+    seed: int = 0,
+) -> dict:
+    """`model` loaded as it is and with `quantization`, the same random prompts through both; one model on the
+    device at a time (the reference's probabilities stay, on the device)."""
+    from afd.model.weights import load_attention_model, load_ffn_model, load_model_config
+
+    vocab = load_model_config(model).vocab_size
+    chosen = random_prompts(vocab, prompts, prompt_len, seed)
+    probs: dict[str | None, list[torch.Tensor]] = {}
+    for quant in (None, quantization):
+        load = dict(dtype=dtype, device=device, seed=seed, quantization=quant)
+        attn, ffn = load_attention_model(model, **load), load_ffn_model(model, **load)
+        probs[quant] = [prompt_probs(attn, ffn, p) for p in chosen]
+        del attn, ffn
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    result = compare(probs[None], probs[quantization], chosen, margin)
+    return {
+        "model": str(model),
+        "dtype": dtype,
+        "device": device,
+        "quantization": quantization,
+        "prompts": prompts,
+        "prompt_len": prompt_len,
+        "margin": margin,
+        **result.as_dict(),
+    }
