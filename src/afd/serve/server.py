@@ -190,8 +190,12 @@ async def serve(
     gate = Gate(build_app(state), state.options.api_key, body_limit(state.pool.max_model_len))
     server = uvicorn_server(gate)
     await server.startup(sockets=[sock])
+    # What start-up made lives as long as the server: frozen, no collection walks it again. While serving, the heap is
+    # mostly the live requests' state and collections find next to nothing (a 1,024-stream run freed 56 objects in
+    # ~650 collections; its 4 full ones took 70 ms each), so they run once per 50,000 allocations, full ones rarely.
     gc.collect()
-    gc.freeze()  # what start-up made lives as long as the server: no collection need walk it again
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
     watcher = asyncio.create_task(state.healer.run()) if state.healer is not None else None
     spinner = asyncio.create_task(spin()) if state.options.busy_poll else None
     on_ready()
