@@ -95,6 +95,7 @@ def run_replica(address, step_s: float, max_num_seqs: int) -> None:
 
 def run_front_end(port_out, stop_reader, streams: int, profile_path: str | None = None) -> None:
     from afd.runtime.link import FrontLink
+    from afd.serve import loop
     from afd.serve.frontend import ReplicaPool
     from afd.serve.server import serve
     from afd.serve.state import ServeOptions, ServerState
@@ -118,10 +119,10 @@ def run_front_end(port_out, stop_reader, streams: int, profile_path: str | None 
         import cProfile
 
         profile = cProfile.Profile()
-        profile.runcall(asyncio.run, main())
+        profile.runcall(loop.run, main())
         profile.dump_stats(profile_path)
     else:
-        asyncio.run(main())
+        loop.run(main())  # the event loop afd serve runs on (uvloop's where installed)
     port_out.put(time.process_time() - started)  # the front end's CPU seconds: its cost, whatever else the host runs
     link.close()
 
