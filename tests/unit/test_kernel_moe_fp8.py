@@ -246,7 +246,8 @@ def test_fp8_experts_take_the_kernels_above_the_decode_size(monkeypatch):
     H200), in all three forms, within 1e-5 of the loop over quantized rows."""
     monkeypatch.setattr(moe, "_moe_kernels_run", lambda x: True)
     monkeypatch.setattr(moe, "_grouped_mm_supported", lambda device, dtype: True)
-    num_tokens, top_k = moe.FUSED_MOE_MAX_PAIRS // 8 + 1, 8  # 2056 pairs (few tokens: the interpreter is slow)
+    monkeypatch.setattr(moe, "FUSED_MOE_MAX_PAIRS", 64)  # the rule at a size Triton's interpreter runs quickly
+    num_tokens, top_k = moe.FUSED_MOE_MAX_PAIRS // 8 + 1, 8  # 72 pairs
     x = torch.randn(num_tokens, 32, generator=torch.Generator().manual_seed(5))
     assert moe._fused_moe_enabled(x, moe.FUSED_MOE_MAX_PAIRS) and not moe._fused_moe_enabled(x, num_tokens * top_k)
     q = fp8_experts(12, 32, 32, (16, 32), seed=5)
@@ -256,7 +257,7 @@ def test_fp8_experts_take_the_kernels_above_the_decode_size(monkeypatch):
     ref = fp8_rows_routed_reference(x, r.topk_ids, r.topk_weights, q)
     assert calls.seen == ["routed"] and _rel(got, ref) <= 1e-5, f"relative error {_rel(got, ref):.2e}"
 
-    sizes = [700, 0, 900, 500] + [0] * 8  # 2100 grouped rows
+    sizes = [30, 0, 20, 25] + [0] * 8  # 75 grouped rows
     rows = torch.randn(sum(sizes), 32, generator=torch.Generator().manual_seed(6))
     calls.seen.clear()
     grouped = moe.fp8_grouped_expert_mlp(rows, sizes, q)
