@@ -216,3 +216,39 @@ def test_a_profile_on_one_gpu_measures_async_alone_and_names_what_it_assumed(mon
             assert p.parts["exchange_p2p"] == p.parts["exchange_async"] and "exchange_p2p" in p.machine["assumed"]
         else:
             assert "assumed" not in p.machine and p.parts["exchange_p2p"] != p.parts["exchange_async"]
+
+
+def test_a_joint_fit_holds_two_workloads_no_worse_than_either_workloads_own_fit(monkeypatch):
+    """Two served traces (short and long prompts) "measured" with the same known serving costs: the joint fit,
+    searched from each workload's own fit, holds the pair at least as well as either of those does, labels its rows
+    by workload, and holds every target within 15% (the truth is one set of costs)."""
+    monkeypatch.setattr(calibrate, "SEARCH_EVALS", 240)
+    alone: list[Calibration] = []  # each workload's own fit, as the joint fit makes them
+    fit_one = calibrate.fit_calibration
+    monkeypatch.setattr(calibrate, "fit_calibration", lambda *a: alone.append(fit_one(*a)) or alone[-1])
+    truth = Calibration(step_s=2e-4, token_s=1.5e-4, request_s=1e-3, front_end_s=4e-3)
+    s, d = tiny_shapes(), Deployment("none")
+    uneven = Workload("uneven", 24, long_len=128, short_len=16, max_tokens=8, seed=4)
+    served = []
+    for trace in (_trace(24), calibrate.Trace(uneven, (math.inf, 4.0))):
+        lens = [len(x) for x in trace.workload.prompts(100)]
+        runs = [simulate_rate(d, s, cpu_profile(truth), trace.workload, lens, r) for r in trace.rates]
+        served.append(calibrate.ServedRun(d, trace, runs))
+    joint = calibrate.fit_calibration_jointly(cpu_profile(), s, served, 100)
+
+    def pair_loss(cal: Calibration) -> float:
+        params = {n: getattr(cal, n) for n in calibrate.CPU_PARAMS}
+        total = 0.0
+        for r in served:
+            lens = [len(x) for x in r.trace.workload.prompts(100)]
+            sim = calibrate.simulated_targets(cpu_profile(), s, d, r.trace, lens, params)
+            total += calibrate.loss(calibrate.targets_of(r.runs), sim)
+        return total
+
+    assert len(alone) == 2
+    assert joint.fit["loss"] == pytest.approx(pair_loss(joint))
+    assert joint.fit["loss"] <= min(pair_loss(c) for c in alone) + 1e-12
+    assert {row["workload"] for row in joint.fit["rows"]} == {"1: mixed", "2: uneven"}
+    for row in joint.fit["rows"]:
+        assert row["calibrated"] == pytest.approx(row["measured"], rel=0.15), row
+    assert "(2: uneven)" in calibrate.format_calibration(joint)

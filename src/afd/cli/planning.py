@@ -98,7 +98,9 @@ def add_planning_parsers(sub) -> None:
     p.add_argument(
         "--calibrate-from",
         metavar="RESULTS.json",
-        help="measure nothing: fit --profile's calibration to this afd bench serve --json run of none R=1",
+        nargs="+",
+        help="measure nothing: fit --profile's calibration to these afd bench serve --json runs of none R=1 (several "
+        "workloads, fitted at once, pin the costs down better than one)",
     )
     p.add_argument("--profile", default="h200", help="with --calibrate-from: the profile whose parts stand")
     p.add_argument("--output", "-o", required=True, help="the profile JSON to write")
@@ -214,20 +216,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _recalibrate(args: argparse.Namespace) -> int:
-    """`afd profile --calibrate-from RESULTS.json`: the profile's parts, its calibration fitted to a served run."""
+    """`afd profile --calibrate-from RESULTS.json ...`: the profile's parts, its calibration fitted to served runs."""
     from afd.planning.calibrate import calibrate_from_results, format_calibration
     from afd.planning.profile import ProfileError, load_profile
 
+    raws = []
+    for path in args.calibrate_from:
+        try:
+            raws.append(json.loads(Path(path).read_text()))
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"--calibrate-from {path}: not a readable results JSON ({exc})") from None
     try:
-        raw = json.loads(Path(args.calibrate_from).read_text())
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"--calibrate-from {args.calibrate_from}: not a readable results JSON ({exc})") from None
-    try:
-        profile = calibrate_from_results(load_profile(args.profile), raw)
+        profile = calibrate_from_results(load_profile(args.profile), raws)
     except ProfileError as exc:
         raise UsageError(f"--profile {args.profile}: {exc}") from None
-    except (KeyError, TypeError, ValueError) as exc:
-        raise UsageError(f"--calibrate-from {args.calibrate_from}: {exc}") from None
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise UsageError(f"--calibrate-from {' '.join(args.calibrate_from)}: {exc}") from None
     print(format_calibration(profile.calibration), file=sys.stderr)
     profile.save(args.output)
     print(f"wrote {args.output}")

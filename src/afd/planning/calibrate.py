@@ -179,33 +179,97 @@ def fit_calibration(
     return Calibration(**best, fit=fit)
 
 
-def calibrate_from_results(profile: Profile, raw: dict) -> Profile:
-    """`profile` with its calibration fitted to a served run of the user's own: `raw`, an `afd bench serve --json`
-    file of `none` R=1 on a generated workload (its rates, its server's token budget and sequence limit). The
-    profile's parts stay; what serving added on that machine and traffic is fitted as `afd profile` fits its trace."""
+@dataclass(frozen=True)
+class ServedRun:
+    """One served run a calibration is fitted to: the deployment it ran on (`afd.planning.deployment.Deployment`),
+    its trace, and `afd bench serve`'s runs of it (one per rate)."""
+
+    deployment: object
+    trace: Trace
+    runs: list[dict]
+
+
+# where a cost every single fit left at zero is tried first in a joint search
+JOINT_SCALES = {"step_s": 1e-3, "token_s": 1e-5, "request_s": 1e-3, "held_s": 1e-6, "arrival_s": 1e-4,
+                "front_end_s": 1e-2, "prompt_step_s": 1e-2}  # fmt: skip
+
+
+def fit_calibration_jointly(profile: Profile, s: Shapes, served: list[ServedRun], vocab_size: int) -> Calibration:
+    """The `Calibration` that holds several served runs at once (the sum of their losses): each run's own fit
+    first (`fit_calibration`), then the search over the sum from each of their ends, the best kept. Why several:
+    one workload does not pin the costs down (fits to short and to long prompts split the same excess between
+    per-step, per-request and front-end costs differently), and why from their ends: searched from the usual
+    starts, the sum settled where it held both worse than one workload's own fit does."""
+    singles = [fit_calibration(profile, s, r.deployment, r.trace, r.runs, vocab_size) for r in served]
+    if len(served) == 1:
+        return singles[0]
+    names = PARAMS if profile.on_gpu else CPU_PARAMS
+    lens = [[len(x) for x in r.trace.workload.prompts(vocab_size)] for r in served]
+    measured = [targets_of(r.runs) for r in served]
+
+    def simulated(cal: dict[str, float]) -> list[dict[tuple[str, str], float]]:
+        return [simulated_targets(profile, s, r.deployment, r.trace, n, cal) for r, n in zip(served, lens, strict=True)]
+
+    def evaluate(cal: dict[str, float]) -> float:
+        return sum(loss(m, sim) for m, sim in zip(measured, simulated(cal), strict=True))
+
+    starts = [{n: getattr(c, n) for n in names} for c in singles]
+    scales = {n: max(x[n] for x in starts) or JOINT_SCALES[n] for n in names}
+    best, best_loss = min(
+        (pattern_search(evaluate, x, scales, max_evals=SEARCH_EVALS // len(starts)) for x in starts),
+        key=lambda r: r[1],
+    )
+    rows = []
+    kernels = simulated(dict.fromkeys(names, 0.0))
+    for i, (m_each, k_each, fitted) in enumerate(zip(measured, kernels, simulated(best), strict=True)):
+        for (rate, metric), m in m_each.items():
+            rows.append({"workload": f"{i + 1}: {served[i].trace.workload.kind}", "rate": rate, "metric": metric,
+                         "measured": m, "kernels_only": k_each.get((rate, metric)),
+                         "calibrated": fitted.get((rate, metric))})  # fmt: skip
+    fit = {
+        "trace": [
+            r.trace.workload.describe() | {"rates": ["inf" if x == math.inf else x for x in r.trace.rates]}
+            for r in served
+        ],  # fmt: skip
+        "server": "afd serve --connector none --replicas 1",
+        "loss": best_loss,
+        "rows": rows,
+    }
+    return Calibration(**best, fit=fit)
+
+
+def calibrate_from_results(profile: Profile, raws: list[dict]) -> Profile:
+    """`profile` with its calibration fitted to served runs of the user's own: `raws`, `afd bench serve --json`
+    files of `none` R=1 on generated workloads (their rates, their server's token budget and sequence limit; several
+    are fitted at once, `fit_calibration_jointly`). The profile's parts stay; what serving added on that machine and
+    traffic is fitted as `afd profile` fits its trace."""
     from afd.model.weights import load_model_config
     from afd.planning.compare import workload_of
     from afd.planning.costs import shapes_of
     from afd.planning.deployment import Deployment
     from afd.runtime.limits import DEFAULT_MAX_NUM_SEQS, SMALL_BUDGET
 
-    results = raw.get("results") or []
-    server = results[0] if results else {}
-    if server.get("name") != "none R=1":
-        found = server.get("name", "no server")
-        raise ValueError(f"a calibration needs a run of `none` R=1 (afd bench serve --compare none:R=1), not {found}")
-    workload, rates = workload_of(raw)
-    limits = server.get("step_limits") or {}
-    d = Deployment(
-        "none",
-        max_num_seqs=int(limits.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS)),
-        max_num_batched_tokens=int(limits.get("max_num_batched_tokens", SMALL_BUDGET)),
-    )
+    served = []
+    for raw in raws:
+        results = raw.get("results") or []
+        server = results[0] if results else {}
+        if server.get("name") != "none R=1":
+            found = server.get("name", "no server")
+            raise ValueError(
+                f"a calibration needs a run of `none` R=1 (afd bench serve --compare none:R=1), not {found}"
+            )
+        workload, rates = workload_of(raw)
+        limits = server.get("step_limits") or {}
+        d = Deployment(
+            "none",
+            max_num_seqs=int(limits.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS)),
+            max_num_batched_tokens=int(limits.get("max_num_batched_tokens", SMALL_BUDGET)),
+        )
+        served.append(ServedRun(d, Trace(workload, tuple(rates)), server["runs"]))
     config = load_model_config(profile.machine.get("model", "deepseek-v2-lite"))
-    trace = Trace(workload, tuple(rates))
-    shapes = shapes_of(config, profile.dtype)
-    cal = fit_calibration(profile, shapes, d, trace, server["runs"], config.vocab_size)
-    return replace(profile, calibration=cal, source=profile.source + " (calibrated against a served results file)")
+    cal = fit_calibration_jointly(profile, shapes_of(config, profile.dtype), served, config.vocab_size)
+    files = "a served results file" if len(served) == 1 else f"{len(served)} served results files"
+    return replace(profile, calibration=cal, source=profile.source + f" (calibrated against {files})")
 
 
 def format_calibration(cal: Calibration) -> str:
@@ -223,7 +287,8 @@ def format_calibration(cal: Calibration) -> str:
         err = f"{abs(c - m) / m * 100:.1f}%" if c is not None else "-"
         ks = f"{k:.4g}" if k is not None else "-"
         cs = f"{c:.4g}" if c is not None else "-"
-        lines.append(f"{r['rate']!s:>6} {r['metric']:<20} {m:>10.4g} {ks:>10} {cs:>10} {err:>7}")
+        where = f"  ({r['workload']})" if r.get("workload") else ""
+        lines.append(f"{r['rate']!s:>6} {r['metric']:<20} {m:>10.4g} {ks:>10} {cs:>10} {err:>7}{where}")
     return "\n".join(lines)
 
 
