@@ -61,9 +61,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @cpu_only
 @pytest.mark.parametrize(("block", "hidden", "inter"), SHAPES, ids=SHAPE_IDS)
-# one token on all experts, 17 on a shard: each value of each once beside every block (the interpreter is slow)
-@pytest.mark.parametrize(("T", "expert_range"), [(1, (0, 8)), (17, (3, 6))], ids=["T1-all", "T17-shard"])
-@pytest.mark.parametrize("tiles", [None, SMALL_TILES], ids=["table", "small_tiles"])
+# one token on all experts with the table's tiles, 17 on a shard with small ones: each value of each once beside
+# every block (the interpreter is slow)
+@pytest.mark.parametrize(
+    ("T", "expert_range", "tiles"), [(1, (0, 8), None), (17, (3, 6), SMALL_TILES)], ids=["T1-all", "T17-shard-small"]
+)
 def test_fp8_fused_routed_experts_equal_the_loop_over_quantized_rows(block, hidden, inter, T, expert_range, tiles):
     """FP8 weights with their scales in the four launches (rows and SwiGLU outputs quantized per row in groups of b1,
     fp8 x fp8) = the eager loop on the same quantized values within 1e-5 (relative to the largest output), on all
