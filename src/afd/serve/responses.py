@@ -235,7 +235,7 @@ async def chat_response(call: Call) -> ChatCompletionResponse:
 
 # ---------------------------------------------------------------- streams
 Chunk = CompletionStreamResponse | ChatCompletionStreamResponse
-TEXT_MARK = "\x00afd-text\x00"  # no token's text: a detokenizer never yields NUL bytes around it
+TEXT_MARK = "\x00afd-text\x00"  # the text's stand-in; nothing else in a chunk (ids, model names) holds it
 
 
 class TextTemplate:
