@@ -66,8 +66,9 @@ class ExpertScales:
 
 
 def _fp8_rows(x: torch.Tensor, scales: ExpertScales | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """What the gate/up GEMM reads of rows `x [N, H]`: x itself for 16/32-bit experts (no scales); with FP8 experts'
-    `scales`, x quantized per row in groups of the block's width and its scales [N, ceil(H/b1)]."""
+    """What a GEMM reads of rows `x [N, K]` (x, or the SwiGLU output before the down projection): x itself for
+    16/32-bit experts (no scales); with FP8 experts' `scales`, x quantized per row in groups of the block's width
+    and its scales [N, ceil(K/b1)]."""
     if x.dtype not in DTYPES:
         raise ValueError(f"rows {x.dtype}: need one dtype of {DTYPES}")
     return (x, None) if scales is None else quantize_row_groups(x, scales.block[1])
@@ -92,15 +93,6 @@ def _scale_args(scales: ExpertScales | None) -> tuple[dict, dict]:
     return {"scale": scales.w13, "block": scales.block}, {"scale": scales.w2, "block": scales.block}
 
 
-def _down_rows(act: torch.Tensor, scales: ExpertScales | None, down_kwargs: dict) -> torch.Tensor:
-    """What the down GEMM reads of the SwiGLU output `act [N, I]`: act itself, or (FP8 experts) act quantized per
-    row in groups of the block's width, its scales put in `down_kwargs` as `act_scale`."""
-    if scales is None:
-        return act
-    q, down_kwargs["act_scale"] = quantize_row_groups(act, scales.block[1])
-    return q
-
-
 def fused_grouped_expert_mlp(
     x: torch.Tensor,
     offs: torch.Tensor,
@@ -122,9 +114,9 @@ def fused_grouped_expert_mlp(
     act = expert_gate_up(  # [N, I]
         rows, offs, w13, rows_hint=hint, config=up_cfg, x_scale=x_scale, out_dtype=x.dtype, **up_scale
     )
-    act = _down_rows(act, scales, down_scale)
+    act, act_scale = _fp8_rows(act, scales)  # the down GEMM's rows: fp8 for FP8 experts
     out = torch.empty_like(x)  # [N, H]
-    return expert_down(act, offs, w2, out=out, rows_hint=hint, config=down_cfg, **down_scale)
+    return expert_down(act, offs, w2, out=out, rows_hint=hint, config=down_cfg, act_scale=act_scale, **down_scale)
 
 
 def fused_routed_experts(
@@ -169,10 +161,19 @@ def fused_routed_experts(
         out_dtype=x.dtype,
         **up_scale,
     )
-    act = _down_rows(act, scales, down_scale)  # [P, I], fp8 for FP8 experts
+    act, act_scale = _fp8_rows(act, scales)  # [P, I]: the down GEMM's rows, fp8 for FP8 experts
     by_pair = torch.empty(num_tokens * top_k, hidden, dtype=torch.float32, device=x.device)  # [P, H]
     weights = topk_weights.reshape(-1).float().contiguous()  # [P]
     expert_down(
-        act, offs, w2, out=by_pair, dest_idx=pair_idx, weights=weights, rows_hint=hint, config=down_cfg, **down_scale
+        act,
+        offs,
+        w2,
+        out=by_pair,
+        dest_idx=pair_idx,
+        weights=weights,
+        rows_hint=hint,
+        config=down_cfg,
+        act_scale=act_scale,
+        **down_scale,
     )
     return combine_pairs(by_pair, topk_ids, out, expert_start, num_experts)

@@ -160,8 +160,9 @@ def expert_gate_up(
     act = x.new_empty(num_rows, inter, dtype=out_dtype)  # [N, I]
     if num_rows == 0 or num_experts == 0:
         return act
-    cfg = config or fit_dtype(gate_up_config(rows_hint or rows_per_expert_hint(num_rows, 1, num_experts)), act.dtype)
     has_scale = w13.dtype == FP8_DTYPE
+    dtype = torch.bfloat16 if has_scale else x.dtype  # fp8 tiles fit bf16's table, as in moe_down
+    cfg = config or fit_dtype(gate_up_config(rows_hint or rows_per_expert_hint(num_rows, 1, num_experts)), dtype)
     block_k = scaled_block_k(cfg.block_k, block[1], FP8_MIN_BLOCK_K) if has_scale else cfg.block_k
     scale_n, scale_k = block if has_scale else (1, 1)
     s, xs = (scale, x_scale) if has_scale else (offs, offs)  # unused without HAS_SCALE
