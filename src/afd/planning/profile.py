@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 FORMAT = "afd-profile/1"
@@ -94,17 +94,7 @@ class Calibration:
 
     @property
     def active(self) -> bool:
-        return any(
-            (
-                self.step_s,
-                self.token_s,
-                self.request_s,
-                self.front_end_s,
-                self.held_s,
-                self.arrival_s,
-                self.prompt_step_s,
-            )
-        )
+        return any(getattr(self, f.name) for f in fields(self) if f.name != "fit")
 
 
 def front_end_queue(arrivals: list[float], cost_s: float) -> list[float]:
