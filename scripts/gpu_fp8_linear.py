@@ -4,11 +4,13 @@ DeepSeek-V2-Lite and V3 (what `FP8Linear` runs: attention projections, dense MLP
 Per (model, linear, M): one CUDA graph of calls on distinct copies of the weight (enough copies that they do not
 stay in L2), replayed `--iters` times; ms per call, the bytes a call must move (weight, its scales, rows in, rows
 out) per second, the HBM floor (those bytes at the device-to-device copy bandwidth measured in the same run),
-TFLOP/s, and fp8/bf16. Rows: bf16 (`F.linear`, cuBLAS), fp8 (the kernel, its tile table), fp8-dequant (what runs
-without the kernel: dequantize per call, then `F.linear`; `--dequant`), fp8-sweep (other tile shapes; `--sweep`).
+TFLOP/s, and fp8/bf16. Rows: bf16 (`F.linear`, cuBLAS), fp8 (`fp8_linear` as the model calls it: the kernel with
+its tile table, or the dense path past `KERNEL_MAX_ROWS`), fp8-kernel (the kernel at the table's tile where `fp8`
+took the dense path), fp8-dense (`dequantize_weight` then `F.linear`, at every M: where the two paths cross),
+fp8-sweep (other tile shapes; `--sweep`).
 
     PYTHONPATH=src python3 scripts/gpu_fp8_linear.py [--models v2-lite,v3] [--rows 1,64,256,8192] [--only o_proj]
-        [--block 128] [--iters 20] [--dequant] [--sweep]
+        [--block 128] [--iters 20] [--sweep]
 
 Prints one JSON line per row, then a table (stderr) of fp8 against bf16.
 """
@@ -23,7 +25,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from afd.kernels.fp8_linear import LinearConfig, choose_config, fp8_linear, sm_count
+from afd.kernels.fp8_linear import KERNEL_MAX_ROWS, LinearConfig, choose_config, dequantize_weight, fp8_linear, sm_count
 from afd.model.fp8 import dequantize, quantize
 from afd.profiling.graph_timing import graph_ms
 
@@ -60,7 +62,6 @@ parser.add_argument("--rows", default="1,64,256,8192")
 parser.add_argument("--only", default="", help="comma-separated substrings of linear names to keep")
 parser.add_argument("--block", type=int, default=128)
 parser.add_argument("--iters", type=int, default=20)
-parser.add_argument("--dequant", action="store_true", help="also time dequantize-per-call + F.linear")
 parser.add_argument("--sweep", action="store_true", help="also time other tile shapes of the kernel")
 args = parser.parse_args()
 dev = torch.device("cuda")
@@ -98,12 +99,7 @@ def sweep_configs(rows: int) -> list[LinearConfig]:
             LinearConfig(128, 128, 128, 1, False, 8, 3),
         ]
     bm = 16 if rows <= 16 else 32 if rows <= 32 else 64
-    return [
-        LinearConfig(bm, bn, 128, split, dq, 4, stages)
-        for bn in (32, 64, 128)
-        for split in (1, 2, 4)
-        for dq, stages in ((False, 4), (False, 6), (True, 4))
-    ]
+    return [LinearConfig(bm, bn, 128, split, False, 4, 4) for bn in (16, 32, 64) for split in (1, 2, 4)]
 
 
 def report(row: str, shape: tuple[str, str, int, int, int], ms: float, moved: int, **extra) -> None:
@@ -124,11 +120,14 @@ def bench_rows(shape: tuple[str, str, int, int, int], weights: list, dense: list
     bf16_ms = timed([lambda d=d: F.linear(x, d) for d in dense])
     report("bf16", shape, bf16_ms, 2 * n * k + io)
     fp8_ms = timed([lambda w=w, s=s: fp8_linear(x, w, s, block) for w, s in weights])
-    tile = list(vars(choose_config(rows, n, k, block, x.dtype, sms)).values())
+    cfg = choose_config(rows, n, k, block, x.dtype, sms)
+    tile = "dense" if rows > KERNEL_MAX_ROWS else list(vars(cfg).values())
     report("fp8", shape, fp8_ms, fp8_bytes, fp8_over_bf16=round(fp8_ms / bf16_ms, 3), tile=tile)
-    if args.dequant:
-        ms = timed([lambda w=w, s=s: F.linear(x, dequantize(w, s, block, torch.bfloat16)) for w, s in weights])
-        report("fp8-dequant", shape, ms, fp8_bytes)
+    if rows > KERNEL_MAX_ROWS:
+        ms = timed([lambda w=w, s=s: fp8_linear(x, w, s, block, config=cfg) for w, s in weights])
+        report("fp8-kernel", shape, ms, fp8_bytes, fp8_over_bf16=round(ms / bf16_ms, 3), tile=list(vars(cfg).values()))
+    ms = timed([lambda w=w, s=s: F.linear(x, dequantize_weight(w, s, block, x.dtype)) for w, s in weights])
+    report("fp8-dense", shape, ms, fp8_bytes, fp8_over_bf16=round(ms / bf16_ms, 3))
     if args.sweep:
         for cfg in sweep_configs(rows):
             try:

@@ -15,7 +15,7 @@ import torch.nn.functional as F  # noqa: E402
 from helpers.kernels_fp8_linear import fp8_weight  # noqa: E402
 
 from afd.kernels import eager_ops  # noqa: E402
-from afd.kernels.fp8_linear import LinearConfig, fp8_linear, fp8_linear_reference  # noqa: E402
+from afd.kernels.fp8_linear import LinearConfig, dequantize_weight, fp8_linear, fp8_linear_reference  # noqa: E402
 from afd.model.fp8 import FP8Linear  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -61,11 +61,13 @@ def _layer(n: int, k: int, block: tuple[int, int], bias: bool = False) -> FP8Lin
 def test_gpu_fp8_linear_bf16_against_the_fp32_reference(shape):
     """bf16 rows, 128 x 128 blocks: relative error to the fp32 reference <= 5e-3 (the scaled-partial tiles round only
     the output; the dequantized-tile ones the weight to bf16 too), within 1e-2 of F.linear on the weight dequantized
-    to bf16; two runs give the same bits (K splits are summed in a fixed order); FP8Linear dispatches to it."""
+    to bf16; two runs give the same bits (K splits are summed in a fixed order); FP8Linear dispatches to it. The dense
+    path's one-launch dequantization equals the model's, bit for bit."""
     n, k = shape
     layer = _layer(n, k, (128, 128))
     w, s = layer.weight, layer.weight_scale_inv
     dense = layer.dequantized(torch.bfloat16)
+    assert torch.equal(dequantize_weight(w, s, (128, 128), torch.bfloat16), dense)
     for rows in ROWS:
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         got = fp8_linear(x, w, s, (128, 128))

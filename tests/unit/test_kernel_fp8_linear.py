@@ -64,13 +64,31 @@ def test_reference_is_the_model_dequantized_path(block):
 @pytest.mark.parametrize("block", BLOCKS, ids=lambda b: f"{b[0]}x{b[1]}")
 @pytest.mark.parametrize("rows", ROWS)
 def test_fp8_linear_equals_the_reference(block, rows):
-    """The table's tiles (decode buckets with K splits, the prefill tile at 300 rows) = the fp32 reference within
+    """The table's tiles (decode buckets with K splits) and the dense path at 300 rows = the fp32 reference within
     1e-5 of the largest output."""
     w, s = fp8_weight(N, K, block, seed=rows)
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
     got = fp8_linear(x, w, s, block)
     assert got.dtype == x.dtype and got.shape == (rows, N)
     assert _rel(got, fp8_linear_reference(x, w, s, block)) <= 1e-5
+
+
+@cpu_only
+@pytest.mark.parametrize("block", BLOCKS, ids=lambda b: f"{b[0]}x{b[1]}")
+def test_dequantize_weight_is_the_model_dequantize_bit_for_bit(block):
+    """The one-launch dequantization the dense path multiplies by equals afd.model.fp8.dequantize exactly, ragged
+    edges included (fp32 here: the interpreter truncates to bf16 where the GPU rounds, so bf16 is a GPU test)."""
+    w, s = fp8_weight(N, K, block, seed=5)
+    assert torch.equal(kfl.dequantize_weight(w, s, block, torch.float32), dequantize(w, s, block))
+
+
+@cpu_only
+def test_past_the_kernel_rows_the_dense_path_runs():
+    """More than KERNEL_MAX_ROWS rows: F.linear on the dequantized weight (bias included), bit for bit."""
+    layer = _linear((128, 128), bias=True, seed=4)
+    x = torch.randn(kfl.KERNEL_MAX_ROWS + 1, K, generator=torch.Generator().manual_seed(4))
+    got = fp8_linear(x, layer.weight, layer.weight_scale_inv, layer.block, layer.bias)
+    assert torch.equal(got, F.linear(x, layer.dequantized(torch.float32), layer.bias))
 
 
 CONFIGS = [

@@ -15,9 +15,11 @@ apply it, chosen per tile configuration:
 
 Tiles come from a fixed table by row count (no autotuning at run time: deterministic, capturable). Decode sizes
 (M <= 256) are bound by reading the weight: the N dimension is split into narrow tiles and, where N alone gives
-fewer programs than the GPU has SMs, K too (`split_k`: fp32 partials summed after, deterministic). Prefill sizes
-take 128 x 128 tiles. A configuration depends only on M's bucket, so `warm_up` compiles every variant a weight
-meets. Nothing reads device values on the host: CUDA-graph capturable.
+fewer programs than the GPU has SMs, K too (`split_k`: fp32 partials summed after, deterministic). Past
+`KERNEL_MAX_ROWS` rows the GEMM is compute bound and cuBLAS's bf16 GEMM outruns this kernel's tiles, so the weight
+is dequantized into a scratch copy (`dequantize_weight`, one pass over the fp8 bytes) and multiplied there: the
+copy costs a few percent of such a GEMM. A configuration depends only on M's bucket, so `warm_up` compiles every
+variant a weight meets. Nothing reads device values on the host: CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -40,6 +43,7 @@ from afd.kernels.moe_tiles import (
 # M buckets of the tile table; past the last one, the prefill tiles
 ROW_BUCKETS = (16, 32, 64, 128, 256)
 DECODE_MAX_ROWS = ROW_BUCKETS[-1]
+KERNEL_MAX_ROWS = DECODE_MAX_ROWS  # past this, dequantize the weight once per call and run the dense GEMM
 MIN_K_STEPS_PER_SPLIT = 4  # a K split keeps at least this many steps, so its pipeline fills
 DEFAULT_SM_COUNT = 132  # where there is no CUDA device to ask (Triton's interpreter): an H100/H200's
 
@@ -201,13 +205,16 @@ def fp8_linear(
 ) -> torch.Tensor:
     """`x [..., K] @ (weight * scale).T + bias -> [..., N]` in x's dtype: `weight [N, K] float8_e4m3fn`,
     `scale [ceil(N/b0), ceil(K/b1)] fp32` with `block = (b0, b1)` (b1 a multiple of 16, any b0), `bias [N]`.
-    `config`: a tile configuration other than the table's (tests, sweeps). Allocations depend on shapes only."""
+    `config`: a tile configuration other than the table's (tests, sweeps; never the dense path). Allocations depend
+    on shapes only."""
     out_features, in_features = check_fp8_linear(x, weight, scale, block, bias)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, in_features)  # [M, K]
     num_rows = x2.shape[0]
     if num_rows == 0 or out_features == 0:
         return x.new_zeros(*lead, out_features)
+    if config is None and num_rows > KERNEL_MAX_ROWS:
+        return F.linear(x, dequantize_weight(weight, scale, block, x.dtype), bias)
     cfg = config or choose_config(num_rows, out_features, in_features, block, x.dtype, sm_count(x.device))
     block_k = scaled_block_k(cfg.block_k, block[1])
     k_steps = triton.cdiv(in_features, block_k)
@@ -249,12 +256,67 @@ def fp8_linear(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    if split > 1:  # fixed order, so every run gives the same bits
-        total = out.sum(dim=0)  # [M, N] fp32
-        if bias is not None:
-            total += bias.float()
-        y.copy_(total)
+    if split > 1 and bias is None:  # fixed order, so every run gives the same bits; one launch, rounded once
+        torch.sum(out, dim=0, out=y)
+    elif split > 1:
+        y.copy_(out.sum(dim=0) + bias.float())
     return y.view(*lead, out_features)
+
+
+DEQUANT_TILE = (32, 128)  # (rows, columns) of the weight per program of `dequantize_weight`
+
+
+@triton.jit
+def _dequantize_kernel(
+    w_ptr,  # [N, K] float8_e4m3fn
+    scale_ptr,  # [ceil(N/SCALE_N), ceil(K/SCALE_K)] fp32
+    out_ptr,  # [N, K]
+    out_features,
+    in_features,
+    stride_wn,
+    stride_wk,
+    stride_sn,
+    stride_sk,
+    stride_on,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SCALE_N: tl.constexpr,
+    SCALE_K: tl.constexpr,
+):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (n < out_features)[:, None] & (k < in_features)[None, :]
+    w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_wn + k[None, :] * stride_wk, mask=mask, other=0.0)
+    s = tl.load(scale_ptr + (n // SCALE_N)[:, None] * stride_sn + (k // SCALE_K)[None, :] * stride_sk, mask=mask)
+    out = out_ptr + n[:, None].to(tl.int64) * stride_on + k[None, :]
+    tl.store(out, (w.to(tl.float32) * s).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def dequantize_weight(
+    weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype
+) -> torch.Tensor:
+    """`weight [N, K] float8_e4m3fn * scale` (one fp32 scale per `block`) -> a new `[N, K]` tensor of `dtype`, the
+    product in fp32 rounded once (as `afd.model.fp8.dequantize`), in one launch: fp8 bytes read, `dtype` written."""
+    out_features, in_features = weight.shape
+    out = torch.empty(out_features, in_features, dtype=dtype, device=weight.device)
+    grid = (triton.cdiv(out_features, DEQUANT_TILE[0]), triton.cdiv(in_features, DEQUANT_TILE[1]))
+    _dequantize_kernel[grid](
+        weight,
+        scale,
+        out,
+        out_features,
+        in_features,
+        weight.stride(0),
+        weight.stride(1),
+        scale.stride(0),
+        scale.stride(1),
+        out.stride(0),
+        BLOCK_N=DEQUANT_TILE[0],
+        BLOCK_K=DEQUANT_TILE[1],
+        SCALE_N=block[0],
+        SCALE_K=block[1],
+    )
+    return out
 
 
 def warm_up_rows(max_rows: int) -> list[int]:
