@@ -11,11 +11,12 @@
 #   moe-fp8 [ARGS]       the routed experts alone, bf16 vs FP8 kernels vs FP8 dequantized per call, 26 layers in one
 #                        CUDA graph, T = 1,8,64,256 (scripts/gpu_moe_fp8.py; --sweep times FP8 tile shapes too)
 #   numerics-fp8 [ARGS]  `--quantization fp8` against the bf16 weights it was made from, V2-Lite on GPU 0: mean / max
-#                        |Δp| of each next token over 16 x 256 positions, argmax agreement where bf16's top-2 margin
-#                        is above 1e-2 (scripts/quant_numerics.py), into $OUT/numerics_fp8.json
-#   linear-fp8 [ARGS]    FP8Linear's kernel against bf16 F.linear at V2-Lite and V3 linear shapes, M = 1,64,256,8192:
-#                        ms, bytes/s, the HBM floor, fp8/bf16 (scripts/gpu_fp8_linear.py; --models, --rows, --only,
-#                        --dequant times dequantize-per-call too, --sweep other tile shapes)
+#                        |Δp| at bf16's greedy token over 16 x 257 positions, tokens against the same fp8 weights
+#                        run dequantized where its top-2 margin is above 1e-2 (scripts/quant_numerics.py), into
+#                        $OUT/numerics_fp8.json
+#   linear-fp8 [ARGS]    FP8Linear against bf16 F.linear at V2-Lite and V3 linear shapes, M = 1,64,256,8192: ms,
+#                        bytes/s, the HBM floor, fp8/bf16, the kernel and the dense path at every M
+#                        (scripts/gpu_fp8_linear.py; --models, --rows, --only, --sweep other tile shapes)
 #   exchange [ARGS]      one layer's exchange round trip (no-op FFN), 50 passes of 26 layers, async passes replayed
 #                        from one CUDA graph, beside a peer copy of the same bytes:
 #                        afd bench exchange --iters 50 --layers 26 --graph --tokens 1,8,64,512,4096 --connectors p2p,async

@@ -1,10 +1,12 @@
-"""A quantized model against the same model unquantized: mean / max |Δp| of each next token over every scored
-position, argmax agreement where the reference's top-2 margin is above `--margin` (`afd.bench.quant_numerics`).
+"""A quantized model against the same model unquantized: mean / max |Δp| at the reference's greedy token over every
+position, and argmax agreement with the same quantized weights run dequantized (kernels off) where that run's top-2
+margin is above `--margin` (`afd.bench.quant_numerics`).
 
     PYTHONPATH=src python3 scripts/quant_numerics.py [--model deepseek-v2-lite] [--dtype bfloat16] [--device cuda]
         [--prompts 16] [--prompt-len 257] [--margin 0.01] [--json F]
 
-FP8's target (V2-Lite shapes, bf16 compute, >= 4,096 positions): mean |Δp| <= 5e-3, argmax equal wherever decided.
+FP8's target (V2-Lite shapes, bf16 compute, >= 4,096 positions): mean |Δp| <= 5e-3 against the 16-bit model, tokens
+equal to the dequantized run's wherever decided.
 Prints one JSON line.
 """
 # ruff: noqa: T201  (a script that prints its result)

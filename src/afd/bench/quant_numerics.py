@@ -1,12 +1,14 @@
 """How far a quantized model's next-token distributions lie from the same model unquantized: the numerics target of
 FP8 (`--quantization fp8` against the 16-bit weights it was made from).
 
-Both models are loaded from the same weights (a checkpoint, or a preset's seeded random ones), one of them
-quantized at load; every prompt runs through each in one forward without a cache (the oracle's way of scoring every
-position). Per position: |Δp| of the prompt's actual next token (as `afd bench` scores connectors), and whether the
-two argmax tokens agree where the reference's top-2 margin (p1 - p2) is above `margin` (below it a tie breaks
-either way). The reference's top-1 probability is reported too: on random weights distributions are flat, and
-a small |Δp| then says less than on a trained model.
+Three runs over the same random prompts, each one forward without a cache (the oracle's way of scoring every
+position): the 16-bit reference, the quantized model on its kernels, and the same quantized weights dequantized
+(the kernels off, `afd.kernels.eager_ops`). Per position: |Δp| between the reference and the quantized model at the
+reference's greedy token (the token `afd bench` scores), and whether the quantized model picks the dequantized
+run's token where that run's top-2 margin (p1 - p2) is above `margin` (below it a tie breaks either way): the first
+measures the quantization, the second the kernels' own arithmetic (activations in fp8 included). The reference's
+top-1 probability is reported too: on random weights distributions are flat, and a small |Δp| then says less than
+on a trained model.
 """
 
 from __future__ import annotations
@@ -23,11 +25,11 @@ from afd.model.batch import Batch
 
 @dataclass(frozen=True)
 class QuantNumerics:
-    positions: int  # scored positions (every prompt token but the last)
-    mean_abs_dprob: float  # of the actual next token
+    positions: int  # scored positions (every prompt position)
+    mean_abs_dprob: float  # quantized vs reference, at the reference's greedy token
     max_abs_dprob: float
-    decided: int  # positions whose reference top-2 margin is above `margin`
-    argmax_equal: int  # of those, where both models pick the same token
+    decided: int  # positions whose dequantized-run top-2 margin is above `margin`
+    argmax_equal: int  # of those, where the quantized model picks the dequantized run's token
     mean_top1_prob: float  # the reference's, over all positions: how peaked the distributions are
 
     def as_dict(self) -> dict:
@@ -50,18 +52,19 @@ def prompt_probs(attn, ffn, prompt: list[int]) -> torch.Tensor:
 
 
 def compare(
-    reference: list[torch.Tensor], other: list[torch.Tensor], prompts: list[list[int]], margin: float
+    reference: list[torch.Tensor], quantized: list[torch.Tensor], dequantized: list[torch.Tensor], margin: float
 ) -> QuantNumerics:
-    """The per-position comparison of two models' `prompt_probs` over the same prompts."""
+    """The per-position comparison of three models' `prompt_probs` over the same prompts (one [len, V] tensor per
+    prompt in each list)."""
     dprob, decided, equal, top1 = [], 0, 0, []
-    for ref, run, prompt in zip(reference, other, prompts, strict=True):
-        nxt = torch.tensor(prompt[1:], device=ref.device)[:, None]  # [n-1, 1]
-        dprob.append((ref[:-1].gather(1, nxt) - run[:-1].gather(1, nxt)).abs().squeeze(1))
-        best = ref.topk(2, dim=-1)
-        sure = best.values[:, 0] - best.values[:, 1] > margin
+    for ref, run, dense in zip(reference, quantized, dequantized, strict=True):
+        best = ref.max(dim=-1)
+        dprob.append((best.values - run.gather(1, best.indices[:, None]).squeeze(1)).abs())
+        top2 = dense.topk(2, dim=-1)
+        sure = top2.values[:, 0] - top2.values[:, 1] > margin
         decided += int(sure.sum())
-        equal += int((sure & (best.indices[:, 0] == run.argmax(dim=-1))).sum())
-        top1.append(best.values[:, 0])
+        equal += int((sure & (top2.indices[:, 0] == run.argmax(dim=-1))).sum())
+        top1.append(best.values)
     d, t = torch.cat(dprob), torch.cat(top1)
     return QuantNumerics(d.numel(), float(d.mean()), float(d.max()), decided, equal, float(t.mean()))
 
@@ -77,21 +80,26 @@ def quantization_numerics(
     margin: float = 1e-2,
     seed: int = 0,
 ) -> dict:
-    """`model` loaded as it is and with `quantization`, the same random prompts through both; one model on the
-    device at a time (the reference's probabilities stay, on the device)."""
+    """`model` loaded as it is and with `quantization`, the same random prompts through both, and through the
+    quantized one again with the kernels off; one model on the device at a time (the probabilities stay there)."""
+    from afd.kernels import eager_ops
     from afd.model.weights import load_attention_model, load_ffn_model, load_model_config
 
     vocab = load_model_config(model).vocab_size
     chosen = random_prompts(vocab, prompts, prompt_len, seed)
-    probs: dict[str | None, list[torch.Tensor]] = {}
+    probs: dict[str, list[torch.Tensor]] = {}
     for quant in (None, quantization):
         load = dict(dtype=dtype, device=device, seed=seed, quantization=quant)
         attn, ffn = load_attention_model(model, **load), load_ffn_model(model, **load)
-        probs[quant] = [prompt_probs(attn, ffn, p) for p in chosen]
+        name = "reference" if quant is None else "quantized"
+        probs[name] = [prompt_probs(attn, ffn, p) for p in chosen]
+        if quant is not None:
+            with eager_ops():
+                probs["dequantized"] = [prompt_probs(attn, ffn, p) for p in chosen]
         del attn, ffn
         if device == "cuda":
             torch.cuda.empty_cache()
-    result = compare(probs[None], probs[quantization], chosen, margin)
+    result = compare(probs["reference"], probs["quantized"], probs["dequantized"], margin)
     return {
         "model": str(model),
         "dtype": dtype,
