@@ -2,6 +2,7 @@
 the top kernels by device time (CUDA) or the top ops by CPU time (CPU), plus the step's wall time.
 
     PYTHONPATH=src python3 scripts/gpu_prefill_profile.py [--model deepseek-v2-lite] [--batch 8] [--prompt-len 1024]
+        [--quantization fp8]
     PYTHONPATH=src python3 scripts/gpu_prefill_profile.py --device cpu --model tiny --batch 2 --prompt-len 16
 
 Weights are the preset's seeded random ones (a step's time does not depend on the values). The first step
@@ -17,6 +18,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from afd.bench.step import overlap_off
 from afd.engine.engine import Engine, LocalExchange, Request
 from afd.model.weights import load_attention_model, load_ffn_model
 
@@ -27,11 +29,13 @@ parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, fl
 parser.add_argument("--batch", type=int, default=8)
 parser.add_argument("--prompt-len", type=int, default=1024)
 parser.add_argument("--rows", type=int, default=25)
+parser.add_argument("--quantization", default=None, help="e.g. fp8: quantize the weights at load")
 args = parser.parse_args()
 cuda = args.device.startswith("cuda")
 dtype = args.dtype or ("bfloat16" if cuda else "float32")
-attn = load_attention_model(args.model, dtype=dtype, device=args.device)
-ffn = load_ffn_model(args.model, dtype=dtype, device=args.device)
+load = dict(dtype=dtype, device=args.device, quantization=args.quantization)
+attn = load_attention_model(args.model, **load)
+ffn = load_ffn_model(args.model, **load)
 tokens = args.batch * args.prompt_len
 blocks_per_seq = -(-(args.prompt_len + 1) // 16)
 engine = Engine(
@@ -54,7 +58,8 @@ def prefill_step() -> float:
     if cuda:
         torch.cuda.synchronize()
     start = time.perf_counter()
-    engine.step()
+    with overlap_off(engine):  # finalized inside the step, so its wall time is the whole step
+        engine.step()
     if cuda:
         torch.cuda.synchronize()
     if engine.has_work():

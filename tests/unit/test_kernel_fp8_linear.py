@@ -117,12 +117,28 @@ def test_fp8_linear_tile_shapes_with_bias_and_leading_dims(block, config):
 
 def test_tile_choice_depends_on_the_row_bucket_only():
     """Every M of a bucket gets one configuration (one compiled kernel); the K step divides the block's width; a
-    narrow N on many SMs splits K (each split at least 4 steps); prefill sizes take 128 x 128 tiles, unsplit."""
+    narrow N on many SMs splits K (each split at least 4 steps, at most 4 splits at decode sizes); prefill sizes
+    take 128 x 128 tiles, unsplit."""
     for bucket in kfl.ROW_BUCKETS:
         lo = bucket // 2 + 1 if bucket > 16 else 1
         assert choose_config(lo, 2048, 2048, (128, 128), torch.bfloat16, 132) == choose_config(
             bucket, 2048, 2048, (128, 128), torch.bfloat16, 132
         )
+
+    def tile(n: int, k: int, rows: int = 1) -> tuple[int, int]:
+        cfg = choose_config(rows, n, k, (128, 128), torch.bfloat16, 132)
+        return cfg.block_n, cfg.split_k
+
+    # the H200 sweep's best at V2-Lite's shapes: q_proj, kv_a_proj, kv_b_proj (4 K steps: no split), dense gate/up
+    # (171 tiles fill the GPU alone), dense down_proj
+    assert [tile(3072, 2048), tile(576, 2048), tile(4096, 512), tile(10944, 2048), tile(2048, 10944)] == [
+        (64, 4),
+        (32, 4),
+        (32, 1),
+        (64, 1),
+        (64, 4),
+    ]
+    assert tile(3072, 2048, rows=64) == (64, 4)
     kv_a = choose_config(1, 576, 7168, (128, 128), torch.bfloat16, 132)  # V3's kv_a_proj at decode
     assert kv_a.split_k > 1 and kv_a.block_k == 128 and not kv_a.dequant_tile
     assert -(-7168 // 128) // kv_a.split_k >= kfl.MIN_K_STEPS_PER_SPLIT

@@ -20,6 +20,8 @@ def test_compare_on_hand_made_distributions() -> None:
     assert got.max_abs_dprob == pytest.approx(0.1)
     # the dequantized run's margins 0.3, 0.01 (a tie: not decided), 0.3; its tokens 0 and 2 = the quantized run's
     assert (got.decided, got.argmax_equal) == (2, 2)
+    # at the dequantized run's greedy tokens 0, 0, 2: |0.6 - 0.6|, |0.41 - 0.39|, |0.6 - 0.7|
+    assert got.kernel_mean_abs_dprob == pytest.approx((0.0 + 0.02 + 0.1) / 3)
     assert got.mean_top1_prob == pytest.approx((0.7 + 0.40 + 0.8) / 3)
     flipped = compare([ref], [run[:, [1, 0, 2]]], [dense], margin=1e-2)
     assert (flipped.decided, flipped.argmax_equal) == (2, 1)
@@ -28,7 +30,7 @@ def test_compare_on_hand_made_distributions() -> None:
 def test_a_model_against_itself_is_exact() -> None:
     probs = torch.softmax(torch.randn(5, 11, generator=torch.Generator().manual_seed(0)), dim=-1)
     same = compare([probs], [probs.clone()], [probs.clone()], margin=0.0)
-    assert same.mean_abs_dprob == 0.0 and same.argmax_equal == same.decided == 5
+    assert same.mean_abs_dprob == same.kernel_mean_abs_dprob == 0.0 and same.argmax_equal == same.decided == 5
 
 
 @pytest.mark.timeout(60)
@@ -39,3 +41,4 @@ def test_fp8_against_fp32_on_the_tiny_model() -> None:
     # quantized weights move the greedy token's probability (top-1 ~0.36 on tiny's random weights: measured ~0.08)
     assert 0.0 < got["mean_abs_dprob"] < 0.2
     assert 0 < got["decided"] <= got["positions"] and got["argmax_equal"] == got["decided"]
+    assert got["kernel_mean_abs_dprob"] == 0.0

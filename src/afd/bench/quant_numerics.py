@@ -30,6 +30,7 @@ class QuantNumerics:
     max_abs_dprob: float
     decided: int  # positions whose dequantized-run top-2 margin is above `margin`
     argmax_equal: int  # of those, where the quantized model picks the dequantized run's token
+    kernel_mean_abs_dprob: float  # quantized vs dequantized, at the dequantized run's greedy token
     mean_top1_prob: float  # the reference's, over all positions: how peaked the distributions are
 
     def as_dict(self) -> dict:
@@ -56,17 +57,18 @@ def compare(
 ) -> QuantNumerics:
     """The per-position comparison of three models' `prompt_probs` over the same prompts (one [len, V] tensor per
     prompt in each list)."""
-    dprob, decided, equal, top1 = [], 0, 0, []
+    dprob, kernel_dprob, decided, equal, top1 = [], [], 0, 0, []
     for ref, run, dense in zip(reference, quantized, dequantized, strict=True):
         best = ref.max(dim=-1)
         dprob.append((best.values - run.gather(1, best.indices[:, None]).squeeze(1)).abs())
         top2 = dense.topk(2, dim=-1)
+        kernel_dprob.append((top2.values[:, 0] - run.gather(1, top2.indices[:, :1]).squeeze(1)).abs())
         sure = top2.values[:, 0] - top2.values[:, 1] > margin
         decided += int(sure.sum())
         equal += int((sure & (top2.indices[:, 0] == run.argmax(dim=-1))).sum())
         top1.append(best.values)
-    d, t = torch.cat(dprob), torch.cat(top1)
-    return QuantNumerics(d.numel(), float(d.mean()), float(d.max()), decided, equal, float(t.mean()))
+    d, k, t = torch.cat(dprob), torch.cat(kernel_dprob), torch.cat(top1)
+    return QuantNumerics(d.numel(), float(d.mean()), float(d.max()), decided, equal, float(k.mean()), float(t.mean()))
 
 
 def quantization_numerics(

@@ -45,6 +45,7 @@ ROW_BUCKETS = (16, 32, 64, 128, 256)
 DECODE_MAX_ROWS = ROW_BUCKETS[-1]
 KERNEL_MAX_ROWS = DECODE_MAX_ROWS  # past this, dequantize the weight once per call and run the dense GEMM
 MIN_K_STEPS_PER_SPLIT = 4  # a K split keeps at least this many steps, so its pipeline fills
+MAX_SPLIT_K = 4  # at scaled-partial sizes more splits cost the reduction more than they gain (H200 sweep)
 DEFAULT_SM_COUNT = 132  # where there is no CUDA device to ask (Triton's interpreter): an H100/H200's
 
 
@@ -63,9 +64,9 @@ class LinearConfig:
     num_stages: int = 4
 
 
-# Per M bucket: (block_m, block_n candidates, largest first, dequant_tile, warps, stages). Not yet tuned on a GPU
-# (`scripts/gpu_fp8_linear.py --sweep` times alternatives): a decode stage holds a 64 x 128 fp8 tile (8 KiB),
-# four stages about the bytes one SM needs in flight to stream at HBM speed.
+# Per M bucket: (block_m, block_n candidates, largest first, dequant_tile, warps, stages); `choose_config` picks the
+# width and the K splits (`scripts/gpu_fp8_linear.py --sweep` times alternatives). A decode stage holds a 64 x 128
+# fp8 tile (8 KiB), four stages about the bytes one SM needs in flight to stream at HBM speed.
 _TABLE = {
     16: (16, (64, 32, 16), False, 4, 4),
     32: (32, (64, 32, 16), False, 4, 4),
@@ -85,21 +86,31 @@ def choose_config(
     num_rows: int, out_features: int, in_features: int, block: tuple[int, int], dtype: torch.dtype, sm_count: int
 ) -> LinearConfig:
     """The tile configuration for `x [num_rows, K] @ W [N, K].T` with scales in `block`s, from M's bucket only (the
-    bucket's upper bound stands for M, so every M of a bucket compiles the same kernel). At decode sizes the widest
-    weight tile whose programs (with every K split allowed) cover `sm_count`, then as few K splits as cover it."""
+    bucket's upper bound stands for M, so every M of a bucket compiles the same kernel). Scaled-partial buckets (up
+    to 64 rows): the widest weight tile whose programs, with up to `MAX_SPLIT_K` K splits, cover half the SMs, then
+    no split where the tiles alone cover every SM, else that many splits (the H200 sweep's best at V2-Lite's
+    shapes). Dequantized-tile buckets: the widest tile whose programs (every K split allowed) cover the SMs, then as
+    few splits as cover them."""
     bucket = row_bucket(num_rows)
     block_m, widths, dequant, warps, stages = _TABLE[bucket]
     block_k = scaled_block_k(128 if dtype.itemsize <= 2 else 64, block[1])  # fp32 rows: half the step, same smem
     m_tiles = triton.cdiv(bucket or num_rows, block_m)
     k_steps = triton.cdiv(in_features, block_k)
     max_split = max(1, k_steps // MIN_K_STEPS_PER_SPLIT) if bucket else 1
+    if bucket and not dequant:
+        max_split, cover = min(max_split, MAX_SPLIT_K), sm_count // 2
+    else:
+        cover = sm_count
     block_n = widths[-1]
     for width in widths:
-        if triton.cdiv(out_features, width) * m_tiles * max_split >= sm_count:
+        if triton.cdiv(out_features, width) * m_tiles * max_split >= cover:
             block_n = width
             break
     tiles = triton.cdiv(out_features, block_n) * m_tiles
-    split = min(max_split, triton.cdiv(sm_count, tiles))
+    if bucket and not dequant:
+        split = 1 if tiles >= sm_count else max_split
+    else:
+        split = min(max_split, triton.cdiv(sm_count, tiles))
     return LinearConfig(block_m, block_n, block_k, split, dequant, warps, stages)
 
 
@@ -214,7 +225,7 @@ def fp8_linear(
     if num_rows == 0 or out_features == 0:
         return x.new_zeros(*lead, out_features)
     if config is None and num_rows > KERNEL_MAX_ROWS:
-        return F.linear(x, dequantize_weight(weight, scale, block, x.dtype), bias)
+        return F.linear(x, dequantize_weight(weight, scale, block, x.dtype), None if bias is None else bias.to(x.dtype))
     cfg = config or choose_config(num_rows, out_features, in_features, block, x.dtype, sm_count(x.device))
     block_k = scaled_block_k(cfg.block_k, block[1])
     k_steps = triton.cdiv(in_features, block_k)
