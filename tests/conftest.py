@@ -48,13 +48,41 @@ def _interpreter_reads_one_element_scalars() -> None:
 _interpreter_reads_one_element_scalars()
 
 
+@pytest.fixture(scope="module")
+def afd_module_tag() -> str:
+    """The tag of a module whose tests share one (`SHARED_TEST_TAG = True` in the module)."""
+    return uuid.uuid4().hex[:12]
+
+
 @pytest.fixture(autouse=True)
-def afd_test_tag(monkeypatch: pytest.MonkeyPatch) -> str:
+def afd_test_tag(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """A tag in the environment of every process this test starts: the e2e helpers look at, wait for and
-    clean up only processes (and their shared-memory segments) that carry the current test's tag."""
-    tag = uuid.uuid4().hex[:12]
+    clean up only processes (and their shared-memory segments) that carry the current test's tag.
+
+    A module that sets `SHARED_TEST_TAG = True` gives all its tests one tag. Its tests then share the launcher's
+    zygote (`afd.runtime.zygote`, which is replaced whenever the environment changes, and so per test under a tag
+    of its own), as `afd demo`'s launches do: each launch forks its ranks from it instead of paying `import torch`
+    again (~1.3 s per launch on a 2-core host). Only for modules whose tests check what their own launches leave
+    against what was there when they started (`Leftovers`), never an absolute count of the tag's processes."""
+    shared = getattr(request.module, "SHARED_TEST_TAG", False)
+    tag = request.getfixturevalue("afd_module_tag") if shared else uuid.uuid4().hex[:12]
     monkeypatch.setenv("AFD_TEST_TAG", tag)
     return tag
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function):
+    """In a `SHARED_TEST_TAG` module, the test body runs without pytest's PYTEST_CURRENT_TEST (the test's name,
+    which nothing of afd reads): the zygote compares environments, so a variable that names each test would
+    replace it per test all the same."""
+    if not getattr(pyfuncitem.module, "SHARED_TEST_TAG", False):
+        return (yield)
+    name = os.environ.pop("PYTEST_CURRENT_TEST", None)
+    try:
+        return (yield)
+    finally:
+        if name is not None:
+            os.environ["PYTEST_CURRENT_TEST"] = name
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,8 @@ from helpers.e2e import (
 
 from afd.runtime.launch import free_port
 
+SHARED_TEST_TAG = True  # one zygote for the module's launches (tests/conftest.py)
+
 VOCAB = 256  # the tiny preset
 
 
@@ -98,7 +100,7 @@ def test_killed_attention_rank_ends_the_run_and_cleans_up() -> None:
     launcher = start_long_launch(free_port(), "async", max_new_tokens=4000)
     try:
         # wait until every rank has mapped all 4 windows (past init), then let the decode loop run
-        pids = wait_for_workers(4)
+        pids = wait_for_workers(len(leftovers.pids) + 4) - leftovers.pids  # this launch's ranks only
         wait_until_mapped(pids, 4, [launcher])
         time.sleep(1.5)
         assert launcher.poll() is None, "the run ended before the kill"

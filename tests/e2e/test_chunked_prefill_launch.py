@@ -11,6 +11,8 @@ from helpers.engine_runs import assert_same, engine_of, tokens, whole
 
 from afd.engine.engine import Request
 
+SHARED_TEST_TAG = True  # one zygote for the module's launches (tests/conftest.py)
+
 # ---------------------------------------------------------------- launched: real rank processes
 E2E_PROMPTS = [tokens(30, 11), [7, 3], tokens(13, 12)]
 E2E_BUDGET = 8

@@ -18,6 +18,8 @@ from afd.engine.generate import generate
 from afd.runtime.launch import free_port, launch
 from afd.runtime.spec import RunSpec
 
+SHARED_TEST_TAG = True  # one zygote for the module's launches (tests/conftest.py)
+
 DEVICE_LINE = re.compile(r"(\d+) work items served on the device in whole passes, (\d+) passes handed back")
 
 

@@ -20,6 +20,8 @@ from afd.runtime.spec import RunSpec
 
 pytest.importorskip("transformers")
 
+SHARED_TEST_TAG = True  # one zygote for the module's launches (tests/conftest.py)
+
 PROMPTS = [[5, 17, 33, 2, 9, 41, 7, 3, 19, 23, 11], [4, 8], [100, 3, 77, 12, 9, 50], [1]]
 MAX_NEW_TOKENS = 4
 

@@ -9,6 +9,8 @@ from afd.config import parse_config
 from afd.runtime.launch import free_port, launch
 from afd.runtime.spec import RunSpec
 
+SHARED_TEST_TAG = True  # one zygote for the module's launches (tests/conftest.py)
+
 TOPOLOGIES = [(1, 1), (2, 2), (3, 2), (1, 2), (1, 4), (5, 2), (2, 3)]
 
 

@@ -15,6 +15,7 @@ from helpers.ubatch_runs import launch_mixed_lengths
 from afd.engine.generate import generate
 
 KEY = "shared_experts_on_attention"
+SHARED_TEST_TAG = True  # one zygote for the module's launches (tests/conftest.py)
 
 
 # ---------------------------------------------------------------- launched

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from helpers.ubatch_runs import launch_mixed_lengths
 
+SHARED_TEST_TAG = True  # one zygote for the module's launches (tests/conftest.py)
+
 # ---------------------------------------------------------------- launched runs
 
 # topology and micro-batch count: both counts, every topology of the evidence, each once (runtime)
