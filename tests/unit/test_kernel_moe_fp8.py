@@ -242,28 +242,38 @@ def test_fp8_ffn_model_takes_the_kernels_where_they_run(monkeypatch):
 
 
 @cpu_only
-def test_fp8_experts_take_the_kernels_above_the_decode_size(monkeypatch):
-    """Past `FUSED_MOE_MAX_PAIRS` (token, k) pairs or grouped rows, where 16-bit experts leave the kernels for
-    `torch._grouped_mm`, FP8 experts stay in them (prefill: dequantizing per call cost ~6 ms a V2-Lite layer on an
-    H200), in all three forms, within 1e-5 of the loop over quantized rows."""
+def test_fp8_experts_leave_the_kernels_past_their_own_bound(monkeypatch):
+    """FP8 experts take the fused kernels up to `FP8_FUSED_MOE_MAX_PAIRS` (token, k) pairs or grouped rows, past
+    16-bit experts' `FUSED_MOE_MAX_PAIRS` too (within 1e-5 of the loop over quantized rows); past their own bound
+    (prefill sizes) the dequantized weights take the 16-bit path (here its kernels: the bounds are moved to sizes
+    the interpreter runs quickly), in all three forms."""
     monkeypatch.setattr(moe, "_moe_kernels_run", lambda x: True)
     monkeypatch.setattr(moe, "_grouped_mm_supported", lambda device, dtype: True)
-    monkeypatch.setattr(moe, "FUSED_MOE_MAX_PAIRS", 64)  # the rule at a size Triton's interpreter runs quickly
-    num_tokens, top_k = moe.FUSED_MOE_MAX_PAIRS // 8 + 1, 8  # 72 pairs
-    x = torch.randn(num_tokens, 32, generator=torch.Generator().manual_seed(5))
-    assert moe._fused_moe_enabled(x, moe.FUSED_MOE_MAX_PAIRS) and not moe._fused_moe_enabled(x, num_tokens * top_k)
+    monkeypatch.setattr(moe, "FUSED_MOE_MAX_PAIRS", 128)
+    monkeypatch.setattr(moe, "FP8_FUSED_MOE_MAX_PAIRS", 64)
     q = fp8_experts(12, 32, 32, (16, 32), seed=5)
-    r = _routing(num_tokens, 12, top_k, seed=5)
+    w13, w2 = q.dequantized(torch.float32)
     calls = _Calls(monkeypatch)
-    got = moe.fp8_routed_experts(x, r.topk_ids, r.topk_weights, q, 0, fixed_shape=True)
-    ref = fp8_rows_routed_reference(x, r.topk_ids, r.topk_weights, q)
-    assert calls.seen == ["routed"] and _rel(got, ref) <= 1e-5, f"relative error {_rel(got, ref):.2e}"
+    for num_tokens, path in ((8, "routed"), (9, "routed-16bit")):  # 64 pairs at top-8, then 72
+        x = torch.randn(num_tokens, 32, generator=torch.Generator().manual_seed(5))
+        r = _routing(num_tokens, 12, 8, seed=5)
+        calls.seen.clear()
+        got = moe.fp8_routed_experts(x, r.topk_ids, r.topk_weights, q, 0, fixed_shape=True)
+        seen = list(calls.seen)
+        if path == "routed":
+            ref = fp8_rows_routed_reference(x, r.topk_ids, r.topk_weights, q)
+        else:
+            ref = moe.routed_experts(x, r.topk_ids, r.topk_weights, w13, w2, 0, fixed_shape=False)
+        assert seen == [path] and _rel(got, ref) <= 1e-5, f"{num_tokens} tokens: {_rel(got, ref):.2e}"
 
-    sizes = [30, 0, 20, 25] + [0] * 8  # 75 grouped rows
-    rows = torch.randn(sum(sizes), 32, generator=torch.Generator().manual_seed(6))
-    calls.seen.clear()
-    grouped = moe.fp8_grouped_expert_mlp(rows, sizes, q)
-    offsets = moe.fp8_grouped_expert_mlp_offsets(rows, torch.tensor(sizes).cumsum(0).to(torch.int32), q)
-    assert calls.seen == ["grouped", "grouped"]
-    ref = fp8_rows_grouped_reference(rows, sizes, q)
-    assert _rel(grouped, ref) <= 1e-5 and torch.equal(offsets, grouped)
+    for sizes, path in (([30, 0, 20, 14] + [0] * 8, "grouped"), ([30, 0, 20, 25] + [0] * 8, "grouped-16bit")):
+        rows = torch.randn(sum(sizes), 32, generator=torch.Generator().manual_seed(6))
+        calls.seen.clear()
+        grouped = moe.fp8_grouped_expert_mlp(rows, sizes, q)
+        offsets = moe.fp8_grouped_expert_mlp_offsets(rows, torch.tensor(sizes).cumsum(0).to(torch.int32), q)
+        seen = list(calls.seen)
+        if path == "grouped":
+            ref = fp8_rows_grouped_reference(rows, sizes, q)
+        else:
+            ref = moe.grouped_expert_mlp(rows, sizes, w13, w2, use_grouped_mm=False)
+        assert seen == [path, path] and _rel(grouped, ref) <= 1e-5 and torch.equal(offsets, grouped), sum(sizes)

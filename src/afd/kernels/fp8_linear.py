@@ -279,49 +279,57 @@ DEQUANT_TILE = (32, 128)  # (rows, columns) of the weight per program of `dequan
 
 @triton.jit
 def _dequantize_kernel(
-    w_ptr,  # [N, K] float8_e4m3fn
-    scale_ptr,  # [ceil(N/SCALE_N), ceil(K/SCALE_K)] fp32
-    out_ptr,  # [N, K]
+    w_ptr,  # [B, N, K] float8_e4m3fn
+    scale_ptr,  # [B, ceil(N/SCALE_N), ceil(K/SCALE_K)] fp32
+    out_ptr,  # [B, N, K] contiguous
     out_features,
     in_features,
+    stride_wb,
     stride_wn,
     stride_wk,
+    stride_sb,
     stride_sn,
     stride_sk,
-    stride_on,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SCALE_N: tl.constexpr,
     SCALE_K: tl.constexpr,
 ):
+    b = tl.program_id(2).to(tl.int64)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (n < out_features)[:, None] & (k < in_features)[None, :]
-    w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_wn + k[None, :] * stride_wk, mask=mask, other=0.0)
-    s = tl.load(scale_ptr + (n // SCALE_N)[:, None] * stride_sn + (k // SCALE_K)[None, :] * stride_sk, mask=mask)
-    out = out_ptr + n[:, None].to(tl.int64) * stride_on + k[None, :]
+    w = tl.load(w_ptr + b * stride_wb + n[:, None] * stride_wn + k[None, :] * stride_wk, mask=mask, other=0.0)
+    s_ptr = scale_ptr + b * stride_sb + (n // SCALE_N)[:, None] * stride_sn + (k // SCALE_K)[None, :] * stride_sk
+    s = tl.load(s_ptr, mask=mask)
+    out = out_ptr + (b * out_features + n[:, None]) * in_features + k[None, :]
     tl.store(out, (w.to(tl.float32) * s).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def dequantize_weight(
     weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype
 ) -> torch.Tensor:
-    """`weight [N, K] float8_e4m3fn * scale` (one fp32 scale per `block`) -> a new `[N, K]` tensor of `dtype`, the
-    product in fp32 rounded once (as `afd.model.fp8.dequantize`), in one launch: fp8 bytes read, `dtype` written."""
-    out_features, in_features = weight.shape
-    out = torch.empty(out_features, in_features, dtype=dtype, device=weight.device)
-    grid = (triton.cdiv(out_features, DEQUANT_TILE[0]), triton.cdiv(in_features, DEQUANT_TILE[1]))
+    """`weight [..., N, K] float8_e4m3fn * scale [..., ceil(N/b0), ceil(K/b1)]` (one fp32 scale per `block`) -> a
+    new contiguous `[..., N, K]` tensor of `dtype`, the product in fp32 rounded once (as `afd.model.fp8.dequantize`),
+    in one launch: fp8 bytes read, `dtype` written. Views (a stack's half, a slice of experts) are read in place."""
+    *lead, out_features, in_features = weight.shape
+    w3, s3 = weight.reshape(-1, out_features, in_features), scale.reshape(-1, *scale.shape[-2:])
+    out = torch.empty(*lead, out_features, in_features, dtype=dtype, device=weight.device)
+    grid = (triton.cdiv(out_features, DEQUANT_TILE[0]), triton.cdiv(in_features, DEQUANT_TILE[1]), w3.shape[0])
+    if out.numel() == 0:
+        return out
     _dequantize_kernel[grid](
-        weight,
-        scale,
+        w3,
+        s3,
         out,
         out_features,
         in_features,
-        weight.stride(0),
-        weight.stride(1),
-        scale.stride(0),
-        scale.stride(1),
-        out.stride(0),
+        w3.stride(0),
+        w3.stride(1),
+        w3.stride(2),
+        s3.stride(0),
+        s3.stride(1),
+        s3.stride(2),
         BLOCK_N=DEQUANT_TILE[0],
         BLOCK_K=DEQUANT_TILE[1],
         SCALE_N=block[0],

@@ -10,13 +10,14 @@ plus `weight_scale_inv: [ceil(out/b0), ceil(in/b1)] float32`, and means
 
 Where dequantization happens: the weights stay FP8 in the model (`FP8Linear`, and the experts' stacked `w13`/`w2`
 with their scales in `afd.model.ffn_side.Experts`, handed to the MoE as `FP8Experts`). On CUDA (sm89+, Triton) the
-linears run `afd.kernels.fp8_linear` on the FP8 bytes and the routed experts afd's MoE kernels at any batch size
-(`afd.model.moe.fp8_routed_experts`, rows quantized to fp8 too), scales applied in the kernels; everything else
-dequantizes its weight to the compute dtype just before it runs (`dequantize`). Why not dequantize once at load: the
+linears run `afd.kernels.fp8_linear` on the FP8 bytes and the routed experts afd's MoE kernels at decode sizes
+(`afd.model.moe.fp8_routed_experts`, rows quantized to fp8 too), scales applied in the kernels; past those sizes
+(prefill, compute bound) the weight is dequantized in one Triton pass and the 16-bit GEMM runs (`dequantized`), as
+everything else does, which on CPU is the eager `dequantize`. Why not dequantize once at load: the
 memory a rank holds is then the FP8 bytes (what lets DeepSeek-V3 fit one node, and what `afd.runtime.resources` and
 `afd bench step`'s floor count), and the tensors a block-scaled FP8 kernel reads (weight, scale, block size) are
 already where the matmul is. The eager dequantization is the CPU path and the kernels' test oracle; it is correct,
-not fast (it re-expands the weight every call).
+not fast (it expands the scales to every element).
 """
 
 from __future__ import annotations
@@ -134,6 +135,16 @@ def _block_in_kernel(block: tuple[int, int]) -> bool:
     return fp8_block_supported(block)
 
 
+def dequantized(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """`dequantize`, the same bits, in one Triton launch where the FP8 kernels run: the path
+    prefill-sized calls take every step, where the PyTorch ops' per-element scale tensor costs milliseconds."""
+    if not _fp8_linear_enabled(w.device, dtype):
+        return dequantize(w, scale_inv, block, dtype)
+    from afd.kernels.fp8_linear import dequantize_weight
+
+    return dequantize_weight(w, scale_inv, block, dtype)
+
+
 class FP8Linear(nn.Module):
     """A linear layer whose weight stays block-scaled FP8: `weight: [out, in] float8_e4m3fn`,
     `weight_scale_inv: [ceil(out/b0), ceil(in/b1)] float32`, optional `bias: [out]` in the model dtype.
@@ -152,7 +163,7 @@ class FP8Linear(nn.Module):
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight `[out, in]` in `dtype`."""
-        return dequantize(self.weight, self.weight_scale_inv, self.block, dtype)
+        return dequantized(self.weight, self.weight_scale_inv, self.block, dtype)
 
     def keep_dense(self, dtype: torch.dtype) -> None:
         """Keep the weight dequantized in `dtype` beside its FP8 bytes, for a projection also used whole
@@ -206,11 +217,12 @@ class FP8Experts:
     block: tuple[int, int]
 
     def dequantized(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(w13 [E, 2I, H], w2 [E, H, I])` in `dtype` (every call expands them: the CPU path and the oracle)."""
+        """`(w13 [E, 2I, H], w2 [E, H, I])` in `dtype`, expanded at every call (the CPU path, the oracle, and
+        prefill-sized batches on the GPU, where the 16-bit grouped GEMM outruns the fused FP8 kernels)."""
         inter, half = self.w13.shape[1] // 2, self.w13_scale_inv.shape[1] // 2
-        gate = dequantize(self.w13[:, :inter], self.w13_scale_inv[:, :half], self.block, dtype)  # [E, I, H]
-        up = dequantize(self.w13[:, inter:], self.w13_scale_inv[:, half:], self.block, dtype)  # [E, I, H]
-        return torch.cat([gate, up], dim=1), dequantize(self.w2, self.w2_scale_inv, self.block, dtype)
+        gate = dequantized(self.w13[:, :inter], self.w13_scale_inv[:, :half], self.block, dtype)  # [E, I, H]
+        up = dequantized(self.w13[:, inter:], self.w13_scale_inv[:, half:], self.block, dtype)  # [E, I, H]
+        return torch.cat([gate, up], dim=1), dequantized(self.w2, self.w2_scale_inv, self.block, dtype)
 
     def shard(self, start: int, stop: int) -> FP8Experts:
         """Experts `[start, stop)` of the stack (views, no copy)."""

@@ -48,6 +48,10 @@ logger = logging.getLogger(__name__)
 # decode kernels: decode batches up to 341 tokens at top-6 (DeepSeek-V2) or 256 at top-8 (V3), about 32 rows per
 # expert on average at 64 experts, where streaming the weights is the whole cost.
 FUSED_MOE_MAX_PAIRS = 2048
+# The same bound for FP8 experts, whose kernels read half the bytes, so stay ahead longer: past it (prefill sizes)
+# the experts are dequantized in one pass per weight and the 16-bit grouped GEMM runs, which outruns the fused FP8
+# kernels there (H200, V2-Lite's experts: `scripts/gpu_moe_fp8.py`, the fp8 and fp8-dequant rows).
+FP8_FUSED_MOE_MAX_PAIRS = 6144
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -303,11 +307,11 @@ def routed_experts(
     return by_pair.view(x.shape[0], topk_ids.shape[1], -1).sum(dim=1)  # [T, H]
 
 
-def _fp8_kernels_take(x: torch.Tensor, experts: FP8Experts) -> bool:
-    """Whether FP8 experts run in afd's Triton kernels for rows `x`: wherever the kernels run, at any number of rows
-    (unlike 16-bit experts: the alternative, dequantizing per call, is slower at every size), for a block size they
-    take with fp8 rows (b1 a multiple of 32)."""
-    if not _moe_kernels_run(x):
+def _fp8_kernels_take(x: torch.Tensor, experts: FP8Experts, num_pairs: int) -> bool:
+    """Whether FP8 experts run in afd's fused Triton kernels for rows `x`: where the kernels run, up to
+    `FP8_FUSED_MOE_MAX_PAIRS` pairs (or grouped rows), for a block size they take with fp8 rows (b1 a multiple of
+    32)."""
+    if num_pairs > FP8_FUSED_MOE_MAX_PAIRS or not _moe_kernels_run(x):
         return False
     from afd.kernels.moe_tiles import FP8_MIN_BLOCK_K, fp8_block_supported
 
@@ -329,13 +333,13 @@ def fp8_routed_experts(
     *,
     fixed_shape: bool | None = None,
 ) -> torch.Tensor:
-    """`routed_experts` with FP8 experts: on the fixed-shape path the fused kernels on the FP8 weights with fp8 rows
-    wherever they run (`_fp8_kernels_take`: CUDA, any T), same contract (no host sync, shapes from T only); else
-    `routed_experts` on the dequantized weights."""
+    """`routed_experts` with FP8 experts: on the fixed-shape path of a decode-sized batch the fused kernels on the
+    FP8 weights with fp8 rows (`_fp8_kernels_take`), same contract (no host sync, shapes from T only); else
+    `routed_experts` on the dequantized weights (one pass each on CUDA, then the 16-bit grouped GEMM)."""
     if fixed_shape is None:
         fixed_shape = _grouped_mm_supported(x.device, x.dtype)
     num_local = experts.w13.shape[0]
-    if fixed_shape and x.shape[0] > 0 and num_local > 0 and _fp8_kernels_take(x, experts):
+    if fixed_shape and x.shape[0] > 0 and num_local > 0 and _fp8_kernels_take(x, experts, topk_ids.numel()):
         from afd.kernels.fused_moe import fused_routed_experts
 
         w13, w2 = experts.w13, experts.w2
@@ -346,9 +350,8 @@ def fp8_routed_experts(
 
 def fp8_grouped_expert_mlp_offsets(x: torch.Tensor, offs: torch.Tensor, experts: FP8Experts) -> torch.Tensor:
     """`grouped_expert_mlp_offsets` with FP8 experts (same contract): the fused kernels on the FP8 weights with fp8
-    rows wherever they run (`_fp8_kernels_take`: CUDA, any N), else the dequantized weights through
-    `torch._grouped_mm`."""
-    if _fp8_kernels_take(x, experts):
+    rows for decode-sized N (`_fp8_kernels_take`), else the dequantized weights through `torch._grouped_mm`."""
+    if _fp8_kernels_take(x, experts, x.shape[0]):
         from afd.kernels.fused_moe import fused_grouped_expert_mlp
 
         return fused_grouped_expert_mlp(x, offs, experts.w13, experts.w2, scales=_scales(experts))
@@ -363,6 +366,6 @@ def fp8_grouped_expert_mlp(
     if use_grouped_mm is None:
         use_grouped_mm = _grouped_mm_supported(x.device, x.dtype)
     fits = len(group_sizes) == experts.w13.shape[0] and sum(group_sizes) == x.shape[0]
-    if fits and use_grouped_mm and x.shape[0] > 0 and _fp8_kernels_take(x, experts):
+    if fits and use_grouped_mm and x.shape[0] > 0 and _fp8_kernels_take(x, experts, x.shape[0]):
         return fp8_grouped_expert_mlp_offsets(x, _offsets_on(group_sizes, x.device), experts)
     return grouped_expert_mlp(x, group_sizes, *experts.dequantized(x.dtype), use_grouped_mm=use_grouped_mm)
