@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import torch
 from helpers.e2e import (
     MAX_NEW_TOKENS,
     MODEL,
+    P2P_WARMED_UP,
     PROMPTS,
     TOLERANCE,
     Leftovers,
@@ -30,6 +32,7 @@ from helpers.e2e import (
     start_long_launch,
     wait_for_workers,
     wait_gone,
+    wait_until_logged,
     worker_pids,
 )
 from helpers.held_replica import accept_replica, assert_served_matches, serve_prompts
@@ -40,6 +43,13 @@ from afd.env import SECRET_VAR
 from afd.runtime.launch import LaunchError, free_port, launch, new_secret
 from afd.runtime.link import FrontLink, format_address
 from afd.runtime.spec import RunSpec
+
+
+def wait_until_stepping(pids: set[int], launcher: subprocess.Popen) -> None:
+    """Until a long p2p launch is in its decode loop: every attention rank has run its world's first step (its
+    warm-up), and a moment more."""
+    wait_until_logged({p for p in pids if role_of(p) == "attention"}, P2P_WARMED_UP, [launcher])
+    time.sleep(0.5)
 
 
 @pytest.mark.timeout(120)
@@ -107,8 +117,9 @@ def test_missing_rank_times_out_naming_it() -> None:
 
 @pytest.mark.timeout(60)
 def test_wrong_port_times_out_with_clear_message() -> None:
-    """An attention rank pointed at a port where no store listens gives up in bounded time, saying why."""
-    config = hand_config("p2p", 1, 1, port=free_port(), timeout_s=4)
+    """An attention rank pointed at a port where no store listens gives up in bounded time, saying why. (No peer
+    has to start within the timeout here, so it can be short: the store client's retries still overshoot it.)"""
+    config = hand_config("p2p", 1, 1, port=free_port(), timeout_s=2)
     proc = afd_worker(config, "attention", 0, "--prompt-ids", "1,2")
     try:
         _, err = proc.communicate(timeout=45)
@@ -143,7 +154,7 @@ def test_sigterm_to_launch_ends_the_whole_tree() -> None:
     launcher = start_long_launch(free_port(), "p2p")
     try:
         pids = wait_for_workers(len(before) + 4) - before
-        time.sleep(3)  # let the run get going
+        wait_until_stepping(pids, launcher)
         sent = time.monotonic()
         launcher.send_signal(signal.SIGTERM)
         launcher.wait(timeout=20)
@@ -159,7 +170,7 @@ def test_killed_rank_fails_the_run_naming_it() -> None:
     launcher = start_long_launch(free_port(), "p2p")
     try:
         pids = wait_for_workers(len(before) + 4) - before
-        time.sleep(3)
+        wait_until_stepping(pids, launcher)
         victim = next(p for p in pids if role_of(p) == "ffn")
         os.kill(victim, signal.SIGKILL)
         _, err = launcher.communicate(timeout=45)
@@ -231,7 +242,7 @@ def test_killed_launcher_takes_its_ranks_with_it() -> None:
     launcher = start_long_launch(free_port(), "p2p")
     try:
         pids = wait_for_workers(4)
-        time.sleep(3)  # let the run get going
+        wait_until_stepping(pids, launcher)
         os.kill(launcher.pid, signal.SIGKILL)
         launcher.wait(10)
         assert not wait_gone(pids, 10), "ranks outlived their launcher"
@@ -247,7 +258,7 @@ def test_sighup_to_launch_ends_the_whole_tree() -> None:
     launcher = start_long_launch(free_port(), "p2p")
     try:
         pids = wait_for_workers(4)
-        time.sleep(3)
+        wait_until_stepping(pids, launcher)
         sent = time.monotonic()
         launcher.send_signal(signal.SIGHUP)
         launcher.wait(timeout=20)

@@ -197,6 +197,35 @@ def wait_until_mapped(pids: set[int], num_windows: int, procs: list[subprocess.P
         time.sleep(0.1)
 
 
+def rank_log(pid: int) -> Path | None:
+    """The file a rank logs to: its stderr, which a launcher's rank has as its log in the run directory. None for a
+    rank whose stderr is not a file (a pipe, say) or that is gone."""
+    try:
+        target = os.readlink(f"/proc/{pid}/fd/2")
+    except OSError:
+        return None
+    return Path(target) if target.startswith("/") else None
+
+
+P2P_WARMED_UP = "warmed up the p2p exchange"  # an attention rank's line once its whole world has run a step
+
+
+def wait_until_logged(pids: set[int], text: str, procs: list[subprocess.Popen], timeout_s: float = 60) -> None:
+    """Until the log of every rank in `pids` shows `text` (those ranks got that far), failing at once if one of
+    `procs` ended first."""
+    deadline = time.monotonic() + timeout_s
+
+    def logged(pid: int) -> bool:
+        log = rank_log(pid)
+        return log is not None and text in log.read_text(errors="replace")
+
+    while not all(logged(p) for p in pids):
+        for proc in procs:
+            assert proc.poll() is None, f"a process ended before its ranks logged {text!r}"
+        assert time.monotonic() < deadline, f"the ranks did not log {text!r} within {timeout_s} s"
+        time.sleep(0.05)
+
+
 def shm_segments() -> set[str]:
     """Shared-memory segments of the current test's runs (hand-started tokens and every token seen)."""
     worker_pids()  # record the tokens of the workers alive now
