@@ -118,12 +118,8 @@ def test_vllm_docs_run_as_written(vllm_installed, tmp_path) -> None:
     groups: list[subprocess.Popen] = []
     try:
         bash(block(blocks, "bash", "afd export"), 60)
-        reference = bash(block(blocks, "bash", "afd generate"), 60).strip()
-        shown = block(blocks, "", "->").strip()
-        assert reference == shown, f"afd generate printed {reference!r}, the page shows {shown!r}"
-        want = tokens_in(reference.split("->")[1])
 
-        # the server and its FFN ranks, in one shell; a request from another
+        # the server and its FFN ranks, in one shell; `afd generate`'s reference, then a request, from another
         log = tmp_path / "server.log"
         with open(log, "w") as sink:
             shell = subprocess.Popen(
@@ -136,6 +132,10 @@ def test_vllm_docs_run_as_written(vllm_installed, tmp_path) -> None:
             )
         groups.append(shell)
         deadline = time.monotonic() + 240
+        reference = bash(block(blocks, "bash", "afd generate"), 60).strip()  # while the server starts
+        shown = block(blocks, "", "->").strip()
+        assert reference == shown, f"afd generate printed {reference!r}, the page shows {shown!r}"
+        want = tokens_in(reference.split("->")[1])
         while "Application startup complete" not in log.read_text():
             assert shell.poll() is None and time.monotonic() < deadline, f"no server: {log.read_text()[-4000:]}"
             time.sleep(0.5)
