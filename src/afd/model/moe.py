@@ -51,7 +51,7 @@ FUSED_MOE_MAX_PAIRS = 2048
 # The same bound for FP8 experts, whose kernels read half the bytes, so stay ahead longer: past it (prefill sizes)
 # the experts are dequantized in one pass per weight and the 16-bit grouped GEMM runs, which outruns the fused FP8
 # kernels there. H200, V2-Lite's experts, ms per layer (`scripts/gpu_moe_fp8.py`, fp8 / fp8-dequant rows): 2,048
-# tokens 1.14 / 1.43, 4,096 tokens 2.26 / 1.92; the lines cross near 3,000 tokens at top-6.
+# tokens 1.14 / 1.43, 3,072 tokens 1.64 / 1.79, 3,584 tokens 1.95 / 1.83: they cross past 3,072 tokens at top-6.
 FP8_FUSED_MOE_MAX_PAIRS = 18432
 
 SCORING_FUNCS = ("softmax", "sigmoid")
