@@ -61,6 +61,29 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str, poll_
         time.sleep(poll_s)
 
 
+def accepts_connections(host: str, port: int) -> bool:
+    """Whether something accepts TCP connections at host:port now."""
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+STORE_POLL_S = 0.05  # how often a client looks for a store that is not listening yet
+
+
+def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """A client of the store at host:port, once it listens: plain sockets every `STORE_POLL_S` first, then the
+    client. torch's client alone backs off seconds between attempts (a rank that starts before the store's host
+    joined ~1.6 s after it came) and overshoots its timeout (4 s took 9 s); this one joins within a poll and keeps
+    to `timeout_s`. TimeoutError when nothing listens in time."""
+    deadline = time.monotonic() + timeout_s
+    wait_until(lambda: accepts_connections(host, port), timeout_s, f"the store at {host}:{port}", STORE_POLL_S)
+    left = max(1.0, deadline - time.monotonic())
+    return dist.TCPStore(host, port, None, False, timedelta(seconds=left), wait_for_workers=False)
+
+
 # ---------------------------------------------------------------- the run's keys
 @dataclass(frozen=True)
 class RunKeys:

@@ -38,6 +38,7 @@ from afd.distributed.store import (
     RendezvousError,
     RunKeys,
     check_run_tag,
+    connect_store,
     departed,
     host_store,
     publish_failure,
@@ -378,7 +379,7 @@ def init_world(
         if is_host:
             server = root = host_store(host, port, timeout, secret)  # the server is a client too
         else:
-            root = dist.TCPStore(host, port, None, False, td, wait_for_workers=False)
+            root = connect_store(host, port, timeout)
     except RendezvousError as exc:
         raise type(exc)(f"{me.name} could not host the AFD world store: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - torch raises several types here

@@ -26,20 +26,18 @@ import logging
 import secrets
 import shutil
 import signal
-import socket
 import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
 
 from afd.config import AFDConfig
 from afd.distributed.signals import Interrupted
-from afd.distributed.store import RendezvousError, RunKeys, check_run_tag, read_record, wait_until
+from afd.distributed.store import RendezvousError, RunKeys, check_run_tag, connect_store, read_record
 from afd.distributed.watchdog import FAILING_LINGER_S
 from afd.engine.engine import Output
 from afd.runtime.launch import (
@@ -255,9 +253,7 @@ def _reach_store(config: AFDConfig, node: NodeSpec, keys: RunKeys, timeout_s: fl
     where = f"{config.host}:{config.port}"
     log.info("node %d: waiting for node 0's world store at %s", node.node_rank, where)
     try:  # plain sockets first: a TCPStore client that cannot connect yet logs C++ tracebacks
-        wait_until(lambda: _accepts(config.host, config.port), timeout_s, f"node 0 at {where}", poll_s=0.2)
-        wait = timedelta(seconds=timeout_s)
-        root = dist.TCPStore(config.host, config.port, None, False, wait, wait_for_workers=False)
+        root = connect_store(config.host, config.port, timeout_s)
     except Exception:  # noqa: BLE001 - torch raises several types here
         raise LaunchError(
             f"node 0, the world store's host at {where}, did not come within {timeout_s:.0f} s; start "
@@ -268,15 +264,6 @@ def _reach_store(config: AFDConfig, node: NodeSpec, keys: RunKeys, timeout_s: fl
     except RendezvousError as exc:
         raise LaunchError(str(exc), exc.exit_status) from None
     return root
-
-
-def _accepts(host: str, port: int) -> bool:
-    """Whether something accepts TCP connections at host:port now."""
-    try:
-        with socket.create_connection((host, port), timeout=1.0):
-            return True
-    except OSError:
-        return False
 
 
 def _join(nodes: NodeStore, node: NodeSpec, digest: str, timeout_s: float) -> str:
