@@ -77,3 +77,24 @@ def test_bench_step_rejects_contexts_it_cannot_alternate() -> None:
     assert proc.returncode == 2 and "a --batch of at least 3" in proc.stderr and "Traceback" not in proc.stderr
     proc = run_afd("bench", "step", "--contexts", "4,x", timeout=50)
     assert proc.returncode == 2 and "--contexts takes positive integers" in proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_bench_step_quantized_prints_its_16_bit_peer_beside_it(tmp_path: Path) -> None:
+    """`--quantization fp8` runs the same weights unquantized too: the FP8 table, then both side by side (ratio per
+    point), and the JSON keeps the 16-bit run under "baseline"."""
+    out = tmp_path / "step.json"
+    proc = run_afd(
+        "bench", "step", "--batch", "2", "--context", "8", "--prefill", "1x16", "--steps", "2", "--quantization", "fp8",
+        "--json", str(out), timeout=100,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "float32 (base) vs float32+fp8" in proc.stdout
+    side_by_side = proc.stdout.split("float32 (base) vs float32+fp8")[1].splitlines()
+    decode = next(line.split() for line in side_by_side if line.split()[:2] == ["2", "8"])
+    result = json.loads(out.read_text())
+    base_ms, fp8_ms = result["baseline"]["decode"][0]["eager_ms"], result["decode"][0]["eager_ms"]  # no graphs on CPU
+    assert decode[2:5] == [f"{base_ms:.2f}", f"{fp8_ms:.2f}", f"{fp8_ms / base_ms:.2f}x"]
+    assert result["fp8_weights"] and not result["baseline"]["fp8_weights"]
+    assert [(r["batch"], r["context"]) for r in result["baseline"]["decode"]] == [(2, 8)]
+    assert result["decode"][0]["floor_ms"] < result["baseline"]["decode"][0]["floor_ms"]  # fp8 bytes count less

@@ -432,7 +432,8 @@ def run_bench_step(
     return result
 
 
-def _ms(value: float | None) -> str:
+def ms_text(value: float | None) -> str:
+    """A table cell of milliseconds, "-" where there is none."""
     return "-" if value is None else f"{value:.2f}"
 
 
@@ -453,9 +454,9 @@ def format_bench_step(result: dict) -> str:
         ratio_e = "-" if r["eager_over_floor"] is None else f"{r['eager_over_floor']:.1f}x"
         ratio_g = "-" if r["graph_over_floor"] is None else f"{r['graph_over_floor']:.1f}x"
         lines.append(
-            f"{'':<8} {r['batch']:>5} {r['context']:>7} {_ms(r['eager_ms']):>9} {_ms(r['graph_ms']):>9} "
-            f"{_ms(r['eager_isolated_ms']):>9} {_ms(r['graph_isolated_ms']):>9} "
-            f"{_ms(r['floor_ms']):>9} {ratio_e:>11} {ratio_g:>11}"
+            f"{'':<8} {r['batch']:>5} {r['context']:>7} {ms_text(r['eager_ms']):>9} {ms_text(r['graph_ms']):>9} "
+            f"{ms_text(r['eager_isolated_ms']):>9} {ms_text(r['graph_isolated_ms']):>9} "
+            f"{ms_text(r['floor_ms']):>9} {ratio_e:>11} {ratio_g:>11}"
         )
     if result.get("ragged"):
         lines.append(
@@ -468,8 +469,8 @@ def format_bench_step(result: dict) -> str:
                 ratio = f"{r['eager_over_uniform']:.2f}x eager"
             lines.append(
                 f"{'':<8} {r['batch']:>5} {','.join(map(str, r['contexts'])):>11} {r['context']:>5} "
-                f"{_ms(r['eager_ms']):>9} {_ms(r['uniform_eager_ms']):>9} {_ms(r['graph_ms']):>9} "
-                f"{_ms(r['uniform_graph_ms']):>9} {ratio:>13}"
+                f"{ms_text(r['eager_ms']):>9} {ms_text(r['uniform_eager_ms']):>9} {ms_text(r['graph_ms']):>9} "
+                f"{ms_text(r['uniform_graph_ms']):>9} {ratio:>13}"
             )
     lines += format_mixed(result.get("mixed", []))
     if result["prefill"]:

@@ -199,20 +199,30 @@ def cmd_bench_step(args: argparse.Namespace) -> int:
         )
     longest = max([*args.context, *ragged, *(c for _, c in args.prefill), *(c for _, c in args.mixed)])
     check_prompts(args.model, [[0] * longest], args.device, args.steps + 4)  # the decode steps go past the context
-    result = run_bench_step(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        batches=args.batch,
-        contexts=args.context,
-        prefills=args.prefill,
-        ragged=ragged or None,
-        mixed=args.mixed,
-        steps=args.steps,
-        quantization=args.quantization,
-        progress=lambda msg: print(f"[afd bench step] {msg}", file=sys.stderr, flush=True),
-    )
-    return _report(format_bench_step(result), result, args.json)
+
+    def bench(quantization: str | None) -> dict:
+        return run_bench_step(
+            model=args.model,
+            dtype=args.dtype,
+            device=args.device,
+            batches=args.batch,
+            contexts=args.context,
+            prefills=args.prefill,
+            ragged=ragged or None,
+            mixed=args.mixed,
+            steps=args.steps,
+            quantization=quantization,
+            progress=lambda msg: print(f"[afd bench step] {msg}", file=sys.stderr, flush=True),
+        )
+
+    if not args.quantization:
+        result = bench(None)
+        return _report(format_bench_step(result), result, args.json)
+    from afd.bench.step_compare import format_step_comparison
+
+    baseline = bench(None)  # the same weights unquantized, so the quantized rows have their peer in one run
+    result = {**bench(args.quantization), "baseline": baseline}
+    return _report(format_bench_step(result) + "\n\n" + format_step_comparison(baseline, result), result, args.json)
 
 
 def cmd_bench_exchange(args: argparse.Namespace) -> int:
