@@ -84,6 +84,7 @@ def quantization_numerics(
 ) -> dict:
     """`model` loaded as it is and with `quantization`, the same random prompts through both, and through the
     quantized one again with the kernels off; one model on the device at a time (the probabilities stay there)."""
+    from afd.bench.harness import release_device_memory
     from afd.kernels import eager_ops
     from afd.model.weights import load_attention_model, load_ffn_model, load_model_config
 
@@ -99,8 +100,7 @@ def quantization_numerics(
             with eager_ops():
                 probs["dequantized"] = [prompt_probs(attn, ffn, p) for p in chosen]
         del attn, ffn
-        if device == "cuda":
-            torch.cuda.empty_cache()
+        release_device_memory(device)
     result = compare(probs["reference"], probs["quantized"], probs["dequantized"], margin)
     return {
         "model": str(model),

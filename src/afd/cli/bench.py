@@ -218,9 +218,11 @@ def cmd_bench_step(args: argparse.Namespace) -> int:
     if not args.quantization:
         result = bench(None)
         return _report(format_bench_step(result), result, args.json)
+    from afd.bench.harness import release_device_memory
     from afd.bench.step_compare import format_step_comparison
 
     baseline = bench(None)  # the same weights unquantized, so the quantized rows have their peer in one run
+    release_device_memory(args.device)  # the first model, its cache and graphs, before the second loads
     result = {**bench(args.quantization), "baseline": baseline}
     return _report(format_bench_step(result) + "\n\n" + format_step_comparison(baseline, result), result, args.json)
 
