@@ -76,7 +76,7 @@ def test_port_in_use_is_one_sentence() -> None:
 
 @pytest.mark.timeout(30)
 def test_a_client_started_before_the_store_joins_within_a_poll_and_keeps_its_timeout() -> None:
-    """A client waiting for a store that starts 1 s later is connected within 0.8 s of it (torch's own client backs
+    """A client waiting for a store that starts 0.5 s later is connected within 0.5 s of it (torch's own client backs
     off and came ~1.6 s late); with nothing listening it gives up at its timeout, not twice it."""
     import threading
 
@@ -89,18 +89,18 @@ def test_a_client_started_before_the_store_joins_within_a_poll_and_keeps_its_tim
 
     waiter = threading.Thread(target=client)
     waiter.start()
-    time.sleep(1.0)
+    time.sleep(0.5)
     started = time.monotonic()
     server = host_store("127.0.0.1", port, 5.0, secret="s")
     waiter.join(timeout=10)
-    assert "at" in joined and joined["at"] - started < 0.8
+    assert "at" in joined and joined["at"] - started < 0.5
     assert joined["store"].get(RUN_TAG_KEY) == RunKeys.from_secret("s").tag.encode()
     del server
 
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match="the store at"):
-        connect_store("127.0.0.1", free_port(), 1.0)
-    assert time.monotonic() - t0 < 2.0
+        connect_store("127.0.0.1", free_port(), 0.5)
+    assert time.monotonic() - t0 < 1.5
 
 
 def test_rank_with_another_secret_is_refused_at_once() -> None:
