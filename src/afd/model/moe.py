@@ -21,12 +21,11 @@ order, and a sum over k — four launches, no host sync, no atomics, each touche
 Larger batches of 16/32-bit experts keep `torch._grouped_mm`, the better GEMM once every expert has many rows.
 
 FP8 experts (`afd.model.fp8.FP8Experts`, DeepSeek-V3's block-scaled format) go through the `fp8_*` twins of the three
-entry points: on CUDA with the kernels enabled, the same Triton kernels at any batch size, prefill included, with
-the rows quantized to fp8 per 1 x b1 group (fp8 x fp8 MMAs, both scales in registers: half the weight bytes
-streamed, nothing dequantized in memory, capturable the same way). No size limit: on one H200 a V2-Lite layer takes
-0.06 ms at 1 token and 2.3 ms at 4096, where dequantizing the weights per call costs 5.8-6.9 ms (docs/fp8.md).
-Elsewhere (CPU, `eager_ops`, a block width b1 not a multiple of 32, the exact loop) the weights are dequantized to
-the compute dtype and the 16/32-bit path runs.
+entry points: on CUDA with the kernels enabled, up to `FP8_FUSED_MOE_MAX_PAIRS`, the same Triton kernels with the
+rows quantized to fp8 per 1 x b1 group (fp8 x fp8 MMAs, both scales in registers: half the weight bytes streamed,
+nothing dequantized in memory, capturable the same way). Past it (prefill), and elsewhere (CPU, `eager_ops`, a
+block width b1 not a multiple of 32, the exact loop), the weights are dequantized to the compute dtype (one Triton
+pass each on CUDA) and the 16/32-bit path runs (docs/fp8.md has the measured crossing).
 """
 
 from __future__ import annotations
