@@ -62,8 +62,8 @@ def graph_memory_estimate(config: ModelConfig, dtype: torch.dtype, max_tokens: i
     the answer, the routing, the inputs, the padding mask), about eight hidden-size temporaries in the graphs'
     pool, and each bucket's output (the buckets sum to under seven times the largest). `moe_inside`: also the
     MoE's temporaries in the pool (`moe_graph_bytes_per_token`), which the eager step's own estimate does not cover
-    (a graph pool is private), and for FP8 experts one layer's dequantized copy, twice over: what runs where the
-    kernels do not take the checkpoint's block (afd.model.moe); with 128 x 128 blocks an overestimate, the safe side.
+    (a graph pool is private), and for FP8 experts one layer's dequantized copy, twice over: what a prefill-sized
+    step past `FP8_FUSED_MOE_MAX_PAIRS`, or a block the kernels do not take, runs on (afd.model.moe).
     """
     c = config
     rows = c.num_attention_heads * (c.qk_head_dim + c.v_head_dim) + c.kv_lora_rank + c.qk_rope_head_dim
