@@ -7,26 +7,22 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers.e2e import emptied, module_env_dir
 
 SHARED_TEST_TAG = True  # one zygote for the module's launches (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
 def profile_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """AFD_PROFILE for every launch of the module (the launched ranks inherit it): one directory, so the
-    environment, and with it the launcher's zygote, stays the same from test to test."""
-    path = tmp_path_factory.mktemp("profile")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("AFD_PROFILE", str(path))
+    """AFD_PROFILE for every launch of the module."""
+    with module_env_dir(tmp_path_factory.mktemp("profile"), "AFD_PROFILE") as path:
         yield path
 
 
 @pytest.fixture
 def profiles(profile_dir: Path) -> Path:
     """The profile directory, emptied: this test's launch writes the only profiles in it."""
-    for old in profile_dir.iterdir():
-        old.unlink()
-    return profile_dir
+    return emptied(profile_dir)
 
 
 @pytest.mark.timeout(120)

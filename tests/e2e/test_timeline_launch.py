@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers.e2e import emptied, module_env_dir
 
 from afd.profiling.timeline_report import main, report
 
@@ -15,20 +16,15 @@ SHARED_TEST_TAG = True  # one zygote for the module's launches (tests/conftest.p
 
 @pytest.fixture(scope="module")
 def timeline_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """AFD_TIMELINE for every launch of the module (the launched ranks inherit it): one directory, so the
-    environment, and with it the launcher's zygote, stays the same from test to test."""
-    path = tmp_path_factory.mktemp("timeline")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("AFD_TIMELINE", str(path))
+    """AFD_TIMELINE for every launch of the module."""
+    with module_env_dir(tmp_path_factory.mktemp("timeline"), "AFD_TIMELINE") as path:
         yield path
 
 
 @pytest.fixture
 def points_dir(timeline_dir: Path) -> Path:
     """The timeline directory, emptied: this test's launch writes the only points in it."""
-    for old in timeline_dir.iterdir():
-        old.unlink()
-    return timeline_dir
+    return emptied(timeline_dir)
 
 
 @pytest.mark.timeout(120)

@@ -12,6 +12,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from afd.engine.engine import Output
@@ -296,3 +298,22 @@ class Leftovers:
         kill_pids(self.new_pids())
         for path in self.new_segments():
             Path(path).unlink(missing_ok=True)
+
+
+@contextmanager
+def module_env_dir(tmp_path: Path, variable: str) -> Iterator[Path]:
+    """`tmp_path` as the environment variable `variable` for every launch of a test module (the launched ranks inherit
+    it): one directory for the module, so the environment, and with it the launcher's zygote, stays the same from
+    test to test. Each test empties it first (`emptied`)."""
+    import pytest
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(variable, str(tmp_path))
+        yield tmp_path
+
+
+def emptied(path: Path) -> Path:
+    """`path` with its files removed: what a test's launch writes there is then all there is."""
+    for old in path.iterdir():
+        old.unlink()
+    return path
