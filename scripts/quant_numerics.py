@@ -1,6 +1,7 @@
 """A quantized model against the same model unquantized: mean / max |Δp| at the reference's greedy token over every
 position, and argmax agreement with the same quantized weights run dequantized (kernels off) where that run's top-2
-margin is above `--margin` (`afd.bench.quant_numerics`).
+margin is above `--margin` (`afd.bench.quant_numerics`), and the same agreement for the 16-bit model's kernels
+against its eager ops (`unquantized_*`: the floor the quantized kernels' figure can reach).
 
     PYTHONPATH=src python3 scripts/quant_numerics.py [--model deepseek-v2-lite] [--dtype bfloat16] [--device cuda]
         [--prompts 16] [--prompt-len 257] [--margin 0.01] [--json F]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from afd.bench.quant_numerics import compare, quantization_numerics
+from afd.bench.quant_numerics import agreement, compare, quantization_numerics
 
 
 def test_compare_on_hand_made_distributions() -> None:
@@ -27,6 +27,12 @@ def test_compare_on_hand_made_distributions() -> None:
     assert (flipped.decided, flipped.argmax_equal) == (2, 1)
 
 
+def test_agreement_counts_decided_positions_and_their_equal_tokens() -> None:
+    dense = [torch.tensor([[0.6, 0.3, 0.1], [0.41, 0.40, 0.19], [0.3, 0.1, 0.6]])]
+    run = [torch.tensor([[0.5, 0.4, 0.1], [0.30, 0.60, 0.10], [0.5, 0.1, 0.4]])]
+    assert agreement(run, dense, margin=1e-2) == (2, 1)  # position 1 undecided; position 2 differs
+
+
 def test_a_model_against_itself_is_exact() -> None:
     probs = torch.softmax(torch.randn(5, 11, generator=torch.Generator().manual_seed(0)), dim=-1)
     same = compare([probs], [probs.clone()], [probs.clone()], margin=0.0)
@@ -42,3 +48,4 @@ def test_fp8_against_fp32_on_the_tiny_model() -> None:
     assert 0.0 < got["mean_abs_dprob"] < 0.2
     assert 0 < got["decided"] <= got["positions"] and got["argmax_equal"] == got["decided"]
     assert got["kernel_mean_abs_dprob"] == 0.0
+    assert got["unquantized_decided"] > 0 and got["unquantized_argmax_equal"] == got["unquantized_decided"]

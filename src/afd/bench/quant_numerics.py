@@ -52,21 +52,30 @@ def prompt_probs(attn, ffn, prompt: list[int]) -> torch.Tensor:
         return torch.softmax(attn.compute_logits(hidden), dim=-1)
 
 
+def agreement(run: list[torch.Tensor], dense: list[torch.Tensor], margin: float) -> tuple[int, int]:
+    """(positions where `dense`'s top-2 margin is above `margin`, of those where `run` picks `dense`'s token)."""
+    decided = equal = 0
+    for r, d in zip(run, dense, strict=True):
+        top2 = d.topk(2, dim=-1)
+        sure = top2.values[:, 0] - top2.values[:, 1] > margin
+        decided += int(sure.sum())
+        equal += int((sure & (top2.indices[:, 0] == r.argmax(dim=-1))).sum())
+    return decided, equal
+
+
 def compare(
     reference: list[torch.Tensor], quantized: list[torch.Tensor], dequantized: list[torch.Tensor], margin: float
 ) -> QuantNumerics:
     """The per-position comparison of three models' `prompt_probs` over the same prompts (one [len, V] tensor per
     prompt in each list)."""
-    dprob, kernel_dprob, decided, equal, top1 = [], [], 0, 0, []
+    dprob, kernel_dprob, top1 = [], [], []
     for ref, run, dense in zip(reference, quantized, dequantized, strict=True):
         best = ref.max(dim=-1)
         dprob.append((best.values - run.gather(1, best.indices[:, None]).squeeze(1)).abs())
-        top2 = dense.topk(2, dim=-1)
-        kernel_dprob.append((top2.values[:, 0] - run.gather(1, top2.indices[:, :1]).squeeze(1)).abs())
-        sure = top2.values[:, 0] - top2.values[:, 1] > margin
-        decided += int(sure.sum())
-        equal += int((sure & (top2.indices[:, 0] == run.argmax(dim=-1))).sum())
+        greedy = dense.max(dim=-1)
+        kernel_dprob.append((greedy.values - run.gather(1, greedy.indices[:, None]).squeeze(1)).abs())
         top1.append(best.values)
+    decided, equal = agreement(quantized, dequantized, margin)
     d, k, t = torch.cat(dprob), torch.cat(kernel_dprob), torch.cat(top1)
     return QuantNumerics(d.numel(), float(d.mean()), float(d.max()), decided, equal, float(k.mean()), float(t.mean()))
 
@@ -82,8 +91,10 @@ def quantization_numerics(
     margin: float = 1e-2,
     seed: int = 0,
 ) -> dict:
-    """`model` loaded as it is and with `quantization`, the same random prompts through both, and through the
-    quantized one again with the kernels off; one model on the device at a time (the probabilities stay there)."""
+    """`model` loaded as it is and with `quantization`, the same random prompts through both, and through each again
+    with the kernels off; one model on the device at a time (the probabilities stay there). Besides `compare`'s
+    figures, `unquantized_*`: the 16-bit model's kernels against its eager ops, the floor of what `argmax_equal`
+    can reach."""
     from afd.bench.harness import release_device_memory
     from afd.kernels import eager_ops
     from afd.model.weights import load_attention_model, load_ffn_model, load_model_config
@@ -96,12 +107,13 @@ def quantization_numerics(
         attn, ffn = load_attention_model(model, **load), load_ffn_model(model, **load)
         name = "reference" if quant is None else "quantized"
         probs[name] = [prompt_probs(attn, ffn, p) for p in chosen]
-        if quant is not None:
-            with eager_ops():
-                probs["dequantized"] = [prompt_probs(attn, ffn, p) for p in chosen]
+        with eager_ops():  # the same weights with the kernels off (the quantized ones: dequantized)
+            probs["eager" if quant is None else "dequantized"] = [prompt_probs(attn, ffn, p) for p in chosen]
         del attn, ffn
         release_device_memory(device)
     result = compare(probs["reference"], probs["quantized"], probs["dequantized"], margin)
+    # the same count for the 16-bit model's own kernels against its eager ops: how often kernels alone move a token
+    decided16, equal16 = agreement(probs["reference"], probs["eager"], margin)
     return {
         "model": str(model),
         "dtype": dtype,
@@ -111,4 +123,6 @@ def quantization_numerics(
         "prompt_len": prompt_len,
         "margin": margin,
         **result.as_dict(),
+        "unquantized_decided": decided16,
+        "unquantized_argmax_equal": equal16,
     }
