@@ -97,17 +97,13 @@ def choose_config(
     m_tiles = triton.cdiv(bucket or num_rows, block_m)
     k_steps = triton.cdiv(in_features, block_k)
     max_split = max(1, k_steps // MIN_K_STEPS_PER_SPLIT) if bucket else 1
-    if bucket and not dequant:
-        max_split, cover = min(max_split, MAX_SPLIT_K), sm_count // 2
-    else:
-        cover = sm_count
-    block_n = widths[-1]
-    for width in widths:
-        if triton.cdiv(out_features, width) * m_tiles * max_split >= cover:
-            block_n = width
-            break
+    scaled = bool(bucket) and not dequant  # a scaled-partial bucket
+    if scaled:
+        max_split = min(max_split, MAX_SPLIT_K)
+    cover = sm_count // 2 if scaled else sm_count
+    block_n = next((w for w in widths if triton.cdiv(out_features, w) * m_tiles * max_split >= cover), widths[-1])
     tiles = triton.cdiv(out_features, block_n) * m_tiles
-    if bucket and not dequant:
+    if scaled:
         split = 1 if tiles >= sm_count else max_split
     else:
         split = min(max_split, triton.cdiv(sm_count, tiles))
