@@ -43,6 +43,9 @@
 #                        one start that fills Triton's cache
 #   kernels              the MLA decode launch sweep, and the step's numerics against eager PyTorch ops
 #   cross-replica [ARGS] two attention replicas' rows in one expert pass against one's (scripts/gpu_cross_replica.py)
+#   host [ARGS]          where the attention rank's host time goes in steps with prompt tokens: eager and graphed
+#                        forwards' host vs device ms, a cProfile of the mixed step, each core op's launch cost back to
+#                        back and alone (scripts/host_profile.py), into $OUT/host_profile.{txt,json}
 #   profile [ARGS]       afd profile --model deepseek-v2-lite --device cuda (decode/prefill steps on GPU 0, experts,
 #                        both exchanges 1A1F) into $OUT/profile_h200.json, the profile docs/planning.md asks for
 set -u
@@ -50,8 +53,8 @@ cd "$(dirname "$0")/.."
 source scripts/device_env.sh
 SUB=${1:-}; shift || true
 case $SUB in
-  step|step-fp8|moe-fp8|numerics-fp8|linear-fp8|exchange|stress|offline|timeline|serve|front|front-ab|capacity-ab|fanout-ab|startup|kernels|cross-replica|profile) ;;
-  *) echo "usage: bash scripts/gpu_bench.sh step|step-fp8|moe-fp8|numerics-fp8|linear-fp8|exchange|stress|offline|timeline|serve|front|front-ab|capacity-ab|fanout-ab|startup|kernels|cross-replica|profile [ARGS...]" >&2
+  step|step-fp8|moe-fp8|numerics-fp8|linear-fp8|exchange|stress|offline|timeline|serve|front|front-ab|capacity-ab|fanout-ab|startup|kernels|cross-replica|host|profile) ;;
+  *) echo "usage: bash scripts/gpu_bench.sh step|step-fp8|moe-fp8|numerics-fp8|linear-fp8|exchange|stress|offline|timeline|serve|front|front-ab|capacity-ab|fanout-ab|startup|kernels|cross-replica|host|profile [ARGS...]" >&2
     exit 2 ;;
 esac
 log_run "bench_${SUB:-none}"
@@ -132,6 +135,8 @@ case $SUB in
       || echo "numerics rc=$?" ;;
   cross-replica)
     CUDA_VISIBLE_DEVICES=0 timeout 300 python3 scripts/gpu_cross_replica.py "$@" | tee "$OUT/cross_replica.jsonl" ;;
+  host)
+    CUDA_VISIBLE_DEVICES=0 timeout 400 python3 scripts/host_profile.py "$OUT" "$@" ;;
   profile)
     timeout 560 python3 -m afd profile --model deepseek-v2-lite --device cuda --dtype bfloat16 \
       -o "$OUT/profile_h200.json" "$@" ;;

@@ -1,18 +1,23 @@
-"""Where the attention rank's host time goes in a prefill step (one GPU, V2-Lite bf16, random weights).
+"""Where the attention rank's host time goes in steps with prompt tokens (one GPU, V2-Lite bf16, random weights).
 
-For a few step layouts: the host time of one `AttentionModel` forward with a zero exchange (call to return,
-device drained before) beside its device time, per layer; a torch.profiler CPU table and a cProfile table of
-one forward; and the host cost of one launch of each kernel the layer uses (1,000 launches, no sync).
-`python scripts/host_profile.py OUT_DIR` (CUDA only).
+For each step layout: the host time of one `AttentionModel` forward with a zero exchange (call to return, device
+drained before) beside its device time, eager and through the prefill graphs; a cProfile table of one graphed
+forward of the layout named by --cprofile; and the host cost of each op an attention core launches, timed two
+ways: back to back (1,000 launches, no sync: a full launch queue makes a launch wait for the device) and alone on
+an idle device (synced before each call: what the call itself costs the host).
+
+    PYTHONPATH=src python3 scripts/host_profile.py OUT_DIR [--layouts mixed,8x1024] [--cprofile mixed]
 """
+# ruff: noqa: T201  (a script that prints its results)
 
 from __future__ import annotations
 
+import argparse
 import cProfile
 import io
 import json
 import pstats
-import sys
+import statistics
 import time
 
 import torch
@@ -24,10 +29,17 @@ from afd.model.batch import Batch
 from afd.model.kv_cache import PagedLatentCache
 from afd.model.weights import load_attention_model
 
+LAYOUTS = {  # name -> [(query_len, context_len), ...] in the engine's order (decodes first)
+    "8x1024": [(1024, 0)] * 8,
+    "mixed": [(1, 512)] * 256 + [(1792, 0)],  # afd bench step --mixed 256x1792
+    "mixed-small": [(1, 512)] * 256 + [(64, 0)],
+    "chunk-after-context": [(1, 512)] * 64 + [(1984, 512)],
+}
+
 
 def forward_times(model, cache, layout, iters=5, runner=None):
-    """(host ms, device ms) medians of `iters` forwards of one step layout [(query_len, context_len), ...]; through
-    the prefill graphs of `runner` when given."""
+    """(host ms, device ms) medians of `iters` forwards of one step layout; through the prefill graphs of `runner`
+    when given."""
     slots = [cache.allocate(q + c + 1) for q, c in layout]
     try:
         ids = torch.randint(0, 1000, (sum(q for q, _ in layout),))
@@ -48,13 +60,43 @@ def forward_times(model, cache, layout, iters=5, runner=None):
             if it >= 2:
                 hosts.append((t1 - t0) * 1e3)
                 devices.append((t2 - t0) * 1e3)
-        return sorted(hosts)[len(hosts) // 2], sorted(devices)[len(devices) // 2], batch, d_ids, d_pos
+        return statistics.median(hosts), statistics.median(devices)
     finally:
         for s in slots:
             cache.free(s)
 
 
-def launch_us(fn, n=1000):
+def profiled_forward(model, cache, layout, runner) -> str:
+    """cProfile tables (own time, cumulative) of one graphed forward of `layout`, after two unprofiled ones."""
+    slots = [cache.allocate(q + c + 1) for q, c in layout]
+    ids = torch.randint(0, 1000, (sum(q for q, _ in layout),))
+    pos = torch.cat([torch.arange(c, c + q) for q, c in layout])
+
+    def one():
+        batch = Batch(slots=slots, query_lens=[q for q, _ in layout], context_lens=[c for _, c in layout])
+        d_ids, d_pos = cache.prepare(batch, ids, pos)
+        run_segments(runner.segments(batch, d_ids, d_pos), zero_exchange)
+
+    for _ in range(2):
+        one()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    one()
+    prof.disable()
+    torch.cuda.synchronize()
+    for s in slots:
+        cache.free(s)
+    text = []
+    for order in ("tottime", "cumulative"):
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats(order).print_stats(35)
+        text.append(s.getvalue())
+    return "\n".join(text)
+
+
+def launch_us(fn, n=1000) -> tuple[float, float]:
+    """(µs per call back to back, µs per call alone on an idle device: median of 50)."""
     fn()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -62,123 +104,91 @@ def launch_us(fn, n=1000):
         fn()
     t1 = time.perf_counter()
     torch.cuda.synchronize()
-    return (t1 - t0) / n * 1e6
+    alone = []
+    for _ in range(50):
+        torch.cuda.synchronize()
+        s = time.perf_counter()
+        fn()
+        alone.append(time.perf_counter() - s)
+    torch.cuda.synchronize()
+    return (t1 - t0) / n * 1e6, statistics.median(alone) * 1e6
 
 
-def main(out_dir: str) -> None:
+def core_probes(model, cache) -> dict:
+    """The ops of a mixed step's attention core at `mixed`'s shapes (256 decodes, a 1,792-token prompt)."""
+    from afd.kernels.prefill_attention import prefill_attention
+    from afd.model.fp8 import linear_weight
+
+    c = model.config
+    attn = model.layers[1].self_attn
+    nh, B, T = c.num_attention_heads, 256, 1792
+    q = torch.randn(B + T, nh, c.qk_head_dim, device="cuda", dtype=torch.bfloat16)
+    q_nope = q[:B, :, : c.qk_nope_head_dim]
+    w = linear_weight(attn.kv_b_proj, q.dtype).view(nh, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+    w_uk, w_uv = w.split([c.qk_nope_head_dim, c.v_head_dim], dim=1)
+    o_latent = torch.randn(B, nh, c.kv_lora_rank, device="cuda", dtype=torch.bfloat16)
+    kv_c = torch.randn(T, c.kv_lora_rank, device="cuda", dtype=torch.bfloat16)
+    kpe = torch.randn(T, c.qk_rope_head_dim, device="cuda", dtype=torch.bfloat16)
+    kv = attn.kv_b_proj(kv_c).view(T, nh, c.qk_nope_head_dim + c.v_head_dim)
+    k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
+    cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
+    out = torch.empty(B + T, nh, c.v_head_dim, device="cuda", dtype=torch.bfloat16)
+    rows = torch.arange(B, device="cuda")
+    small = torch.zeros(8, device="cuda")
+    return {
+        "torch add_ (tiny)": lambda: small.add_(1),
+        "einsum q_latent bhd,hdc->bhc": lambda: torch.einsum("bhd,hdc->bhc", q_nope, w_uk),
+        "bmm q_latent": lambda: torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1),
+        "einsum output bhc,hvc->bhv": lambda: torch.einsum("bhc,hvc->bhv", o_latent, w_uv),
+        "kv_b_proj 1792 rows": lambda: attn.kv_b_proj(kv_c),
+        "F.linear 1792 rows": lambda: F.linear(kv_c, attn.kv_b_proj.weight),
+        "prefill_attention (triton)": lambda: prefill_attention(q[B:], k_nope, kpe, v, cu, cu, T, 0.1, out=out[B:]),
+        "q[rows] gather": lambda: q[rows],
+        "out[rows] = x": lambda: out.__setitem__(rows, out[:B]),
+        "out[:B].copy_": lambda: out[:B].copy_(out[B : 2 * B]),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out_dir")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"of {', '.join(LAYOUTS)}")
+    parser.add_argument("--cprofile", default="mixed", help="the layout profiled ('' for none)")
+    args = parser.parse_args()
     torch.set_grad_enabled(False)
     model = load_attention_model("deepseek-v2-lite", dtype="bfloat16", device="cuda", seed=0)
-    config = model.config
+    layers = model.config.num_hidden_layers
     cache = PagedLatentCache(
-        config, num_blocks=4096, block_size=16, max_num_seqs=128, dtype=torch.bfloat16, device="cuda"
+        model.config, num_blocks=12000, block_size=16, max_num_seqs=320, dtype=torch.bfloat16, device="cuda"
     )
-    layers = config.num_hidden_layers
-    layouts = {
-        "4x512 fresh": [(512, 0)] * 4,
-        "8x1024 fresh": [(1024, 0)] * 8,
-        "chunk 1984 after 512 + 64 decodes": [(1984, 512)] + [(1, 512)] * 64,
-        "64 decodes": [(1, 512)] * 64,
-    }
+    layouts = {name: LAYOUTS[name] for name in args.layouts.split(",")}
     result: dict = {"layers": layers, "forward": {}, "launch_us": {}}
     lines = []
     with torch.inference_mode():
         for name, layout in layouts.items():
-            host, device, batch, d_ids, d_pos = forward_times(model, cache, layout)
-            result["forward"][name] = {"host_ms": host, "device_ms": device, "host_per_layer_ms": host / layers}
-            lines.append(f"{name}: host {host:.2f} ms ({host / layers:.3f} per layer), device {device:.2f} ms")
-        before = torch.cuda.memory_allocated()
+            host, device = forward_times(model, cache, layout)
+            result["forward"][name] = {"host_ms": host, "device_ms": device}
+            lines.append(f"{name}: eager host {host:.2f} ms ({host / layers:.3f} per layer), device {device:.2f} ms")
         runner = PrefillGraphRunner(model, cache, 8192)
         t0 = time.perf_counter()
         runner.capture_all()
-        result["prefill_graphs"] = {
-            "capture_s": time.perf_counter() - t0,
-            "buckets": runner.captured,
-            "memory_GiB": (torch.cuda.memory_allocated() - before) / 2**30,
-        }
-        lines.append(f"prefill graphs: {result['prefill_graphs']}")
+        lines.append(f"prefill graphs: buckets {runner.captured} in {time.perf_counter() - t0:.1f} s")
         for name, layout in layouts.items():
-            host, device, *_ = forward_times(model, cache, layout, runner=runner)
+            host, device = forward_times(model, cache, layout, runner=runner)
             result["forward"][name].update(graph_host_ms=host, graph_device_ms=device)
             lines.append(f"{name} (prefill graphs): host {host:.2f} ms, device {device:.2f} ms")
-        # one forward of the 2048-token layout under the profilers
-        layout = layouts["4x512 fresh"]
-        slots = [cache.allocate(q + c + 1) for q, c in layout]
-        ids = torch.randint(0, 1000, (2048,))
-        pos = torch.cat([torch.arange(0, 512)] * 4)
-
-        def one():
-            batch = Batch(slots=slots, query_lens=[512] * 4, context_lens=[0] * 4)
-            d_ids, d_pos = cache.prepare(batch, ids, pos)
-            return model(d_ids, d_pos, batch, cache, zero_exchange)
-
-        one()
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            one()
-        torch.cuda.synchronize()
-        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
-        prof_py = cProfile.Profile()
-        prof_py.enable()
-        one()
-        prof_py.disable()
-        torch.cuda.synchronize()
-        s = io.StringIO()
-        pstats.Stats(prof_py, stream=s).sort_stats("tottime").print_stats(35)
-        cp_tot = s.getvalue()
-        s = io.StringIO()
-        pstats.Stats(prof_py, stream=s).sort_stats("cumulative").print_stats(45)
-        cp_cum = s.getvalue()
-
-        # host cost of single launches
-        from afd.kernels.norm import rms_norm
-        from afd.kernels.prefill_attention import prefill_attention
-        from afd.kernels.rope import rope
-
-        x = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
-        w = torch.ones(2048, device="cuda", dtype=torch.bfloat16)
-        lin = torch.randn(1536, 2048, device="cuda", dtype=torch.bfloat16)
-        kpe = torch.randn(2048, 64, device="cuda", dtype=torch.bfloat16)
-        cos = torch.randn(2048, 32, device="cuda")
-        q = torch.randn(2048, 16, 192, device="cuda", dtype=torch.bfloat16)
-        kn = torch.randn(2048, 16, 128, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn(2048, 16, 128, device="cuda", dtype=torch.bfloat16)
-        cu = torch.tensor([0, 512, 1024, 1536, 2048], dtype=torch.int32, device="cuda")
-        layer0 = model.layers[1]
-        g = torch.cuda.CUDAGraph()
-        y = torch.empty_like(x)
-        s_ = torch.cuda.Stream()
-        s_.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s_):
-            y.copy_(x)
-        torch.cuda.current_stream().wait_stream(s_)
-        with torch.cuda.graph(g):
-            y.copy_(x)
-        small = torch.zeros(8, device="cuda")
-        rows = torch.arange(2048, device="cuda")
-        latents = cache.cache[0][:2048].clone()
-        probes = {
-            "torch add_ (tiny)": lambda: small.add_(1),
-            "F.linear 2048x2048 -> 1536": lambda: F.linear(x, lin),
-            "rms_norm (triton)": lambda: rms_norm(x, w, 1e-6),
-            "RMSNorm module": lambda: layer0.input_layernorm(x),
-            "rope (triton)": lambda: rope(kpe, cos, cos, False),
-            "prefill_attention (triton)": lambda: prefill_attention(q, kn, kpe, v, cu, cu, 512, 0.1),
-            "gate (fused router)": lambda: layer0.gate(x),
-            "cuda graph replay (1 copy)": g.replay,
-            "torch.cat 2 tensors": lambda: torch.cat([kpe, kpe], dim=-1),
-            "index_copy_": lambda: cache.cache[0].index_copy_(0, rows, latents),
-        }
-        for name, fn in probes.items():
-            result["launch_us"][name] = launch_us(fn)
-            lines.append(f"launch {name}: {result['launch_us'][name]:.1f} us")
+        for name, fn in core_probes(model, cache).items():
+            queued, alone = launch_us(fn)
+            result["launch_us"][name] = {"back_to_back": queued, "alone": alone}
+            lines.append(f"launch {name}: {queued:.1f} us back to back, {alone:.1f} us alone")
+        table = profiled_forward(model, cache, LAYOUTS[args.cprofile], runner) if args.cprofile else ""
     text = "\n".join(lines)
     print(text)
-    with open(f"{out_dir}/host_profile.txt", "w") as f:
-        f.write(text + "\n\n== torch.profiler (CPU), one 4x512 forward\n" + table)
-        f.write("\n\n== cProfile by tottime\n" + cp_tot + "\n\n== cProfile by cumulative\n" + cp_cum)
-    with open(f"{out_dir}/host_profile.json", "w") as f:
+    with open(f"{args.out_dir}/host_profile.txt", "w") as f:
+        f.write(text + f"\n\n== cProfile, one graphed forward of {args.cprofile}\n" + table)
+    with open(f"{args.out_dir}/host_profile.json", "w") as f:
         json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main()

@@ -85,4 +85,7 @@ STEPS = {  # (query_lens, context_lens) of one engine step
     "decodes-between-chunks": ([5, 4, 1, 1, 17], [0, 9, 7, 3, 0]),
     "three-prompts": ([3, 8, 2], [0, 0, 0]),
     "chunks-around-a-decode": ([4, 1, 6, 2, 3], [5, 2, 0, 0, 1]),
+    # the engine's order, decodes first: the prompts' rows are read and written as views
+    "decodes-then-prompts": ([1, 1, 1, 5, 7], [4, 6, 2, 0, 0]),
+    "decodes-then-chunks": ([1, 1, 6, 3], [3, 5, 2, 0]),
 }

@@ -154,11 +154,12 @@ def test_model_kernel_path_matches_sdpa_loop(step, monkeypatch: pytest.MonkeyPat
     want = torch.full(shape, 7.0, device=device)
     got = want.clone()
     attn._prefill_attention_sdpa(want, q, kv_c, k_pe, batch, cache, seqs)
-    tables = []
+    tables, query_bases = [], []
     real_kernel = kernel_module.prefill_attention
 
     def spy(q, k_nope, k_rope, v, cu_q, cu_k, *rest, **kw):
         tables.append((cu_q.data_ptr() - meta_base(cu_q), cu_k.data_ptr() - meta_base(cu_k)))
+        query_bases.append(meta_base(q))
         return real_kernel(q, k_nope, k_rope, v, cu_q, cu_k, *rest, **kw)
 
     monkeypatch.setattr(kernel_module, "prefill_attention", spy)
@@ -167,6 +168,8 @@ def test_model_kernel_path_matches_sdpa_loop(step, monkeypatch: pytest.MonkeyPat
     # Triton would compile the kernel once more for a misaligned pointer
     ((q_at, k_at),) = tables
     assert q_at == 0 and k_at % 16 == 0 and k_at >= 4 * (len(seqs) + 1), (len(seqs), k_at)
+    # sequences on consecutive rows (decodes first, as the engine orders a step) are read in place, not gathered
+    assert (query_bases == [meta_base(q)]) == (seqs == list(range(seqs[0], seqs[-1] + 1))), (seqs, step)
     torch.testing.assert_close(got, want, atol=TOL_CPU, rtol=0)
     for i in batch.decode_seqs:
         assert (got[batch.starts[i]] == 7.0).all()

@@ -89,17 +89,20 @@ class MLAttention(nn.Module):
         c, nh = self.config, self.num_heads
         T = q.shape[0]
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
-        batched = set(batch.decode_seqs) if kv_cache is not None else set()
-        if batched and len(batched) == len(batch.query_lens):  # all decodes (graphed steps): rows in order
+        decodes = batch.decode_seqs if kv_cache is not None else []
+        if decodes and len(decodes) == len(batch.query_lens):  # all decodes (graphed steps): rows in order
             o = self._decode_attention(q_nope, q_pe, kv_cache, decode_context(batch, kv_cache.block_size))
             return o if out is None else out.copy_(o)
         out = q.new_empty(T, nh, c.v_head_dim) if out is None else out  # [T, nh, Dv]
-        if batched:  # one pass over every single-token sequence instead of a loop over them
-            rows = batch.decode_token_rows  # [Bd]
+        if decodes:  # one pass over every single-token sequence instead of a loop over them
             context = decode_context(batch, kv_cache.block_size)
-            o = self._decode_attention(q_nope[rows], q_pe[rows], kv_cache, context)
-            out[rows] = o  # [Bd, nh, Dv]
-        self._prefill_attention(out, q, kv_c, k_pe, batch, kv_cache, batched)
+            Bd = len(decodes)
+            if decodes[-1] == Bd - 1:  # the engine's order, decodes first: rows [0, Bd), no gather or scatter
+                out[:Bd] = self._decode_attention(q_nope[:Bd], q_pe[:Bd], kv_cache, context)
+            else:
+                rows = batch.decode_token_rows  # [Bd]
+                out[rows] = self._decode_attention(q_nope[rows], q_pe[rows], kv_cache, context)  # [Bd, nh, Dv]
+        self._prefill_attention(out, q, kv_c, k_pe, batch, kv_cache, set(decodes))
         return out
 
     def _prefill_attention(
@@ -193,8 +196,11 @@ class MLAttention(nn.Module):
         """The kernel path: the key latents of all `seqs` concatenated, keys and values expanded by one
         kv_b_proj call, one varlen attention launch (afd.kernels.prefill_attention), no host sync.
 
-        Sequence lengths come from the host lists; their device copy (cu_seqlens and, when decodes sit
-        between the sequences, the query rows) is one pinned asynchronous copy per step, kept in the batch.
+        When `seqs` sit on consecutive rows (the engine's order: decodes first, then chunks and prompts) the
+        kernel reads and writes views of those rows, and fresh prompts' keys are their own latents as they are;
+        otherwise (decodes between them) the queries are gathered and the outputs scattered back. Sequence
+        lengths come from the host lists; their device copy (cu_seqlens and, for the gather, the query rows) is
+        one pinned asynchronous copy per step, kept in the batch.
         """
         from afd.kernels.prefill_attention import prefill_attention
 
@@ -203,9 +209,10 @@ class MLAttention(nn.Module):
         key_lens = [batch.context_lens[i] + n for i, n in zip(seqs, query_lens, strict=True)]
         starts = batch.starts
         Tq = sum(query_lens)
-        every_row = Tq == q.shape[0]  # then `seqs` are all the sequences, in order
-        if every_row and all(batch.context_lens[i] == 0 for i in seqs):  # fresh prompts only
-            keys_c, keys_pe = kv_c, k_pe  # [Lk, C], [Lk, R]: their own new latents, as they are
+        first = starts[seqs[0]]
+        consecutive = seqs[-1] - seqs[0] == len(seqs) - 1  # then their rows are [first, first + Tq)
+        if consecutive and all(batch.context_lens[i] == 0 for i in seqs):  # fresh prompts only
+            keys_c, keys_pe = kv_c[first : first + Tq], k_pe[first : first + Tq]  # [Lk, C], [Lk, R]: views
         else:
             parts = [self._sequence_latents(kv_c, k_pe, batch, kv_cache, i, starts[i]) for i in seqs]
             keys_c, keys_pe = (torch.cat(p) for p in zip(*parts, strict=True))  # [Lk, C], [Lk, R]
@@ -221,7 +228,7 @@ class MLAttention(nn.Module):
             gap = [0] * (k_at - S - 1)
             cu_seqlens = [0, *itertools.accumulate(query_lens), *gap, 0, *itertools.accumulate(key_lens)]
             meta = torch.tensor(cu_seqlens, dtype=torch.int32)  # [k_at + S + 1] (+ [Tq] query rows below)
-            if not every_row:  # append the step row of every packed query: its sequence's first row + its index
+            if not consecutive:  # append the step row of every packed query: its sequence's first row + its index
                 shift = torch.tensor([starts[i] for i in seqs], dtype=torch.int32) - meta[:S]  # [S]
                 q_rows = torch.arange(Tq, dtype=torch.int32) + shift.repeat_interleave(torch.tensor(query_lens))
                 meta = torch.cat([meta, q_rows])
@@ -229,8 +236,8 @@ class MLAttention(nn.Module):
             batch.varlen_meta[tuple(seqs)] = meta
         cu_seqlens_q, cu_seqlens_k = meta[: S + 1], meta[k_at : k_at + S + 1]  # [S + 1] int32 each
         args = (k_nope, keys_pe, v, cu_seqlens_q, cu_seqlens_k, max(query_lens), self.softmax_scale)
-        if every_row:
-            prefill_attention(q, *args, out=out)
+        if consecutive:
+            prefill_attention(q[first : first + Tq], *args, out=out[first : first + Tq])
         else:  # decodes (attended in their own batched pass) sit between: gather the queries, scatter back
             rows = meta[k_at + S + 1 :].long()  # [Tq]
             out.index_copy_(0, rows, prefill_attention(q.index_select(0, rows), *args))
