@@ -134,6 +134,7 @@ def core_probes(model, cache) -> dict:
     cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
     out = torch.empty(B + T, nh, c.v_head_dim, device="cuda", dtype=torch.bfloat16)
     rows = torch.arange(B, device="cuda")
+    o_out = torch.randn(B, nh, c.v_head_dim, device="cuda", dtype=torch.bfloat16)
     small = torch.zeros(8, device="cuda")
     return {
         "torch add_ (tiny)": lambda: small.add_(1),
@@ -144,8 +145,8 @@ def core_probes(model, cache) -> dict:
         "F.linear 1792 rows": lambda: F.linear(kv_c, attn.kv_b_proj.weight),
         "prefill_attention (triton)": lambda: prefill_attention(q[B:], k_nope, kpe, v, cu, cu, T, 0.1, out=out[B:]),
         "q[rows] gather": lambda: q[rows],
-        "out[rows] = x": lambda: out.__setitem__(rows, out[:B]),
-        "out[:B].copy_": lambda: out[:B].copy_(out[B : 2 * B]),
+        "out[rows] = x": lambda: out.__setitem__(rows, o_out),
+        "out[:B].copy_": lambda: out[:B].copy_(o_out),
     }
 
 
@@ -169,7 +170,7 @@ def main() -> None:
             host, device = forward_times(model, cache, layout)
             result["forward"][name] = {"host_ms": host, "device_ms": device}
             lines.append(f"{name}: eager host {host:.2f} ms ({host / layers:.3f} per layer), device {device:.2f} ms")
-        runner = PrefillGraphRunner(model, cache, 8192)
+        runner = PrefillGraphRunner(model, cache, 8192, max_seqs=1024)
         t0 = time.perf_counter()
         runner.capture_all()
         lines.append(f"prefill graphs: buckets {runner.captured} in {time.perf_counter() - t0:.1f} s")

@@ -43,9 +43,13 @@ def test_replayed_prefill_graphs_equal_eager_steps(dtype: str) -> None:
                 engine.prefill_graphs[0].capture_all()
             assert not engine.prefill_graphs[0].disabled, "a capture failed (its traceback is in the log)"
             assert engine.prefill_graphs[0].captured == token_buckets(512)
+            assert engine.prefill_graphs[0].captured_cores_inside == token_buckets(512)
         for p in prompts:
             engine.add(Request(list(p), 6, prompt_logprobs=True))
-        return engine.run(), exchange.rows_seen
+        outputs = engine.run()
+        if graphs:  # steps of decodes and fresh prompts ran their attention cores inside the pieces
+            assert engine.prefill_graphs[0].steps_cores_inside > 0
+        return outputs, exchange.rows_seen
 
     want, want_rows = run(False)
     got, rows = run(True)

@@ -1,6 +1,7 @@
 """The GPU half of tests/unit/test_prefill_graph_moe.py: with the in-process exchange (bf16 on CUDA, where the MoE
 takes the fixed-shape path) the prefill graph pieces hold each boundary layer's MoE and pause only at the attention
-cores; a captured mixed step equals the eager forward, and replaying it issues no host sync."""
+cores, or hold the cores too for steps of decodes and fresh prompts (one graph a step); a captured mixed step equals
+the eager forward, and replaying it issues no host sync."""
 
 from __future__ import annotations
 
@@ -64,14 +65,19 @@ def test_captured_mixed_steps_equal_eager_and_replay_without_host_sync(models) -
     with torch.inference_mode():
         runner.capture_all()
     assert not runner.disabled, "a capture failed (its traceback is in the log)"
-    assert runner.captured == token_buckets(BUDGET)
-    for graph in runner._graphs.values():
-        assert len(graph.graphs) == attn.config.num_hidden_layers + 1
-        assert all(kind == "core" for kind, _ in graph.pauses)
+    assert runner.captured == runner.captured_cores_inside == token_buckets(BUDGET)
+    for (_, inside), graph in runner._graphs.items():
+        if inside:  # decodes and fresh prompts: the whole step is one graph
+            assert len(graph.graphs) == 1 and not graph.pauses
+        else:
+            assert len(graph.graphs) == attn.config.num_hidden_layers + 1
+            assert all(kind == "core" for kind, _ in graph.pauses)
     layouts = [
-        [(1, 40)] * 6 + [(90, 0)],  # 96 tokens in 128
-        [(1, 300)] * 16 + [(250, 100)],  # 266 in 384
-        [(1, 17), (511, 0)],  # 512: no padding
+        [(1, 40)] * 6 + [(90, 0)],  # 96 tokens in 128, cores inside
+        [(1, 300)] * 16 + [(250, 100)],  # 266 in 384 (a chunk after cached context: the pieces pause at the cores)
+        [(1, 17), (511, 0)],  # 512: no padding (a lone decode is not batched: the pieces pause)
+        [(1, 300)] * 16 + [(200, 0), (3, 0), (50, 0)],  # 269 in 384, cores inside, tiles of several prompts
+        [(300, 0), (200, 0)],  # 500 in 512, fresh prompts only, cores inside
     ]
     for seed, layout in enumerate(layouts):
         batch, ids, pos = prepared_step(attn, cache, layout, seed)
@@ -94,6 +100,7 @@ def test_captured_mixed_steps_equal_eager_and_replay_without_host_sync(models) -
         assert diff <= TOL, f"layout {seed}: |Δ logprob| {diff:.2e}"
         for slot in batch.slots:
             cache.free(slot)
+    assert runner.steps_cores_inside == 2 * 3  # each layout run twice; three of them fit the layout buffers
 
 
 @pytest.mark.timeout(600)

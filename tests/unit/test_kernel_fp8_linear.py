@@ -83,15 +83,17 @@ def test_dequantize_weight_is_the_model_dequantize_bit_for_bit(block):
 
 
 @cpu_only
-def test_dequantize_weight_takes_stacks_and_their_halves():
+@pytest.mark.parametrize(("inter", "hidden", "block"), [(40, 48, (16, 32)), (200, 288, (128, 128))])
+def test_dequantize_weight_takes_stacks_and_their_halves(inter, hidden, block):
     """A stack of experts `[E, 2I, H]` read as views of its gate and up halves (each half's own ragged scale rows):
-    the same bits as the model's dequantize, half by half."""
+    the same bits as the model's dequantize, half by half; with blocks the tiles fit in (one scale a tile) and
+    blocks smaller than a tile."""
     from afd.model.fp8 import quantize_experts
 
-    w13 = torch.randn(3, 2 * 40, 48, generator=torch.Generator().manual_seed(7))
-    q = quantize_experts(w13, torch.randn(3, 48, 40), (16, 32))
+    w13 = torch.randn(3, 2 * inter, hidden, generator=torch.Generator().manual_seed(7))
+    q = quantize_experts(w13, torch.randn(3, hidden, inter), block)
     half = q.w13_scale_inv.shape[1] // 2
-    for rows, scales in ((slice(0, 40), slice(0, half)), (slice(40, 80), slice(half, None))):
+    for rows, scales in ((slice(0, inter), slice(0, half)), (slice(inter, 2 * inter), slice(half, None))):
         w, s = q.w13[:, rows], q.w13_scale_inv[:, scales]
         assert torch.equal(kfl.dequantize_weight(w, s, q.block, torch.float32), dequantize(w, s, q.block))
 

@@ -81,6 +81,34 @@ def test_kernel_matches_sdpa_per_sequence(mix, blocks) -> None:
     torch.testing.assert_close(out, want, atol=TOL_CPU, rtol=0)
 
 
+@pytest.mark.parametrize("mix", [MIXES["prompts-3-17-1"], MIXES["chunks-ctx-9-0-3"], MIXES["chunk-40-ctx-3"]])
+def test_tiled_grid_equals_the_per_sequence_grid(mix) -> None:
+    """A fixed grid told each program's (sequence, tile) by a table (what a CUDA graph launches), with idle
+    programs (-1) and more sequence slots than real sequences (empty ones at the end), writes the same rows,
+    bit for bit, and leaves rows no sequence owns alone."""
+    query_lens, context_lens = mix
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(11)
+    key_lens, q, k_nope, k_rope, v = random_inputs(query_lens, context_lens, 2, 16, 8, 16, torch.float32, device, gen)
+    kw = dict(block_m=16, block_n=16, num_warps=4, num_stages=1)
+    want = prefill_attention(
+        q, k_nope, k_rope, v, cu_seqlens(query_lens, device), cu_seqlens(key_lens, device), max(query_lens), 0.3, **kw
+    )
+    table = kernel_module.query_tiles(query_lens, 16)
+    assert sorted(table) == sorted((s, m) for s, n in enumerate(query_lens) for m in range(-(-n // 16)))
+    table += [(-1, 0)] * 3  # idle programs
+    tiles = torch.tensor(table, dtype=torch.int32).T.contiguous().to(device)
+    spare = [*query_lens, 0, 0]  # two empty sequence slots, as a graph's table has past the step's sequences
+    pad = torch.full((4, *q.shape[1:]), 5.0, device=device)
+    out = torch.full((q.shape[0] + 4, 2, 16), 7.0, device=device)
+    got = prefill_attention(
+        torch.cat([q, pad]), k_nope, k_rope, v, cu_seqlens(spare, device),
+        cu_seqlens([*key_lens, 0, 0], device), 0, 0.3, out=out, tiles=tiles, **kw,
+    )  # fmt: skip
+    assert got is out and torch.equal(out[: q.shape[0]], want)
+    assert (out[q.shape[0] :] == 7.0).all()
+
+
 def test_kernel_per_head_rope_strided_views_odd_dims() -> None:
     """A per-head key given as views into one [Tk, nh, Dqk] tensor and v as a view into a wider projection
     output (the model's layout), head dims that are not powers of two (Dn 12, Dr 6, Dv 10: masked

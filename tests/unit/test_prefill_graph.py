@@ -95,8 +95,9 @@ def test_micro_batches_each_replay_their_own_runner(tiny) -> None:
 
 
 def test_memory_estimate_covers_the_static_buffers_and_grows_with_the_budget(tiny) -> None:
-    """`graph_memory_estimate` (left free by the cache sizing) is above what one runner's static buffers take for the
-    same budget (measured on a CPU runner after one padded pass), and linear in the budget."""
+    """`graph_memory_estimate` (left free by the cache sizing) is above what one runner's per-token static buffers
+    take for the same budget (measured on a CPU runner after one padded pass each way: the pieces' buffers and the
+    layouts' prompt metadata), and linear in the budget."""
     from afd.engine.graphs.prefill import graph_memory_estimate
     from afd.model.kv_cache import PagedLatentCache
 
@@ -104,9 +105,10 @@ def test_memory_estimate_covers_the_static_buffers_and_grows_with_the_budget(tin
     cache = PagedLatentCache(attn.config, num_blocks=64, block_size=BLOCK, dtype=torch.float32, device="cpu")
     runner = PrefillGraphRunner(attn, cache, 256, capture=False)
     with torch.inference_mode():
-        runner._capture(256)
-    buffers = runner._buffers
-    static = sum(t.numel() * t.element_size() for t in vars(buffers).values() if isinstance(t, torch.Tensor))
+        runner.capture_all()
+    assert runner.captured_cores_inside == runner.captured == [128, 256]
+    tensors = [t for t in vars(runner._buffers).values() if isinstance(t, torch.Tensor)]
+    static = sum(t.numel() * t.element_size() for t in [*tensors, *runner._layout._meta.values()])
     estimate = graph_memory_estimate(attn.config, torch.float32, 256)
     assert static < estimate < 20 * static
     assert graph_memory_estimate(attn.config, torch.float32, 512) == 2 * estimate

@@ -33,7 +33,11 @@ LAYOUTS = {
     "291 tokens in 300": [(1, 21), (290, 0)],
     "128 tokens, no padding": [(1, 4)] * 8 + [(120, 0)],
     "a lone decode beside a chunk": [(1, 30), (5, 11)],
+    # the engine's order with fresh prompts only: the attention cores run inside the pieces (one graph a step)
+    "decodes, then fresh prompts, in 256": [(1, 9), (1, 17), (1, 3), (60, 0), (2, 0), (90, 0)],
+    "fresh prompts only, in 128": [(100, 0), (27, 0)],
 }
+CORES_INSIDE = {"128 tokens, no padding", "decodes, then fresh prompts, in 256", "fresh prompts only, in 128"}
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +71,8 @@ def test_mixed_steps_equal_the_eager_forward(tiny, moe_inside: bool, fixed_shape
     """Decodes beside fresh prompts and chunks after cached context, padded to every bucket (and one step with no
     padding): the real rows equal `forward_segments` run plainly (fp32). MoE inside: the exchange is never called
     (the pieces pause only at the attention cores). Exchange eager: it sees the T real rows at every boundary
-    layer, in order, exactly as the plain forward hands them."""
+    layer, in order, exactly as the plain forward hands them. Steps of decodes and fresh prompts (CORES_INSIDE) run
+    their attention cores inside the pieces, from the bucket's layout buffers; the others pause at them."""
     attn, ffn = tiny
     ffn.fixed_shape_moe = fixed_shape  # the path the GPU captures (torch._grouped_mm's CPU fallback) or the loop
     try:
@@ -79,8 +84,10 @@ def test_mixed_steps_equal_the_eager_forward(tiny, moe_inside: bool, fixed_shape
             with torch.inference_mode():
                 want = run_segments(attn.forward_segments(ids, pos, batch, cache), plain)
                 padded = Recording(ffn)
+                inside_before = runner.steps_cores_inside
                 segments = runner.segments(batch, ids, pos)
                 got = run_segments(segments, padded)
+            assert runner.steps_cores_inside - inside_before == (name in CORES_INSIDE), name
             T = ids.shape[0]
             assert got.shape == want.shape == (T, attn.config.hidden_size), name
             torch.testing.assert_close(got, want, rtol=0, atol=2e-5, msg=name)

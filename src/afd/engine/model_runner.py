@@ -202,7 +202,11 @@ class ModelRunner:
         moe_inside = prefill_moe_inside(exchange)
         self.prefill_graphs = [
             PrefillGraphRunner(
-                model, kv_cache, max_num_batched_tokens, ffn_model=exchange.ffn_model if moe_inside else None
+                model,
+                kv_cache,
+                max_num_batched_tokens,
+                ffn_model=exchange.ffn_model if moe_inside else None,
+                max_seqs=max_num_seqs,
             )
             for _ in range(prefill_graph_copies(self.device, exchange, enforce_eager))
         ]

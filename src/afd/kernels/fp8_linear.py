@@ -290,14 +290,19 @@ def _dequantize_kernel(
     BLOCK_K: tl.constexpr,
     SCALE_N: tl.constexpr,
     SCALE_K: tl.constexpr,
+    ONE_SCALE: tl.constexpr,  # the tile lies inside one scale block: one scalar load instead of one per element
 ):
     b = tl.program_id(2).to(tl.int64)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (n < out_features)[:, None] & (k < in_features)[None, :]
     w = tl.load(w_ptr + b * stride_wb + n[:, None] * stride_wn + k[None, :] * stride_wk, mask=mask, other=0.0)
-    s_ptr = scale_ptr + b * stride_sb + (n // SCALE_N)[:, None] * stride_sn + (k // SCALE_K)[None, :] * stride_sk
-    s = tl.load(s_ptr, mask=mask)
+    if ONE_SCALE:
+        block_n = tl.program_id(0) * BLOCK_N // SCALE_N
+        s = tl.load(scale_ptr + b * stride_sb + block_n * stride_sn + tl.program_id(1) * BLOCK_K // SCALE_K * stride_sk)
+    else:
+        s_ptr = scale_ptr + b * stride_sb + (n // SCALE_N)[:, None] * stride_sn + (k // SCALE_K)[None, :] * stride_sk
+        s = tl.load(s_ptr, mask=mask)
     out = out_ptr + (b * out_features + n[:, None]) * in_features + k[None, :]
     tl.store(out, (w.to(tl.float32) * s).to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -330,6 +335,7 @@ def dequantize_weight(
         BLOCK_K=DEQUANT_TILE[1],
         SCALE_N=block[0],
         SCALE_K=block[1],
+        ONE_SCALE=block[0] % DEQUANT_TILE[0] == 0 and block[1] % DEQUANT_TILE[1] == 0,
     )
     return out
 

@@ -113,6 +113,7 @@ def _prefill_attention_kernel(
     Out,
     CuQ,
     CuK,
+    Tiles,  # TILED: [2, G] int32, program g's sequence (-1: none) and query tile
     stride_qt,
     stride_qh,
     stride_k1t,
@@ -137,10 +138,17 @@ def _prefill_attention_kernel(
     PAD_D2: tl.constexpr,
     PAD_DV: tl.constexpr,
     PRECISION: tl.constexpr,
+    TILED: tl.constexpr,
 ):
     head = tl.program_id(0)
-    seq = tl.program_id(1)
-    tile = num_m_tiles - 1 - tl.program_id(2)  # heaviest tiles (most keys) launch first
+    if TILED:  # a fixed grid of G programs (a CUDA graph's), each told its (sequence, tile) by the table
+        seq = tl.load(Tiles + tl.program_id(1))
+        tile = tl.load(Tiles + tl.num_programs(1) + tl.program_id(1))
+        if seq < 0:
+            return
+    else:
+        seq = tl.program_id(1)
+        tile = num_m_tiles - 1 - tl.program_id(2)  # heaviest tiles (most keys) launch first
     q_start = tl.load(CuQ + seq)
     q_len = tl.load(CuQ + seq + 1) - q_start
     m0 = tile * BLOCK_M
@@ -210,6 +218,7 @@ def prefill_attention(
     softmax_scale: float,
     *,
     out: torch.Tensor | None = None,
+    tiles: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
@@ -225,6 +234,9 @@ def prefill_attention(
     cu_seqlens_q[s] .. cu_seqlens_q[s + 1] and key rows cu_seqlens_k[s] .. cu_seqlens_k[s + 1], with at
     least as many keys as queries. max_seqlen_q: the longest query length, a host int (it sizes the grid;
     nothing is read back from the device). -> out [Tq, nh, Dv] in q's dtype.
+    tiles: [2, G] int32 on the device (`query_tiles`): the grid is then G programs per head whatever the lengths,
+    program g taking query tile tiles[1, g] of sequence tiles[0, g] (-1: nothing), so a CUDA graph can hold the
+    launch and each replay read its step's layout; `max_seqlen_q` is then not read.
     block_m, block_n, num_warps, num_stages: the tiling; by default the one of `_TILES` for q's dtype.
     """
     Tq, nh, Dqk = q.shape
@@ -250,15 +262,18 @@ def prefill_attention(
         out = q.new_empty(Tq, nh, Dv)
     elif out.shape != (Tq, nh, Dv) or out.stride(-1) != 1 or out.dtype != q.dtype:
         raise ValueError(f"out must be [{Tq}, {nh}, {Dv}] {q.dtype} with a contiguous last dimension")
-    if Tq == 0 or num_seqs == 0 or max_seqlen_q == 0:
+    if Tq == 0 or num_seqs == 0 or (max_seqlen_q == 0 if tiles is None else tiles.shape[1] == 0):
         return out
     default_m, default_n, default_warps, default_stages = _TILES[q.dtype == torch.float32]
     block_m, block_n = block_m or default_m, block_n or default_n
     num_warps, num_stages = num_warps or default_warps, num_stages or default_stages
     num_m_tiles = triton.cdiv(max_seqlen_q, block_m)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 stays exact; ignored for 16-bit inputs
-    _prefill_attention_kernel[(nh, num_seqs, num_m_tiles)](
-        q, k_nope, k_rope, v, out, cu_seqlens_q, cu_seqlens_k,
+    if tiles is not None and (tiles.dtype != torch.int32 or tiles.shape[:1] != (2,) or not tiles.is_contiguous()):
+        raise ValueError(f"tiles must be a contiguous [2, G] int32 tensor, got {tuple(tiles.shape)} {tiles.dtype}")
+    grid = (nh, num_seqs, num_m_tiles) if tiles is None else (nh, tiles.shape[1], 1)
+    _prefill_attention_kernel[grid](
+        q, k_nope, k_rope, v, out, cu_seqlens_q, cu_seqlens_k, cu_seqlens_q if tiles is None else tiles,
         q.stride(0), q.stride(1),
         k_nope.stride(0), k_nope.stride(1),
         k_rope.stride(0), k_rope.stride(1),
@@ -270,7 +285,19 @@ def prefill_attention(
         BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D1=_block(Dn), BLOCK_D2=_block(Dr), BLOCK_DV=_block(Dv),
         PAD_D1=_block(Dn) != Dn, PAD_D2=_block(Dr) != Dr, PAD_DV=_block(Dv) != Dv,
-        PRECISION=precision,
+        PRECISION=precision, TILED=tiles is not None,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
+
+
+def tile_rows(dtype: torch.dtype) -> int:
+    """Query rows per program (BLOCK_M) of the default tiling for `dtype`: what `query_tiles` cuts by."""
+    return _TILES[dtype == torch.float32][0]
+
+
+def query_tiles(query_lens: list[int], block_m: int) -> list[tuple[int, int]]:
+    """The (sequence, query tile) of every program a tiled launch runs, heaviest tiles (most keys) first, as the
+    untiled grid orders them: sequence s has ceil(query_lens[s] / block_m) tiles."""
+    counts = [-(-n // block_m) for n in query_lens]
+    return [(s, m) for m in range(max(counts, default=0) - 1, -1, -1) for s, c in enumerate(counts) if m < c]

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from afd import kernels
-from afd.model.batch import Batch
+from afd.model.batch import Batch, GraphedLayout
 from afd.model.config import ModelConfig
 from afd.model.fp8 import linear, linear_weight
 from afd.model.kv_cache import DecodeContext, PagedLatentCache, context_rows, decode_context
@@ -89,6 +89,8 @@ class MLAttention(nn.Module):
         c, nh = self.config, self.num_heads
         T = q.shape[0]
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
+        if batch.graphed is not None:
+            return self._attend_graphed(q, kv_c, k_pe, batch.graphed, kv_cache, out)
         decodes = batch.decode_seqs if kv_cache is not None else []
         if decodes and len(decodes) == len(batch.query_lens):  # all decodes (graphed steps): rows in order
             o = self._decode_attention(q_nope, q_pe, kv_cache, decode_context(batch, kv_cache.block_size))
@@ -103,6 +105,43 @@ class MLAttention(nn.Module):
                 rows = batch.decode_token_rows  # [Bd]
                 out[rows] = self._decode_attention(q_nope[rows], q_pe[rows], kv_cache, context)  # [Bd, nh, Dv]
         self._prefill_attention(out, q, kv_c, k_pe, batch, kv_cache, set(decodes))
+        return out
+
+    def _attend_graphed(
+        self,
+        q: torch.Tensor,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        layout: GraphedLayout,
+        kv_cache: PagedLatentCache,
+        out: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The core of a step laid out as `layout` says, in fixed shapes with no host read, so a CUDA graph holds
+        it: the decode rows [0, D) in the absorbed form (padding rows attend to the zero row), then every row's
+        keys and values expanded and the fresh prompts' rows overwritten by the tiled varlen kernel. Rows of no
+        sequence keep a finite value (a padding decode's zero, or what they held)."""
+        c, nh = self.config, self.num_heads
+        out = q.new_zeros(q.shape[0], nh, c.v_head_dim) if out is None else out  # [Tp, nh, Dv]
+        D, W = layout.decode_tables.shape
+        q_nope, q_pe = q[:D].split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
+        context = DecodeContext(layout.decode_tables, layout.decode_lens, kv_cache.block_size, W * kv_cache.block_size)
+        out[:D] = self._decode_attention(q_nope, q_pe, kv_cache, context)  # [D, nh, Dv]
+        kv = self.kv_b_proj(kv_c).view(kv_c.shape[0], nh, c.qk_nope_head_dim + c.v_head_dim)
+        k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)  # [Tp, nh, Dn], [Tp, nh, Dv]: views
+        if kernels.enabled(q.device):
+            from afd.kernels.prefill_attention import prefill_attention
+
+            cu = layout.cu_seqlens
+            prefill_attention(q, k_nope, k_pe, v, cu, cu, 0, self.softmax_scale, out=out, tiles=layout.tiles)
+            return out
+        bounds = layout.cu_seqlens.tolist()  # never captured here: the eager oracle reads the layout back
+        for start, end in itertools.pairwise(bounds):
+            if end > start:
+                k = torch.cat([k_nope[start:end], k_pe[start:end, None].expand(-1, nh, -1)], dim=-1)
+                out[start:end] = F.scaled_dot_product_attention(
+                    q[start:end].transpose(0, 1), k.transpose(0, 1), v[start:end].transpose(0, 1),
+                    is_causal=True, scale=self.softmax_scale,
+                ).transpose(0, 1)  # fmt: skip
         return out
 
     def _prefill_attention(

@@ -10,6 +10,21 @@ import torch
 
 
 @dataclass
+class GraphedLayout:
+    """A step's layout as device buffers of fixed shapes, read by an attention core captured in a CUDA graph
+    (afd.engine.graphs.prefill): the step's single-token sequences on rows [0, Bd), attended in the absorbed form
+    over `decode_tables` / `decode_lens` ([D, W], [D]: D >= Bd rows, the others padding: the null block, length
+    1), then fresh prompts attended causally to their own rows, by one tiled varlen launch over `cu_seqlens`
+    ([S + 1] int32, absolute rows; empty sequences past the step's) and `tiles` ([2, G] int32, program g's
+    sequence, -1 for none, and query tile). A replay refills the buffers; nothing here is read on the host."""
+
+    decode_tables: torch.Tensor
+    decode_lens: torch.Tensor
+    cu_seqlens: torch.Tensor
+    tiles: torch.Tensor
+
+
+@dataclass
 class Batch:
     """Where each sequence of a flattened step sits: `query_lens[i]` consecutive rows, cache `slots[i]`,
     `context_lens[i]` tokens already cached before this step.
@@ -28,6 +43,7 @@ class Batch:
     # Batch even a lone decode token: a CUDA graph (graphs.decode) needs the fixed-shape batched path at size 1.
     batch_decodes: bool = False
     varlen_meta: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)  # prefill kernel's, built once
+    graphed: GraphedLayout | None = None  # set: the attention core reads only these buffers (a captured step)
 
     @property
     def num_tokens(self) -> int:

@@ -126,10 +126,19 @@ def fill_static_inputs(
     static.positions[:B].copy_(positions)
     static.slot_mapping.fill_(scratch_row)
     static.slot_mapping[:B].copy_(slot_mapping)
-    static.tables[:B, :w].copy_(tables)
-    static.tables[B:, 0] = null_block
-    static.lens.fill_(1)
-    static.lens[:B].copy_(lens)
+    fill_decode_tables(static.tables, static.lens, tables, lens, null_block)
+
+
+def fill_decode_tables(
+    static_tables: torch.Tensor, static_lens: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, null_block: int
+) -> None:
+    """Copy `B` decodes' block tables [B, w] and lengths [B] into the first rows of static ones [n, W], [n]; the
+    other rows become padding: the null block with length 1 (a finite, all-zero attention). Device work only."""
+    B, w = tables.shape
+    static_tables[:B, :w].copy_(tables)
+    static_tables[B:, 0] = null_block
+    static_lens.fill_(1)
+    static_lens[:B].copy_(lens)
 
 
 @dataclass

@@ -25,6 +25,12 @@ at a boundary layer's MoE is decided once, when the runner is built:
   every boundary layer and the exchange runs eagerly between them on the T real rows (yielded as a `Boundary`),
   so the FFN side sees exactly the step the engine announced; no padding row reaches the exchange.
 
+Cores inside: a step of batched decodes (first, as the engine orders them) and fresh prompts only needs no pause
+at its attention cores: each bucket also has graphs whose cores read the bucket's fixed-shape layout buffers
+(`afd.engine.graphs.layout`, `MLAttention._attend_graphed`), refilled per step with device copies, so such a
+step replays whole (MoE inside) or pauses only at the exchange. A step with a chunk after cached context (its keys
+gathered from the cache, of a length no bucket bounds) takes the pieces that pause at the cores.
+
 Every tensor that crosses a pause lives in one set of static buffers per runner, sized for the largest
 bucket and shared by every bucket and layer (the pieces copy into them), so the graphs' memory does not
 grow with layers x buckets; with the MoE inside, its temporaries at the largest bucket join the graphs' pool
@@ -43,8 +49,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from afd import kernels
 from afd.buckets import token_buckets
 from afd.engine.graphs.decode import resume
+from afd.engine.graphs.layout import LayoutBuffers, fits_graphed_layout
 from afd.model.attention_side import AttentionCore, AttentionModel, Boundary, Segments
 from afd.model.batch import Batch
 from afd.model.config import ModelConfig
@@ -59,15 +67,20 @@ def graph_memory_estimate(config: ModelConfig, dtype: torch.dtype, max_tokens: i
     """An upper estimate of one runner's device memory (bytes), which the KV cache must leave free.
 
     Per token of the largest bucket: the static buffers (q, the latents, the attention output, the boundary rows,
-    the answer, the routing, the inputs, the padding mask), about eight hidden-size temporaries in the graphs'
-    pool, and each bucket's output (the buckets sum to under seven times the largest). `moe_inside`: also the
+    the answer, the routing, the inputs, the padding mask, the layout's prompt metadata), about eight hidden-size
+    temporaries in the graphs' pool, each bucket's output (the buckets sum to under seven times the largest), and
+    for the graphs that hold the attention cores their temporaries and outputs too. `moe_inside`: also the
     MoE's temporaries in the pool (`moe_graph_bytes_per_token`), which the eager step's own estimate does not cover
     (a graph pool is private), and for FP8 experts one layer's dequantized copy, twice over: what a prefill-sized
     step past `FP8_FUSED_MOE_MAX_PAIRS`, or a block the kernels do not take, runs on (afd.model.moe).
     """
     c = config
-    rows = c.num_attention_heads * (c.qk_head_dim + c.v_head_dim) + c.kv_lora_rank + c.qk_rope_head_dim
-    per_token = dtype.itemsize * (rows + 18 * c.hidden_size) + 12 * c.num_experts_per_tok + 25
+    nh = c.num_attention_heads
+    rows = nh * (c.qk_head_dim + c.v_head_dim) + c.kv_lora_rank + c.qk_rope_head_dim
+    # the graphs with the attention cores inside: their keys and values, output, the decode rows' latent queries
+    # and outputs, and each bucket's output a second time
+    cores = nh * (c.qk_nope_head_dim + 2 * c.v_head_dim + 2 * c.kv_lora_rank) + 7 * c.hidden_size
+    per_token = dtype.itemsize * (rows + cores + 18 * c.hidden_size) + 12 * c.num_experts_per_tok + 25 + 24
     if not moe_inside:
         return max_tokens * per_token
     dequantized = 0 if c.fp8_block is None else 2 * c.n_routed_experts * 3 * c.hidden_size * c.moe_intermediate_size
@@ -110,6 +123,7 @@ class _Graph:
 
     tokens: int
     graphs: list[torch.cuda.CUDAGraph]  # empty with capture=False
+    cores_inside: bool = False  # the attention cores run inside (from the bucket's GraphedLayout), no pause at them
     pauses: list[tuple[str, int]] = field(default_factory=list)  # ("core" | "boundary", layer)
     output: torch.Tensor | None = None  # [Tp, H]
 
@@ -129,12 +143,21 @@ class PrefillGraphRunner:
         *,
         capture: bool = True,
         ffn_model: FFNModel | None = None,
+        max_seqs: int | None = None,
     ) -> None:
         self.model, self.kv_cache, self.ffn_model = model, kv_cache, ffn_model
         self.buckets = token_buckets(max_tokens)
         self.capture = capture
         self.disabled = False
-        self._graphs: dict[int, _Graph] = {}
+        # cores inside the graphs (afd.engine.graphs.layout) for steps of decodes and fresh prompts: where the
+        # kernels run (a capture needs them), and on CPU's padded eager pieces
+        self.cores_inside = kernels.enabled(kv_cache.device) or not capture
+        self._layout = LayoutBuffers(
+            max_tokens, max_seqs or max_tokens, kv_cache.block_tables.shape[1], model.embed_tokens.weight.dtype,
+            kv_cache.device,
+        )  # fmt: skip
+        self._graphs: dict[tuple[int, bool], _Graph] = {}  # (bucket, cores inside) -> its graphs
+        self.steps_cores_inside = 0  # steps replayed with their attention cores inside the graphs
         self._buffers: _Buffers | None = None
         self._pool = torch.cuda.graph_pool_handle() if capture else None
 
@@ -144,7 +167,13 @@ class PrefillGraphRunner:
 
     @property
     def captured(self) -> list[int]:
-        return sorted(self._graphs)
+        """The buckets captured, either way."""
+        return sorted({tokens for tokens, _ in self._graphs})
+
+    @property
+    def captured_cores_inside(self) -> list[int]:
+        """The buckets whose graphs hold the attention cores too."""
+        return sorted(tokens for tokens, inside in self._graphs if inside)
 
     def handles(self, num_tokens: int) -> bool:
         return not self.disabled and 0 < num_tokens <= self.max_tokens
@@ -156,12 +185,13 @@ class PrefillGraphRunner:
         return bucket
 
     def capture_all(self) -> None:
-        """Capture every bucket now (the warm-up), largest first: later buckets reuse its pool's memory."""
+        """Capture every bucket now (the warm-up), both ways, largest first: later buckets reuse its pool's memory."""
         for tokens in reversed(self.buckets):
-            if self.disabled:
-                return
-            if tokens not in self._graphs:
-                self._capture(tokens)
+            for inside in (False, True):
+                if self.disabled or (inside and not self.cores_inside):
+                    break
+                if (tokens, inside) not in self._graphs:
+                    self._capture(tokens, inside)
 
     # --- capture ---
 
@@ -192,11 +222,14 @@ class PrefillGraphRunner:
             real=torch.ones(n, dtype=torch.bool, device=device),
         )
 
-    def _pieces(self, tokens: int) -> Segments:
+    def _pieces(self, tokens: int, cores_inside: bool) -> Segments:
+        """The forward over the static buffers; its cores read the bucket's `GraphedLayout` when inside, else it
+        pauses at each (the row-wise pieces read nothing of the batch but its slot mapping)."""
         buf = self._buffers
-        batch = Batch(slot_mapping=buf.slot_mapping[:tokens])  # the row-wise pieces read nothing else of it
+        layout = self._layout.layout(tokens) if cores_inside else None
+        batch = Batch(slot_mapping=buf.slot_mapping[:tokens], graphed=layout)
         segments = self.model.forward_segments(
-            buf.input_ids[:tokens], buf.positions[:tokens], batch, self.kv_cache, pause_at_attention=True
+            buf.input_ids[:tokens], buf.positions[:tokens], batch, self.kv_cache, pause_at_attention=not cores_inside
         )
         return segments if self.ffn_model is None else self._moe_inside(segments, tokens)
 
@@ -242,7 +275,7 @@ class PrefillGraphRunner:
     def _resume_value(self, kind: str, tokens: int) -> torch.Tensor:
         return self._buffers.attention[:tokens] if kind == "core" else self._buffers.answer[:tokens]
 
-    def _eager_pass(self, tokens: int) -> list[AttentionCore | Boundary]:
+    def _eager_pass(self, tokens: int, cores_inside: bool) -> list[AttentionCore | Boundary]:
         """One pass of the pieces at `tokens` rows, pauses answered with the static buffers (lazy initialisation,
         autotuning, the fused weights); returns its pauses."""
         if self._buffers is None:  # shapes from a pass that answers with fresh zeros
@@ -266,33 +299,36 @@ class PrefillGraphRunner:
                 )
                 pause, _ = resume(pieces, answer)
             self._buffers = self._allocate(pauses)
-        pauses, pieces = [], self._pieces(tokens)
+        pauses, pieces = [], self._pieces(tokens, cores_inside)
         pause, _ = resume(pieces, None)
         while pause is not None:
             pauses.append(pause)
             pause, _ = resume(pieces, self._resume_value(self._stash(pause, tokens)[0], tokens))
         return pauses
 
-    def _capture(self, tokens: int) -> _Graph | None:
+    def _capture(self, tokens: int, cores_inside: bool) -> _Graph | None:
         start = time.perf_counter()
+        key = (tokens, cores_inside)
         if self._buffers is not None:  # the passes below write the cache: only ever the scratch row
             self._buffers.input_ids.zero_()
             self._buffers.positions.zero_()
             self._buffers.slot_mapping.fill_(self.kv_cache.scratch_row)
             self._buffers.real.fill_(True)  # warm-ups route every row, so expert kernels compile and tune
+        if cores_inside:  # no decode, no prompt: the cores attend to nothing real
+            self._layout.fill(Batch(), tokens)
         try:
             if not self.capture:
-                self._eager_pass(tokens)
-                self._graphs[tokens] = _Graph(tokens, [])
-                return self._graphs[tokens]
+                self._eager_pass(tokens, cores_inside)
+                self._graphs[key] = _Graph(tokens, [], cores_inside)
+                return self._graphs[key]
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):
-                    self._eager_pass(tokens)
+                    self._eager_pass(tokens, cores_inside)
             torch.cuda.current_stream().wait_stream(side)
-            graph = _Graph(tokens, [])
-            pieces, answer = self._pieces(tokens), None
+            graph = _Graph(tokens, [], cores_inside)
+            pieces, answer = self._pieces(tokens, cores_inside), None
             while True:
                 piece = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(piece, pool=self._pool):
@@ -307,13 +343,20 @@ class PrefillGraphRunner:
                 answer = self._resume_value(kind[0], tokens)
             torch.cuda.synchronize()
         except RuntimeError:
-            logger.exception("capturing the prefill CUDA graphs of %d tokens failed; prompt steps run eager", tokens)
-            self.disabled = True
+            if cores_inside:
+                logger.exception("capturing the attention cores in the prefill graphs of %d tokens failed", tokens)
+                self.cores_inside = False  # the pieces that pause at them still serve every step
+            else:
+                logger.exception(
+                    "capturing the prefill CUDA graphs of %d tokens failed; prompt steps run eager", tokens
+                )
+                self.disabled = True
             return None
-        self._graphs[tokens] = graph
+        self._graphs[key] = graph
         logger.info(
-            "captured the prefill CUDA graphs (%d pieces) of %d tokens in %.0f ms (%d buckets)",
+            "captured the prefill CUDA graphs (%d pieces%s) of %d tokens in %.0f ms (%d graphs)",
             len(graph.graphs),
+            ", attention cores inside" if cores_inside else "",
             tokens,
             (time.perf_counter() - start) * 1e3,
             len(self._graphs),
@@ -327,9 +370,17 @@ class PrefillGraphRunner:
         [T, H]), replayed from the graphs of its bucket; None when they could not be captured (run it eagerly).
         `batch` is prepared (`PagedLatentCache.prepare`): its slot mapping and decode rows are read here."""
         tokens = input_ids.shape[0]
-        graph = self._graphs.get(self.bucket(tokens)) or self._capture(self.bucket(tokens))
+        bucket = self.bucket(tokens)
+        inside = self.cores_inside and fits_graphed_layout(batch, self._layout.table_width)
+        graph = self._graphs.get((bucket, inside)) or self._capture(bucket, inside)
+        if graph is None and inside:  # the cores could not be captured: the pieces that pause at them
+            inside = False
+            graph = self._graphs.get((bucket, False)) or self._capture(bucket, False)
         if graph is None:
             return None
+        if inside:
+            self._layout.fill(batch, bucket)
+            self.steps_cores_inside += 1
         buf = self._buffers
         buf.input_ids[:tokens].copy_(input_ids)
         buf.positions[:tokens].copy_(positions)
@@ -346,7 +397,7 @@ class PrefillGraphRunner:
 
     def _replay(self, graph: _Graph, batch: Batch, tokens: int) -> Generator[Boundary, torch.Tensor, torch.Tensor]:
         if not graph.graphs:  # capture=False: the same padded pieces, eagerly
-            pieces = self._pieces(graph.tokens)
+            pieces = self._pieces(graph.tokens, graph.cores_inside)
             pause, output = resume(pieces, None)
             while pause is not None:
                 kind, layer_idx = self._stash(pause, graph.tokens)
