@@ -71,6 +71,7 @@ def test_padded_prefill_steps_equal_unpadded_ones_and_send_only_real_rows(tiny) 
     _, want, want_rows = _run(tiny, prompts, 300, padded=False)
     engine, got, rows = _run(tiny, prompts, 300, padded=True)
     assert engine.prefill_graphs[0].captured == [128, 256, 300]  # every bucket was used
+    assert engine.prefill_graphs[0].steps_cores_inside >= 3  # decodes beside fresh prompts and chunks after context
     assert rows == want_rows
     assert_matches_reference(got, want)
     assert not engine.kv_cache.cache[:, :BLOCK].any()  # padding wrote only the scratch row, never the null block

@@ -36,8 +36,16 @@ LAYOUTS = {
     # the engine's order with fresh prompts only: the attention cores run inside the pieces (one graph a step)
     "decodes, then fresh prompts, in 256": [(1, 9), (1, 17), (1, 3), (60, 0), (2, 0), (90, 0)],
     "fresh prompts only, in 128": [(100, 0), (27, 0)],
+    "decodes, then a chunk after 150 cached tokens, in 256": [(1, 9), (1, 4), (120, 150), (20, 0)],
+    # 500 keys (cached context included) past the 128 + 300 the bucket's layout holds: the pieces pause at the cores
+    "decodes, then a chunk after 400 cached tokens, in 128": [(1, 5), (1, 6), (100, 400)],
 }
-CORES_INSIDE = {"128 tokens, no padding", "decodes, then fresh prompts, in 256", "fresh prompts only, in 128"}
+CORES_INSIDE = {
+    "128 tokens, no padding",
+    "decodes, then fresh prompts, in 256",
+    "fresh prompts only, in 128",
+    "decodes, then a chunk after 150 cached tokens, in 256",
+}
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +79,7 @@ def test_mixed_steps_equal_the_eager_forward(tiny, moe_inside: bool, fixed_shape
     """Decodes beside fresh prompts and chunks after cached context, padded to every bucket (and one step with no
     padding): the real rows equal `forward_segments` run plainly (fp32). MoE inside: the exchange is never called
     (the pieces pause only at the attention cores). Exchange eager: it sees the T real rows at every boundary
-    layer, in order, exactly as the plain forward hands them. Steps of decodes and fresh prompts (CORES_INSIDE) run
+    layer, in order, exactly as the plain forward hands them. Steps of decodes and prompt chunks within the layout (CORES_INSIDE) run
     their attention cores inside the pieces, from the bucket's layout buffers; the others pause at them."""
     attn, ffn = tiny
     ffn.fixed_shape_moe = fixed_shape  # the path the GPU captures (torch._grouped_mm's CPU fallback) or the loop

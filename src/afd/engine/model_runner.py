@@ -252,7 +252,8 @@ class ModelRunner:
             slots=[s.seq.slot for s in scheduled],
             query_lens=query_lens,
             context_lens=context_lens,
-            batch_decodes=graphs is not None,
+            # a lone decode too, where graphs hold the step: their cores attend to decodes in the batched form
+            batch_decodes=graphs is not None or bool(self.prefill_graphs),
         )
         input_ids = [t for s in scheduled for t in s.input_ids]
         # launched ahead: where the decodes' ids go and the rows of `after`'s sampled tokens they are, gathered on

@@ -117,30 +117,36 @@ class MLAttention(nn.Module):
         out: torch.Tensor | None,
     ) -> torch.Tensor:
         """The core of a step laid out as `layout` says, in fixed shapes with no host read, so a CUDA graph holds
-        it: the decode rows [0, D) in the absorbed form (padding rows attend to the zero row), then every row's
-        keys and values expanded and the fresh prompts' rows overwritten by the tiled varlen kernel. Rows of no
-        sequence keep a finite value (a padding decode's zero, or what they held)."""
+        it: the decode rows [0, D) in the absorbed form (padding rows attend to the zero row), then the prompts'
+        keys gathered from the cache (this step's latents are already there) and expanded, and the prompts' rows
+        overwritten by the tiled varlen kernel. Rows of no sequence keep a finite value (a padding decode's zero, or
+        zero)."""
         c, nh = self.config, self.num_heads
         out = q.new_zeros(q.shape[0], nh, c.v_head_dim) if out is None else out  # [Tp, nh, Dv]
         D, W = layout.decode_tables.shape
         q_nope, q_pe = q[:D].split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         context = DecodeContext(layout.decode_tables, layout.decode_lens, kv_cache.block_size, W * kv_cache.block_size)
         out[:D] = self._decode_attention(q_nope, q_pe, kv_cache, context)  # [D, nh, Dv]
-        kv = self.kv_b_proj(kv_c).view(kv_c.shape[0], nh, c.qk_nope_head_dim + c.v_head_dim)
-        k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)  # [Tp, nh, Dn], [Tp, nh, Dv]: views
+        keys_c, keys_pe = kv_cache.read(self.layer_idx, layout.key_rows).split([c.kv_lora_rank, c.qk_rope_head_dim], -1)
+        kv = self.kv_b_proj(keys_c).view(keys_c.shape[0], nh, c.qk_nope_head_dim + c.v_head_dim)
+        k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)  # [K, nh, Dn], [K, nh, Dv]: views
+        cu_q, cu_k = layout.cu_seqlens_q, layout.cu_seqlens_k
         if kernels.enabled(q.device):
             from afd.kernels.prefill_attention import prefill_attention
 
-            cu = layout.cu_seqlens
-            prefill_attention(q, k_nope, k_pe, v, cu, cu, 0, self.softmax_scale, out=out, tiles=layout.tiles)
+            prefill_attention(q, k_nope, keys_pe, v, cu_q, cu_k, 0, self.softmax_scale, out=out, tiles=layout.tiles)
             return out
-        bounds = layout.cu_seqlens.tolist()  # never captured here: the eager oracle reads the layout back
-        for start, end in itertools.pairwise(bounds):
-            if end > start:
-                k = torch.cat([k_nope[start:end], k_pe[start:end, None].expand(-1, nh, -1)], dim=-1)
-                out[start:end] = F.scaled_dot_product_attention(
-                    q[start:end].transpose(0, 1), k.transpose(0, 1), v[start:end].transpose(0, 1),
-                    is_causal=True, scale=self.softmax_scale,
+        # never captured here: the eager oracle reads the layout back, one SDPA per prompt (queries at the end)
+        for (q0, q1), (k0, k1) in zip(
+            itertools.pairwise(cu_q.tolist()), itertools.pairwise(cu_k.tolist()), strict=True
+        ):
+            if q1 > q0:
+                k = torch.cat([k_nope[k0:k1], keys_pe[k0:k1, None].expand(-1, nh, -1)], dim=-1)
+                ctx = (k1 - k0) - (q1 - q0)
+                is_visible = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool, device=q.device).tril(ctx)
+                out[q0:q1] = F.scaled_dot_product_attention(
+                    q[q0:q1].transpose(0, 1), k.transpose(0, 1), v[k0:k1].transpose(0, 1),
+                    attn_mask=is_visible, scale=self.softmax_scale,
                 ).transpose(0, 1)  # fmt: skip
         return out
 

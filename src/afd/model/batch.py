@@ -14,13 +14,17 @@ class GraphedLayout:
     """A step's layout as device buffers of fixed shapes, read by an attention core captured in a CUDA graph
     (afd.engine.graphs.prefill): the step's single-token sequences on rows [0, Bd), attended in the absorbed form
     over `decode_tables` / `decode_lens` ([D, W], [D]: D >= Bd rows, the others padding: the null block, length
-    1), then fresh prompts attended causally to their own rows, by one tiled varlen launch over `cu_seqlens`
-    ([S + 1] int32, absolute rows; empty sequences past the step's) and `tiles` ([2, G] int32, program g's
-    sequence, -1 for none, and query tile). A replay refills the buffers; nothing here is read on the host."""
+    1), then the prompts (fresh ones and chunks after cached context) by one tiled varlen launch: their keys are
+    the cache rows `key_rows` ([K] int64: each prompt's positions up to its last new token, packed; the rest
+    stale, never attended), `cu_seqlens_q` / `cu_seqlens_k` ([S + 1] int32 each: absolute query rows, packed key
+    rows; empty sequences past the step's) and `tiles` ([2, G] int32: program g's sequence, -1 for none, and query
+    tile). A replay refills the buffers; nothing here is read on the host."""
 
     decode_tables: torch.Tensor
     decode_lens: torch.Tensor
-    cu_seqlens: torch.Tensor
+    key_rows: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
     tiles: torch.Tensor
 
 

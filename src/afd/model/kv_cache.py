@@ -318,6 +318,10 @@ class PagedLatentCache:
         B = self.block_size
         return [blocks[p // B] * B + p % B for p in range(start, start + n)]
 
+    def rows(self, slot: int, n: int) -> list[int]:
+        """The cache rows of a sequence's first `n` positions (its keys up to there)."""
+        return self._flat_rows(self._blocks[slot], 0, n)
+
     def prepare(self, batch: Batch, *host: torch.Tensor) -> list[torch.Tensor]:
         """Fill the batch's device metadata; returns `host` (1-D int64 CPU tensors) on the device.
 

@@ -25,11 +25,11 @@ at a boundary layer's MoE is decided once, when the runner is built:
   every boundary layer and the exchange runs eagerly between them on the T real rows (yielded as a `Boundary`),
   so the FFN side sees exactly the step the engine announced; no padding row reaches the exchange.
 
-Cores inside: a step of batched decodes (first, as the engine orders them) and fresh prompts only needs no pause
-at its attention cores: each bucket also has graphs whose cores read the bucket's fixed-shape layout buffers
-(`afd.engine.graphs.layout`, `MLAttention._attend_graphed`), refilled per step with device copies, so such a
-step replays whole (MoE inside) or pauses only at the exchange. A step with a chunk after cached context (its keys
-gathered from the cache, of a length no bucket bounds) takes the pieces that pause at the cores.
+Cores inside: a step of batched decodes (first, as the engine orders them) and prompt chunks needs no pause at its
+attention cores: each bucket also has graphs whose cores read the bucket's fixed-shape layout buffers
+(`afd.engine.graphs.layout`, `MLAttention._attend_graphed`), refilled per step by device copies, so such a step
+replays whole (MoE inside) or pauses only at the exchange. A step whose prompts' cached context passes what the
+layout's key rows hold (a long prompt's later chunks) takes the pieces that pause at the cores.
 
 Every tensor that crosses a pause lives in one set of static buffers per runner, sized for the largest
 bucket and shared by every bucket and layer (the pieces copy into them), so the graphs' memory does not
@@ -52,7 +52,7 @@ import torch
 from afd import kernels
 from afd.buckets import token_buckets
 from afd.engine.graphs.decode import resume
-from afd.engine.graphs.layout import LayoutBuffers, fits_graphed_layout
+from afd.engine.graphs.layout import LayoutBuffers
 from afd.model.attention_side import AttentionCore, AttentionModel, Boundary, Segments
 from afd.model.batch import Batch
 from afd.model.config import ModelConfig
@@ -77,10 +77,12 @@ def graph_memory_estimate(config: ModelConfig, dtype: torch.dtype, max_tokens: i
     c = config
     nh = c.num_attention_heads
     rows = nh * (c.qk_head_dim + c.v_head_dim) + c.kv_lora_rank + c.qk_rope_head_dim
-    # the graphs with the attention cores inside: their keys and values, output, the decode rows' latent queries
-    # and outputs, and each bucket's output a second time
-    cores = nh * (c.qk_nope_head_dim + 2 * c.v_head_dim + 2 * c.kv_lora_rank) + 7 * c.hidden_size
-    per_token = dtype.itemsize * (rows + cores + 18 * c.hidden_size) + 12 * c.num_experts_per_tok + 25 + 24
+    # the graphs with the attention cores inside: their gathered and expanded keys (twice the bucket's rows),
+    # output, the decode rows' latent queries and outputs, each bucket's output a second time; the key rows
+    latents = c.kv_lora_rank + c.qk_rope_head_dim
+    keys = 2 * (nh * (c.qk_nope_head_dim + c.v_head_dim) + latents)
+    cores = keys + nh * (c.v_head_dim + 2 * c.kv_lora_rank) + 7 * c.hidden_size
+    per_token = dtype.itemsize * (rows + cores + 18 * c.hidden_size) + 12 * c.num_experts_per_tok + 25 + 40
     if not moe_inside:
         return max_tokens * per_token
     dequantized = 0 if c.fp8_block is None else 2 * c.n_routed_experts * 3 * c.hidden_size * c.moe_intermediate_size
@@ -371,7 +373,7 @@ class PrefillGraphRunner:
         `batch` is prepared (`PagedLatentCache.prepare`): its slot mapping and decode rows are read here."""
         tokens = input_ids.shape[0]
         bucket = self.bucket(tokens)
-        inside = self.cores_inside and fits_graphed_layout(batch, self._layout.table_width)
+        inside = self.cores_inside and self._layout.fits(batch, bucket)
         graph = self._graphs.get((bucket, inside)) or self._capture(bucket, inside)
         if graph is None and inside:  # the cores could not be captured: the pieces that pause at them
             inside = False
@@ -379,7 +381,7 @@ class PrefillGraphRunner:
         if graph is None:
             return None
         if inside:
-            self._layout.fill(batch, bucket)
+            self._layout.fill(batch, bucket, self.kv_cache)
             self.steps_cores_inside += 1
         buf = self._buffers
         buf.input_ids[:tokens].copy_(input_ids)
