@@ -79,8 +79,9 @@ def test_mixed_steps_equal_the_eager_forward(tiny, moe_inside: bool, fixed_shape
     """Decodes beside fresh prompts and chunks after cached context, padded to every bucket (and one step with no
     padding): the real rows equal `forward_segments` run plainly (fp32). MoE inside: the exchange is never called
     (the pieces pause only at the attention cores). Exchange eager: it sees the T real rows at every boundary
-    layer, in order, exactly as the plain forward hands them. Steps of decodes and prompt chunks within the layout (CORES_INSIDE) run
-    their attention cores inside the pieces, from the bucket's layout buffers; the others pause at them."""
+    layer, in order, exactly as the plain forward hands them. Steps of decodes and prompt chunks within the layout
+    (CORES_INSIDE) run their attention cores inside the pieces, from the bucket's layout buffers; the others pause
+    at them."""
     attn, ffn = tiny
     ffn.fixed_shape_moe = fixed_shape  # the path the GPU captures (torch._grouped_mm's CPU fallback) or the loop
     try:
