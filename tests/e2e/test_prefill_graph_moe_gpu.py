@@ -15,6 +15,7 @@ from helpers.prefill_steps import prepared_step
 
 from afd.engine.engine import Engine, LocalExchange, Request
 from afd.engine.graphs.decode import capture_safe_moe
+from afd.engine.graphs.layout import PAUSED
 from afd.engine.graphs.prefill import PrefillGraphRunner, token_buckets
 from afd.model.attention_side import run_segments
 from afd.model.kv_cache import PagedLatentCache
@@ -66,15 +67,15 @@ def test_captured_mixed_steps_equal_eager_and_replay_without_host_sync(models) -
         runner.capture_all()
     assert not runner.disabled, "a capture failed (its traceback is in the log)"
     assert runner.captured == runner.captured_cores_inside == token_buckets(BUDGET)
-    for (_, inside), graph in runner._graphs.items():
-        if inside:  # decodes and fresh prompts: the whole step is one graph
+    for (_, cores), graph in runner._graphs.items():
+        if cores != PAUSED:  # decodes and prompts from a layout: the whole step is one graph
             assert len(graph.graphs) == 1 and not graph.pauses
         else:
             assert len(graph.graphs) == attn.config.num_hidden_layers + 1
             assert all(kind == "core" for kind, _ in graph.pauses)
     layouts = [
         [(1, 40)] * 6 + [(90, 0)],  # 96 tokens in 128, cores inside
-        [(1, 300)] * 16 + [(250, 100)],  # 266 in 384 (a chunk after cached context: the pieces pause at the cores)
+        [(1, 300)] * 16 + [(250, 100)],  # 266 in 384, cores inside (a chunk after cached context)
         [(1, 17), (511, 0)],  # 512: no padding (a lone decode is not batched: the pieces pause)
         [(1, 300)] * 16 + [(200, 0), (3, 0), (50, 0)],  # 269 in 384, cores inside, tiles of several prompts
         [(300, 0), (200, 0)],  # 500 in 512, fresh prompts only, cores inside
@@ -85,6 +86,15 @@ def test_captured_mixed_steps_equal_eager_and_replay_without_host_sync(models) -
         with torch.inference_mode():
             want = _logprobs(attn, run_segments(attn.forward_segments(ids, pos, batch, cache), LocalExchange(ffn)))
             got = _logprobs(attn, run_segments(runner.segments(batch, ids, pos), exchange).clone())
+            runner.cores_inside = False
+            paused = _logprobs(attn, run_segments(runner.segments(batch, ids, pos), exchange).clone())
+            runner.cores_inside = True
+            for name, x in (("inside", got), ("paused", paused)):
+                print(
+                    f"layout {seed} {name}: max|dlogp| {(x - want).abs().max().item():.3e} "
+                    f"mean|dp| {(x.exp() - want.exp()).abs().sum(-1).mean().item() / 2:.3e} "
+                    f"argmax equal {(x.argmax(-1) == want.argmax(-1)).float().mean().item():.4f}"
+                )
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("warn")
             try:
@@ -100,7 +110,7 @@ def test_captured_mixed_steps_equal_eager_and_replay_without_host_sync(models) -
         assert diff <= TOL, f"layout {seed}: |Δ logprob| {diff:.2e}"
         for slot in batch.slots:
             cache.free(slot)
-    assert runner.steps_cores_inside == 2 * 3  # each layout run twice; three of them fit the layout buffers
+    assert runner.steps_cores_inside == 2 * 4  # each layout run twice; all but the lone decode's fit the layout
 
 
 @pytest.mark.timeout(600)

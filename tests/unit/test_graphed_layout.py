@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from afd.engine.graphs.layout import LayoutBuffers, fits_graphed_layout, layout_meta
+from afd.engine.graphs.layout import GATHERED_KEYS, OWN_KEYS, PAUSED, LayoutBuffers, graphed_kind, layout_meta
 from afd.model.batch import Batch
 from afd.model.kv_cache import PagedLatentCache
 from afd.model.weights import load_model_config
@@ -22,24 +22,23 @@ def _batch(layout: list[tuple[int, int]], width: int = 4) -> Batch:
 
 
 @pytest.mark.parametrize(
-    ("layout", "fits"),
+    ("layout", "kind"),
     [
-        ([(1, 9), (1, 3), (60, 0), (2, 0)], True),  # the engine's order, fresh prompts
-        ([(1, 9), (1, 3)], True),  # decodes only
-        ([(70, 0)], True),  # one fresh prompt
-        ([(60, 0), (1, 9), (1, 3)], False),  # decodes after a prompt
-        ([(1, 9), (1, 3), (60, 12), (5, 0)], True),  # a chunk after cached context, its keys within the rows
-        ([(1, 9), (60, 50), (5, 0)], False),  # (a lone decode, not batched) more keys than the rows hold
-        ([(1, 9), (60, 0)], False),  # a lone single-token sequence is not batched: it would need its own rows
-        ([(1, 9), (1, 3), (60, 70)], False),  # more keys than the rows hold
+        ([(1, 9), (1, 3), (60, 0), (2, 0)], OWN_KEYS),  # the engine's order, fresh prompts
+        ([(1, 9), (1, 3)], OWN_KEYS),  # decodes only
+        ([(70, 0)], OWN_KEYS),  # one fresh prompt
+        ([(60, 0), (1, 9), (1, 3)], PAUSED),  # decodes after a prompt
+        ([(1, 9), (1, 3), (60, 12), (5, 0)], GATHERED_KEYS),  # a chunk after cached context, keys within the rows
+        ([(1, 9), (1, 3), (60, 70)], PAUSED),  # more keys than the rows hold
+        ([(1, 9), (60, 0)], PAUSED),  # a lone single-token sequence is not batched: it would need its own rows
     ],
 )
-def test_which_steps_fit(layout, fits) -> None:
-    assert fits_graphed_layout(_batch(layout), table_width=4, key_rows=100) is fits
+def test_how_each_step_runs_its_cores(layout, kind) -> None:
+    assert graphed_kind(_batch(layout), table_width=4, key_rows=100) == kind
 
 
-def test_a_decode_wider_than_the_tables_does_not_fit() -> None:
-    assert not fits_graphed_layout(_batch([(1, 90), (1, 3), (5, 0)], width=8), table_width=4, key_rows=100)
+def test_a_decode_wider_than_the_tables_pauses() -> None:
+    assert graphed_kind(_batch([(1, 90), (1, 3), (5, 0)], width=8), table_width=4, key_rows=100) == PAUSED
 
 
 def test_meta_holds_the_prompts_bounds_then_an_aligned_tile_table() -> None:
@@ -64,25 +63,29 @@ def test_meta_of_no_step_is_idle_and_too_small_a_layout_is_refused() -> None:
 
 
 def test_buffers_fill_the_bucket_and_pad_the_decode_rows() -> None:
-    """A bucket of 128 tokens with at most 8 sequences and a 256-token budget: 8 decode rows (2 real, the rest the
-    null block with length 1), 8 prompt slots, 128 / 64 + 8 = 10 programs (fp32 tiles of 64 rows) and 128 + 256
-    key rows; the step's metadata lands in the bucket's buffer as `layout_meta` wrote it, and the key rows are the
-    prompts' cache rows, context first."""
+    """A bucket of 128 tokens with at most 8 sequences: 8 decode rows (2 real, the rest the null block with length
+    1), 8 prompt slots, 128 / 64 + 8 = 10 programs (fp32 tiles of 64 rows) and 2 x 128 key rows; the step's
+    metadata lands in the bucket's buffer as `layout_meta` wrote it, and the key rows are the prompts' cache rows,
+    context first. Its own-keys layout reads the query bounds as key bounds and has no key rows."""
     cache = PagedLatentCache(
         load_model_config("tiny"), num_blocks=64, block_size=4, max_num_seqs=8, dtype=torch.float32, device="cpu"
     )
     buffers = LayoutBuffers(max_tokens=256, max_seqs=8, table_width=4, dtype=torch.float32, device=torch.device("cpu"))
-    assert buffers.sizes(128) == (8, 8, 10, 384)
+    assert buffers.sizes(128) == (8, 8, 10, 256)
     slots = [cache.allocate(n) for n in (10, 4, 9, 70)]
     batch = Batch(slots=slots, query_lens=[1, 1, 3, 70], context_lens=[9, 3, 6, 0])
     batch.decode_tables = torch.tensor([[5, 6, 7, 0], [8, 0, 0, 0]])
     batch.decode_lens = torch.tensor([10, 4], dtype=torch.int32)
-    layout = buffers.fill(batch, 128, cache)
+    assert buffers.kind(batch, 128) == GATHERED_KEYS
+    buffers.fill(batch, 128, GATHERED_KEYS, cache)
+    layout = buffers.layout(128, GATHERED_KEYS)
     assert layout.decode_tables.shape == (8, 4) and layout.decode_tables[:2].tolist() == batch.decode_tables.tolist()
     assert (layout.decode_tables[2:, 0] == 0).all() and layout.decode_lens.tolist() == [10, 4] + [1] * 6
     assert layout.cu_seqlens_q.tolist() == [2, 5, 75] + [75] * 6
     assert layout.cu_seqlens_k.tolist() == [0, 9, 79] + [79] * 6
-    assert layout.key_rows.shape == (384,)
+    assert layout.key_rows.shape == (256,)
     assert layout.key_rows[:79].tolist() == cache.rows(slots[2], 9) + cache.rows(slots[3], 70)
     assert layout.tiles.shape == (2, 10) and layout.tiles[:, :3].tolist() == [[1, 0, 1], [1, 0, 0]]
     assert (layout.tiles[0, 3:] == -1).all()
+    own = buffers.layout(128, OWN_KEYS)
+    assert own.key_rows is None and own.cu_seqlens_k.data_ptr() == own.cu_seqlens_q.data_ptr()

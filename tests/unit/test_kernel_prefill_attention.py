@@ -201,3 +201,38 @@ def test_model_kernel_path_matches_sdpa_loop(step, monkeypatch: pytest.MonkeyPat
     torch.testing.assert_close(got, want, atol=TOL_CPU, rtol=0)
     for i in batch.decode_seqs:
         assert (got[batch.starts[i]] == 7.0).all()
+
+
+GRAPHED_STEPS = {  # the engine's order: decodes first, then prompts (fresh, or chunks after cached context)
+    "decodes-then-prompts": ([1, 1, 1, 5, 7], [4, 6, 2, 0, 0]),
+    "decodes-then-a-chunk-after-context": ([1, 1, 20, 3], [9, 21, 13, 0]),
+    "a-chunk-past-a-tile": ([1, 1, 40], [5, 7, 30]),
+}
+
+
+@pytest.mark.parametrize("step", GRAPHED_STEPS.values(), ids=GRAPHED_STEPS.keys())
+def test_graphed_core_with_the_kernels_equals_the_eager_core(step, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`MLAttention._attend_graphed` as a captured step runs it (the MLA decode kernel over the layout's padded
+    decode rows, the prompts' keys gathered from the cache, the tiled varlen kernel) writes every real row as the
+    eager core over the step's own batch does (fp32, interpreter), padding rows included in the layout."""
+    from afd import kernels
+    from afd.engine.graphs.layout import LayoutBuffers
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    config = load_model_config("tiny")
+    attn, cache, batch, q, kv_c, k_pe = _attention_and_step(config, torch.float32, device, *step)
+    T = q.shape[0]
+    with torch.inference_mode(), kernels.eager_ops():
+        want = attn.attend(q, kv_c, k_pe, batch, cache)
+    buffers = LayoutBuffers(64, 8, cache.block_tables.shape[1], torch.float32, torch.device(device))
+    kind = buffers.kind(batch, 64)
+    assert kind != "paused"
+    buffers.fill(batch, 64, kind, cache)
+    layout = buffers.layout(64, kind)
+    pad = 64 - T  # the bucket's padding rows: their queries are whatever the pieces left there
+    qp, cp, pp = (torch.cat([t, t.new_ones(pad, *t.shape[1:])]) for t in (q, kv_c, k_pe))
+    monkeypatch.setattr(kernels, "enabled", lambda device: True)  # the interpreter runs them on CPU
+    with torch.inference_mode():
+        got = attn._attend_graphed(qp, cp, pp, layout, cache, None)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got[:T], want, atol=TOL_CPU, rtol=0)

@@ -118,7 +118,8 @@ class MLAttention(nn.Module):
     ) -> torch.Tensor:
         """The core of a step laid out as `layout` says, in fixed shapes with no host read, so a CUDA graph holds
         it: the decode rows [0, D) in the absorbed form (padding rows attend to the zero row), then the prompts'
-        keys gathered from the cache (this step's latents are already there) and expanded, and the prompts' rows
+        keys (the step's own rows, or gathered from the cache, where this step's latents already are) expanded, and
+        the prompts' rows
         overwritten by the tiled varlen kernel. Rows of no sequence keep a finite value (a padding decode's zero, or
         zero)."""
         c, nh = self.config, self.num_heads
@@ -127,7 +128,11 @@ class MLAttention(nn.Module):
         q_nope, q_pe = q[:D].split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         context = DecodeContext(layout.decode_tables, layout.decode_lens, kv_cache.block_size, W * kv_cache.block_size)
         out[:D] = self._decode_attention(q_nope, q_pe, kv_cache, context)  # [D, nh, Dv]
-        keys_c, keys_pe = kv_cache.read(self.layer_idx, layout.key_rows).split([c.kv_lora_rank, c.qk_rope_head_dim], -1)
+        if layout.key_rows is None:  # fresh prompts only: their keys are their own rows
+            keys_c, keys_pe = kv_c, k_pe
+        else:
+            latents = kv_cache.read(self.layer_idx, layout.key_rows)  # [K, C + R]
+            keys_c, keys_pe = latents.split([c.kv_lora_rank, c.qk_rope_head_dim], -1)
         kv = self.kv_b_proj(keys_c).view(keys_c.shape[0], nh, c.qk_nope_head_dim + c.v_head_dim)
         k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)  # [K, nh, Dn], [K, nh, Dv]: views
         cu_q, cu_k = layout.cu_seqlens_q, layout.cu_seqlens_k

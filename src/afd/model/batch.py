@@ -16,13 +16,14 @@ class GraphedLayout:
     over `decode_tables` / `decode_lens` ([D, W], [D]: D >= Bd rows, the others padding: the null block, length
     1), then the prompts (fresh ones and chunks after cached context) by one tiled varlen launch: their keys are
     the cache rows `key_rows` ([K] int64: each prompt's positions up to its last new token, packed; the rest
-    stale, never attended), `cu_seqlens_q` / `cu_seqlens_k` ([S + 1] int32 each: absolute query rows, packed key
-    rows; empty sequences past the step's) and `tiles` ([2, G] int32: program g's sequence, -1 for none, and query
-    tile). A replay refills the buffers; nothing here is read on the host."""
+    stale, never attended) or, None, the step's own rows (fresh prompts only), `cu_seqlens_q` / `cu_seqlens_k`
+    ([S + 1] int32 each: absolute query rows, key rows; empty sequences past the step's) and `tiles` ([2, G]
+    int32: program g's sequence, -1 for none, and query tile). A replay refills the buffers; nothing here is read
+    on the host."""
 
     decode_tables: torch.Tensor
     decode_lens: torch.Tensor
-    key_rows: torch.Tensor
+    key_rows: torch.Tensor | None
     cu_seqlens_q: torch.Tensor
     cu_seqlens_k: torch.Tensor
     tiles: torch.Tensor

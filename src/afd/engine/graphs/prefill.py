@@ -28,8 +28,9 @@ at a boundary layer's MoE is decided once, when the runner is built:
 Cores inside: a step of batched decodes (first, as the engine orders them) and prompt chunks needs no pause at its
 attention cores: each bucket also has graphs whose cores read the bucket's fixed-shape layout buffers
 (`afd.engine.graphs.layout`, `MLAttention._attend_graphed`), refilled per step by device copies, so such a step
-replays whole (MoE inside) or pauses only at the exchange. A step whose prompts' cached context passes what the
-layout's key rows hold (a long prompt's later chunks) takes the pieces that pause at the cores.
+replays whole (MoE inside) or pauses only at the exchange; one kind for fresh prompts (their own rows as keys), one
+for chunks after cached context (keys gathered from the cache). A step whose cached context passes what the
+layout's key rows hold (a long prompt's later chunks) takes the pieces that pause at the cores (PAUSED).
 
 Every tensor that crosses a pause lives in one set of static buffers per runner, sized for the largest
 bucket and shared by every bucket and layer (the pieces copy into them), so the graphs' memory does not
@@ -52,7 +53,7 @@ import torch
 from afd import kernels
 from afd.buckets import token_buckets
 from afd.engine.graphs.decode import resume
-from afd.engine.graphs.layout import LayoutBuffers
+from afd.engine.graphs.layout import GATHERED_KEYS, OWN_KEYS, PAUSED, LayoutBuffers
 from afd.model.attention_side import AttentionCore, AttentionModel, Boundary, Segments
 from afd.model.batch import Batch
 from afd.model.config import ModelConfig
@@ -78,10 +79,10 @@ def graph_memory_estimate(config: ModelConfig, dtype: torch.dtype, max_tokens: i
     nh = c.num_attention_heads
     rows = nh * (c.qk_head_dim + c.v_head_dim) + c.kv_lora_rank + c.qk_rope_head_dim
     # the graphs with the attention cores inside: their gathered and expanded keys (twice the bucket's rows),
-    # output, the decode rows' latent queries and outputs, each bucket's output a second time; the key rows
+    # output, the decode rows' latent queries and outputs, each bucket's output twice more (two kinds); the key rows
     latents = c.kv_lora_rank + c.qk_rope_head_dim
     keys = 2 * (nh * (c.qk_nope_head_dim + c.v_head_dim) + latents)
-    cores = keys + nh * (c.v_head_dim + 2 * c.kv_lora_rank) + 7 * c.hidden_size
+    cores = keys + nh * (c.v_head_dim + 2 * c.kv_lora_rank) + 14 * c.hidden_size
     per_token = dtype.itemsize * (rows + cores + 18 * c.hidden_size) + 12 * c.num_experts_per_tok + 25 + 40
     if not moe_inside:
         return max_tokens * per_token
@@ -125,7 +126,7 @@ class _Graph:
 
     tokens: int
     graphs: list[torch.cuda.CUDAGraph]  # empty with capture=False
-    cores_inside: bool = False  # the attention cores run inside (from the bucket's GraphedLayout), no pause at them
+    cores: str = PAUSED  # how the attention cores run: paused at (eager between pieces), or inside from a layout
     pauses: list[tuple[str, int]] = field(default_factory=list)  # ("core" | "boundary", layer)
     output: torch.Tensor | None = None  # [Tp, H]
 
@@ -158,7 +159,7 @@ class PrefillGraphRunner:
             max_tokens, max_seqs or max_tokens, kv_cache.block_tables.shape[1], model.embed_tokens.weight.dtype,
             kv_cache.device,
         )  # fmt: skip
-        self._graphs: dict[tuple[int, bool], _Graph] = {}  # (bucket, cores inside) -> its graphs
+        self._graphs: dict[tuple[int, str], _Graph] = {}  # (bucket, how its cores run) -> its graphs
         self.steps_cores_inside = 0  # steps replayed with their attention cores inside the graphs
         self._buffers: _Buffers | None = None
         self._pool = torch.cuda.graph_pool_handle() if capture else None
@@ -175,7 +176,7 @@ class PrefillGraphRunner:
     @property
     def captured_cores_inside(self) -> list[int]:
         """The buckets whose graphs hold the attention cores too."""
-        return sorted(tokens for tokens, inside in self._graphs if inside)
+        return sorted({tokens for tokens, cores in self._graphs if cores != PAUSED})
 
     def handles(self, num_tokens: int) -> bool:
         return not self.disabled and 0 < num_tokens <= self.max_tokens
@@ -187,13 +188,14 @@ class PrefillGraphRunner:
         return bucket
 
     def capture_all(self) -> None:
-        """Capture every bucket now (the warm-up), both ways, largest first: later buckets reuse its pool's memory."""
+        """Capture every bucket now (the warm-up), each way its cores can run, largest first: later buckets reuse
+        its pool's memory."""
         for tokens in reversed(self.buckets):
-            for inside in (False, True):
-                if self.disabled or (inside and not self.cores_inside):
+            for cores in (PAUSED, OWN_KEYS, GATHERED_KEYS):
+                if self.disabled or (cores != PAUSED and not self.cores_inside):
                     break
-                if (tokens, inside) not in self._graphs:
-                    self._capture(tokens, inside)
+                if (tokens, cores) not in self._graphs:
+                    self._capture(tokens, cores)
 
     # --- capture ---
 
@@ -224,14 +226,14 @@ class PrefillGraphRunner:
             real=torch.ones(n, dtype=torch.bool, device=device),
         )
 
-    def _pieces(self, tokens: int, cores_inside: bool) -> Segments:
-        """The forward over the static buffers; its cores read the bucket's `GraphedLayout` when inside, else it
-        pauses at each (the row-wise pieces read nothing of the batch but its slot mapping)."""
+    def _pieces(self, tokens: int, cores: str) -> Segments:
+        """The forward over the static buffers; its cores read the bucket's `GraphedLayout` of kind `cores`, or
+        (PAUSED) it pauses at each (the row-wise pieces read nothing of the batch but its slot mapping)."""
         buf = self._buffers
-        layout = self._layout.layout(tokens) if cores_inside else None
+        layout = None if cores == PAUSED else self._layout.layout(tokens, cores)
         batch = Batch(slot_mapping=buf.slot_mapping[:tokens], graphed=layout)
         segments = self.model.forward_segments(
-            buf.input_ids[:tokens], buf.positions[:tokens], batch, self.kv_cache, pause_at_attention=not cores_inside
+            buf.input_ids[:tokens], buf.positions[:tokens], batch, self.kv_cache, pause_at_attention=layout is None
         )
         return segments if self.ffn_model is None else self._moe_inside(segments, tokens)
 
@@ -277,7 +279,7 @@ class PrefillGraphRunner:
     def _resume_value(self, kind: str, tokens: int) -> torch.Tensor:
         return self._buffers.attention[:tokens] if kind == "core" else self._buffers.answer[:tokens]
 
-    def _eager_pass(self, tokens: int, cores_inside: bool) -> list[AttentionCore | Boundary]:
+    def _eager_pass(self, tokens: int, cores: str) -> list[AttentionCore | Boundary]:
         """One pass of the pieces at `tokens` rows, pauses answered with the static buffers (lazy initialisation,
         autotuning, the fused weights); returns its pauses."""
         if self._buffers is None:  # shapes from a pass that answers with fresh zeros
@@ -301,36 +303,36 @@ class PrefillGraphRunner:
                 )
                 pause, _ = resume(pieces, answer)
             self._buffers = self._allocate(pauses)
-        pauses, pieces = [], self._pieces(tokens, cores_inside)
+        pauses, pieces = [], self._pieces(tokens, cores)
         pause, _ = resume(pieces, None)
         while pause is not None:
             pauses.append(pause)
             pause, _ = resume(pieces, self._resume_value(self._stash(pause, tokens)[0], tokens))
         return pauses
 
-    def _capture(self, tokens: int, cores_inside: bool) -> _Graph | None:
+    def _capture(self, tokens: int, cores: str) -> _Graph | None:
         start = time.perf_counter()
-        key = (tokens, cores_inside)
+        key = (tokens, cores)
         if self._buffers is not None:  # the passes below write the cache: only ever the scratch row
             self._buffers.input_ids.zero_()
             self._buffers.positions.zero_()
             self._buffers.slot_mapping.fill_(self.kv_cache.scratch_row)
             self._buffers.real.fill_(True)  # warm-ups route every row, so expert kernels compile and tune
-        if cores_inside:  # no decode, no prompt: the cores attend to nothing real
-            self._layout.fill(Batch(), tokens)
+        if cores != PAUSED:  # no decode, no prompt: the cores attend to nothing real
+            self._layout.fill(Batch(), tokens, cores)
         try:
             if not self.capture:
-                self._eager_pass(tokens, cores_inside)
-                self._graphs[key] = _Graph(tokens, [], cores_inside)
+                self._eager_pass(tokens, cores)
+                self._graphs[key] = _Graph(tokens, [], cores)
                 return self._graphs[key]
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):
-                    self._eager_pass(tokens, cores_inside)
+                    self._eager_pass(tokens, cores)
             torch.cuda.current_stream().wait_stream(side)
-            graph = _Graph(tokens, [], cores_inside)
-            pieces, answer = self._pieces(tokens, cores_inside), None
+            graph = _Graph(tokens, [], cores)
+            pieces, answer = self._pieces(tokens, cores), None
             while True:
                 piece = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(piece, pool=self._pool):
@@ -345,7 +347,7 @@ class PrefillGraphRunner:
                 answer = self._resume_value(kind[0], tokens)
             torch.cuda.synchronize()
         except RuntimeError:
-            if cores_inside:
+            if cores != PAUSED:
                 logger.exception("capturing the attention cores in the prefill graphs of %d tokens failed", tokens)
                 self.cores_inside = False  # the pieces that pause at them still serve every step
             else:
@@ -358,7 +360,7 @@ class PrefillGraphRunner:
         logger.info(
             "captured the prefill CUDA graphs (%d pieces%s) of %d tokens in %.0f ms (%d graphs)",
             len(graph.graphs),
-            ", attention cores inside" if cores_inside else "",
+            "" if cores == PAUSED else f", attention cores inside, {cores}",
             tokens,
             (time.perf_counter() - start) * 1e3,
             len(self._graphs),
@@ -373,15 +375,15 @@ class PrefillGraphRunner:
         `batch` is prepared (`PagedLatentCache.prepare`): its slot mapping and decode rows are read here."""
         tokens = input_ids.shape[0]
         bucket = self.bucket(tokens)
-        inside = self.cores_inside and self._layout.fits(batch, bucket)
-        graph = self._graphs.get((bucket, inside)) or self._capture(bucket, inside)
-        if graph is None and inside:  # the cores could not be captured: the pieces that pause at them
-            inside = False
-            graph = self._graphs.get((bucket, False)) or self._capture(bucket, False)
+        cores = self._layout.kind(batch, bucket) if self.cores_inside else PAUSED
+        graph = self._graphs.get((bucket, cores)) or self._capture(bucket, cores)
+        if graph is None and cores != PAUSED:  # the cores could not be captured: the pieces that pause at them
+            cores = PAUSED
+            graph = self._graphs.get((bucket, cores)) or self._capture(bucket, cores)
         if graph is None:
             return None
-        if inside:
-            self._layout.fill(batch, bucket, self.kv_cache)
+        if cores != PAUSED:
+            self._layout.fill(batch, bucket, cores, self.kv_cache)
             self.steps_cores_inside += 1
         buf = self._buffers
         buf.input_ids[:tokens].copy_(input_ids)
@@ -399,7 +401,7 @@ class PrefillGraphRunner:
 
     def _replay(self, graph: _Graph, batch: Batch, tokens: int) -> Generator[Boundary, torch.Tensor, torch.Tensor]:
         if not graph.graphs:  # capture=False: the same padded pieces, eagerly
-            pieces = self._pieces(graph.tokens, graph.cores_inside)
+            pieces = self._pieces(graph.tokens, graph.cores)
             pause, output = resume(pieces, None)
             while pause is not None:
                 kind, layer_idx = self._stash(pause, graph.tokens)
