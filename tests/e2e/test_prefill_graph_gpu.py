@@ -19,14 +19,15 @@ from afd.model.weights import load_attention_model, load_ffn_model
 @pytest.mark.gpu
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_replayed_prefill_graphs_equal_eager_steps(dtype: str) -> None:
+@pytest.mark.parametrize(("dtype", "quantization"), [("float32", None), ("bfloat16", None), ("bfloat16", "fp8")])
+def test_replayed_prefill_graphs_equal_eager_steps(dtype: str, quantization: str | None) -> None:
     """Fresh prompts, chunked prompts and steps mixed with decodes through replayed graphs (captured for every
     bucket at once, as the warm-up does) against the eager engine: the same tokens, logprobs within 1e-4 (fp32) or
-    5e-2 (bf16, where padding changes the GEMMs' shapes and so their rounding), the exchange handed the same rows."""
+    5e-2 (bf16, where padding changes the GEMMs' shapes and so their rounding), the exchange handed the same rows;
+    with FP8 linears too (their dequantization and kernels captured in the graphs)."""
     models = (
-        load_attention_model(MODEL, dtype=dtype, device="cuda"),
-        load_ffn_model(MODEL, dtype=dtype, device="cuda"),
+        load_attention_model(MODEL, dtype=dtype, device="cuda", quantization=quantization),
+        load_ffn_model(MODEL, dtype=dtype, device="cuda", quantization=quantization),
     )
     rng = random.Random(1)
     prompts = [[rng.randrange(250) for _ in range(n)] for n in (130, 7, 290, 1, 45, 600, 3, 260, 1000, 17)]
