@@ -17,6 +17,7 @@ from afd.engine.engine import Engine, LocalExchange, Request
 from afd.engine.generate import generate
 from afd.engine.graphs.prefill import PrefillGraphRunner, token_buckets
 from afd.model.weights import load_attention_model, load_ffn_model, load_model_config
+from afd.runtime.online import step_summary
 from afd.topology import AsyncTopology
 
 BLOCK = 4
@@ -71,7 +72,12 @@ def test_padded_prefill_steps_equal_unpadded_ones_and_send_only_real_rows(tiny) 
     _, want, want_rows = _run(tiny, prompts, 300, padded=False)
     engine, got, rows = _run(tiny, prompts, 300, padded=True)
     assert engine.prefill_graphs[0].captured == [128, 256, 300]  # every bucket was used
-    assert engine.prefill_graphs[0].steps_cores_inside >= 3  # decodes beside fresh prompts and chunks after context
+    runner = engine.prefill_graphs[0]
+    assert runner.steps_cores_inside >= 3  # decodes beside fresh prompts and chunks after context
+    # the replica's last log line says how the prompt steps ran their cores
+    summary = step_summary(engine).split("their attention cores: ")[1]
+    assert summary == ", ".join(f"{kind} {n}" for kind, n in runner.steps_by_cores.most_common())
+    assert "own keys" in summary and "gathered keys" in summary
     assert rows == want_rows
     assert_matches_reference(got, want)
     assert not engine.kv_cache.cache[:, :BLOCK].any()  # padding wrote only the scratch row, never the null block

@@ -20,6 +20,7 @@ import logging
 import signal
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Protocol
 
@@ -241,6 +242,9 @@ def step_summary(engine: Engine) -> str:
             f"; steps with prompt tokens: {clock.prompt_steps}, {device * 1e3:.2f} ms of device time and"
             f" {host * 1e3:.2f} ms of host time each (host/device {host / device:.0%})"
         )
+    cores = sum((runner.steps_by_cores for runner in engine.prefill_graphs), Counter())
+    if cores:  # how the replayed prompt steps ran their attention cores (afd.engine.graphs.layout)
+        timed += "; their attention cores: " + ", ".join(f"{kind} {n}" for kind, n in cores.most_common())
     return f"steps launched ahead: {engine.overlapped_steps}{f' (not ahead: {why})' if why else ''}{timed}"
 
 

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Generator
 from dataclasses import dataclass, field
 
@@ -160,7 +161,7 @@ class PrefillGraphRunner:
             kv_cache.device,
         )  # fmt: skip
         self._graphs: dict[tuple[int, str], _Graph] = {}  # (bucket, how its cores run) -> its graphs
-        self.steps_cores_inside = 0  # steps replayed with their attention cores inside the graphs
+        self.steps_by_cores: Counter[str] = Counter()  # replayed steps by how their attention cores ran
         self._buffers: _Buffers | None = None
         self._pool = torch.cuda.graph_pool_handle() if capture else None
 
@@ -172,6 +173,11 @@ class PrefillGraphRunner:
     def captured(self) -> list[int]:
         """The buckets captured, either way."""
         return sorted({tokens for tokens, _ in self._graphs})
+
+    @property
+    def steps_cores_inside(self) -> int:
+        """Steps replayed with their attention cores inside the graphs."""
+        return self.steps_by_cores[OWN_KEYS] + self.steps_by_cores[GATHERED_KEYS]
 
     @property
     def captured_cores_inside(self) -> list[int]:
@@ -384,7 +390,7 @@ class PrefillGraphRunner:
             return None
         if cores != PAUSED:
             self._layout.fill(batch, bucket, cores, self.kv_cache)
-            self.steps_cores_inside += 1
+        self.steps_by_cores[cores] += 1
         buf = self._buffers
         buf.input_ids[:tokens].copy_(input_ids)
         buf.positions[:tokens].copy_(positions)
