@@ -132,6 +132,7 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=1024)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--step-ms", type=float, default=0.0)
+    parser.add_argument("--prompt-len", type=int, default=8, help="tokens per prompt (the size of each `add`)")
     parser.add_argument("--json")
     parser.add_argument("--profile-front", metavar="FILE", help="cProfile the front end's process into FILE (pstats)")
     parser.add_argument("--profile-client", metavar="FILE", help="cProfile this process (the client) into FILE")
@@ -148,7 +149,8 @@ def main() -> None:
     replica = ctx.Process(target=run_replica, args=(address, args.step_ms / 1e3, args.streams), daemon=True)
     replica.start()
     port = out.get(timeout=60)
-    workload = Workload("uniform", requests=args.streams, long_len=8, short_len=8, max_tokens=args.max_tokens)
+    n = args.prompt_len
+    workload = Workload("uniform", requests=args.streams, long_len=n, short_len=n, max_tokens=args.max_tokens)
     client = None
     if args.profile_client:  # the client's own cost per event: is it the client or the front end that keeps up?
         import cProfile
@@ -167,6 +169,7 @@ def main() -> None:
         replica.join(30)
     s = run["summary"]
     itl = sorted(g for r in run["requests"] for g in r["itl_s"])
+    to_replica = sorted(r["stages_s"]["sent_to_replica"] for r in run["requests"] if r.get("stages_s"))
     row = {
         "streams": args.streams,
         "max_tokens": args.max_tokens,
@@ -177,6 +180,9 @@ def main() -> None:
         "us_per_token": round(1e6 / s["output_tok_s"], 1) if s["output_tok_s"] else None,
         "itl_p50_ms": round(itl[len(itl) // 2] * 1e3, 2) if itl else None,
         "ttft_p50_ms": round(s["ttft_p50_s"] * 1e3, 1),
+        # from the front end's send of a request to the replica taking it: how fast a burst of `add`s crosses
+        "sent_to_replica_p50_ms": round(to_replica[len(to_replica) // 2] * 1e3, 1) if to_replica else None,
+        "sent_to_replica_p90_ms": round(to_replica[9 * len(to_replica) // 10] * 1e3, 1) if to_replica else None,
         "front_cpu_s": round(front_cpu_s, 3),
         "front_cpu_us_per_token": round(front_cpu_s * 1e6 / max(s["output_tokens"], 1), 1),
     }

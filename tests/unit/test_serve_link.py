@@ -95,6 +95,38 @@ def test_sender_never_blocks_on_a_busy_reader_and_keeps_the_order():
         assert read_messages(replica, len(big) + 1) == [*big, small] and not broken.is_set()
 
 
+class CountingSocket(socket.socket):
+    """A socket that counts its `send` calls."""
+
+    sends = 0
+
+    def send(self, data, *flags):
+        self.sends += 1
+        return super().send(data, *flags)
+
+
+@pytest.mark.timeout(30)
+def test_a_backlog_crosses_in_a_few_writes_not_one_per_frame():
+    """A burst of 2,000 small frames queued behind a full socket (a thousand requests' `add`s while the replica
+    steps) is written a backlog at a time: far fewer sends than frames, every frame once, in order."""
+    front, replica = socket.socketpair()
+    counting = CountingSocket(fileno=front.detach())
+    counting.setblocking(False)
+    sender = FrameSender(counting, lambda: None, "test-link-send")
+    try:
+        filler = {"type": "add", "rid": "big", "prompt_ids": list(range(200_000))}  # more than the socket holds
+        burst = [{"type": "add", "rid": f"r{i}", "prompt_ids": list(range(100))} for i in range(2000)]
+        for m in [filler, *burst]:
+            assert sender.send(encode_frame(m))
+        replica.settimeout(10)
+        assert read_messages(replica, 1 + len(burst)) == [filler, *burst]
+        assert counting.sends < len(burst) // 10, counting.sends
+    finally:
+        sender.close()
+        counting.close()
+        replica.close()
+
+
 @pytest.mark.timeout(30)
 def test_sender_reports_a_closed_peer_once():
     calls = []
