@@ -9,7 +9,8 @@
 #   step-fp8 [ARGS]      `step` twice in one call, bf16 weights then `--quantization fp8` (same ARGS), and the two side
 #                        by side (scripts/compare_steps.py): graph ms of each, fp8/bf16, fp8's floor and graph/floor
 #   moe-fp8 [ARGS]       the routed experts alone, bf16 vs FP8 kernels vs FP8 dequantized per call, 26 layers in one
-#                        CUDA graph, T = 1,8,64,256 (scripts/gpu_moe_fp8.py; --sweep times FP8 tile shapes too)
+#                        CUDA graph, T = 1,8,64,256 (scripts/gpu_moe_fp8.py; --sweep times FP8 tile shapes too,
+#                        --sweep-dequant the experts' dequantization pass over its tile shapes)
 #   numerics-fp8 [ARGS]  `--quantization fp8` against the bf16 weights it was made from, V2-Lite on GPU 0: mean / max
 #                        |Δp| at bf16's greedy token over 16 x 257 positions, tokens against the same fp8 weights
 #                        run dequantized where its top-2 margin is above 1e-2 (scripts/quant_numerics.py), into

@@ -9,7 +9,9 @@ Triton pass each, then the 16-bit path: what the engine runs past that bound).
     PYTHONPATH=src python3 scripts/gpu_moe_fp8.py [--tokens 1,8,64,256] [--layers 26] [--block 128] [--sweep]
 
 `--sweep` also times the FP8 kernels over a few tile shapes per T (the table in afd.kernels.moe_tiles was chosen on
-bf16). Prints one JSON line per row.
+bf16). `--sweep-dequant` times the dequantization pass alone (both expert weights of every layer, one CUDA graph),
+at its default tile and over other tile shapes, with the rate it moves bytes at (fp8 read, bf16 written). Prints
+one JSON line per row.
 """
 # ruff: noqa: T201  (a script that prints its results)
 
@@ -36,6 +38,7 @@ parser.add_argument("--top-k", type=int, default=6)
 parser.add_argument("--block", type=int, default=128)
 parser.add_argument("--iters", type=int, default=20)
 parser.add_argument("--sweep", action="store_true")
+parser.add_argument("--sweep-dequant", action="store_true", help="the dequantization pass alone over tile shapes")
 args = parser.parse_args()
 E, H, INTER, K, block = args.experts, args.hidden, args.inter, args.top_k, (args.block, args.block)
 dev = torch.device("cuda")
@@ -90,6 +93,26 @@ SWEEP_SHAPES = [
     for w, st in ((4, 3), (4, 5), (8, 4), (4, 8))
 ]
 scale_bytes = 1 + 4 / (block[0] * block[1])  # one byte per weight plus its share of an fp32 scale
+# (rows, columns, warps) of the dequantization pass tried by --sweep-dequant
+DEQUANT_SHAPES = [(32, 128, 4), (64, 128, 4), (64, 128, 8), (128, 128, 8), (32, 256, 4), (64, 256, 8), (16, 512, 4)]
+if args.sweep_dequant:
+    from afd.kernels.fp8_linear import DEQUANT_TILE, dequantize_weight
+
+    def dequant_ms(tile, warps) -> float:
+        def all_layers():
+            return [
+                dequantize_weight(w, s, block, torch.bfloat16, tile=tile, num_warps=warps)
+                for q in layers8
+                for w, s in ((q.w13, q.w13_scale_inv), (q.w2, q.w2_scale_inv))
+            ]
+
+        return graph_ms(all_layers, reps=1, rounds=args.iters) / args.layers
+
+    moved = 3 * E * 3 * H * INTER  # bytes a layer: each weight read as fp8 and written as bf16
+    for rows, cols, warps in [(*DEQUANT_TILE, 4), *DEQUANT_SHAPES]:
+        ms = dequant_ms((rows, cols), warps)
+        print(json.dumps({"row": "dequant", "tile": [rows, cols, warps], "ms_per_layer": round(ms, 4),
+                          "GBps": round(moved / (ms * 1e-3) / 1e9)}), flush=True)  # fmt: skip
 for T in [int(t) for t in args.tokens.split(",")]:
     report("bf16", T, timed(lambda i, x, ids, w: fused_routed_experts(x, ids, w, *layers16[i], 0), T), 2)
     report("bf16-engine", T, timed(lambda i, x, ids, w: routed_experts(x, ids, w, *layers16[i], 0), T), 2)

@@ -74,12 +74,14 @@ def test_fp8_linear_equals_the_reference(block, rows):
 
 
 @cpu_only
+@pytest.mark.parametrize("tile", [kfl.DEQUANT_TILE, (64, 256), (16, 32)], ids=lambda t: f"tile{t[0]}x{t[1]}")
 @pytest.mark.parametrize("block", BLOCKS, ids=lambda b: f"{b[0]}x{b[1]}")
-def test_dequantize_weight_is_the_model_dequantize_bit_for_bit(block):
+def test_dequantize_weight_is_the_model_dequantize_bit_for_bit(block, tile):
     """The one-launch dequantization the dense path multiplies by equals afd.model.fp8.dequantize exactly, ragged
-    edges included (fp32 here: the interpreter truncates to bf16 where the GPU rounds, so bf16 is a GPU test)."""
+    edges included, at the default tile and at the sweep's others, inside one block or across several (fp32 here:
+    the interpreter truncates to bf16 where the GPU rounds, so bf16 is a GPU test)."""
     w, s = fp8_weight(N, K, block, seed=5)
-    assert torch.equal(kfl.dequantize_weight(w, s, block, torch.float32), dequantize(w, s, block))
+    assert torch.equal(kfl.dequantize_weight(w, s, block, torch.float32, tile=tile), dequantize(w, s, block))
 
 
 @cpu_only

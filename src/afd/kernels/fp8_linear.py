@@ -308,15 +308,22 @@ def _dequantize_kernel(
 
 
 def dequantize_weight(
-    weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int],
+    dtype: torch.dtype,
+    *,
+    tile: tuple[int, int] = DEQUANT_TILE,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """`weight [..., N, K] float8_e4m3fn * scale [..., ceil(N/b0), ceil(K/b1)]` (one fp32 scale per `block`) -> a
     new contiguous `[..., N, K]` tensor of `dtype`, the product in fp32 rounded once (as `afd.model.fp8.dequantize`),
-    in one launch: fp8 bytes read, `dtype` written. Views (a stack's half, a slice of experts) are read in place."""
+    in one launch: fp8 bytes read, `dtype` written. Views (a stack's half, a slice of experts) are read in place.
+    `tile` and `num_warps` exist for tests and tuning sweeps (`scripts/gpu_moe_fp8.py --sweep-dequant`)."""
     *lead, out_features, in_features = weight.shape
     w3, s3 = weight.reshape(-1, out_features, in_features), scale.reshape(-1, *scale.shape[-2:])
     out = torch.empty(*lead, out_features, in_features, dtype=dtype, device=weight.device)
-    grid = (triton.cdiv(out_features, DEQUANT_TILE[0]), triton.cdiv(in_features, DEQUANT_TILE[1]), w3.shape[0])
+    grid = (triton.cdiv(out_features, tile[0]), triton.cdiv(in_features, tile[1]), w3.shape[0])
     if out.numel() == 0:
         return out
     _dequantize_kernel[grid](
@@ -331,11 +338,12 @@ def dequantize_weight(
         s3.stride(0),
         s3.stride(1),
         s3.stride(2),
-        BLOCK_N=DEQUANT_TILE[0],
-        BLOCK_K=DEQUANT_TILE[1],
+        BLOCK_N=tile[0],
+        BLOCK_K=tile[1],
         SCALE_N=block[0],
         SCALE_K=block[1],
-        ONE_SCALE=block[0] % DEQUANT_TILE[0] == 0 and block[1] % DEQUANT_TILE[1] == 0,
+        ONE_SCALE=block[0] % tile[0] == 0 and block[1] % tile[1] == 0,
+        num_warps=num_warps,
     )
     return out
 
