@@ -153,7 +153,7 @@ class PrefillGraphRunner:
         self.buckets = token_buckets(max_tokens)
         self.capture = capture
         self.disabled = False
-        # cores inside the graphs (afd.engine.graphs.layout) for steps of decodes and fresh prompts: where the
+        # cores inside the graphs (afd.engine.graphs.layout) for steps of decodes and prompt chunks: where the
         # kernels run (a capture needs them), and on CPU's padded eager pieces
         self.cores_inside = kernels.enabled(kv_cache.device) or not capture
         self._layout = LayoutBuffers(
