@@ -133,11 +133,12 @@ class _Graph:
 
 
 class PrefillGraphRunner:
-    """Replays the row-wise pieces of steps of up to `max_tokens` tokens from graphs, one set per token bucket
-    (captured lazily or by `capture_all`, into one memory pool); the caller drives `segments` as it drives
-    `AttentionModel.forward_segments`. `ffn_model`: the in-process exchange's FFN model, whose MoE then runs inside
-    the pieces (it must take the fixed-shape path to be captured); None: boundaries are yielded to the caller's
-    exchange, on the real rows."""
+    """Replays steps of up to `max_tokens` tokens from graphs, per token bucket one set for each way the attention
+    cores run (PAUSED, OWN_KEYS, GATHERED_KEYS; captured lazily or by `capture_all`, into one memory pool); the
+    caller drives `segments` as it drives `AttentionModel.forward_segments`. `ffn_model`: the in-process exchange's
+    FFN model, whose MoE then runs inside the pieces (it must take the fixed-shape path to be captured); None:
+    boundaries are yielded to the caller's exchange, on the real rows. `max_seqs`: the most sequences a step holds
+    (the engine's `max_num_seqs`), which sizes the layouts' decode rows and prompt slots."""
 
     def __init__(
         self,
