@@ -82,7 +82,8 @@ def test_graph_replay_equals_eager_for_every_bucket_bf16() -> None:
 def test_a_warmed_engine_captures_no_decode_graph_while_generating() -> None:
     """The warm-up (as a server runs it) captures one decode graph per batch bucket; then batches of 1 to 100
     sequences with prompts of 1-300 tokens, and a ragged batch whose contexts reach ~9,000 tokens (well past any
-    warm-up bound of a context-keyed design), decode through those graphs only: 0 captured while serving."""
+    warm-up bound of a context-keyed design), decode through those graphs only, and the prompt steps through the
+    prefill graphs the warm-up captured (every bucket, each way its cores run): 0 captured while serving."""
     from afd.engine.warm_up import warm_up_engine
 
     attn = load_attention_model("tiny", dtype="bfloat16", device="cuda")

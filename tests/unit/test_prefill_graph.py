@@ -74,6 +74,8 @@ def test_padded_prefill_steps_equal_unpadded_ones_and_send_only_real_rows(tiny) 
     assert engine.prefill_graphs[0].captured == [128, 256, 300]  # every bucket was used
     runner = engine.prefill_graphs[0]
     assert runner.steps_cores_inside >= 3  # decodes beside fresh prompts and chunks after context
+    # no warm-up here: every graph was captured on a miss, inside a step, and the engine counts them
+    assert engine.graphs_captured_while_serving == runner.captured_while_serving == len(runner._graphs) >= 4
     # the replica's last log line says how the prompt steps ran their cores
     summary = step_summary(engine).split("their attention cores: ")[1]
     assert summary == ", ".join(f"{kind} {n}" for kind, n in runner.steps_by_cores.most_common())
@@ -114,6 +116,7 @@ def test_memory_estimate_covers_the_static_buffers_and_grows_with_the_budget(tin
     with torch.inference_mode():
         runner.capture_all()
     assert runner.captured_cores_inside == runner.captured == [128, 256]
+    assert runner.captured_while_serving == 0  # the warm-up's captures do not count
     tensors = [t for t in vars(runner._buffers).values() if isinstance(t, torch.Tensor)]
     static = sum(t.numel() * t.element_size() for t in [*tensors, *runner._layout._meta.values()])
     estimate = graph_memory_estimate(attn.config, torch.float32, 256)

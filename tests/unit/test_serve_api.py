@@ -161,7 +161,7 @@ def test_metrics_through_prometheus_client():
     assert samples[("afd_num_requests_running", (("replica", "0"),))] == 2
     assert samples[("afd_num_requests_running", (("replica", "1"),))] == 0
     assert samples[("afd_kv_cache_usage_perc", (("replica", "0"),))] == 0.25
-    assert samples[("afd_decode_graphs_captured_while_serving", (("replica", "0"),))] == 3
+    assert samples[("afd_graphs_captured_while_serving", (("replica", "0"),))] == 3
     assert samples[("afd_generation_tokens_total", (("replica", "0"),))] == 7
     assert samples[("afd_time_to_first_token_seconds_bucket", (("le", "0.001"), ("replica", "0")))] == 0
     assert samples[("afd_time_to_first_token_seconds_bucket", (("le", "0.005"), ("replica", "0")))] == 1
@@ -336,7 +336,7 @@ def test_a_replicas_captures_while_serving_reach_the_metrics(monkeypatch):
     served = InProcessServer(num_replicas=1)
     try:
         assert served.post("/v1/completions", {"prompt": "a", "max_tokens": 2})[0] == 200
-        gauge = 'afd_decode_graphs_captured_while_serving{replica="0"} 5.0'
+        gauge = 'afd_graphs_captured_while_serving{replica="0"} 5.0'
         _wait(lambda: gauge in served.request("GET", "/metrics")[1], 30, "the count did not reach /metrics")
     finally:
         served.close()

@@ -152,8 +152,10 @@ class Engine:
 
     @property
     def graphs_captured_while_serving(self) -> int:
-        """Decode CUDA graphs captured inside a step, on a miss, rather than at warm-up (0 without graphs)."""
-        return self.cuda_graphs.captured_while_serving if self.cuda_graphs is not None else 0
+        """CUDA graphs (decode, and prefill pieces) captured inside a step, on a miss, rather than at warm-up (0
+        without graphs)."""
+        decode = self.cuda_graphs.captured_while_serving if self.cuda_graphs is not None else 0
+        return decode + sum(runner.captured_while_serving for runner in self.prefill_graphs)
 
     @property
     def prefill_graphs(self) -> list[PrefillGraphRunner]:
@@ -296,5 +298,5 @@ class Engine:
             for out in self.step():
                 outputs[out.request_id] = out
         if self.cuda_graphs is not None:
-            logger.info("decode CUDA graphs captured while serving: %d", self.graphs_captured_while_serving)
+            logger.info("CUDA graphs captured while serving: %d", self.graphs_captured_while_serving)
         return [outputs[k] for k in sorted(outputs)]

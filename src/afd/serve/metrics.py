@@ -70,8 +70,8 @@ class ServeMetrics:
             "afd_kv_cache_usage_perc", "Fraction of the replica's KV-cache blocks in use (0..1).", by, registry=r
         )
         self.graphs_captured = Gauge(
-            "afd_decode_graphs_captured_while_serving",
-            "Decode CUDA graphs the replica captured inside a step rather than at warm-up (0 when warmed).",
+            "afd_graphs_captured_while_serving",
+            "CUDA graphs (decode, prefill) the replica captured inside a step rather than at warm-up (0 when warmed).",
             by,
             registry=r,
         )

@@ -163,6 +163,7 @@ class PrefillGraphRunner:
         )  # fmt: skip
         self._graphs: dict[tuple[int, str], _Graph] = {}  # (bucket, how its cores run) -> its graphs
         self.steps_by_cores: Counter[str] = Counter()  # replayed steps by how their attention cores ran
+        self.captured_while_serving = 0  # graphs captured on a miss inside a step, not by `capture_all`
         self._buffers: _Buffers | None = None
         self._pool = torch.cuda.graph_pool_handle() if capture else None
 
@@ -383,10 +384,10 @@ class PrefillGraphRunner:
         tokens = input_ids.shape[0]
         bucket = self.bucket(tokens)
         cores = self._layout.kind(batch, bucket) if self.cores_inside else PAUSED
-        graph = self._graphs.get((bucket, cores)) or self._capture(bucket, cores)
+        graph = self._graphs.get((bucket, cores)) or self._capture_on_miss(bucket, cores)
         if graph is None and cores != PAUSED:  # the cores could not be captured: the pieces that pause at them
             cores = PAUSED
-            graph = self._graphs.get((bucket, cores)) or self._capture(bucket, cores)
+            graph = self._graphs.get((bucket, cores)) or self._capture_on_miss(bucket, cores)
         if graph is None:
             return None
         if cores != PAUSED:
@@ -405,6 +406,12 @@ class PrefillGraphRunner:
             buf.positions[tokens:padded].zero_()
             buf.slot_mapping[tokens:padded].fill_(self.kv_cache.scratch_row)
         return self._replay(graph, batch, tokens)
+
+    def _capture_on_miss(self, tokens: int, cores: str) -> _Graph | None:
+        """A capture inside a step (what the warm-up did not capture), counted in `captured_while_serving`."""
+        graph = self._capture(tokens, cores)
+        self.captured_while_serving += graph is not None
+        return graph
 
     def _replay(self, graph: _Graph, batch: Batch, tokens: int) -> Generator[Boundary, torch.Tensor, torch.Tensor]:
         if not graph.graphs:  # capture=False: the same padded pieces, eagerly
