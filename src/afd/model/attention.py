@@ -118,10 +118,9 @@ class MLAttention(nn.Module):
     ) -> torch.Tensor:
         """The core of a step laid out as `layout` says, in fixed shapes with no host read, so a CUDA graph holds
         it: the decode rows [0, D) in the absorbed form (padding rows attend to the zero row), then the prompts'
-        keys (the step's own rows, or gathered from the cache, where this step's latents already are) expanded, and
-        the prompts' rows
-        overwritten by the tiled varlen kernel. Rows of no sequence keep a finite value (a padding decode's zero, or
-        zero)."""
+        keys (the step's own rows, or gathered from the cache, where this step's latents already are) expanded and
+        the prompts' rows overwritten by the tiled varlen kernel. Rows of no sequence stay finite (zero, or a
+        padding decode's zero)."""
         c, nh = self.config, self.num_heads
         out = q.new_zeros(q.shape[0], nh, c.v_head_dim) if out is None else out  # [Tp, nh, Dv]
         D, W = layout.decode_tables.shape
