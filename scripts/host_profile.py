@@ -114,7 +114,7 @@ def launch_us(fn, n=1000) -> tuple[float, float]:
     return (t1 - t0) / n * 1e6, statistics.median(alone) * 1e6
 
 
-def core_probes(model, cache) -> dict:
+def core_probes(model) -> dict:
     """The ops of a mixed step's attention core at `mixed`'s shapes (256 decodes, a 1,792-token prompt)."""
     from afd.kernels.prefill_attention import prefill_attention
     from afd.model.fp8 import linear_weight
@@ -178,7 +178,7 @@ def main() -> None:
             host, device = forward_times(model, cache, layout, runner=runner)
             result["forward"][name].update(graph_host_ms=host, graph_device_ms=device)
             lines.append(f"{name} (prefill graphs): host {host:.2f} ms, device {device:.2f} ms")
-        for name, fn in core_probes(model, cache).items():
+        for name, fn in core_probes(model).items():
             queued, alone = launch_us(fn)
             result["launch_us"][name] = {"back_to_back": queued, "alone": alone}
             lines.append(f"launch {name}: {queued:.1f} us back to back, {alone:.1f} us alone")

@@ -86,11 +86,11 @@ class MLAttention(nn.Module):
     ) -> torch.Tensor:
         """The core, which depends on the step's layout: every sequence's queries against its keys -> [T, nh, Dv]
         (into `out` when given)."""
+        if batch.graphed is not None:
+            return self._attend_graphed(q, kv_c, k_pe, batch.graphed, kv_cache, out)
         c, nh = self.config, self.num_heads
         T = q.shape[0]
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
-        if batch.graphed is not None:
-            return self._attend_graphed(q, kv_c, k_pe, batch.graphed, kv_cache, out)
         decodes = batch.decode_seqs if kv_cache is not None else []
         if decodes and len(decodes) == len(batch.query_lens):  # all decodes (graphed steps): rows in order
             o = self._decode_attention(q_nope, q_pe, kv_cache, decode_context(batch, kv_cache.block_size))

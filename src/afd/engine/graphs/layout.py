@@ -108,10 +108,7 @@ class LayoutBuffers:
         """The bucket's buffers as the layout of a graph of `kind` (what it captures); empty until `fill`ed: no
         decode, no prompt. OWN_KEYS: no key rows, the key bounds are the query bounds."""
         rows, slots, programs, keys = self.sizes(tokens)
-        meta = self._meta.get(tokens)
-        if meta is None:
-            empty = layout_meta(Batch(), slots, programs, self.block_m)
-            meta = self._meta[tokens] = torch.tensor(empty, dtype=torch.int32, device=self.device)
+        meta = self._bucket_meta(tokens)
         bounds = slots + 1 + (-(slots + 1) % 4)
         gathered = kind == GATHERED_KEYS
         return GraphedLayout(
@@ -123,6 +120,15 @@ class LayoutBuffers:
             meta[2 * bounds :].view(2, programs),
         )
 
+    def _bucket_meta(self, tokens: int) -> torch.Tensor:
+        """The bucket's prompt metadata buffer, made on first use holding no prompt."""
+        meta = self._meta.get(tokens)
+        if meta is None:
+            _, slots, programs, _ = self.sizes(tokens)
+            empty = layout_meta(Batch(), slots, programs, self.block_m)
+            meta = self._meta[tokens] = torch.tensor(empty, dtype=torch.int32, device=self.device)
+        return meta
+
     def fill(self, batch: Batch, tokens: int, kind: str, kv_cache: PagedLatentCache | None = None) -> None:
         """Write a prepared step of `kind` (not PAUSED) into the bucket's buffers: device copies and one or two
         host->device copies, no sync. `kv_cache`: where GATHERED_KEYS read the prompts' key rows."""
@@ -131,9 +137,7 @@ class LayoutBuffers:
         tables = self.tables[:0, :0] if no_decode else batch.decode_tables
         lens = self.lens[:0] if no_decode else batch.decode_lens
         fill_decode_tables(self.tables[:rows], self.lens[:rows], tables, lens, NULL_BLOCK)
-        if tokens not in self._meta:
-            self.layout(tokens, kind)
-        _copy(self._meta[tokens], layout_meta(batch, slots, programs, self.block_m), torch.int32)
+        _copy(self._bucket_meta(tokens), layout_meta(batch, slots, programs, self.block_m), torch.int32)
         if kind == GATHERED_KEYS:
             first = len(batch.decode_seqs)
             prompts = zip(batch.slots[first:], batch.query_lens[first:], batch.context_lens[first:], strict=True)
