@@ -7,6 +7,9 @@ OUT=${OUT:-/tmp/afd_gpu}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1
+# the serving stack imports, or every `afd serve` below would fail at its start: say so at once
+python3 -c "import fastapi, uvicorn, pydantic, prometheus_client, aiohttp, tqdm" \
+  || echo "device_env: the serving stack does not import: carry its wheels in .whl/ (docs/performance.md, Tools)" >&2
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # the model every benchmark runs: DeepSeek-V2-Lite's shapes with seeded random weights, bf16, on CUDA
 LITE=(--model deepseek-v2-lite --dtype bfloat16 --device cuda)

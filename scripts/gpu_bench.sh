@@ -47,6 +47,9 @@
 #   host [ARGS]          where the attention rank's host time goes in steps with prompt tokens: eager and graphed
 #                        forwards' host vs device ms, a cProfile of the mixed step, each core op's launch cost back to
 #                        back and alone (scripts/host_profile.py), into $OUT/host_profile.{txt,json}
+#   validate [COMPARE] [ARGS]  the served runs `afd simulate --compare` checks a profile against: the mixed and the
+#                        uneven workload (64 to 1,024-token prompts, 64 new tokens, 512 requests) at rates inf, 64
+#                        and 16 per s through COMPARE (default none:R=1), into $OUT/validation_{mixed,uneven}.json
 #   profile [ARGS]       afd profile --model deepseek-v2-lite --device cuda (decode/prefill steps on GPU 0, experts,
 #                        both exchanges 1A1F) into $OUT/profile_h200.json, the profile docs/planning.md asks for
 set -u
@@ -54,8 +57,8 @@ cd "$(dirname "$0")/.."
 source scripts/device_env.sh
 SUB=${1:-}; shift || true
 case $SUB in
-  step|step-fp8|moe-fp8|numerics-fp8|linear-fp8|exchange|stress|offline|timeline|serve|front|front-ab|capacity-ab|fanout-ab|startup|kernels|cross-replica|host|profile) ;;
-  *) echo "usage: bash scripts/gpu_bench.sh step|step-fp8|moe-fp8|numerics-fp8|linear-fp8|exchange|stress|offline|timeline|serve|front|front-ab|capacity-ab|fanout-ab|startup|kernels|cross-replica|host|profile [ARGS...]" >&2
+  step|step-fp8|moe-fp8|numerics-fp8|linear-fp8|exchange|stress|offline|timeline|serve|front|front-ab|capacity-ab|fanout-ab|startup|kernels|cross-replica|host|validate|profile) ;;
+  *) echo "usage: bash scripts/gpu_bench.sh step|step-fp8|moe-fp8|numerics-fp8|linear-fp8|exchange|stress|offline|timeline|serve|front|front-ab|capacity-ab|fanout-ab|startup|kernels|cross-replica|host|validate|profile [ARGS...]" >&2
     exit 2 ;;
 esac
 log_run "bench_${SUB:-none}"
@@ -138,6 +141,12 @@ case $SUB in
     CUDA_VISIBLE_DEVICES=0 timeout 300 python3 scripts/gpu_cross_replica.py "$@" | tee "$OUT/cross_replica.jsonl" ;;
   host)
     CUDA_VISIBLE_DEVICES=0 timeout 400 python3 scripts/host_profile.py "$OUT" "$@" ;;
+  validate)
+    compare=${1:-none:R=1}
+    for w in mixed uneven; do
+      bench_serve "validation_$w" 280 --workload $w --short-len 64 --long-len 1024 --max-tokens 64 --requests 512 \
+        --compare "$compare" --rates inf,64,16 --warmups 16 "${@:2}"
+    done ;;
   profile)
     timeout 560 python3 -m afd profile --model deepseek-v2-lite --device cuda --dtype bfloat16 \
       -o "$OUT/profile_h200.json" "$@" ;;

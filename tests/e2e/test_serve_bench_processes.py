@@ -118,3 +118,14 @@ def test_the_runtimes_import_alone() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=100, env=_env())
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.timeout(60)
+def test_a_server_that_fails_to_start_says_why():
+    """A server that exits at start-up is reported by its status and the last line it wrote, not as a timeout."""
+    from afd.serve.run import ServeError, ServerProcess
+
+    with pytest.raises(ServeError) as failed:
+        ServerProcess(["--model", "no-such-model"], timeout_s=50)
+    assert "exited with status 2" in str(failed.value)
+    assert "it said: afd: error:" in str(failed.value) and "no-such-model" in str(failed.value)

@@ -16,6 +16,7 @@ import os
 import signal
 import socket
 import subprocess
+import tempfile
 import sys
 import threading
 import time
@@ -205,10 +206,12 @@ def _serve_until_signal(state: ServerState, sock: socket.socket, on_ready: Calla
 class ServerProcess:
     """`afd serve` as a child process (for `afd bench serve` and tests): started, ready, stopped by SIGTERM.
 
-    Its stdout is read for the ready line (bounded by `timeout_s`); its stderr goes to `log_path`."""
+    Its stdout is read for the ready line (bounded by `timeout_s`); its stderr goes to `log_path` (a temporary file
+    without one), whose last line a failed start reports."""
 
     def __init__(self, argv: list[str], timeout_s: float, log_path: str | None = None) -> None:
-        self._log = open(log_path, "wb") if log_path else subprocess.DEVNULL  # noqa: SIM115 - closed in stop()
+        # closed in stop()
+        self._log = open(log_path, "w+b") if log_path else tempfile.TemporaryFile()  # noqa: SIM115
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "afd", "serve", *argv],
             stdout=subprocess.PIPE,
@@ -232,11 +235,23 @@ class ServerProcess:
 
         threading.Thread(target=read, daemon=True).start()
         if not got.wait(timeout_s) or not lines or not lines[-1].startswith("afd serve: ready at "):
-            code = self.proc.poll()
-            self.stop()
+            try:  # its stdout closed: it is exiting, so wait for the status rather than report a timeout
+                code = self.proc.wait(10) if got.is_set() else self.proc.poll()
+            except subprocess.TimeoutExpired:
+                code = None
             why = f"exited with status {code}" if code is not None else f"was not ready within {timeout_s:g} s"
-            raise ServeError(f"afd serve {why}")
+            last = self._last_log_line()
+            self.stop()
+            raise ServeError(f"afd serve {why}" + (f"; it said: {last}" if last else ""))
         return lines[-1].split("ready at ", 1)[1].split(" ", 1)[0]
+
+    def _last_log_line(self) -> str:
+        """The last non-empty line the server wrote to stderr (what a failed start has to say for itself)."""
+        self._log.flush()
+        self._log.seek(0, os.SEEK_END)
+        self._log.seek(max(0, self._log.tell() - 4096))
+        lines = [line.strip() for line in self._log.read().decode(errors="replace").splitlines() if line.strip()]
+        return lines[-1] if lines else ""
 
     def stop(self, timeout_s: float = 40.0) -> int:
         """SIGTERM, then SIGKILL (its process group) if it has not exited within `timeout_s`; its exit status."""
@@ -247,6 +262,5 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
-        if self._log is not None and hasattr(self._log, "close"):
-            self._log.close()
+        self._log.close()
         return self.proc.returncode
