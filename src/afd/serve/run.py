@@ -16,8 +16,8 @@ import os
 import signal
 import socket
 import subprocess
-import tempfile
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
