@@ -8,8 +8,10 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1
 # the serving stack imports, or every `afd serve` below would fail at its start: say so at once
-python3 -c "import fastapi, uvicorn, pydantic, prometheus_client, aiohttp, tqdm" \
-  || echo "device_env: the serving stack does not import: carry its wheels in .whl/ (docs/performance.md, Tools)" >&2
+SERVE_STACK=ok
+python3 -c "import fastapi, uvicorn, pydantic, prometheus_client, aiohttp, tqdm" 2>&1 | tail -n 1 | grep . && {
+  SERVE_STACK=missing
+  echo "device_env: the serving stack does not import: carry its wheels in .whl/ (docs/performance.md, Tools)" >&2; }
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # the model every benchmark runs: DeepSeek-V2-Lite's shapes with seeded random weights, bf16, on CUDA
 LITE=(--model deepseek-v2-lite --dtype bfloat16 --device cuda)
@@ -57,6 +59,7 @@ ORACLE=(--model tiny --prompt-ids "5,17,33,2,9,41,7,3,19,23,11;4,8;100,3,77,12,9
 # ...), its JSON into $OUT/NAME.json, the table printed
 bench_serve() {
   local name=$1 limit=$2; shift 2
+  [[ $SERVE_STACK == ok ]] || { echo "$name skipped: the serving stack does not import"; return 1; }
   timeout "$limit" python3 -m afd bench serve "${LITE[@]}" "$@" --json "$OUT/$name.json" 2>"$B/$name.err" | tail -n 12
   local rc=${PIPESTATUS[0]}
   echo "$name rc=$rc"; [[ $rc == 0 ]] || tail -n 30 "$B/$name.err" > "$OUT/$name.err"
