@@ -23,7 +23,8 @@ log_run() {
 # gpus: how many GPUs this machine has
 gpus() { nvidia-smi -L | grep -c "^GPU"; }
 # leftovers: the afd processes still running (there should be none)
-leftovers() { echo "== leftover processes:"; pgrep -af "afd" | grep -v pgrep || echo none; }
+leftovers() {  # (shells whose command line merely names afd, this script's own callers among them, are not)
+  echo "== leftover processes:"; pgrep -af "afd" | grep -v -e pgrep -e "bash -c" -e "timeout -k" || echo none; }
 # bench NAME LIMIT ARGS...: one `afd bench` (V2-Lite bf16 on CUDA) under a time limit, its JSON into $OUT/NAME.json,
 # the table, the status and the last error lines printed
 bench() {

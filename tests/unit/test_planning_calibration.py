@@ -185,7 +185,8 @@ def test_a_profile_calibrates_from_a_served_results_file(tmp_path, capsys):
 def test_a_profile_on_one_gpu_measures_async_alone_and_names_what_it_assumed(monkeypatch):
     """p2p's exchange needs a GPU per rank: on one GPU `afd profile` measures async's round trip only, and takes it
     for p2p's under `machine.assumed` (it once started p2p's two NCCL ranks on one device and failed). The parts
-    come from stand-ins here; on two GPUs both connectors are asked for."""
+    come from stand-ins here; on two GPUs both connectors are asked for. Prompt steps of a fixed cost plus one per
+    token keep both in the prefill part."""
     import afd.planning.measure as measure
 
     asked: list[tuple[str, ...]] = []
@@ -193,8 +194,8 @@ def test_a_profile_on_one_gpu_measures_async_alone_and_names_what_it_assumed(mon
     step = {
         "decode": [{"batch": b, "context": c, "graph_ms": 5.0 + b / 100 + c / 1000, "eager_ms": 9.0}
                    for b in (1, 8, 64) for c in (512, 2048)],
-        "prefill": [{"batch": b, "context": c, "tokens": b * c, "ms": 2.0 + b * c / 500}
-                    for b, c in ((1, 512), (8, 1024))],
+        "prefill": [{"batch": b, "context": c, "tokens": b * c, "ms": 100.0 + b * c / 20}
+                    for b, c in ((1, 512), (1, 2048), (8, 1024))],
     }  # fmt: skip
 
     def exchange(**kwargs):
@@ -212,6 +213,8 @@ def test_a_profile_on_one_gpu_measures_async_alone_and_names_what_it_assumed(mon
         monkeypatch.setattr(measure.torch.cuda, "device_count", lambda gpus=gpus: gpus)
         p = measure.measure_profile("deepseek-v2-lite", "bfloat16", "cuda", calibrate=False, say=lambda m: None)
         assert asked[-1] == connectors
+        prompt = p.parts["prefill"]  # steps of a fixed cost plus one per token: the fit carries both
+        assert prompt.fixed_s > 0 and prompt.per_item_s > 0
         if gpus == 1:
             assert p.parts["exchange_p2p"] == p.parts["exchange_async"] and "exchange_p2p" in p.machine["assumed"]
         else:
