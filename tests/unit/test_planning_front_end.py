@@ -1,5 +1,6 @@
 """The front end's FIFO queue in the simulator: its arithmetic as a pure function, the arrivals it hands the
-engines, its effect on a simulated trace, older profiles without it, and the calibration finding it."""
+engines, its effect on a simulated trace, and older profiles without it (the calibration finding it:
+tests/e2e/test_planning_calibration_search.py)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,9 @@ import json
 import math
 
 import pytest
-from helpers.planning import cpu_profile, fit_synthetic_trace, tiny_shapes
+from helpers.planning import cpu_profile, tiny_shapes
 
 from afd.bench.workload import Workload
-from afd.planning import calibrate
 from afd.planning.deployment import Deployment
 from afd.planning.profile import Calibration, front_end_queue, load_profile
 from afd.planning.simulator import engine_arrivals, simulate_rate
@@ -61,16 +61,3 @@ def test_profiles_without_the_queue_cost_load_it_as_zero(tmp_path):
     cal = load_profile(path).calibration
     assert cal.arrival_s == 0.0 and cal.step_s == 1e-4
     assert Calibration(arrival_s=1e-3).active
-
-
-def test_calibration_finds_a_front_end_queue():
-    """A "measured" trace whose first tokens wait in a front-end queue: the fit holds every target within 15%
-    and gives the queue a cost."""
-    trace = calibrate.Trace(_workload(), (math.inf, 4.0))
-    truth = Calibration(token_s=1.5e-4, request_s=5e-4, arrival_s=4e-3, front_end_s=2e-3)
-    measured, cal, again = fit_synthetic_trace(trace, truth)
-    for row in cal.fit["rows"]:
-        assert row["calibrated"] == pytest.approx(row["measured"], rel=0.15), row
-    assert cal.arrival_s > 0
-    assert "front end's queue" in calibrate.format_calibration(cal)
-    assert again["summary"]["ttft_p50_s"] == pytest.approx(measured[0]["summary"]["ttft_p50_s"], rel=0.15)
