@@ -137,6 +137,8 @@ def test_a_profile_on_one_gpu_measures_async_alone_and_names_what_it_assumed(mon
                    for b in (1, 8, 64) for c in (512, 2048)],
         "prefill": [{"batch": b, "context": c, "tokens": b * c, "ms": 100.0 + b * c / 20}
                     for b, c in ((1, 512), (1, 2048), (8, 1024))],
+        "mixed": [{"decodes": d, "context": 512, "chunk": c, "mixed_ms": 5.0 + d / 100 + 0.512 + 100.0 + c / 20}
+                  for d, c in ((64, 256), (64, 1024))],
     }  # fmt: skip
 
     def exchange(**kwargs):
@@ -152,10 +154,13 @@ def test_a_profile_on_one_gpu_measures_async_alone_and_names_what_it_assumed(mon
     monkeypatch.setattr(measure.torch.cuda, "get_device_properties", lambda i: type("P", (), {"total_memory": 80e9}))
     for gpus, connectors in ((1, ("async",)), (2, ("p2p", "async"))):
         monkeypatch.setattr(measure.torch.cuda, "device_count", lambda gpus=gpus: gpus)
-        p = measure.measure_profile("deepseek-v2-lite", "bfloat16", "cuda", calibrate=False, say=lambda m: None)
+        said: list[str] = []
+        p = measure.measure_profile("deepseek-v2-lite", "bfloat16", "cuda", calibrate=False, say=said.append)
         assert asked[-1] == connectors
         prompt = p.parts["prefill"]  # steps of a fixed cost plus one per token: the fit carries both
         assert prompt.fixed_s > 0 and prompt.per_item_s > 0
+        fit = next(line for line in said if line.startswith("prefill fit"))  # mixed steps fitted too
+        assert "1024 beside 64 at 512" in fit and "prefill 8 x 1024" in fit
         if gpus == 1:
             assert p.parts["exchange_p2p"] == p.parts["exchange_async"] and "exchange_p2p" in p.machine["assumed"]
         else:

@@ -38,6 +38,7 @@ GPU_SHAPES = {
     "batches": [1, 8, 64, 256],
     "contexts": [512, 2048],
     "prefills": [(1, 128), (1, 512), (1, 1024), (1, 2048), (8, 1024)],
+    "mixed": [(64, 256), (64, 1024), (256, 512)],  # (decodes, prompt chunk), at each context
     "tokens": [1, 8, 64, 512, 4096],
 }
 
@@ -125,18 +126,22 @@ def measure_profile(
     routed_rows, shared_rows = _expert_rows(model, dtype, device, shapes["tokens"], steps)
     routed, shared = fit_part(routed_rows), fit_part(shared_rows) if shared_rows else Part()
     p = Profile({}, {"routed_experts": routed, "shared_experts": shared})
+
+    def experts_s(tokens: int) -> float:
+        """Every MoE layer's routed and shared experts for a step of `tokens` tokens (a whole replica's)."""
+        return s.moe_layers * (costs.routed_pass_s(p, s, tokens, s.num_experts) + costs.shared_pass_s(p, s, tokens))
+
     say("decode and prefill steps ...")
     step = run_bench_step(
         model=model, dtype=dtype, device=device, batches=shapes["batches"], contexts=shapes["contexts"],
-        prefills=shapes["prefills"], steps=steps, progress=say,
+        prefills=shapes["prefills"], mixed=shapes.get("mixed"), steps=steps, progress=say,
     )  # fmt: skip
     # CPU: the median of isolated steps (a mean of consecutive ones carries whatever else ran on the 2 cores)
     mode = "graph_ms" if device == "cuda" else "eager_isolated_ms"
     attn_rows, batches, labels = [], [], []
     for row in step["decode"]:
         b, ctx = row["batch"], row["batch"] * (row["context"] + 1)
-        ffn = s.moe_layers * (costs.routed_pass_s(p, s, b, s.num_experts) + costs.shared_pass_s(p, s, b))
-        sec = (row[mode] or row["eager_ms"]) * 1e-3 - ffn
+        sec = (row[mode] or row["eager_ms"]) * 1e-3 - experts_s(b)
         attn_rows.append((costs.decode_bytes(s, ctx), costs.decode_flops(s, b, ctx), max(sec, 1e-6)))
         batches.append(float(b))
         labels.append(f"batch {b} context {row['context']}")
@@ -146,11 +151,20 @@ def measure_profile(
     prefill_rows, tokens, labels = [], [], []
     for row in step["prefill"]:
         t, pairs = row["tokens"], row["batch"] * costs.chunk_pairs(0, row["context"])
-        ffn = s.moe_layers * (costs.routed_pass_s(p, s, t, s.num_experts) + costs.shared_pass_s(p, s, t))
-        left = row["ms"] * 1e-3 - ffn - attention.time(costs.decode_bytes(s, 0), 0.0)
+        left = row["ms"] * 1e-3 - experts_s(t) - attention.time(costs.decode_bytes(s, 0), 0.0)
         prefill_rows.append((0.0, costs.prefill_flops(s, t, pairs), max(left, 1e-6)))
         tokens.append(float(t))
         labels.append(f"prefill {row['batch']} x {row['context']}")
+    # a prompt chunk beside decodes (the steps serving is full of): what it adds beyond the decodes' attention side
+    # and every token's experts is the prefill part too, as the simulator composes such a step
+    for row in step.get("mixed", []):
+        b, chunk = row["decodes"], row["chunk"]
+        ctx = b * (row["context"] + 1)
+        decodes = attention.time(costs.decode_bytes(s, ctx), costs.decode_flops(s, b, ctx), b)
+        left = row["mixed_ms"] * 1e-3 - experts_s(b + chunk) - decodes
+        prefill_rows.append((0.0, costs.prefill_flops(s, chunk, costs.chunk_pairs(0, chunk)), max(left, 1e-6)))
+        tokens.append(float(chunk))
+        labels.append(f"{chunk} beside {b} at {row['context']}")
     # a fixed cost too: on an H200 a lone 512-token prompt left 5.8 ms beyond its experts, which no per-token
     # rate fitting 2,048 and 8 x 1,024 tokens explains (the fit without it was 64% short there)
     prefill = fit_part(prefill_rows, items=tokens, relative=True)
