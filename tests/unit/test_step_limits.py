@@ -237,3 +237,19 @@ def test_a_wrong_profile_is_one_sentence_and_exit_2(tmp_path, capsys):
     assert code == 2 and "measured with model deepseek-v2-lite, not tiny" in err and err.count("\n") == 1
     code, err = main_exit(capsys, "bench", "serve", "--profile", other, "--url", "http://127.0.0.1:1")
     assert code == 2 and "leave it out with --url" in err
+
+
+def test_simulate_and_plan_model_the_servers_defaults_on_the_profiles_machine(tmp_path, capsys):
+    """Without step-limit flags `afd simulate` (and `afd plan`, through the same rule) simulates what `afd serve`
+    would run on the profile's machine: the larger pair on the shipped H200 profile, 2,048 and 256 on a CPU's."""
+    from helpers.planning import cpu_profile
+
+    cpu = tmp_path / "cpu.json"
+    cpu_profile().save(cpu)
+    for profile, limits in (("h200", (8192, 1024)), (str(cpu), (2048, 256))):
+        out = tmp_path / "sim.json"
+        code, err = main_exit(capsys, "simulate", "--model", "tiny", "--profile", profile, "--connector", "none",
+                              "--requests", "8", "--rates", "inf", "--json", str(out))  # fmt: skip
+        assert code == 0, err
+        d = json.loads(out.read_text())["results"][0]["deployment"]
+        assert (d["max_num_batched_tokens"], d["max_num_seqs"]) == limits

@@ -8,9 +8,13 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from afd.cli.input import UsageError, non_negative_int, positive_int, positive_seconds, rate_list
-from afd.runtime.limits import DEFAULT_MAX_NUM_SEQS, SMALL_BUDGET
+from afd.runtime.limits import machine_defaults
+
+if TYPE_CHECKING:
+    from afd.planning.profile import Profile
 
 WORKLOAD_KINDS = ("uniform", "uneven", "mixed")
 
@@ -30,12 +34,14 @@ def _add_workload(p: argparse.ArgumentParser, requests: int) -> None:
     p.add_argument(
         "--max-num-seqs",
         type=positive_int,
-        help=f"sequences a replica runs at once (default: a --compare file's server's, else {DEFAULT_MAX_NUM_SEQS})",
+        help="sequences a replica runs at once (default: a --compare file's server's, else afd serve's default on "
+        "the profile's machine: 1,024 on a GPU of 70 GiB or more, else 256)",
     )
     p.add_argument(
         "--max-num-batched-tokens",
         type=positive_int,
-        help=f"token budget of one step (default: a --compare file's server's, else {SMALL_BUDGET})",
+        help="token budget of one step (default: a --compare file's server's, else afd serve's default on the "
+        "profile's machine: 8,192 on a GPU of 70 GiB or more, else 2,048)",
     )
     p.add_argument("--gpus-per-node", type=positive_int, default=8, help="GPUs per node (NVLink inside)")
     p.add_argument("--inter-node-gbps", type=float, default=400.0, help="bandwidth per GPU between nodes (Gb/s)")
@@ -158,7 +164,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise UsageError(f"--compare {args.compare}: {exc}") from None
         measured = raw["results"][0]
-    max_num_seqs, budget = _step_limits(args, measured)
+    max_num_seqs, budget = _step_limits(args, profile, measured)
     try:
         d = Deployment(
             args.connector, args.attention, args.ffn, args.replicas, args.ubatches, args.gpus_per_node,
@@ -186,12 +192,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return status
 
 
-def _step_limits(args: argparse.Namespace, measured: dict | None = None) -> tuple[int, int]:
+def _step_limits(args: argparse.Namespace, profile: Profile, measured: dict | None = None) -> tuple[int, int]:
     """(max_num_seqs, max_num_batched_tokens): the flags, else those the measured server ran with (its results'
-    `step_limits`: simulated under other limits, a comparison would say nothing), else afd's CPU defaults."""
+    `step_limits`: simulated under other limits, a comparison would say nothing), else what `afd serve` takes by
+    default on the profile's machine (a plan for H200s models the servers that would run there)."""
     limits = (measured or {}).get("step_limits") or {}
-    seqs = args.max_num_seqs or int(limits.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS))
-    return seqs, args.max_num_batched_tokens or int(limits.get("max_num_batched_tokens", SMALL_BUDGET))
+    budget, seqs = machine_defaults(profile.on_gpu, profile.gpu_memory_bytes)
+    seqs = args.max_num_seqs or int(limits.get("max_num_seqs", seqs))
+    return seqs, args.max_num_batched_tokens or int(limits.get("max_num_batched_tokens", budget))
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -200,7 +208,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from afd.planning.plan import Slo, format_plan, plan
 
     shapes, profile, workload = _setup(args)
-    max_num_seqs, budget = _step_limits(args)
+    max_num_seqs, budget = _step_limits(args, profile)
     base = Deployment(
         "none", gpus_per_node=args.gpus_per_node, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
         ubatch_decode=args.ubatch_decode,

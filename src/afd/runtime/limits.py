@@ -88,10 +88,18 @@ def _gpu(device: str, memory: ReplicaMemory | None) -> str:
     return f"a GPU of {memory.device_bytes / GiB:.0f} GiB"
 
 
+def machine_defaults(on_gpu: bool, device_bytes: float | None) -> tuple[int, int]:
+    """(token budget, sequences) a server on this machine starts from before its KV cache is sized: the larger
+    pair on a GPU of at least 70 GiB (the cache may then cut the sequences: `default_max_num_seqs`)."""
+    if on_gpu and device_bytes is not None and device_bytes >= LARGE_GPU_BYTES:
+        return LARGE_BUDGET, LARGE_MAX_NUM_SEQS
+    return SMALL_BUDGET, DEFAULT_MAX_NUM_SEQS
+
+
 def default_budget(device: str, memory: ReplicaMemory | None) -> tuple[int, str]:
     """The device's token budget and why: 8,192 on a GPU of at least 70 GiB, else 2,048."""
-    large = device == "cuda" and memory is not None and memory.device_bytes >= LARGE_GPU_BYTES
-    return (LARGE_BUDGET if large else SMALL_BUDGET), f"default on {_gpu(device, memory)}"
+    budget, _ = machine_defaults(device == "cuda", memory.device_bytes if memory else None)
+    return budget, f"default on {_gpu(device, memory)}"
 
 
 def default_max_num_seqs(device: str, memory: ReplicaMemory | None, budget: int, max_model_len: int) -> tuple[int, str]:
