@@ -253,3 +253,23 @@ def test_simulate_and_plan_model_the_servers_defaults_on_the_profiles_machine(tm
         assert code == 0, err
         d = json.loads(out.read_text())["results"][0]["deployment"]
         assert (d["max_num_batched_tokens"], d["max_num_seqs"]) == limits
+
+
+def test_plan_writes_its_json_with_the_model_and_the_servers_limits_and_plots_it(tmp_path, capsys):
+    """`afd plan` on two H200s (the shipped profile): the JSON the issue names (best, candidates with meets_slo),
+    the model and weight format it planned, every candidate at afd serve's defaults there; `plot_plans` draws it."""
+    from afd.planning.plan import plot_plans
+
+    out = tmp_path / "plan.json"
+    code, err = main_exit(capsys, "plan", "--model", "deepseek-v2-lite", "--gpus", "2", "--requests", "12",
+                          "--max-tokens", "8", "--json", str(out))  # fmt: skip
+    assert code == 0, err
+    result = json.loads(out.read_text())
+    assert (result["model"], result["weights"]) == ("deepseek-v2-lite", "bfloat16")
+    keys = {"connector", "attention", "ffn", "replicas", "ubatches", "tokens_per_s_per_gpu", "ttft_p90_s",
+            "tpot_p50_s", "bound"}  # fmt: skip
+    assert keys <= result["best"].keys() and all("meets_slo" in c for c in result["candidates"])
+    assert {(c["max_num_batched_tokens"], c["max_num_seqs"]) for c in result["candidates"]} == {(8192, 1024)}
+    png = tmp_path / "plans.png"
+    plot_plans([result, {**result, "gpus": 4}], str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -114,7 +114,7 @@ def add_planning_parsers(sub) -> None:
 
 
 def _setup(args: argparse.Namespace):
-    """(shapes, profile, workload) of the flags; UsageError in one sentence otherwise."""
+    """(shapes, profile, workload, weight format) of the flags; UsageError in one sentence otherwise."""
     from dataclasses import replace
 
     from afd.bench.workload import TraceError, Workload, load_trace
@@ -145,7 +145,7 @@ def _setup(args: argparse.Namespace):
     else:
         workload = Workload(args.workload, args.requests, args.long_len, args.short_len, args.long_fraction)
         workload = replace(workload, max_tokens=args.max_tokens, seed=args.bench_seed)
-    return costs.shapes_of(config, weights), profile, workload
+    return costs.shapes_of(config, weights), profile, workload, weights
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -154,7 +154,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from afd.planning.deployment import Deployment, DeploymentError
     from afd.planning.simulator import simulate
 
-    shapes, profile, workload = _setup(args)
+    shapes, profile, workload, _ = _setup(args)
     rates = args.rates
     measured = None
     if args.compare:
@@ -207,7 +207,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from afd.planning.deployment import Deployment, DeploymentError
     from afd.planning.plan import Slo, format_plan, plan
 
-    shapes, profile, workload = _setup(args)
+    shapes, profile, workload, weights = _setup(args)
     max_num_seqs, budget = _step_limits(args, profile)
     base = Deployment(
         "none", gpus_per_node=args.gpus_per_node, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
@@ -218,6 +218,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except (DeploymentError, ValueError) as exc:
         raise UsageError(str(exc)) from None
     print(format_plan(result))
+    result = {"model": args.model, "weights": weights, **result}
     if args.json:
         Path(args.json).write_text(json.dumps(strict_json(result), indent=2, allow_nan=False))
     return 0

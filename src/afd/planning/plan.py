@@ -162,3 +162,43 @@ def format_plan(result: dict) -> str:
     ratio_ = result["afd_over_non_afd"]
     lines.append("best AFD / best non-AFD: " + ("-" if ratio_ is None else f"{ratio_:.2f}x"))
     return "\n".join(lines)
+
+
+def plot_plans(results: list[dict], path: str) -> None:
+    """Output tokens/s per GPU against the GPU count, one colour per (model, weights) of `results` (`afd plan --json`
+    files): the best AFD layout (solid) beside the best non-AFD one (dashed), each point labelled with its layout."""
+    from afd.bench.report import require_matplotlib
+
+    require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; no display needed
+    import matplotlib.pyplot as plt
+
+    groups: dict[str, list[dict]] = {}
+    for r in results:
+        groups.setdefault(f"{r.get('model', '?')} {r.get('weights', '')}".strip(), []).append(r)
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for i, (label, runs) in enumerate(sorted(groups.items())):
+        runs.sort(key=lambda r: r["gpus"])
+        for kinds, style, side in ((("async", "p2p"), "-", "AFD"), (("ep", "none"), "--", "non-AFD")):
+            points = []
+            for r in runs:
+                best = [r["best_of_kind"][k] for k in kinds if k in r["best_of_kind"]]
+                if best:
+                    points.append((r["gpus"], max(best, key=lambda c: c["tokens_per_s_per_gpu"])))
+            if not points:
+                continue
+            xs, ys = [g for g, _ in points], [c["tokens_per_s_per_gpu"] for _, c in points]
+            ax.plot(xs, ys, style, marker="o", color=f"C{i % 10}", label=f"{label}, best {side}")
+            for x, y, (_, c) in zip(xs, ys, points, strict=True):
+                ax.annotate(c["name"], (x, y), fontsize=6, textcoords="offset points", xytext=(3, 3))
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("SLO-compliant output tokens/s per GPU")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
