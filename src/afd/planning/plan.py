@@ -194,6 +194,8 @@ def plot_plans(results: list[dict], path: str) -> None:
             for x, y, (_, c) in zip(xs, ys, points, strict=True):
                 ax.annotate(c["name"], (x, y), fontsize=6, textcoords="offset points", xytext=(3, 3))
     ax.set_xscale("log", base=2)
+    ticks = sorted({r["gpus"] for r in results})
+    ax.set_xticks(ticks, [str(t) for t in ticks])
     ax.set_xlabel("GPUs")
     ax.set_ylabel("SLO-compliant output tokens/s per GPU")
     ax.set_ylim(bottom=0)
