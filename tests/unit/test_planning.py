@@ -11,7 +11,7 @@ import pytest
 from afd.bench.workload import Workload
 from afd.model.weights import load_model_config
 from afd.planning import costs, ratio
-from afd.planning.compare import errors, workload_of
+from afd.planning.compare import beyond, errors, format_errors, workload_of
 from afd.planning.deployment import Deployment, DeploymentError, memory_of
 from afd.planning.profile import Part, Profile, fit_part, load_profile
 from afd.planning.simulator import simulate, simulate_rate
@@ -131,6 +131,26 @@ def test_compare_reads_a_bench_results_file():
     sim = {"runs": [{"rate": math.inf, "summary": {"request_throughput": 12.0}}]}
     rows = [r for r in errors(raw["results"][0], sim) if r["metric"] == "request_throughput"]
     assert rows[0]["error"] == pytest.approx(0.2)
+    # steps beside the metrics, shown but not judged: 100 steps of 20 ms measured, 80 of 25 ms simulated
+    raw["results"][0]["runs"][0]["summary"] = {
+        "request_throughput": 10.0,
+        "steps": {"count": 100, "device_s": 2.0, "replicas": 1},
+    }
+    sim["runs"][0]["summary"] = {"request_throughput": 10.0, "steps": {"count": 80, "device_s": 2.0, "replicas": 1}}
+    rows = errors(raw["results"][0], sim)
+    step = {r["metric"]: r for r in rows if not r["judged"]}
+    assert step["mean_step_s"]["measured"] == pytest.approx(0.02)
+    assert step["mean_step_s"]["error"] == pytest.approx(0.25)
+    assert step["steps_per_replica"]["error"] == pytest.approx(0.2)
+    assert not beyond(rows, 0.0)  # the judged metric is exact; the steps, 20-25% off, are not judged
+    assert "(not judged" in format_errors(rows, 0.15) and "worst error 0.0%" in format_errors(rows, 0.15)
+    # the simulator reports its steps in the server's terms
+    from helpers.planning import cpu_profile, tiny_shapes
+
+    d, shapes = Deployment("none"), tiny_shapes()
+    w = Workload("mixed", 20, long_len=64, short_len=16, max_tokens=4, seed=0)
+    summary = simulate_rate(d, shapes, cpu_profile(), w, [len(x) for x in w.prompts(100)], math.inf)["summary"]
+    assert summary["steps"]["count"] >= 4 and 0 < summary["steps"]["device_s"] <= summary["wall_s"] + 1e-9
 
 
 def test_simulated_gpu_replica_admits_a_request_two_steps_on_as_overlapped_steps_do():

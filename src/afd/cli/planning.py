@@ -150,7 +150,7 @@ def _setup(args: argparse.Namespace):
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from afd.bench.report import format_table, slo_summary, strict_json
-    from afd.planning.compare import errors, format_errors, workload_of
+    from afd.planning.compare import beyond, errors, format_errors, workload_of
     from afd.planning.deployment import Deployment, DeploymentError
     from afd.planning.simulator import simulate
 
@@ -186,7 +186,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         rows = errors(measured, result)
         print(format_errors(rows, args.tolerance))
         raw_out["errors"] = rows
-        status = 1 if any(r["error"] is not None and r["error"] > args.tolerance for r in rows) else 0
+        status = 1 if beyond(rows, args.tolerance) else 0
     if args.json:
         Path(args.json).write_text(json.dumps(strict_json(raw_out), indent=2, allow_nan=False))
     return status
