@@ -128,16 +128,22 @@ def require_matplotlib() -> None:
         raise PlotUnavailable("--plot needs matplotlib; install it with pip install 'afd[bench]'") from None
 
 
+def pyplot():
+    """matplotlib's pyplot drawing into files only (no display needed); PlotUnavailable without matplotlib."""
+    require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def plot_results(results: list[dict], path: str | Path, slo_ttft_s: float, title: str = "") -> None:
     """Latency against request rate, one line per server config: p50 (solid) and p90 (dashed) of TTFT, time per
     output token and end-to-end latency, with the TTFT SLO drawn. A rate of inf has no place on the axis and
     is left out."""
-    require_matplotlib()
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only; no display needed
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(PLOT_PANELS), figsize=(5 * len(PLOT_PANELS), 4), squeeze=False)
     for ax, (key, label) in zip(axes[0], PLOT_PANELS, strict=True):
         for i, res in enumerate(results):

@@ -167,14 +167,9 @@ def format_plan(result: dict) -> str:
 def plot_plans(results: list[dict], path: str) -> None:
     """Output tokens/s per GPU against the GPU count, one colour per (model, weights) of `results` (`afd plan --json`
     files): the best AFD layout (solid) beside the best non-AFD one (dashed), each point labelled with its layout."""
-    from afd.bench.report import require_matplotlib
+    from afd.bench.report import pyplot
 
-    require_matplotlib()
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only; no display needed
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     groups: dict[str, list[dict]] = {}
     for r in results:
         groups.setdefault(f"{r.get('model', '?')} {r.get('weights', '')}".strip(), []).append(r)

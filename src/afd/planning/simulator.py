@@ -177,7 +177,7 @@ def simulate_rate(
     lockstep = d.lockstep
     overlapped = d.connector == "none" and p.on_gpu  # afd.engine.engine's overlapped steps
     busy = [False] * (len(groups) if lockstep else n_rep)
-    step_count, step_s = [0] * len(busy), [0.0] * len(busy)  # per stepping unit, as the server's StepClock counts
+    steps = {"count": 0, "device_s": 0.0, "replicas": len(busy)}  # summed over the stepping units, as StepClock
     remaining = len(seqs)
 
     def start(unit: int, t: float) -> None:
@@ -200,8 +200,8 @@ def simulate_rate(
             group_tokens = sum(reps[r].step_tokens for r in groups[group_of[unit]]) if d.connector == "async" else 0
             dur = cost.replica_step(plan.load, group_tokens)
         busy[unit] = True
-        step_count[unit] += 1
-        step_s[unit] += dur
+        steps["count"] += 1
+        steps["device_s"] += dur
         heapq.heappush(events, (t + max(dur, 1e-9), 0, unit))
 
     def has_work(unit: int) -> bool:
@@ -239,8 +239,7 @@ def simulate_rate(
     end = max((q.arrival + (q.result.e2e_s or 0.0) for q in seqs), default=0.0)
     wall = end - min(arrivals, default=0.0)
     record = run_record(rate, results, wall / ep_scale)  # ep: the whole deployment serves ep_scale times as much
-    # the steps in `afd bench serve`'s terms (summed over the stepping units), to set beside a measured run's
-    record["summary"]["steps"] = {"count": sum(step_count), "device_s": sum(step_s), "replicas": len(busy)}
+    record["summary"]["steps"] = steps  # in `afd bench serve`'s terms, to set beside a measured run's
     return record
 
 
