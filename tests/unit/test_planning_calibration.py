@@ -127,7 +127,7 @@ def test_a_profile_on_one_gpu_measures_async_alone_and_names_what_it_assumed(mon
     """p2p's exchange needs a GPU per rank: on one GPU `afd profile` measures async's round trip only, and takes it
     for p2p's under `machine.assumed` (it once started p2p's two NCCL ranks on one device and failed). The parts
     come from stand-ins here; on two GPUs both connectors are asked for. Prompt steps of a fixed cost plus one per
-    token keep both in the prefill part."""
+    token keep a fixed cost and a FLOP rate in the prefill part (FLOPs, not tokens: it carries to other shapes)."""
     import afd.planning.measure as measure
 
     asked: list[tuple[str, ...]] = []
@@ -158,7 +158,7 @@ def test_a_profile_on_one_gpu_measures_async_alone_and_names_what_it_assumed(mon
         p = measure.measure_profile("deepseek-v2-lite", "bfloat16", "cuda", calibrate=False, say=said.append)
         assert asked[-1] == connectors
         prompt = p.parts["prefill"]  # steps of a fixed cost plus one per token: the fit carries both
-        assert prompt.fixed_s > 0 and prompt.per_item_s > 0
+        assert prompt.fixed_s > 0 and prompt.peak_flops and prompt.per_item_s == 0
         fit = next(line for line in said if line.startswith("prefill fit"))  # mixed steps fitted too
         assert "1024 beside 64 at 512" in fit and "prefill 8 x 1024" in fit
         if gpus == 1:

@@ -119,12 +119,12 @@ def test_a_model_of_the_same_shapes_under_another_name_is_accepted(tmp_path):
     recommend.check_profile(profile, "p", _target(device="cpu", gpu=None, model="tiny"))
 
 
-def test_the_h200_profile_picks_8192_and_async_two_micro_batches():
+def test_the_h200_profile_picks_large_budgets_and_async_two_micro_batches():
     p, s = load_profile("h200"), costs.shapes_of(load_model_config("deepseek-v2-lite"), "bfloat16")
     none = recommend.recommend(p, s, Deployment("none", max_num_seqs=1024), source="h200", max_model_len=163840)
     assert (none.max_num_batched_tokens, none.ubatches, none.source) == (8192, None, "profile h200")
     both = recommend.recommend(p, s, Deployment("async", max_num_seqs=1024), source="h200", max_model_len=163840)
-    assert (both.max_num_batched_tokens, both.ubatches) == (8192, 2)
+    assert (both.max_num_batched_tokens, both.ubatches) == (16384, 2)
     fixed = recommend.recommend(
         p, s, Deployment("async", max_num_seqs=1024), source="h200", max_model_len=163840, budget=2048
     )
@@ -228,7 +228,7 @@ def test_a_wrong_profile_is_one_sentence_and_exit_2(tmp_path, capsys):
 
     gpu = tmp_path / "gpu.json"
     gpu.write_text(json.dumps(load_profile("h200").to_json()))
-    with pytest.raises(UsageError, match=r"^profile .*gpu.json was measured on NVIDIA H200 .*, not on this CPU$"):
+    with pytest.raises(UsageError, match=r"^profile .*gpu.json was measured on 1x NVIDIA H200, not on this CPU$"):
         _serve_plan("--profile", str(gpu))  # afd serve exits 2 with it (afd.cli.main), before any rank starts
     with pytest.raises(UsageError, match="neither a file nor a shipped profile"):
         _serve_plan("--profile", str(tmp_path / "none.json"))

@@ -1,7 +1,10 @@
-"""The shipped H200 profile, fitted from the figures measured in docs/performance.md (not from `afd profile`).
+"""The shipped H200 profiles: `h200-published`, fitted from the figures measured in docs/performance.md, and
+`h200` (the default), measured by `afd profile` on one H200 with the exchange of the x2 table.
 
-`python -m afd.planning.published` rewrites `profiles/h200.json`. Every figure below is one row of
-performance.md, with its date; the model is DeepSeek-V2-Lite in bf16 at context 512 unless said otherwise.
+`python -m afd.planning.published` rewrites `profiles/h200-published.json`; `python -m afd.planning.published
+--shipped MEASURED.json` rewrites `profiles/h200.json` from a profile `bash scripts/gpu_bench.sh profile` measured.
+Every figure below is one row of performance.md, with its date; the model is DeepSeek-V2-Lite in bf16 at context
+512 unless said otherwise.
 """
 
 from __future__ import annotations
@@ -79,8 +82,7 @@ def fitted_parts(s: Shapes) -> dict[str, Part]:
     ffn = layers * PREFILL_FFN_LAYER_MS * MS
     left = PREFILL_8X1024_MS * MS - ffn - attention.time(costs.decode_bytes(s, 0), 0.0)
     parts["prefill"] = Part(peak_flops=costs.prefill_flops(s, tokens, pairs) / left)
-    parts["exchange_async"] = fit_part([(b, 0.0, us * US) for b, us in EXCHANGE_ASYNC])
-    parts["exchange_p2p"] = fit_part([(b, 0.0, us * US) for b, us in EXCHANGE_P2P])
+    parts.update(exchange_parts())
     parts["launch"] = Part()  # graphed and prefill-graph steps: the host runs ms ahead of its stream (timeline table)
     return parts
 
@@ -119,8 +121,33 @@ def h200_profile() -> Profile:
     return Profile(p.machine, {**p.parts, "host": host}, SOURCE, "bfloat16", H200_MEMORY_BYTES, FRONT_END_MS * MS)
 
 
-if __name__ == "__main__":
-    from afd.planning.profile import PROFILES_DIR
+def exchange_parts() -> dict[str, Part]:
+    """The exchange round trips of the x2 table (two H200s over NVLink)."""
+    return {
+        "exchange_async": fit_part([(b, 0.0, us * US) for b, us in EXCHANGE_ASYNC]),
+        "exchange_p2p": fit_part([(b, 0.0, us * US) for b, us in EXCHANGE_P2P]),
+    }
 
-    path = sys.argv[1] if len(sys.argv) > 1 else PROFILES_DIR / "h200.json"
-    h200_profile().save(path)
+
+def with_link_exchange(measured: Profile) -> Profile:
+    """`measured` (one H200's `afd profile`) with the exchange between two GPUs: on one GPU its async round trip is
+    two processes taking turns on the device (0.6 ms, where NVLink's is 22 µs) and its p2p one a stand-in."""
+    from dataclasses import replace
+
+    assumed = {
+        name: "the x2 table of docs/performance.md (2026-12-01): one GPU has no link between two"
+        for name in ("exchange_async", "exchange_p2p")
+    }
+    machine = {**measured.machine, "assumed": {**measured.machine.get("assumed", {}), **assumed}}
+    source = measured.source + "; exchange from the x2 table (python -m afd.planning.published --shipped)"
+    return replace(measured, machine=machine, parts={**measured.parts, **exchange_parts()}, source=source)
+
+
+if __name__ == "__main__":
+    from afd.planning.profile import PROFILES_DIR, load_profile
+
+    if sys.argv[1:2] == ["--shipped"]:
+        with_link_exchange(load_profile(sys.argv[2])).save(PROFILES_DIR / "h200.json")
+    else:
+        path = sys.argv[1] if len(sys.argv) > 1 else PROFILES_DIR / "h200-published.json"
+        h200_profile().save(path)
