@@ -44,9 +44,11 @@ from afd.routing import Routing
 logger = logging.getLogger(__name__)
 
 # The most (token, k) pairs (fixed-shape path) or grouped rows (`grouped_expert_mlp_offsets`) that take the Triton
-# decode kernels: decode batches up to 341 tokens at top-6 (DeepSeek-V2) or 256 at top-8 (V3), about 32 rows per
-# expert on average at 64 experts, where streaming the weights is the whole cost.
-FUSED_MOE_MAX_PAIRS = 2048
+# kernels rather than `torch._grouped_mm`: up to 682 tokens at top-6 (DeepSeek-V2) or 512 at top-8 (V3), where
+# streaming the weights is most of the cost. H200, V2-Lite's experts, bf16, ms per layer, kernels / grouped GEMM
+# (`scripts/gpu_moe_fp8.py`, rows bf16 / bf16-engine): 342 tokens 0.316 / 0.462, 512 0.334 / 0.464, 640 0.445 /
+# 0.470, 768 0.596 / 0.498: they cross between 640 and 768 tokens.
+FUSED_MOE_MAX_PAIRS = 4096
 # The same bound for FP8 experts, whose kernels read half the bytes, so stay ahead longer: past it (prefill sizes)
 # the experts are dequantized in one pass per weight and the 16-bit grouped GEMM runs, which outruns the fused FP8
 # kernels there. H200, V2-Lite's experts, ms per layer (`scripts/gpu_moe_fp8.py`, fp8 / fp8-dequant rows): 2,048
