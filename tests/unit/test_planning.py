@@ -43,6 +43,47 @@ def test_experts_touched_and_destinations():
     assert costs.destinations_per_token(64, 6, 2) == pytest.approx(1.98, abs=0.01)  # architecture.md's d
 
 
+def test_routed_experts_past_the_kernels_bound_take_the_grouped_part():
+    """The engine's MoE leaves its kernels for the grouped GEMM past `FUSED_MOE_MAX_PAIRS` (token, k) pairs
+    (FP8 experts past their own bound): a profile with a grouped part prices those steps by it, one without keeps
+    one part for every size."""
+    from afd.model.moe import FP8_FUSED_MOE_MAX_PAIRS, FUSED_MOE_MAX_PAIRS
+
+    s, fp8 = _shapes(), _shapes(fmt="fp8")
+    kernels, grouped = Part(fixed_s=1e-3), Part(fixed_s=5e-3)
+    p = Profile({}, {"routed_experts": kernels, "routed_experts_grouped": grouped})
+    last = FUSED_MOE_MAX_PAIRS // s.topk  # the most tokens whose pairs the kernels take
+    assert costs.kernel_max_pairs(s) == FUSED_MOE_MAX_PAIRS and costs.kernel_max_pairs(fp8) == FP8_FUSED_MOE_MAX_PAIRS
+    assert costs.routed_pass_s(p, s, last, s.num_experts) == pytest.approx(1e-3)
+    assert costs.routed_pass_s(p, s, last + 1, s.num_experts) == pytest.approx(5e-3)
+    assert costs.routed_pass_s(p, fp8, last + 1, fp8.num_experts) == pytest.approx(1e-3)
+    one = Profile({}, {"routed_experts": kernels})
+    assert costs.routed_pass_s(one, s, 10 * last, s.num_experts) == pytest.approx(1e-3)
+
+
+def test_profile_fits_the_routed_experts_on_each_side_of_the_bound():
+    """On a GPU `afd profile` fits one routed part per side of the kernels' bound from rows of (bytes, flops,
+    seconds, tokens), with all experts and with half: each row is priced by its own side's part as measured, the
+    grouped side's fixed cost found; on a CPU one part for every row."""
+    from afd.planning.measure import _routed_parts
+
+    s = _shapes()
+    bound_tokens = costs.kernel_max_pairs(s) // s.topk
+    rows = []
+    for local in (s.num_experts, s.num_experts // 2):
+        for t in (1, 8, 64, 256, 2 * bound_tokens, 4 * bound_tokens, 8 * bound_tokens):
+            nbytes = costs.experts_touched(local, s.num_experts, s.topk, t) * s.expert_params * s.weight_bytes
+            flops = 2.0 * s.expert_params * t * s.topk * local / s.num_experts
+            fixed = 2e-5 if t <= bound_tokens else 2e-4
+            rows.append((nbytes, flops, fixed + nbytes / 4e12 + flops / 5e14, t))
+    parts = _routed_parts(rows, s, "cuda")
+    p = Profile({}, parts)
+    for nbytes, flops, sec, t in rows:
+        assert p.part(costs.routed_part(p, s, t)).time(nbytes, flops) == pytest.approx(sec, rel=1e-3)
+    assert parts["routed_experts_grouped"].fixed_s == pytest.approx(2e-4, rel=1e-2)
+    assert set(_routed_parts(rows, s, "cpu")) == {"routed_experts"}
+
+
 def test_layer_cycle():
     assert costs.layer_cycle_s(1.0, 2.0, 0.5, 1) == 3.5
     assert costs.layer_cycle_s(1.0, 2.0, 0.5, 2) == 4.0  # the FFN does both micro-batches

@@ -131,7 +131,7 @@ def test_a_profile_on_one_gpu_measures_async_alone_and_names_what_it_assumed(mon
     import afd.planning.measure as measure
 
     asked: list[tuple[str, ...]] = []
-    rows = [(b * 1e6, b * 1e9, 1e-4 + b * 1e-6) for b in (1.0, 8.0, 64.0, 512.0)]
+    rows = [(b * 1e6, b * 1e9, 1e-4 + b * 1e-6, int(b)) for b in (1.0, 8.0, 64.0, 512.0)]
     step = {
         "decode": [{"batch": b, "context": c, "graph_ms": 5.0 + b / 100 + c / 1000, "eager_ms": 9.0}
                    for b in (1, 8, 64) for c in (512, 2048)],
@@ -147,7 +147,7 @@ def test_a_profile_on_one_gpu_measures_async_alone_and_names_what_it_assumed(mon
         return {"rows": [{"connector": c, "bytes": t * 4096, "p50_us": 20 + slower[c] + t / 10}
                          for c in kwargs["connectors"] for t in kwargs["tokens"]]}  # fmt: skip
 
-    monkeypatch.setattr(measure, "_expert_rows", lambda *args: (rows, rows))
+    monkeypatch.setattr(measure, "_expert_rows", lambda *args: (rows, [r[:3] for r in rows]))
     monkeypatch.setattr(measure, "run_bench_step", lambda **kwargs: step)
     monkeypatch.setattr(measure, "run_bench_exchange", exchange)
     monkeypatch.setattr(measure, "device_name", lambda device: "1x a test GPU")

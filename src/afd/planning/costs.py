@@ -157,13 +157,29 @@ def experts_touched(num_local: int, num_experts: int, topk: int, tokens: float) 
     return num_local * (1.0 - (1.0 - topk / num_experts) ** tokens)
 
 
+def kernel_max_pairs(s: Shapes) -> int:
+    """The most (token, k) pairs afd's MoE kernels take for these weights (afd.model.moe's bounds)."""
+    from afd.model.moe import FP8_FUSED_MOE_MAX_PAIRS, FUSED_MOE_MAX_PAIRS
+
+    return FP8_FUSED_MOE_MAX_PAIRS if s.weight_bytes < 2 else FUSED_MOE_MAX_PAIRS
+
+
 def routed_pass_s(p: Profile, s: Shapes, tokens: float, num_local: int) -> float:
-    """One MoE layer's routed experts on a rank holding `num_local` experts, for `tokens` tokens' rows."""
+    """One MoE layer's routed experts on a rank holding `num_local` experts, for `tokens` tokens' rows: the kernels'
+    fit up to `kernel_max_pairs` pairs (every token's top-k, as the engine counts them), the grouped GEMM's past
+    it where the profile has one (the graph's padding to its token bucket is left out)."""
     if tokens <= 0:
         return 0.0
     touched = experts_touched(num_local, s.num_experts, s.topk, tokens)
     flops = 2.0 * s.expert_params * tokens * s.topk * num_local / s.num_experts
-    return p.part("routed_experts").time(touched * s.expert_params * s.weight_bytes, flops)
+    return p.part(routed_part(p, s, tokens)).time(touched * s.expert_params * s.weight_bytes, flops)
+
+
+def routed_part(p: Profile, s: Shapes, tokens: float) -> str:
+    """The profile part that prices `tokens` tokens' routed experts (`routed_pass_s`)."""
+    if tokens * s.topk > kernel_max_pairs(s) and "routed_experts_grouped" in p.parts:
+        return "routed_experts_grouped"
+    return "routed_experts"
 
 
 def shared_pass_s(p: Profile, s: Shapes, tokens: float) -> float:

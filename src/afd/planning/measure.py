@@ -39,7 +39,7 @@ GPU_SHAPES = {
     "contexts": [512, 2048],
     "prefills": [(1, 128), (1, 512), (1, 1024), (1, 2048), (8, 1024)],
     "mixed": [(64, 256), (64, 1024), (256, 512)],  # (decodes, prompt chunk), at each context
-    "tokens": [1, 8, 64, 512, 4096],
+    "tokens": [1, 8, 64, 256, 512, 1024, 2048, 4096],  # both sides of the kernels' bound (costs.kernel_max_pairs)
 }
 
 
@@ -58,7 +58,8 @@ def _time(fn: Callable[[], object], device: torch.device, iters: int) -> float:
 
 
 def _expert_rows(model: str, dtype: str, device: str, tokens: list[int], iters: int):
-    """(routed rows, shared rows): (bytes, flops, seconds) of one layer's pass, all experts and half of them. On
+    """(routed rows, shared rows): (bytes, flops, seconds) of one layer's pass, all experts and half of them (routed
+    rows add the token count: which side of the kernels' bound they fall on). On
     CUDA every MoE layer's pass in one CUDA graph, per layer, as a graphed decode step runs them (timed one call
     at a time, the launches would outweigh a small batch's whole step)."""
     config = load_model_config(model)
@@ -86,12 +87,25 @@ def _expert_rows(model: str, dtype: str, device: str, tokens: list[int], iters: 
                 sec = per_layer(lambda i, ffn=ffn, x=x, routing=routing: ffn.experts_topk(i, x, routing))
                 touched = costs.experts_touched(local, s.num_experts, s.topk, t)
                 flops = 2.0 * s.expert_params * t * s.topk * local / s.num_experts
-                routed.append((touched * s.expert_params * s.weight_bytes, flops, sec))
+                routed.append((touched * s.expert_params * s.weight_bytes, flops, sec, t))
                 if local == config.n_routed_experts and s.shared_params:
                     sec = per_layer(lambda i, ffn=ffn, x=x: ffn.shared(i, x))
                     shared.append((s.shared_params * s.weight_bytes, 2.0 * s.shared_params * t, sec))
         del ffn
     return routed, shared
+
+
+def _routed_parts(rows: list[tuple[float, float, float, float]], s: costs.Shapes, device: str) -> dict[str, Part]:
+    """The routed experts' fit from `(bytes, flops, seconds, tokens)` rows: on a GPU one per side of the kernels'
+    bound, whose paths cost differently (on an H200 the grouped GEMM's fixed cost lifts a 320-token step's experts
+    by ~4.5 ms over the kernels'); on a CPU one (the exact loop runs at every size)."""
+    bound = costs.kernel_max_pairs(s)
+    within = [r[:3] for r in rows if device != "cuda" or r[3] * s.topk <= bound]
+    past = [r[:3] for r in rows if device == "cuda" and r[3] * s.topk > bound]
+    parts = {"routed_experts": fit_part(within)}
+    if len(past) >= 2:
+        parts["routed_experts_grouped"] = fit_part(past)
+    return parts
 
 
 def format_residuals(name: str, labels: list[str], part: Part, rows, items: list[float] | None = None) -> str:
@@ -124,8 +138,14 @@ def measure_profile(
     steps = 10  # the step rows are medians of this many (isolated) steps
     say("experts: one layer's routed and shared passes ...")
     routed_rows, shared_rows = _expert_rows(model, dtype, device, shapes["tokens"], steps)
-    routed, shared = fit_part(routed_rows), fit_part(shared_rows) if shared_rows else Part()
-    p = Profile({}, {"routed_experts": routed, "shared_experts": shared})
+    shared = fit_part(shared_rows) if shared_rows else Part()
+    experts = {"shared_experts": shared, **_routed_parts(routed_rows, s, device)}
+    p = Profile({}, experts)
+    say("routed experts fit: " + ", ".join(f"{k}: {v}" for k, v in experts.items() if k.startswith("routed")))
+    for nbytes, flops, sec, t in routed_rows:
+        fit = p.part(costs.routed_part(p, s, t)).time(nbytes, flops)
+        label = f"{t} tokens, {nbytes / s.expert_params / s.weight_bytes:.1f} experts touched"
+        say(f"  {label:<36} measured {sec * 1e3:8.3f} ms  fit {fit * 1e3:8.3f} ms")
 
     def experts_s(tokens: int) -> float:
         """Every MoE layer's routed and shared experts for a step of `tokens` tokens (a whole replica's)."""

@@ -6,6 +6,8 @@ JSON (`FORMAT`): `{"format", "machine": {...}, "source", "dtype", "gpu_memory_by
   lm_head and sampling included): bytes = attention-side weights + latents read, flops = decode flops.
 - `prefill`: the flops of prefill tokens on the attention side (added to a step that has them).
 - `routed_experts`, `shared_experts`: one MoE layer's pass on one rank: bytes = expert weights touched.
+- `routed_experts_grouped` (optional): `routed_experts` past the (token, k) pairs afd's MoE kernels take
+  (`afd.model.moe.FUSED_MOE_MAX_PAIRS`), where `torch._grouped_mm` runs instead; absent, `routed_experts` stands.
 - `exchange_p2p`, `exchange_async`: one layer's round trip against the bytes both ways.
 - `launch`: `fixed_s` is the host floor of one eagerly launched layer (micro-batched steps run eagerly).
 - `host`: the serving loop's cost per step (`fixed_s`) and per scheduled sequence (`per_item_s`) beyond the step.
@@ -26,6 +28,7 @@ PARTS = (
     "attention_decode",
     "prefill",
     "routed_experts",
+    "routed_experts_grouped",
     "shared_experts",
     "exchange_p2p",
     "exchange_async",
