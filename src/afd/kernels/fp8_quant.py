@@ -1,0 +1,63 @@
+"""Activations quantized per row in groups of `group` columns, in one launch: the fp8 rows of the FP8 MoE kernels.
+
+Why: `moe_tiles.quantize_row_groups` (its PyTorch reference, and the CPU path) is some eight elementwise and
+reduction launches; the FP8 MoE quantizes twice a layer (its input, then the SwiGLU output), so at decode sizes
+inside a CUDA graph those launches cost about what the weights the layer reads at one token do (FP8 experts at one
+token: 0.063 ms a layer against bf16's 0.037). Here one program per (row, group) loads the group, takes its amax
+and writes the e4m3 values and the fp32 scale, computed as the reference computes them (fp32 amax, `amax / 448`,
+round-to-nearest division, round-to-nearest-even conversion), so that the bits agree; only on a GPU: Triton's CPU
+interpreter converts fp32 to e4m3 wrongly (126.2 became 64).
+
+Not yet used by the MoE: its bit-for-bit GPU test (tests/e2e/test_kernel_moe_fp8_gpu.py) and the `moe-fp8` rows
+that would show the gain have not run on a device; `fused_moe._fp8_rows` takes it once they have.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from afd.kernels.moe_tiles import FP8_DTYPE, FP8_MAX
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr,  # [N, K] 16/32-bit rows
+    q_ptr,  # [N, K] float8_e4m3fn out
+    s_ptr,  # [N, ceil(K / GROUP)] fp32 out
+    width,
+    stride_xm,
+    stride_qm,
+    stride_sm,
+    GROUP: tl.constexpr,
+    BLOCK: tl.constexpr,  # GROUP rounded up to a power of two
+    FMAX: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    lane = tl.arange(0, BLOCK)
+    cols = g * GROUP + lane
+    mask = (lane < GROUP) & (cols < width)
+    x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=0)
+    scale = tl.where(amax > 0, amax / FMAX, 1.0)
+    q = tl.clamp(tl.math.div_rn(x, scale), -FMAX, FMAX)
+    tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row * stride_sm + g, scale)
+
+
+def quantize_row_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe_tiles.quantize_row_groups` in one launch, rows `x [N, K]` on a GPU: `(x_fp8 [N, K], scale [N,
+    ceil(K/group)] fp32)`. Shapes only: capturable in a CUDA graph."""
+    rows, width = x.shape
+    num_groups = -(-width // group)
+    q = torch.empty(rows, width, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(rows, num_groups, dtype=torch.float32, device=x.device)
+    if rows and width:
+        x = x if x.stride(1) == 1 else x.contiguous()
+        _quantize_kernel[(rows, num_groups)](
+            x, q, scale, width, x.stride(0), q.stride(0), scale.stride(0),
+            GROUP=group, BLOCK=triton.next_power_of_2(group), FMAX=FP8_MAX,
+        )  # fmt: skip
+    return q, scale
