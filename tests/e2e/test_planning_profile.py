@@ -1,5 +1,6 @@
 """`afd profile` end to end on tiny (CPU): the parts measured and fitted, then a short calibration trace served by
-`afd serve` and fitted into the profile; `afd simulate` reads it back."""
+`afd serve` and fitted into the profile; `afd simulate` reads it back; `afd profile --refit` fits its kept rows
+again to the same profile."""
 
 from __future__ import annotations
 
@@ -29,6 +30,13 @@ def test_profile_with_a_short_calibration_then_simulate(tmp_path):
     sim = _afd("simulate", "--model", "tiny", "--profile", str(out), "--requests", "50", "--short-len", "32",
                "--long-len", "256", "--max-tokens", "16")  # fmt: skip
     assert sim.returncode == 0, sim.stderr[-2000:]
+    # the rows it was fitted to travel with it: fitted again, by the same code, they give the same profile
+    assert data["measured"]["parts"]["decode"] and data["measured"]["calibration"]["runs"]
+    again = tmp_path / "again.json"
+    res = _afd("profile", "--refit", str(out), "-o", str(again))
+    assert res.returncode == 0, res.stderr[-2000:]
+    refit = json.loads(again.read_text())
+    assert refit["parts"] == data["parts"] and refit["calibration"] == data["calibration"]
 
 
 def test_profile_refuses_a_bad_calibration_flag(tmp_path):

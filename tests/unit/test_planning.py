@@ -65,7 +65,7 @@ def test_profile_fits_the_routed_experts_on_each_side_of_the_bound():
     """On a GPU `afd profile` fits one routed part per side of the kernels' bound from rows of (bytes, flops,
     seconds, tokens), with all experts and with half: each row is priced by its own side's part as measured, the
     grouped side's fixed cost found; on a CPU one part for every row."""
-    from afd.planning.measure import _routed_parts
+    from afd.planning.fitting import routed_parts as _routed_parts
 
     s = _shapes()
     bound_tokens = costs.kernel_max_pairs(s) // s.topk

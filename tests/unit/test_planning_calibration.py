@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from dataclasses import replace
 
 import pytest
 from helpers.planning import cpu_profile, tiny_shapes
@@ -14,8 +15,8 @@ from helpers.planning import cpu_profile, tiny_shapes
 from afd.bench.workload import Workload
 from afd.planning import calibrate, costs
 from afd.planning.deployment import Deployment, StepCosts, StepLoad
-from afd.planning.measure import format_residuals
-from afd.planning.profile import Calibration, Part, fit_part, load_profile, relative_errors
+from afd.planning.fitting import format_residuals, refit_profile
+from afd.planning.profile import Calibration, Part, Profile, fit_part, load_profile, relative_errors
 from afd.planning.simulator import simulate_rate
 
 
@@ -165,3 +166,40 @@ def test_a_profile_on_one_gpu_measures_async_alone_and_names_what_it_assumed(mon
             assert p.parts["exchange_p2p"] == p.parts["exchange_async"] and "exchange_p2p" in p.machine["assumed"]
         else:
             assert "assumed" not in p.machine and p.parts["exchange_p2p"] != p.parts["exchange_async"]
+        # the rows it was fitted to travel with it, and fit again to the same parts
+        again = Profile.from_json(json.loads(json.dumps(p.to_json())))
+        assert again.measured == p.measured and set(p.measured["parts"]) >= {"routed", "decode", "prefill", "mixed"}
+        assert refit_profile(again, say=said.append).parts == p.parts
+
+
+def test_refit_fits_a_profile_again_from_its_rows_and_refuses_one_without(tmp_path, capsys):
+    """`afd profile --refit P.json -o OUT.json`: OUT's parts are what this code fits to the rows P keeps, whatever
+    P's parts say (here, one changed by hand); a profile without rows (the shipped published one) is refused in one
+    sentence, exit 2, and nothing is written."""
+    from helpers.cli import main_exit
+
+    from afd.planning.fitting import Measured
+
+    rows = [[b * 1e6, b * 1e9, 1e-4 + b * 1e-6, b] for b in (1.0, 8.0, 64.0)]
+    decode = [{"batch": b, "context": c, "seconds": 5e-3 + b * 1e-5 + c * 1e-6} for b in (1, 8, 64) for c in (32, 256)]
+    shapes = ((1, 32), (4, 64), (8, 128))
+    prefill = [{"batch": b, "context": c, "tokens": b * c, "seconds": 1e-2 + b * c * 5e-5} for b, c in shapes]
+    costs_us = (("p2p", 2e-5), ("async", 1e-5))
+    exchange = {name: [[4096.0 * t, cost + t * 1e-8] for t in (1, 8, 64)] for name, cost in costs_us}
+    measured = Measured("cpu", rows, [r[:3] for r in rows], decode, prefill, [], exchange)
+    profile = load_profile("h200-published")
+    changed = {**profile.parts, "prefill": Part(fixed_s=1.0)}
+    path = tmp_path / "p.json"
+    replace(profile, parts=changed, measured={"parts": measured.to_json()}, calibration=Calibration()).save(path)
+    code, err = main_exit(capsys, "profile", "--refit", str(path), "-o", str(tmp_path / "out.json"))
+    assert code == 0, err
+    out = load_profile(str(tmp_path / "out.json"))
+    from afd.model.weights import load_model_config
+    from afd.planning.costs import shapes_of
+    from afd.planning.fitting import fit_parts
+
+    parts, assumed = fit_parts(measured, shapes_of(load_model_config("deepseek-v2-lite"), "bfloat16"))
+    assert out.parts == parts and assumed == {} and out.part("prefill").fixed_s != 1.0
+    code, err = main_exit(capsys, "profile", "--refit", "h200-published", "-o", str(tmp_path / "none.json"))
+    assert code == 2 and "keeps no measured rows" in err and err.count("\n") == 1
+    assert not (tmp_path / "none.json").exists()

@@ -108,6 +108,12 @@ def add_planning_parsers(sub) -> None:
         help="measure nothing: fit --profile's calibration to these afd bench serve --json runs of none R=1 (several "
         "workloads, fitted at once, pin the costs down better than one)",
     )
+    p.add_argument(
+        "--refit",
+        metavar="PROFILE.json",
+        help="measure nothing: fit this profile's parts and calibration again from the rows it keeps (after a "
+        "change to how afd models a part)",
+    )
     p.add_argument("--profile", default="h200", help="with --calibrate-from: the profile whose parts stand")
     p.add_argument("--output", "-o", required=True, help="the profile JSON to write")
     p.set_defaults(func=cmd_profile, starts_ranks=False)
@@ -247,13 +253,31 @@ def _recalibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _refit(args: argparse.Namespace) -> int:
+    """`afd profile --refit P.json`: P's parts and calibration fitted again from the rows P keeps."""
+    from afd.planning.fitting import refit_profile
+    from afd.planning.profile import ProfileError, load_profile
+
+    try:
+        profile = refit_profile(load_profile(args.refit), say=lambda m: print(m, file=sys.stderr))
+    except (ProfileError, ValueError, KeyError, TypeError) as exc:
+        raise UsageError(f"--refit {args.refit}: {exc}") from None
+    profile.save(args.output)
+    print(f"wrote {args.output}")
+    return 0
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     from afd.planning.measure import measure_profile
 
     if not Path(args.output).resolve().parent.is_dir():
         raise UsageError(f"--output {args.output}: the directory {Path(args.output).resolve().parent} does not exist")
+    if args.calibrate_from and args.refit:
+        raise UsageError("--refit and --calibrate-from are two different jobs: give one")
     if args.calibrate_from:
         return _recalibrate(args)
+    if args.refit:
+        return _refit(args)
     if args.device == "cuda" and args.dtype == "float32":
         args.dtype = "bfloat16"
     failures: tuple[type[BaseException], ...] = (TimeoutError,)

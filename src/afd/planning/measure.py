@@ -22,7 +22,8 @@ from afd.bench.offline import device_name
 from afd.bench.step import run_bench_step
 from afd.model.weights import load_ffn_model, load_model_config
 from afd.planning import calibrate, costs
-from afd.planning.profile import Calibration, Link, Part, Profile, fit_part, relative_errors
+from afd.planning.fitting import Measured, fit_parts
+from afd.planning.profile import Calibration, Link, Profile
 from afd.profiling.graph_timing import graph_ms
 from afd.routing import Routing
 
@@ -95,30 +96,6 @@ def _expert_rows(model: str, dtype: str, device: str, tokens: list[int], iters: 
     return routed, shared
 
 
-def _routed_parts(rows: list[tuple[float, float, float, float]], s: costs.Shapes, device: str) -> dict[str, Part]:
-    """The routed experts' fit from `(bytes, flops, seconds, tokens)` rows: on a GPU one per side of the kernels'
-    bound, whose paths cost differently (on an H200 the grouped GEMM's fixed cost lifts a 320-token step's experts
-    by ~4.5 ms over the kernels'); on a CPU one (the exact loop runs at every size)."""
-    bound = costs.kernel_max_pairs(s)
-    within = [r[:3] for r in rows if device != "cuda" or r[3] * s.topk <= bound]
-    past = [r[:3] for r in rows if device == "cuda" and r[3] * s.topk > bound]
-    parts = {"routed_experts": fit_part(within)}
-    if len(past) >= 2:
-        parts["routed_experts_grouped"] = fit_part(past)
-    return parts
-
-
-def format_residuals(name: str, labels: list[str], part: Part, rows, items: list[float] | None = None) -> str:
-    """One line per measured point: its label, measured and fitted ms, the relative error; then the worst."""
-    errs = relative_errors(part, rows, items)
-    counts = items if items is not None else [0.0] * len(rows)
-    lines = [f"{name} fit: {part}"]
-    for label, (b, f, sec), n, e in zip(labels, rows, counts, errs, strict=True):
-        lines.append(f"  {label:<24} measured {sec * 1e3:9.3f} ms  fit {part.time(b, f, n) * 1e3:9.3f} ms  {e:6.1%}")
-    lines.append(f"  worst {max(errs, default=0.0):.1%}")
-    return "\n".join(lines)
-
-
 def measure_profile(
     model: str,
     dtype: str,
@@ -138,19 +115,6 @@ def measure_profile(
     steps = 10  # the step rows are medians of this many (isolated) steps
     say("experts: one layer's routed and shared passes ...")
     routed_rows, shared_rows = _expert_rows(model, dtype, device, shapes["tokens"], steps)
-    shared = fit_part(shared_rows) if shared_rows else Part()
-    experts = {"shared_experts": shared, **_routed_parts(routed_rows, s, device)}
-    p = Profile({}, experts)
-    say("routed experts fit: " + ", ".join(f"{k}: {v}" for k, v in experts.items() if k.startswith("routed")))
-    for nbytes, flops, sec, t in routed_rows:
-        fit = p.part(costs.routed_part(p, s, t)).time(nbytes, flops)
-        label = f"{t} tokens, {nbytes / s.expert_params / s.weight_bytes:.1f} experts touched"
-        say(f"  {label:<36} measured {sec * 1e3:8.3f} ms  fit {fit * 1e3:8.3f} ms")
-
-    def experts_s(tokens: int) -> float:
-        """Every MoE layer's routed and shared experts for a step of `tokens` tokens (a whole replica's)."""
-        return s.moe_layers * (costs.routed_pass_s(p, s, tokens, s.num_experts) + costs.shared_pass_s(p, s, tokens))
-
     say("decode and prefill steps ...")
     step = run_bench_step(
         model=model, dtype=dtype, device=device, batches=shapes["batches"], contexts=shapes["contexts"],
@@ -158,38 +122,7 @@ def measure_profile(
     )  # fmt: skip
     # CPU: the median of isolated steps (a mean of consecutive ones carries whatever else ran on the 2 cores)
     mode = "graph_ms" if device == "cuda" else "eager_isolated_ms"
-    attn_rows, batches, labels = [], [], []
-    for row in step["decode"]:
-        b, ctx = row["batch"], row["batch"] * (row["context"] + 1)
-        sec = (row[mode] or row["eager_ms"]) * 1e-3 - experts_s(b)
-        attn_rows.append((costs.decode_bytes(s, ctx), costs.decode_flops(s, b, ctx), max(sec, 1e-6)))
-        batches.append(float(b))
-        labels.append(f"batch {b} context {row['context']}")
-    # against batch and total context: the per-row cost (python, sampling) beside bytes and FLOPs
-    attention = fit_part(attn_rows, items=batches, relative=True)
-    say(format_residuals("attention_decode", labels, attention, attn_rows, batches))
-    prefill_rows, labels = [], []
-    for row in step["prefill"]:
-        t, pairs = row["tokens"], row["batch"] * costs.chunk_pairs(0, row["context"])
-        left = row["ms"] * 1e-3 - experts_s(t) - attention.time(costs.decode_bytes(s, 0), 0.0)
-        prefill_rows.append((0.0, costs.prefill_flops(s, t, pairs), max(left, 1e-6)))
-        labels.append(f"prefill {row['batch']} x {row['context']}")
-    # a prompt chunk beside decodes (the steps serving is full of): what it adds beyond the decodes' attention side
-    # and every token's experts is the prefill part too, as the simulator composes such a step
-    for row in step.get("mixed", []):
-        b, chunk = row["decodes"], row["chunk"]
-        ctx = b * (row["context"] + 1)
-        decodes = attention.time(costs.decode_bytes(s, ctx), costs.decode_flops(s, b, ctx), b)
-        left = row["mixed_ms"] * 1e-3 - experts_s(b + chunk) - decodes
-        prefill_rows.append((0.0, costs.prefill_flops(s, chunk, costs.chunk_pairs(0, chunk)), max(left, 1e-6)))
-        labels.append(f"{chunk} beside {b} at {row['context']}")
-    # a fixed cost too: on an H200 a lone 512-token prompt left 5.8 ms beyond its experts, which no per-token
-    # rate fitting 2,048 and 8 x 1,024 tokens explains (the fit without it was 64% short there). Against FLOPs, not
-    # tokens: a per-token cost of this model would carry unchanged to a larger one's shapes (afd plan's V2 and V3)
-    prefill = fit_part(prefill_rows, relative=True)
-    say(format_residuals("prefill", labels, prefill, prefill_rows))
-    parts = {**p.parts, "attention_decode": attention, "prefill": prefill}
-    assumed = {}
+    exchanges = {}
     if exchange:
         # p2p's NCCL ranks need a GPU each; on one GPU only async runs (its two ranks share the device)
         connectors = ("async",) if device == "cuda" and torch.cuda.device_count() < 2 else ("p2p", "async")
@@ -199,13 +132,28 @@ def measure_profile(
             iters=20 if device == "cpu" else 50, progress=say,
         )  # fmt: skip
         for connector in connectors:
-            rows = [(r["bytes"], 0.0, r["p50_us"] * 1e-6) for r in ex["rows"] if r["connector"] == connector]
-            parts[f"exchange_{connector}"] = fit_part(rows)
-        if "p2p" not in connectors:
-            parts["exchange_p2p"] = parts["exchange_async"]
-            assumed["exchange_p2p"] = "not measured (one GPU; p2p needs two): async's round trip stands in"
-            logger.warning("p2p's exchange needs two GPUs: the profile takes async's round trip for it")
-    parts["launch"], parts["host"] = Part(), Part()
+            exchanges[connector] = [[r["bytes"], r["p50_us"] * 1e-6] for r in ex["rows"] if r["connector"] == connector]
+    measured = Measured(
+        device=device,
+        routed=[list(r) for r in routed_rows],
+        shared=[list(r) for r in shared_rows],
+        decode=[
+            {"batch": r["batch"], "context": r["context"], "seconds": (r[mode] or r["eager_ms"]) * 1e-3}
+            for r in step["decode"]
+        ],
+        prefill=[
+            {"batch": r["batch"], "context": r["context"], "tokens": r["tokens"], "seconds": r["ms"] * 1e-3}
+            for r in step["prefill"]
+        ],
+        mixed=[
+            {"decodes": r["decodes"], "context": r["context"], "chunk": r["chunk"], "seconds": r["mixed_ms"] * 1e-3}
+            for r in step.get("mixed", [])
+        ],
+        exchange=exchanges,
+    )
+    parts, assumed = fit_parts(measured, s, say)
+    if "exchange_p2p" in assumed:
+        logger.warning("p2p's exchange needs two GPUs: the profile takes async's round trip for it")
     machine = {
         "device": device_name(device),
         "host": platform.node(),
@@ -217,7 +165,7 @@ def measure_profile(
     }
     memory = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else 16e9
     source = f"afd profile --model {model} --dtype {dtype} --device {device}"
-    profile = Profile(machine, parts, source, dtype, float(memory), 0.0, Link())
+    profile = Profile(machine, parts, source, dtype, float(memory), 0.0, Link(), measured={"parts": measured.to_json()})
     if not calibrate:
         return profile
     from afd.planning.calibrate import default_rates
@@ -251,4 +199,12 @@ def measure_calibration(
         profile, costs.shapes_of(config, dtype), d, trace, runs, config.vocab_size
     )
     say(calibrate.format_calibration(cal))
-    return replace(profile, calibration=cal, source=profile.source + " (calibrated against afd serve)")
+    kept = {
+        "runs": [{"rate": str(run["rate"]), "summary": run["summary"]} for run in runs],  # "inf": JSON has no inf
+        "max_num_seqs": d.max_num_seqs,
+        "max_num_batched_tokens": d.max_num_batched_tokens,
+    }
+    measured = {**profile.measured, "calibration": kept}
+    return replace(
+        profile, calibration=cal, source=profile.source + " (calibrated against afd serve)", measured=measured
+    )

@@ -12,7 +12,7 @@ JSON (`FORMAT`): `{"format", "machine": {...}, "source", "dtype", "gpu_memory_by
 - `launch`: `fixed_s` is the host floor of one eagerly launched layer (micro-batched steps run eagerly).
 - `host`: the serving loop's cost per step (`fixed_s`) and per scheduled sequence (`per_item_s`) beyond the step.
 `calibration` (optional; absent = zeros): what a served trace spends beyond the parts, fitted by `afd profile`
-against `afd serve` on this machine (`Calibration`).
+against `afd serve` on this machine (`Calibration`). `measured` (optional): the rows both were fitted to.
 """
 
 from __future__ import annotations
@@ -120,6 +120,9 @@ class Profile:
     front_end_s: float = 0.0
     link: Link = field(default_factory=Link)
     calibration: Calibration = field(default_factory=Calibration)
+    # what `afd profile` measured, to fit again (`afd profile --refit`): {"parts": afd.planning.fitting.Measured's
+    # JSON, "calibration": {"runs": [{"rate", "summary"}], "max_num_seqs", "max_num_batched_tokens"}}; older: {}
+    measured: dict = field(default_factory=dict)
 
     def part(self, name: str) -> Part:
         return self.parts.get(name, Part())
@@ -141,6 +144,7 @@ class Profile:
             "link": asdict(self.link),
             "parts": {k: asdict(v) for k, v in self.parts.items()},
             "calibration": asdict(self.calibration),
+            **({"measured": self.measured} if self.measured else {}),
         }
 
     @classmethod
@@ -165,6 +169,7 @@ class Profile:
             front_end_s=float(d.get("front_end_s", 0.0)),
             link=link,
             calibration=calibration,
+            measured=d.get("measured") or {},
         )
 
     def save(self, path: str | Path) -> None:
