@@ -52,13 +52,16 @@
 #                        and 16 per s through COMPARE (default none:R=1), into $OUT/validation_{mixed,uneven}.json
 #   profile [ARGS]       afd profile --model deepseek-v2-lite --device cuda (decode/prefill steps on GPU 0, experts,
 #                        both exchanges 1A1F) into $OUT/profile_h200.json, the profile docs/planning.md asks for
+#   profile-validate     `profile` and then `validate none:R=1,async:A=1,F=1` in one call (~8 min on one H200), so
+#                        that the profile and the served runs it is checked against share a machine: capacity moved
+#                        ~10% between calls of one session; `afd simulate --compare` picks each server from the files
 set -u
 cd "$(dirname "$0")/.."
 source scripts/device_env.sh
 SUB=${1:-}; shift || true
 case $SUB in
-  step|step-fp8|moe-fp8|numerics-fp8|linear-fp8|exchange|stress|offline|timeline|serve|front|front-ab|capacity-ab|fanout-ab|startup|kernels|cross-replica|host|validate|profile) ;;
-  *) echo "usage: bash scripts/gpu_bench.sh step|step-fp8|moe-fp8|numerics-fp8|linear-fp8|exchange|stress|offline|timeline|serve|front|front-ab|capacity-ab|fanout-ab|startup|kernels|cross-replica|host|validate|profile [ARGS...]" >&2
+  step|step-fp8|moe-fp8|numerics-fp8|linear-fp8|exchange|stress|offline|timeline|serve|front|front-ab|capacity-ab|fanout-ab|startup|kernels|cross-replica|host|validate|profile|profile-validate) ;;
+  *) echo "usage: bash scripts/gpu_bench.sh step|step-fp8|moe-fp8|numerics-fp8|linear-fp8|exchange|stress|offline|timeline|serve|front|front-ab|capacity-ab|fanout-ab|startup|kernels|cross-replica|host|validate|profile|profile-validate [ARGS...]" >&2
     exit 2 ;;
 esac
 log_run "bench_${SUB:-none}"
@@ -150,5 +153,13 @@ case $SUB in
   profile)
     timeout 560 python3 -m afd profile --model deepseek-v2-lite --device cuda --dtype bfloat16 \
       -o "$OUT/profile_h200.json" "$@" ;;
+  profile-validate)
+    timeout 240 python3 -m afd profile --model deepseek-v2-lite --device cuda --dtype bfloat16 \
+      -o "$OUT/profile_h200.json" > "$OUT/profile_log.txt" 2>&1
+    echo "profile rc=$? at $SECONDS s"; tail -n 14 "$OUT/profile_log.txt"
+    for w in mixed uneven; do
+      bench_serve "validation_$w" 300 --workload $w --short-len 64 --long-len 1024 --max-tokens 64 --requests 512 \
+        --compare none:R=1,async:A=1,F=1 --rates inf,64,16 --warmups 16
+    done ;;
 esac
 leftovers

@@ -196,6 +196,21 @@ def test_compare_reads_a_bench_results_file():
     assert summary["steps"]["count"] >= 4 and 0 < summary["steps"]["device_s"] <= summary["wall_s"] + 1e-9
 
 
+def test_compare_picks_the_server_that_ran_the_simulated_deployment():
+    """A results file of several servers (`afd bench serve --compare none:R=1,async:A=1,F=1`): the simulation is
+    held against the one that ran its deployment; a file without it is refused, naming what it holds."""
+    from afd.planning.compare import result_for, server_of
+
+    raw = {"results": [{"name": "none R=1"}, {"name": "async A=1,F=1"}, {"name": "async+sa A=2,F=1,U=2"}]}
+    assert server_of("async+sa A=2,F=1,U=2") == ("async", {"A": 2, "F": 1, "U": 2})
+    assert result_for(raw, "none", 1, 1, 1, 1)["name"] == "none R=1"
+    assert result_for(raw, "async", 1, 1, 1, 1)["name"] == "async A=1,F=1"
+    assert result_for(raw, "async", 2, 1, 1, 2)["name"] == "async+sa A=2,F=1,U=2"
+    with pytest.raises(ValueError, match="holds none R=1, async A=1,F=1, async\\+sa A=2,F=1,U=2, none of them"):
+        result_for(raw, "p2p", 1, 1, 1, 1)
+    assert result_for({"results": [{"name": "anything"}]}, "p2p", 1, 1, 1, 1)["name"] == "anything"
+
+
 def test_simulated_gpu_replica_admits_a_request_two_steps_on_as_overlapped_steps_do():
     """On a GPU profile a whole replica's step is scheduled when the one before starts (afd's overlapped steps):
     a request reaching a busy engine waits one step more for its first token than on CPU; one reaching an idle

@@ -156,7 +156,7 @@ def _setup(args: argparse.Namespace):
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from afd.bench.report import format_table, slo_summary, strict_json
-    from afd.planning.compare import beyond, errors, format_errors, workload_of
+    from afd.planning.compare import beyond, errors, format_errors, result_for, workload_of
     from afd.planning.deployment import Deployment, DeploymentError
     from afd.planning.simulator import simulate
 
@@ -167,9 +167,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         try:
             raw = json.loads(Path(args.compare).read_text())
             workload, rates = workload_of(raw)
+            deployment = (args.connector, args.attention, args.ffn, args.replicas, args.ubatches)
+            measured = result_for(raw, *deployment)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise UsageError(f"--compare {args.compare}: {exc}") from None
-        measured = raw["results"][0]
     max_num_seqs, budget = _step_limits(args, profile, measured)
     try:
         d = Deployment(

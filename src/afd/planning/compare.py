@@ -33,6 +33,29 @@ def workload_of(raw: dict) -> tuple[Workload, list[float]]:
     return Workload(**{k: v for k, v in w.items() if k in Workload.__dataclass_fields__}), rates
 
 
+def server_of(name: str) -> tuple[str, dict[str, int]]:
+    """`afd bench serve`'s server label (`none R=2`, `async A=2,F=1,U=2`, `async+sa A=1,F=1`) -> (connector,
+    {"R"|"A"|"F"|"U": n})."""
+    connector, _, keys = name.partition(" ")
+    pairs = (k.partition("=") for k in keys.split(",") if k)
+    return connector.partition("+")[0], {k: int(v) for k, _, v in pairs}
+
+
+def result_for(raw: dict, connector: str, attention: int, ffn: int, replicas: int, ubatches: int) -> dict:
+    """The server of a results file that ran the simulated deployment (the only one, when it holds one); a
+    ValueError naming those it holds when none did."""
+    results = raw["results"]
+    if len(results) == 1:
+        return results[0]
+    want = {"R": replicas} if connector == "none" else {"A": attention, "F": ffn, "U": ubatches}
+    for result in results:
+        got_connector, keys = server_of(result["name"])
+        if got_connector == connector and all(keys.get(k, 1) == v for k, v in want.items()):
+            return result
+    names = ", ".join(r["name"] for r in results)
+    raise ValueError(f"it holds {names}, none of them the simulated {connector} deployment")
+
+
 def errors(measured: dict, simulated: dict) -> list[dict]:
     """One row per (rate, metric): measured, simulated, relative error (None where either is missing)."""
     rows = []
