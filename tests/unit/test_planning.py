@@ -59,6 +59,13 @@ def test_routed_experts_past_the_kernels_bound_take_the_grouped_part():
     assert costs.routed_pass_s(p, fp8, last + 1, fp8.num_experts) == pytest.approx(1e-3)
     one = Profile({}, {"routed_experts": kernels})
     assert costs.routed_pass_s(one, s, 10 * last, s.num_experts) == pytest.approx(1e-3)
+    # the engine picks the path by its graph's rows, padding included: a 641-token prompt step replays the 768-token
+    # bucket, past the bound at top-6; a 300-sequence decode step the 320 bucket
+    assert costs.graph_tokens(641, True, 8192, 1024) == 768 and costs.graph_tokens(300, False, 8192, 1024) == 320
+    assert costs.graph_tokens(9000, True, 8192, 1024) == 9000  # past the largest bucket: as it is
+    padded = costs.graph_tokens(last, True, 8192, 1024)
+    assert padded * s.topk > FUSED_MOE_MAX_PAIRS  # this bound's last token count is not a bucket
+    assert costs.routed_pass_s(p, s, last, s.num_experts, padded) == pytest.approx(5e-3)
 
 
 def test_profile_fits_the_routed_experts_on_each_side_of_the_bound():

@@ -164,15 +164,26 @@ def kernel_max_pairs(s: Shapes) -> int:
     return FP8_FUSED_MOE_MAX_PAIRS if s.weight_bytes < 2 else FUSED_MOE_MAX_PAIRS
 
 
-def routed_pass_s(p: Profile, s: Shapes, tokens: float, num_local: int) -> float:
+def routed_pass_s(p: Profile, s: Shapes, tokens: float, num_local: int, graph_tokens: float | None = None) -> float:
     """One MoE layer's routed experts on a rank holding `num_local` experts, for `tokens` tokens' rows: the kernels'
     fit up to `kernel_max_pairs` pairs (every token's top-k, as the engine counts them), the grouped GEMM's past
-    it where the profile has one (the graph's padding to its token bucket is left out)."""
+    it where the profile has one. `graph_tokens`: the rows of the CUDA graph the step replays (its bucket, padding
+    included), which is what the engine chooses the path by; the padding rows cost nothing."""
     if tokens <= 0:
         return 0.0
     touched = experts_touched(num_local, s.num_experts, s.topk, tokens)
     flops = 2.0 * s.expert_params * tokens * s.topk * num_local / s.num_experts
-    return p.part(routed_part(p, s, tokens)).time(touched * s.expert_params * s.weight_bytes, flops)
+    part = routed_part(p, s, max(tokens, graph_tokens or 0.0))
+    return p.part(part).time(touched * s.expert_params * s.weight_bytes, flops)
+
+
+def graph_tokens(tokens: int, prompt: bool, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+    """The rows of the CUDA graph a whole replica's step of `tokens` tokens replays (afd.buckets): a prompt-holding
+    step's token bucket, a decode step's batch bucket; `tokens` itself past the largest."""
+    from afd.buckets import batch_buckets, pick_bucket, token_buckets
+
+    buckets = token_buckets(max_num_batched_tokens) if prompt else batch_buckets(max_num_seqs)
+    return pick_bucket(tokens, buckets) or tokens
 
 
 def routed_part(p: Profile, s: Shapes, tokens: float) -> str:

@@ -174,10 +174,11 @@ class StepCosts:
     def _attention(self, load: StepLoad) -> float:
         return costs.attention_step_s(self.p, self.s, load.batch, load.ctx, load.prefill, load.pairs)
 
-    def _ffn_layer(self, tokens: float, num_ranks: int) -> float:
-        """One MoE layer's pass on one of `num_ranks` FFN ranks for `tokens` tokens of every replica together."""
+    def _ffn_layer(self, tokens: float, num_ranks: int, graph_tokens: float | None = None) -> float:
+        """One MoE layer's pass on one of `num_ranks` FFN ranks for `tokens` tokens of every replica together
+        (`graph_tokens`: the graph's rows, padding included, where the step replays one: `costs.routed_pass_s`)."""
         local = -(-self.s.num_experts // num_ranks)
-        return costs.routed_pass_s(self.p, self.s, tokens, local) + costs.shared_pass_s(
+        return costs.routed_pass_s(self.p, self.s, tokens, local, graph_tokens) + costs.shared_pass_s(
             self.p, self.s, tokens / num_ranks
         )
 
@@ -193,7 +194,9 @@ class StepCosts:
             return 0.0
         attn = self._attention(load)
         if self.d.connector == "none":
-            return self._floor(load, attn + self.layers * self._ffn_layer(load.tokens, 1) + self._host(load))
+            d = self.d  # the experts run inside the replica's graphs, padded to its bucket
+            rows = costs.graph_tokens(load.tokens, load.prefill > 0, d.max_num_batched_tokens, d.max_num_seqs)
+            return self._floor(load, attn + self.layers * self._ffn_layer(load.tokens, 1, rows) + self._host(load))
         m = self._ubatches(load)
         group = max(group_tokens, load.tokens)
         a = attn / self.layers / m + (self._launch if m > 1 else 0.0)

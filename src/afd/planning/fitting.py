@@ -15,6 +15,7 @@ from afd.planning import costs
 from afd.planning.profile import Part, Profile, fit_part, relative_errors
 
 logger = logging.getLogger(__name__)
+STEP_BUDGET, STEP_SEQS = 8192, 1024  # the largest step `afd bench step` builds graphs for (its buckets below them)
 
 
 @dataclass(frozen=True)
@@ -80,14 +81,17 @@ def fit_parts(
         label = f"{int(t)} tokens, {nbytes / s.expert_params / s.weight_bytes:.1f} experts touched"
         say(f"  {label:<36} measured {sec * 1e3:8.3f} ms  fit {fit * 1e3:8.3f} ms")
 
-    def experts_s(tokens: int) -> float:
-        """Every MoE layer's routed and shared experts for a step of `tokens` tokens (a whole replica's)."""
-        return s.moe_layers * (costs.routed_pass_s(p, s, tokens, s.num_experts) + costs.shared_pass_s(p, s, tokens))
+    def experts_s(tokens: int, prompt: bool = True) -> float:
+        """Every MoE layer's routed and shared experts for a step of `tokens` tokens (a whole replica's), inside its
+        graph's bucket (the step rows came from `afd bench step`'s graphs: 8,192 tokens, 1,024 sequences at most)."""
+        rows = costs.graph_tokens(tokens, prompt, STEP_BUDGET, STEP_SEQS)
+        routed = costs.routed_pass_s(p, s, tokens, s.num_experts, rows)
+        return s.moe_layers * (routed + costs.shared_pass_s(p, s, tokens))
 
     attn_rows, batches, labels = [], [], []
     for row in m.decode:
         b, ctx = row["batch"], row["batch"] * (row["context"] + 1)
-        sec = row["seconds"] - experts_s(b)
+        sec = row["seconds"] - experts_s(b, prompt=False)
         attn_rows.append((costs.decode_bytes(s, ctx), costs.decode_flops(s, b, ctx), max(sec, 1e-6)))
         batches.append(float(b))
         labels.append(f"batch {b} context {row['context']}")
