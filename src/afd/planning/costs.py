@@ -7,6 +7,7 @@ an exchange is one MoE layer's round trip (send and answer). Routing is taken as
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -177,13 +178,19 @@ def routed_pass_s(p: Profile, s: Shapes, tokens: float, num_local: int, graph_to
     return p.part(part).time(touched * s.expert_params * s.weight_bytes, flops)
 
 
+@functools.cache
+def _graph_buckets(prompt: bool, max_num_batched_tokens: int, max_num_seqs: int) -> list[int]:
+    from afd.buckets import batch_buckets, token_buckets
+
+    return token_buckets(max_num_batched_tokens) if prompt else batch_buckets(max_num_seqs)
+
+
 def graph_tokens(tokens: int, prompt: bool, max_num_batched_tokens: int, max_num_seqs: int) -> int:
     """The rows of the CUDA graph a whole replica's step of `tokens` tokens replays (afd.buckets): a prompt-holding
     step's token bucket, a decode step's batch bucket; `tokens` itself past the largest."""
-    from afd.buckets import batch_buckets, pick_bucket, token_buckets
+    from afd.buckets import pick_bucket
 
-    buckets = token_buckets(max_num_batched_tokens) if prompt else batch_buckets(max_num_seqs)
-    return pick_bucket(tokens, buckets) or tokens
+    return pick_bucket(tokens, _graph_buckets(prompt, max_num_batched_tokens, max_num_seqs)) or tokens
 
 
 def routed_part(p: Profile, s: Shapes, tokens: float) -> str:
