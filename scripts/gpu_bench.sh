@@ -59,6 +59,15 @@ set -u
 cd "$(dirname "$0")/.."
 source scripts/device_env.sh
 SUB=${1:-}; shift || true
+# validation_runs LIMIT COMPARE [ARGS]: the mixed and uneven workloads served through COMPARE, into
+# $OUT/validation_{mixed,uneven}.json, each under LIMIT seconds
+validation_runs() {
+  local limit=$1 compare=$2 w; shift 2
+  for w in mixed uneven; do
+    bench_serve "validation_$w" "$limit" --workload $w --short-len 64 --long-len 1024 --max-tokens 64 --requests 512 \
+      --compare "$compare" --rates inf,64,16 --warmups 16 "$@"
+  done
+}
 case $SUB in
   step|step-fp8|moe-fp8|numerics-fp8|linear-fp8|exchange|stress|offline|timeline|serve|front|front-ab|capacity-ab|fanout-ab|startup|kernels|cross-replica|host|validate|profile|profile-validate) ;;
   *) echo "usage: bash scripts/gpu_bench.sh step|step-fp8|moe-fp8|numerics-fp8|linear-fp8|exchange|stress|offline|timeline|serve|front|front-ab|capacity-ab|fanout-ab|startup|kernels|cross-replica|host|validate|profile|profile-validate [ARGS...]" >&2
@@ -145,11 +154,7 @@ case $SUB in
   host)
     CUDA_VISIBLE_DEVICES=0 timeout 400 python3 scripts/host_profile.py "$OUT" "$@" ;;
   validate)
-    compare=${1:-none:R=1}
-    for w in mixed uneven; do
-      bench_serve "validation_$w" 280 --workload $w --short-len 64 --long-len 1024 --max-tokens 64 --requests 512 \
-        --compare "$compare" --rates inf,64,16 --warmups 16 "${@:2}"
-    done ;;
+    validation_runs 280 "${1:-none:R=1}" "${@:2}" ;;
   profile)
     timeout 560 python3 -m afd profile --model deepseek-v2-lite --device cuda --dtype bfloat16 \
       -o "$OUT/profile_h200.json" "$@" ;;
@@ -157,9 +162,6 @@ case $SUB in
     timeout 240 python3 -m afd profile --model deepseek-v2-lite --device cuda --dtype bfloat16 \
       -o "$OUT/profile_h200.json" > "$OUT/profile_log.txt" 2>&1
     echo "profile rc=$? at $SECONDS s"; tail -n 14 "$OUT/profile_log.txt"
-    for w in mixed uneven; do
-      bench_serve "validation_$w" 300 --workload $w --short-len 64 --long-len 1024 --max-tokens 64 --requests 512 \
-        --compare none:R=1,async:A=1,F=1 --rates inf,64,16 --warmups 16
-    done ;;
+    validation_runs 300 none:R=1,async:A=1,F=1 ;;
 esac
 leftovers
