@@ -15,7 +15,13 @@ import torch.nn.functional as F  # noqa: E402
 from helpers.kernels_fp8_linear import fp8_weight  # noqa: E402
 
 from afd.kernels import eager_ops  # noqa: E402
-from afd.kernels.fp8_linear import LinearConfig, dequantize_weight, fp8_linear, fp8_linear_reference  # noqa: E402
+from afd.kernels.fp8_linear import (  # noqa: E402
+    KERNEL_MAX_ROWS,
+    LinearConfig,
+    dequantize_weight,
+    fp8_linear,
+    fp8_linear_reference,
+)
 from afd.model.fp8 import FP8Linear  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -39,6 +45,9 @@ SHAPES = [
     (7168, 16384),
 ]
 ROWS = (1, 7, 64, 256, 300, 2048)
+# the kernel quantizes its rows to e4m3 per 128 columns (3 mantissa bits): its output moves by ~2-3% of its norm
+# from the same weights on 16-bit rows
+ROWS_QUANTIZED = 5e-2
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -59,10 +68,10 @@ def _layer(n: int, k: int, block: tuple[int, int], bias: bool = False) -> FP8Lin
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_gpu_fp8_linear_bf16_against_the_fp32_reference(shape):
-    """bf16 rows, 128 x 128 blocks: relative error to the fp32 reference <= 5e-3 (the scaled-partial tiles round only
-    the output; the dequantized-tile ones the weight to bf16 too), within 1e-2 of F.linear on the weight dequantized
-    to bf16; two runs give the same bits (K splits are summed in a fixed order); FP8Linear dispatches to it. The dense
-    path's one-launch dequantization equals the model's, bit for bit."""
+    """bf16 rows, 128 x 128 blocks: up to 64 rows (the kernel) relative error to the fp32 reference <= 5e-3 and
+    within `ROWS_QUANTIZED` of F.linear on the weight dequantized to bf16; past them (the dense path) within 1e-2
+    of it; two runs give the same bits (K splits are summed in a fixed order); FP8Linear dispatches to it. The
+    dense path's one-launch dequantization equals the model's, bit for bit."""
     n, k = shape
     layer = _layer(n, k, (128, 128))
     w, s = layer.weight, layer.weight_scale_inv
@@ -73,9 +82,11 @@ def test_gpu_fp8_linear_bf16_against_the_fp32_reference(shape):
         got = fp8_linear(x, w, s, (128, 128))
         assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
         assert torch.equal(got, fp8_linear(x, w, s, (128, 128))), f"M={rows}: runs differ"
-        err = _rel(got, fp8_linear_reference(x.float(), w, s, (128, 128)))
-        assert err <= 5e-3, f"M={rows}: vs fp32 reference {err:.2e}"
-        assert _rel(got, F.linear(x, dense)) <= 1e-2, f"M={rows}: vs bf16 F.linear"
+        if rows <= KERNEL_MAX_ROWS:
+            err = _rel(got, fp8_linear_reference(x.float(), w, s, (128, 128)))
+            assert err <= 5e-3, f"M={rows}: vs fp32 reference {err:.2e}"
+        bound = ROWS_QUANTIZED if rows <= KERNEL_MAX_ROWS else 1e-2
+        assert _rel(got, F.linear(x, dense)) <= bound, f"M={rows}: vs bf16 F.linear"
         assert torch.equal(layer(x), got), f"M={rows}: FP8Linear did not take the kernel"
 
 
@@ -83,19 +94,19 @@ def test_gpu_fp8_linear_bf16_against_the_fp32_reference(shape):
 @needs_cuda
 @needs_fp8
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("block", [(16, 16), (24, 32), (128, 128)], ids=lambda b: f"{b[0]}x{b[1]}")
+@pytest.mark.parametrize("block", [(32, 32), (24, 32), (128, 128)], ids=lambda b: f"{b[0]}x{b[1]}")
 def test_gpu_fp8_linear_blocks_tiles_and_bias(block):
-    """Ragged shapes (N, K not multiples of the block or the tiles), a bias, both ways of applying the scale and K
-    splits, bf16 and fp16 rows: within 5e-3 of the fp32 reference."""
+    """Ragged shapes (N, K not multiples of the block or the tiles), a bias, the table's tiles and others with K
+    splits, at and past the table's rows, bf16 and fp16 rows: within 5e-3 of the fp32 reference."""
     n, k = 1000, 1120
     layer = _layer(n, k, block, bias=True)
     args = (layer.weight, layer.weight_scale_inv, block, layer.bias)
-    configs = (None, LinearConfig(16, 32, 64, split_k=4), LinearConfig(64, 64, 128, dequant_tile=True))
+    configs = (None, LinearConfig(16, 32, 64, split_k=4), LinearConfig(64, 64, 128))
     for dtype in (torch.bfloat16, torch.float16):
-        for rows in (1, 33, 300):
+        for rows in (1, 33, 64, 300):
             x = torch.randn(rows, k, device="cuda", dtype=dtype)
             ref = fp8_linear_reference(x.float(), *args)
-            for config in configs:
+            for config in configs if rows <= KERNEL_MAX_ROWS else configs[1:]:
                 got = fp8_linear(x, *args, config=config)
                 assert _rel(got, ref) <= 5e-3, f"{dtype} M={rows} {config}: {_rel(got, ref):.2e}"
 
@@ -136,4 +147,4 @@ def test_gpu_fp8_linear_replays_from_a_cuda_graph_and_never_syncs():
             with eager_ops():
                 assert not layer.uses_kernel(x)
                 eager = layer(x)
-            assert _rel(layer(x), eager) <= 1e-2
+            assert _rel(layer(x), eager) <= (ROWS_QUANTIZED if rows <= KERNEL_MAX_ROWS else 1e-2)

@@ -2,10 +2,11 @@
 dequantized path, its tile choice, its refusals, and FP8Linear's choice of it.
 
 CPU: Triton's interpreter. The weights really are float8_e4m3fn there (the fp8 loads, the conversion and every
-block-scale index run as on the GPU), but the activations are fp32: this Triton's interpreter computes bf16 `tl.dot`
-wrongly, so bf16 is covered on CUDA only (tests/e2e/test_kernel_fp8_linear_gpu.py). Blocks 16 x 16, 128 x 128 and a
-ragged (24, 32), N and K not multiples of any of them; each block's magnitude differs by up to 64x, so a scale read
-from the wrong block fails the 1e-5 bound.
+block-scale index run as on the GPU), and the rows are quantized to fp8 per b1 group by the PyTorch reference (the
+interpreter converts fp32 to e4m3 wrongly); 16-bit rows are covered on CUDA only
+(tests/e2e/test_kernel_fp8_linear_gpu.py). Blocks 32 x 32, 128 x 128 and a ragged (24, 32), N and K not multiples
+of any of them; each block's magnitude differs by up to 64x, so a scale read from the wrong block fails the 1e-5
+bound. Blocks 16 wide take the dequantized path (fp8 x fp8 MMAs step at least 32 along K).
 """
 
 from __future__ import annotations
@@ -28,14 +29,15 @@ from helpers.kernels_fp8_linear import fp8_weight  # noqa: E402
 import afd.kernels.fp8_linear as kfl  # noqa: E402
 import afd.model.fp8 as fp8  # noqa: E402
 from afd.kernels.fp8_linear import LinearConfig, choose_config, fp8_linear, fp8_linear_reference  # noqa: E402
+from afd.kernels.moe_tiles import quantize_row_groups  # noqa: E402
 from afd.model.fp8 import FP8Linear, dequantize  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 cpu_only = pytest.mark.skipif(not INTERPRET, reason="interpreter test (runs where there is no GPU)")
 
 N, K = 200, 288  # two 128-blocks plus a ragged one along K, one plus a ragged one along N; ragged for 16 and 24 too
-BLOCKS = [(16, 16), (128, 128), (24, 32)]
-ROWS = [1, 7, 64, 300]
+BLOCKS = [(32, 32), (128, 128), (24, 32)]
+ROWS = [1, 7, 33, 64]  # every tile bucket (past 64 rows, the dense path: its own test)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -52,20 +54,26 @@ def _linear(block: tuple[int, int], bias: bool = False, seed: int = 0) -> FP8Lin
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=lambda b: f"{b[0]}x{b[1]}")
-def test_reference_is_the_model_dequantized_path(block):
-    """The kernel's oracle beside it equals afd.model.fp8's dequantize + matmul (fp32, bias included)."""
+def test_reference_is_the_model_dequantized_path_on_quantized_rows(block):
+    """The kernel's oracle beside it equals afd.model.fp8's dequantize + matmul (fp32, bias included) on rows
+    quantized per b1 group; rows already on that grid come through unchanged."""
     layer = _linear(block, bias=True)
     x = torch.randn(5, K, generator=torch.Generator().manual_seed(1))
+    q, q_scale = quantize_row_groups(x, block[1])
+    on_grid = q.float() * q_scale.repeat_interleave(block[1], dim=1)[:, :K]
+    assert 0 < (on_grid - x).abs().max() < 0.1 * x.abs().max()  # quantizing moved the rows, a little
+    w = dequantize(layer.weight, layer.weight_scale_inv, block)
     ref = fp8_linear_reference(x, layer.weight, layer.weight_scale_inv, block, layer.bias)
-    torch.testing.assert_close(ref, F.linear(x, dequantize(layer.weight, layer.weight_scale_inv, block), layer.bias))
+    torch.testing.assert_close(ref, F.linear(on_grid, w, layer.bias))
+    again = fp8_linear_reference(on_grid, layer.weight, layer.weight_scale_inv, block)
+    torch.testing.assert_close(again, on_grid @ w.T)
 
 
 @cpu_only
 @pytest.mark.parametrize("block", BLOCKS, ids=lambda b: f"{b[0]}x{b[1]}")
 @pytest.mark.parametrize("rows", ROWS)
 def test_fp8_linear_equals_the_reference(block, rows):
-    """The table's tiles (decode buckets with K splits) and the dense path at 300 rows = the fp32 reference within
-    1e-5 of the largest output."""
+    """The table's tiles (every bucket, K splits) = the fp32 reference within 1e-5 of the largest output."""
     w, s = fp8_weight(N, K, block, seed=rows)
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
     got = fp8_linear(x, w, s, block)
@@ -111,9 +119,9 @@ def test_past_the_kernel_rows_the_dense_path_runs():
 
 CONFIGS = [
     LinearConfig(16, 16, 32),  # several N tiles, K steps per scale block
-    LinearConfig(16, 32, 16, split_k=3),  # K split, fp32 partials summed after
-    LinearConfig(32, 16, 64, split_k=2, dequant_tile=True),
-    LinearConfig(64, 64, 128, dequant_tile=True),  # one wide step, cut to the block's width
+    LinearConfig(16, 32, 32, split_k=3),  # K split, fp32 partials summed after
+    LinearConfig(32, 16, 64, split_k=2),
+    LinearConfig(64, 64, 128),  # one wide step, cut to the block's width
 ]
 
 
@@ -124,7 +132,7 @@ CONFIGS = [
     ids=lambda v: f"{v[0]}x{v[1]}" if isinstance(v, tuple) else f"{v.block_m}x{v.block_n}x{v.block_k}s{v.split_k}",
 )
 def test_fp8_linear_tile_shapes_with_bias_and_leading_dims(block, config):
-    """Both ways of applying the scale, K splits, a bias and rows `[2, 9, K]` (any leading shape; 18 rows, a partial
+    """Tile shapes, K splits, a bias and rows `[2, 9, K]` (any leading shape; 18 rows, a partial
     row tile for every block_m) = the reference."""
     layer = _linear(block, bias=True, seed=3)
     x = torch.randn(2, 9, K, generator=torch.Generator().manual_seed(2))
@@ -135,17 +143,15 @@ def test_fp8_linear_tile_shapes_with_bias_and_leading_dims(block, config):
 
 
 def test_tile_choice_depends_on_the_row_bucket_only():
-    """Every M of a bucket gets one configuration (one compiled kernel); the K step divides the block's width; a
-    narrow N on many SMs splits K (each split at least 4 steps, at most 4 splits at decode sizes); prefill sizes
-    take 128 x 128 tiles, unsplit."""
+    """Every M of a bucket gets one configuration (one compiled kernel); the K step divides the block's width (at
+    least 32, an fp8 MMA's); a narrow N on many SMs splits K (each split at least 4 steps, at most 4 splits); past
+    the last bucket the kernel is not chosen."""
     for bucket in kfl.ROW_BUCKETS:
         lo = bucket // 2 + 1 if bucket > 16 else 1
-        assert choose_config(lo, 2048, 2048, (128, 128), torch.bfloat16, 132) == choose_config(
-            bucket, 2048, 2048, (128, 128), torch.bfloat16, 132
-        )
+        assert choose_config(lo, 2048, 2048, (128, 128), 132) == choose_config(bucket, 2048, 2048, (128, 128), 132)
 
     def tile(n: int, k: int, rows: int = 1) -> tuple[int, int]:
-        cfg = choose_config(rows, n, k, (128, 128), torch.bfloat16, 132)
+        cfg = choose_config(rows, n, k, (128, 128), 132)
         return cfg.block_n, cfg.split_k
 
     # the H200 sweep's best at V2-Lite's shapes: q_proj, kv_a_proj, kv_b_proj (4 K steps: no split), dense gate/up
@@ -158,17 +164,16 @@ def test_tile_choice_depends_on_the_row_bucket_only():
         (64, 4),
     ]
     assert tile(3072, 2048, rows=64) == (64, 4)
-    kv_a = choose_config(1, 576, 7168, (128, 128), torch.bfloat16, 132)  # V3's kv_a_proj at decode
-    assert kv_a.split_k > 1 and kv_a.block_k == 128 and not kv_a.dequant_tile
+    kv_a = choose_config(1, 576, 7168, (128, 128), 132)  # V3's kv_a_proj at decode
+    assert kv_a.split_k > 1 and kv_a.block_k == 128
     assert -(-7168 // 128) // kv_a.split_k >= kfl.MIN_K_STEPS_PER_SPLIT
-    wide = choose_config(1, 24576, 1536, (128, 128), torch.bfloat16, 132)  # V3's q_b_proj: N alone fills the GPU
+    wide = choose_config(1, 24576, 1536, (128, 128), 132)  # V3's q_b_proj: N alone fills the GPU
     assert wide.split_k == 1 and wide.block_n == 64
-    prefill = choose_config(8192, 2048, 2048, (128, 128), torch.bfloat16, 132)
-    assert (prefill.block_m, prefill.block_n, prefill.split_k, prefill.dequant_tile) == (128, 128, 1, True)
-    assert choose_config(1, 64, 96, (16, 48), torch.bfloat16, 132).block_k == 16
-    assert choose_config(1, 64, 256, (128, 128), torch.float32, 132).block_k == 64
-    assert kfl.warm_up_rows(8192) == [16, 32, 64, 128, 256, 8192]
-    assert kfl.warm_up_rows(100) == [16, 32, 64, 128] and kfl.warm_up_rows(1) == [16]
+    assert choose_config(1, 64, 96, (16, 96), 132).block_k == 32
+    with pytest.raises(ValueError, match="at most 64"):
+        choose_config(kfl.KERNEL_MAX_ROWS + 1, 2048, 2048, (128, 128), 132)
+    assert kfl.warm_up_rows(8192) == [16, 32, 64, 8192]
+    assert kfl.warm_up_rows(40) == [16, 32, 64] and kfl.warm_up_rows(1) == [16]
 
 
 @cpu_only
@@ -189,6 +194,9 @@ def test_unsupported_inputs_are_refused_in_one_sentence():
         fp8_linear(x, w, s.double(), (128, 128))
     with pytest.raises(ValueError, match="not supported"):
         fp8_linear(x, w, s, (128, 24))
+    w16, s16 = fp8_weight(N, K, (16, 16))
+    with pytest.raises(ValueError, match="not supported"):  # 16 wide: an fp8 MMA steps at least 32 along K
+        fp8_linear(x, w16, s16, (16, 16))
     with pytest.raises(ValueError, match="bias"):
         fp8_linear(x, w, s, (128, 128), torch.zeros(N + 1))
 
@@ -205,8 +213,8 @@ def test_fp8_linear_off_the_kernel_is_the_dequantized_path():
 @cpu_only
 def test_fp8_linear_takes_the_kernel_where_it_runs(monkeypatch):
     """With the kernel switched on (on CUDA: the device, the dtype and sm89+), FP8Linear calls it on its FP8 weight
-    and scales, within 1e-5 of the dequantized path; a block width it cannot step inside falls back; the warm-up
-    compiles each distinct shape once, at every tile bucket."""
+    and scales, within 1e-5 of the reference (the dequantized path on rows quantized per b1 group); a block width it
+    cannot step inside (24; 16) falls back; the warm-up compiles each distinct shape once, at every tile bucket."""
     calls: list[tuple[int, ...]] = []
     real = kfl.fp8_linear
 
@@ -221,7 +229,8 @@ def test_fp8_linear_takes_the_kernel_where_it_runs(monkeypatch):
     assert layer.uses_kernel(x)
     got = layer(x)
     assert calls == [(N, K)]
-    torch.testing.assert_close(got, F.linear(x, layer.dequantized(torch.float32), layer.bias), rtol=1e-5, atol=1e-5)
+    ref = fp8_linear_reference(x, layer.weight, layer.weight_scale_inv, layer.block, layer.bias)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
     odd = FP8Linear(K, N, (16, 24))  # b1 = 24: the kernel refuses it
     odd.weight.data, odd.weight_scale_inv.data = fp8_weight(N, K, (16, 24))
@@ -232,29 +241,33 @@ def test_fp8_linear_takes_the_kernel_where_it_runs(monkeypatch):
 
     warmed: list[tuple] = []
     monkeypatch.setattr(kfl, "warm_up", lambda w, s, block, dtype, rows, bias=None: warmed.append((w.shape, rows)))
-    model = torch.nn.Sequential(layer, _linear((128, 128), bias=True, seed=1), odd, _linear((16, 16)))
-    assert fp8.warm_up_fp8_linears(model, torch.float32, 512) == 2  # two blocks of one shape; the odd one skipped
+    model = torch.nn.Sequential(
+        layer, _linear((128, 128), bias=True, seed=1), odd, _linear((16, 16)), _linear((32, 32))
+    )
+    # two layers of one shape and block warmed once; the (16, 24) and (16, 16) blocks skipped; (32, 32) its own
+    assert fp8.warm_up_fp8_linears(model, torch.float32, 512) == 2
     assert warmed == [((N, K), 512)] * 2
 
 
 @cpu_only
 def test_fp8_mlp_runs_its_projections_in_the_kernel(monkeypatch):
     """A tiny FP8 model's dense MLP (`quantization="fp8"`) with the kernel switched on: its three FP8Linears call the
-    kernel, and the layer equals the dequantized one within 1e-5."""
+    kernel, and the layer equals the same layer through the kernel's reference within 1e-5."""
     from afd.model.weights import load_ffn_model
 
     ffn = load_ffn_model("tiny", quantization="fp8", gate_on_attention=False)
     dense = next(i for i in range(ffn.config.num_hidden_layers) if not ffn.config.is_moe_layer(i))
     x = torch.randn(5, ffn.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(fp8, "_fp8_linear_enabled", lambda device, dtype: True)
+    monkeypatch.setattr(kfl, "fp8_linear", fp8_linear_reference)
     ref = ffn(dense, x, None)
     calls: list[tuple[int, ...]] = []
-    real = kfl.fp8_linear
+    real = fp8_linear
 
     def recording(x, weight, *args, **kw):
         calls.append(tuple(weight.shape))
         return real(x, weight, *args, **kw)
 
-    monkeypatch.setattr(fp8, "_fp8_linear_enabled", lambda device, dtype: True)
     monkeypatch.setattr(kfl, "fp8_linear", recording)
     got = ffn(dense, x, None)
     assert len(calls) == 3

@@ -1,25 +1,22 @@
-"""`fp8_linear`: a weight-only block-scaled FP8 GEMM, `y = x @ (W_fp8 * scale).T (+ bias)`, and its reference.
+"""`fp8_linear`: a block-scaled FP8 GEMM, `y = x @ (W_fp8 * scale).T (+ bias)`, and its reference.
 
 The weight is DeepSeek-V3's format: `W_fp8 [N, K] float8_e4m3fn` with one fp32 scale per `(b0, b1)` block,
-`scale [ceil(N/b0), ceil(K/b1)]`. Only the fp8 bytes (and the small scales) leave memory; the scale is applied in
-registers, so no dequantized weight is ever written. The activations stay bf16/fp16 (fp32 too), fp32 accumulation.
+`scale [ceil(N/b0), ceil(K/b1)]`. The rows are quantized the way DeepSeek-V3 quantizes activations, per row in
+groups of `b1` columns (`fp8_quant.quantize_rows`, one launch), so each MMA is fp8 x fp8 and no tile is converted
+in registers; each K step stays inside one scale block (`moe_tiles.scaled_block_k`) and its fp32 partial is
+multiplied by the weight rows' and the x rows' scales of that block. Only the fp8 bytes (and the small scales)
+leave memory; no dequantized weight is written.
 
 Layout: the weight tile is the MMA's M side and the rows of x its N side ("swap AB"), so 1..16 rows still fill a
-tensor-core tile and the register-converted weight tile is the operand that may come from registers. Each K step
-stays inside one scale block (`moe_tiles.scaled_block_k`), so a step needs one scale per weight row. Two ways to
-apply it, chosen per tile configuration:
-- scaled partials (decode sizes): the fp8 tile converted to x's dtype (exact), one MMA, its fp32 result times the
-  rows' scales added to the accumulator: exact products, and cheap while the accumulator is small;
-- dequantized tile (large M, compute bound): the tile times its scales in fp32, rounded to x's dtype, one MMA into
-  the accumulator: the bf16 GEMM's work plus one multiply per weight element, a single accumulator.
-
-Tiles come from a fixed table by row count (no autotuning at run time: deterministic, capturable). Decode sizes
-(M <= 256) are bound by reading the weight: the N dimension is split into narrow tiles and, where N alone gives
-fewer programs than the GPU has SMs, K too (`split_k`: fp32 partials summed after, deterministic). Past
-`KERNEL_MAX_ROWS` rows the GEMM is compute bound and cuBLAS's bf16 GEMM outruns this kernel's tiles, so the weight
-is dequantized into a scratch copy (`dequantize_weight`, one pass over the fp8 bytes) and multiplied there: the
-copy costs a few percent of such a GEMM. A configuration depends only on M's bucket, so `warm_up` compiles every
-variant a weight meets. Nothing reads device values on the host: CUDA-graph capturable.
+tensor-core tile. Tiles come from a fixed table by row count (no autotuning at run time: deterministic,
+capturable). These sizes are bound by reading the weight: the N dimension is split into narrow tiles and, where N
+alone gives fewer programs than the GPU has SMs, K too (`split_k`: fp32 partials summed after, deterministic).
+Past `KERNEL_MAX_ROWS` rows cuBLAS's bf16 GEMM outruns this kernel, so the weight is dequantized into a scratch
+copy (`dequantize_weight`, one pass over the fp8 bytes) and multiplied there. Why these bounds (one H200,
+`scripts/gpu_fp8_linear.py`): at 1-64 rows fp8 rows beat bf16 rows converted from fp8 tiles at V3's shapes
+(`o_proj` at one row 39 against 61 us, cuBLAS bf16 63), at 256 rows the dense path beat either kernel form at
+every V2-Lite and V3 shape but one, where they tied. A configuration depends only on M's bucket, so `warm_up`
+compiles every variant a weight meets. Nothing reads device values on the host: CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -31,92 +28,79 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from afd.kernels.fp8_quant import quantize_rows
 from afd.kernels.moe_tiles import (
     DTYPES,
     FP8_DTYPE,
+    FP8_MIN_BLOCK_K,
     check_fp8_weight,
-    dot_precision,
     load_2d,
+    quantize_row_groups,
     scaled_block_k,
 )
 
-# M buckets of the tile table; past the last one, the prefill tiles
-ROW_BUCKETS = (16, 32, 64, 128, 256)
-DECODE_MAX_ROWS = ROW_BUCKETS[-1]
-KERNEL_MAX_ROWS = DECODE_MAX_ROWS  # past this, dequantize the weight once per call and run the dense GEMM
+# M buckets of the tile table; past the last one, the dense path
+ROW_BUCKETS = (16, 32, 64)
+KERNEL_MAX_ROWS = ROW_BUCKETS[-1]
 MIN_K_STEPS_PER_SPLIT = 4  # a K split keeps at least this many steps, so its pipeline fills
-MAX_SPLIT_K = 4  # at scaled-partial sizes more splits cost the reduction more than they gain (H200 sweep)
+MAX_SPLIT_K = 4  # more splits cost the reduction more than they gain (H200 sweep)
 DEFAULT_SM_COUNT = 132  # where there is no CUDA device to ask (Triton's interpreter): an H100/H200's
 
 
 @dataclass(frozen=True)
 class LinearConfig:
     """Launch shape: rows of x per program (block_m), weight rows per program (block_n), reduction step (block_k,
-    cut to divide the scale block's width), K splits, how the scale is applied (see the module docstring), warps,
-    pipeline stages."""
+    cut to divide the scale block's width), K splits, warps, pipeline stages."""
 
     block_m: int
     block_n: int
     block_k: int
     split_k: int = 1
-    dequant_tile: bool = False
     num_warps: int = 4
     num_stages: int = 4
 
 
-# Per M bucket: (block_m, block_n candidates, largest first, dequant_tile, warps, stages); `choose_config` picks the
-# width and the K splits (`scripts/gpu_fp8_linear.py --sweep` times alternatives). A decode stage holds a 64 x 128
-# fp8 tile (8 KiB), four stages about the bytes one SM needs in flight to stream at HBM speed.
-_TABLE = {
-    16: (16, (64, 32, 16), False, 4, 4),
-    32: (32, (64, 32, 16), False, 4, 4),
-    64: (64, (64, 32, 16), False, 4, 4),
-    128: (128, (64, 32), True, 4, 4),
-    256: (128, (128, 64), True, 8, 3),
-    0: (128, (128,), True, 8, 3),  # prefill
-}
+# Per M bucket: (block_m, block_n candidates, largest first); `choose_config` picks the width and the K splits
+# (`scripts/gpu_fp8_linear.py --sweep` times alternatives). A stage holds a 64 x 128 fp8 tile (8 KiB).
+_TABLE = {16: (16, (64, 32, 16)), 32: (32, (64, 32, 16)), 64: (64, (64, 32, 16))}
 
 
 def row_bucket(num_rows: int) -> int:
-    """The tile table's bucket of M: the smallest of `ROW_BUCKETS` that covers it, 0 (prefill) past them."""
+    """The tile table's bucket of M: the smallest of `ROW_BUCKETS` that covers it, 0 (dense path) past them."""
     return next((b for b in ROW_BUCKETS if num_rows <= b), 0)
 
 
 def choose_config(
-    num_rows: int, out_features: int, in_features: int, block: tuple[int, int], dtype: torch.dtype, sm_count: int
+    num_rows: int, out_features: int, in_features: int, block: tuple[int, int], sm_count: int
 ) -> LinearConfig:
     """The tile configuration for `x [num_rows, K] @ W [N, K].T` with scales in `block`s, from M's bucket only (the
-    bucket's upper bound stands for M, so every M of a bucket compiles the same kernel). Scaled-partial buckets (up
-    to 64 rows): the widest weight tile whose programs, with up to `MAX_SPLIT_K` K splits, cover half the SMs, then
-    no split where the tiles alone cover every SM, else that many splits (the H200 sweep's best at V2-Lite's
-    shapes). Dequantized-tile buckets: the widest tile whose programs (every K split allowed) cover the SMs, then as
-    few splits as cover them."""
+    bucket's upper bound stands for M, so every M of a bucket compiles the same kernel; M at most
+    `KERNEL_MAX_ROWS`): the widest weight tile whose programs, with up to `MAX_SPLIT_K` K splits, cover half the
+    SMs, then no split where the tiles alone cover every SM, else that many splits (the H200 sweep's best at
+    V2-Lite's shapes)."""
     bucket = row_bucket(num_rows)
-    block_m, widths, dequant, warps, stages = _TABLE[bucket]
-    block_k = scaled_block_k(128 if dtype.itemsize <= 2 else 64, block[1])  # fp32 rows: half the step, same smem
-    m_tiles = triton.cdiv(bucket or num_rows, block_m)
+    if not bucket:
+        raise ValueError(f"{num_rows} rows: the kernel takes at most {KERNEL_MAX_ROWS} (past that, the dense path)")
+    block_m, widths = _TABLE[bucket]
+    block_k = scaled_block_k(128, block[1], FP8_MIN_BLOCK_K)
+    m_tiles = triton.cdiv(bucket, block_m)
     k_steps = triton.cdiv(in_features, block_k)
-    max_split = max(1, k_steps // MIN_K_STEPS_PER_SPLIT) if bucket else 1
-    scaled = bool(bucket) and not dequant  # a scaled-partial bucket
-    if scaled:
-        max_split = min(max_split, MAX_SPLIT_K)
-    cover = sm_count // 2 if scaled else sm_count
-    block_n = next((w for w in widths if triton.cdiv(out_features, w) * m_tiles * max_split >= cover), widths[-1])
-    tiles = triton.cdiv(out_features, block_n) * m_tiles
-    if scaled:
-        split = 1 if tiles >= sm_count else max_split
-    else:
-        split = min(max_split, triton.cdiv(sm_count, tiles))
-    return LinearConfig(block_m, block_n, block_k, split, dequant, warps, stages)
+    max_split = min(MAX_SPLIT_K, max(1, k_steps // MIN_K_STEPS_PER_SPLIT))
+    block_n = next(
+        (w for w in widths if triton.cdiv(out_features, w) * m_tiles * max_split >= sm_count // 2), widths[-1]
+    )
+    split = 1 if triton.cdiv(out_features, block_n) * m_tiles >= sm_count else max_split
+    return LinearConfig(block_m, block_n, block_k, split)
 
 
 @triton.jit(do_not_specialize=["num_rows"])  # one compiled kernel for every M of a bucket
 def _fp8_linear_kernel(
-    x_ptr,  # [M, K]
+    x_ptr,  # [M, K] float8_e4m3fn
     w_ptr,  # [N, K] float8_e4m3fn
     scale_ptr,  # [ceil(N/SCALE_N), ceil(K/SCALE_K)] fp32
+    x_scale_ptr,  # [M, ceil(K/SCALE_K)] fp32: one scale per row of x and K block
     bias_ptr,  # [N] (HAS_BIAS)
-    out_ptr,  # [M, N] x's dtype, or [SPLIT, M, N] fp32 partials when K is split
+    out_ptr,  # [M, N] the output dtype, or [SPLIT, M, N] fp32 partials when K is split
     num_rows,
     out_features,
     in_features,
@@ -127,6 +111,8 @@ def _fp8_linear_kernel(
     stride_wk,
     stride_sn,
     stride_sk,
+    stride_xsm,
+    stride_xsk,
     stride_os,
     stride_om,
     stride_on,
@@ -138,8 +124,6 @@ def _fp8_linear_kernel(
     EVEN_N: tl.constexpr,
     EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    DEQUANT_TILE: tl.constexpr,
-    PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)  # fastest: the programs of one weight tile run side by side (its bytes hit L2)
     pid_n = tl.program_id(1)
@@ -152,20 +136,17 @@ def _fp8_linear_kernel(
     x_tile = x_ptr + rows[:, None].to(tl.int64) * stride_xm + k[None, :] * stride_xk  # [BM, BK] pointers
     w_tile = w_ptr + n[:, None].to(tl.int64) * stride_wn + k[None, :] * stride_wk  # [BN, BK] pointers
     s_rows = scale_ptr + (n // SCALE_N) * stride_sn  # [BN] each weight row's scale row
+    xs_rows = x_scale_ptr + rows * stride_xsm  # [BM] each x row's scale row
     k_start = pid_s * k_per_split
     k_end = tl.minimum(in_features, k_start + k_per_split)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         k_mask = k0 + k < in_features
-        xt = load_2d(x_tile + k0 * stride_xk, r_mask, k_mask, False, EVEN_K)  # [BM, BK]
+        xt = load_2d(x_tile + k0 * stride_xk, r_mask, k_mask, False, EVEN_K)  # [BM, BK] fp8
         wt = load_2d(w_tile + k0 * stride_wk, n_mask, k_mask, EVEN_N, EVEN_K)  # [BN, BK] fp8
         s = tl.load(s_rows + (k0 // SCALE_K) * stride_sk, mask=n_mask, other=0.0)  # [BN] fp32, one K block
-        if DEQUANT_TILE:
-            wd = (wt.to(tl.float32) * s[:, None]).to(xt.dtype)
-            acc = tl.dot(wd, tl.trans(xt), acc, input_precision=PRECISION)  # [BN, BM]
-        else:  # the fp8 -> x dtype conversion is exact; the scale multiplies the fp32 partial
-            part = tl.dot(wt.to(xt.dtype), tl.trans(xt), input_precision=PRECISION)  # [BN, BM]
-            acc += part * s[:, None]
+        sx = tl.load(xs_rows + (k0 // SCALE_K) * stride_xsk, mask=r_mask, other=0.0)  # [BM] fp32
+        acc += tl.dot(wt, tl.trans(xt)) * s[:, None] * sx[None, :]  # [BN, BM] fp8 x fp8 -> fp32
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
     out = out_ptr + pid_s * stride_os + rows[None, :].to(tl.int64) * stride_om + n[:, None] * stride_on
@@ -188,7 +169,7 @@ def check_fp8_linear(
     out_features, in_features = weight.shape
     if x.shape[-1] != in_features:
         raise ValueError(f"rows {tuple(x.shape)} do not fit weight {tuple(weight.shape)} (in_features differ)")
-    check_fp8_weight(weight[None], scale[None], block, -(-out_features // block[0]))
+    check_fp8_weight(weight[None], scale[None], block, -(-out_features // block[0]), FP8_MIN_BLOCK_K)
     if bias is not None and tuple(bias.shape) != (out_features,):
         raise ValueError(f"bias {tuple(bias.shape)} does not fit weight {tuple(weight.shape)}")
     return out_features, in_features
@@ -211,9 +192,10 @@ def fp8_linear(
     config: LinearConfig | None = None,
 ) -> torch.Tensor:
     """`x [..., K] @ (weight * scale).T + bias -> [..., N]` in x's dtype: `weight [N, K] float8_e4m3fn`,
-    `scale [ceil(N/b0), ceil(K/b1)] fp32` with `block = (b0, b1)` (b1 a multiple of 16, any b0), `bias [N]`.
-    `config`: a tile configuration other than the table's (tests, sweeps; never the dense path). Allocations depend
-    on shapes only."""
+    `scale [ceil(N/b0), ceil(K/b1)] fp32` with `block = (b0, b1)` (b1 a multiple of 32, any b0), `bias [N]`.
+    Up to `KERNEL_MAX_ROWS` rows x is quantized per row and b1 group first (`fp8_linear_reference` says what
+    that computes); past them, the dense path. `config`: a tile configuration other than the table's (tests,
+    sweeps; the kernel at any M). Allocations depend on shapes only."""
     out_features, in_features = check_fp8_linear(x, weight, scale, block, bias)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, in_features)  # [M, K]
@@ -222,31 +204,35 @@ def fp8_linear(
         return x.new_zeros(*lead, out_features)
     if config is None and num_rows > KERNEL_MAX_ROWS:
         return F.linear(x, dequantize_weight(weight, scale, block, x.dtype), None if bias is None else bias.to(x.dtype))
-    cfg = config or choose_config(num_rows, out_features, in_features, block, x.dtype, sm_count(x.device))
-    block_k = scaled_block_k(cfg.block_k, block[1])
+    cfg = config or choose_config(num_rows, out_features, in_features, block, sm_count(x.device))
+    block_k = scaled_block_k(cfg.block_k, block[1], FP8_MIN_BLOCK_K)
     k_steps = triton.cdiv(in_features, block_k)
     split = max(1, min(cfg.split_k, k_steps))
     k_per_split = triton.cdiv(k_steps, split) * block_k
     split = triton.cdiv(in_features, k_per_split)  # no empty split
+    rows, x_scale = quantize_rows(x2, block[1])  # [M, K] fp8, [M, ceil(K/b1)] fp32
     y = x.new_empty(num_rows, out_features)  # [M, N]
     out = y if split == 1 else torch.empty(split, num_rows, out_features, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(num_rows, cfg.block_m), triton.cdiv(out_features, cfg.block_n), split)
     _fp8_linear_kernel[grid](
-        x2,
+        rows,
         weight,
         scale,
+        x_scale,
         bias if bias is not None else scale,  # unused without HAS_BIAS
         out,
         num_rows,
         out_features,
         in_features,
         k_per_split,
-        x2.stride(0),
-        x2.stride(1),
+        rows.stride(0),
+        rows.stride(1),
         weight.stride(0),
         weight.stride(1),
         scale.stride(0),
         scale.stride(1),
+        x_scale.stride(0),
+        x_scale.stride(1),
         out.stride(0) if split > 1 else 0,
         out.stride(-2),
         out.stride(-1),
@@ -258,8 +244,6 @@ def fp8_linear(
         EVEN_N=out_features % cfg.block_n == 0,
         EVEN_K=in_features % block_k == 0,
         HAS_BIAS=bias is not None and split == 1,
-        DEQUANT_TILE=cfg.dequant_tile,
-        PRECISION=dot_precision(x.dtype),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -350,9 +334,9 @@ def dequantize_weight(
 
 def warm_up_rows(max_rows: int) -> list[int]:
     """One row count per tile bucket up to `max_rows` (the bucket's upper bound, so its configuration), plus
-    `max_rows` itself when it lies past the decode buckets."""
+    `max_rows` itself when it lies past the kernel's buckets (the dense path's dequantization)."""
     counts = [b for b in ROW_BUCKETS if b <= max_rows]
-    if max_rows > DECODE_MAX_ROWS:
+    if max_rows > KERNEL_MAX_ROWS:
         counts.append(max_rows)
     elif not counts or counts[-1] < max_rows:
         counts.append(row_bucket(max_rows))
@@ -380,12 +364,16 @@ def fp8_linear_reference(
     block: tuple[int, int],
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The kernel's oracle in plain PyTorch: the weight dequantized in fp32 (`W[i, j] * scale[i // b0, j // b1]`,
-    ragged edges cut), the product and bias in fp32, one rounding to x's dtype."""
+    """The kernel's oracle in plain PyTorch: x quantized per row and b1 group and dequantized again
+    (`moe_tiles.quantize_row_groups`), the weight dequantized in fp32 (`W[i, j] * scale[i // b0, j // b1]`, ragged
+    edges cut), the product and bias in fp32, one rounding to x's dtype."""
     out_features, in_features = weight.shape
+    x2 = x.reshape(-1, in_features)
+    q, q_scale = quantize_row_groups(x2, block[1])
+    xs = (q.float() * q_scale.repeat_interleave(block[1], dim=1)[:, :in_features]).reshape(x.shape)
     s = scale.float().repeat_interleave(block[0], dim=0)[:out_features]
     s = s.repeat_interleave(block[1], dim=1)[:, :in_features]  # [N, K]
-    y = x.float() @ (weight.float() * s).T
+    y = xs @ (weight.float() * s).T
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)

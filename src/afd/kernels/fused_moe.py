@@ -29,11 +29,12 @@ import torch
 import triton
 
 from afd.kernels import int_kind
+from afd.kernels.fp8_quant import quantize_rows
 from afd.kernels.moe_combine import combine_pairs
 from afd.kernels.moe_down import expert_down
 from afd.kernels.moe_gate_up import check_gate_up, expert_gate_up
 from afd.kernels.moe_sort import PAIR_BLOCK, pair_tile, sort_pairs
-from afd.kernels.moe_tiles import DTYPES, TileConfig, quantize_row_groups, rows_per_expert_hint, tile_bucket
+from afd.kernels.moe_tiles import DTYPES, TileConfig, rows_per_expert_hint, tile_bucket
 
 
 def routed_compile_key(num_tokens: int, top_k: int, num_local_experts: int) -> tuple:
@@ -71,7 +72,9 @@ def _fp8_rows(x: torch.Tensor, scales: ExpertScales | None) -> tuple[torch.Tenso
     and its scales [N, ceil(K/b1)]."""
     if x.dtype not in DTYPES:
         raise ValueError(f"rows {x.dtype}: need one dtype of {DTYPES}")
-    return (x, None) if scales is None else quantize_row_groups(x, scales.block[1])
+    if scales is None:
+        return x, None
+    return quantize_rows(x, scales.block[1])
 
 
 def _check_experts(

@@ -129,10 +129,11 @@ def _fp8_linear_enabled(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def _block_in_kernel(block: tuple[int, int]) -> bool:
-    """Whether the kernels take scale blocks of this size (b1 a multiple of 16; import only once enabled)."""
-    from afd.kernels.moe_tiles import fp8_block_supported
+    """Whether the kernels take scale blocks of this size (b1 a multiple of 32: they quantize the rows in b1-wide
+    groups for fp8 x fp8 MMAs; import only once enabled)."""
+    from afd.kernels.moe_tiles import FP8_MIN_BLOCK_K, fp8_block_supported
 
-    return fp8_block_supported(block)
+    return fp8_block_supported(block, FP8_MIN_BLOCK_K)
 
 
 def dequantized(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
