@@ -25,7 +25,15 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from afd.kernels.fp8_linear import KERNEL_MAX_ROWS, LinearConfig, choose_config, dequantize_weight, fp8_linear, sm_count
+from afd.kernels.fp8_linear import (
+    KERNEL_MAX_ROWS,
+    LinearConfig,
+    choose_config,
+    dequantize_weight,
+    fp8_linear,
+    sm_count,
+    takes_kernel,
+)
 from afd.model.fp8 import dequantize, quantize
 from afd.profiling.graph_timing import graph_ms
 
@@ -116,11 +124,11 @@ def bench_rows(shape: tuple[str, str, int, int, int], weights: list, dense: list
     bf16_ms = timed([lambda d=d: F.linear(x, d) for d in dense])
     report("bf16", shape, bf16_ms, 2 * n * k + io)
     fp8_ms = timed([lambda w=w, s=s: fp8_linear(x, w, s, block) for w, s in weights])
-    on_kernel = rows <= KERNEL_MAX_ROWS
+    on_kernel = takes_kernel(rows, n)
     tile = list(vars(choose_config(rows, n, k, block, sms)).values()) if on_kernel else "dense"
     report("fp8", shape, fp8_ms, fp8_bytes, fp8_over_bf16=round(fp8_ms / bf16_ms, 3), tile=tile)
-    if not on_kernel:  # the kernel past its bound, at the last bucket's tile
-        cfg = choose_config(KERNEL_MAX_ROWS, n, k, block, sms)
+    if not on_kernel:  # the kernel where the dense path runs, at the tile of the bucket that covers M
+        cfg = choose_config(min(rows, KERNEL_MAX_ROWS), n, k, block, sms)
         ms = timed([lambda w=w, s=s: fp8_linear(x, w, s, block, config=cfg) for w, s in weights])
         report("fp8-kernel", shape, ms, fp8_bytes, fp8_over_bf16=round(ms / bf16_ms, 3), tile=list(vars(cfg).values()))
     ms = timed([lambda w=w, s=s: F.linear(x, dequantize_weight(w, s, block, x.dtype)) for w, s in weights])

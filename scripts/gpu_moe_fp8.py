@@ -92,6 +92,9 @@ SWEEP_SHAPES = [
     for bn, bk in ((32, 128), (64, 128), (128, 128), (128, 64), (256, 128))
     for w, st in ((4, 3), (4, 5), (8, 4), (4, 8))
 ]
+# (block_n, block_k, warps, stages) also tried with 128 rows a tile where the table's largest row bucket runs
+# (prefill sizes: more rows per weight tile read)
+WIDE_ROW_SHAPES = [(128, 128, 8, 3), (64, 128, 8, 3), (128, 128, 4, 3), (128, 64, 8, 4)]
 scale_bytes = 1 + 4 / (block[0] * block[1])  # one byte per weight plus its share of an fp32 scale
 # (rows, columns, warps) of the dequantization pass tried by --sweep-dequant
 DEQUANT_SHAPES = [(32, 128, 4), (64, 128, 4), (64, 128, 8), (128, 128, 8), (32, 256, 4), (64, 256, 8), (16, 512, 4)]
@@ -121,7 +124,8 @@ for T in [int(t) for t in args.tokens.split(",")]:
     report("fp8-dequant", T, dq, scale_bytes)
     if args.sweep:  # the table's row bucket for this T (what the kernels pick), other tile shapes around it
         bm = tile_bucket(rows_per_expert_hint(T, K, E))
-        for bn, bk, warps, stages in SWEEP_SHAPES:
+        wide = [(128, bn, bk, w, st) for bn, bk, w, st in WIDE_ROW_SHAPES] if bm == tile_bucket(1 << 20) else []
+        for bm, bn, bk, warps, stages in [(bm, *shape) for shape in SWEEP_SHAPES] + wide:
             cfg = TileConfig(bm, bn, bk, warps, stages)
             try:
                 ms = timed(fp8_step((cfg, cfg)), T)

@@ -109,12 +109,19 @@ def test_dequantize_weight_takes_stacks_and_their_halves(inter, hidden, block):
 
 
 @cpu_only
-def test_past_the_kernel_rows_the_dense_path_runs():
-    """More than KERNEL_MAX_ROWS rows: F.linear on the dequantized weight (bias included), bit for bit."""
+def test_where_the_kernel_does_not_take_the_rows_the_dense_path_runs(monkeypatch):
+    """Past 64 rows for a weight narrower than WIDE_MIN_N, past KERNEL_MAX_ROWS for any: F.linear on the dequantized
+    weight (bias included), bit for bit; a weight as wide as WIDE_MIN_N takes the kernel up to KERNEL_MAX_ROWS."""
     layer = _linear((128, 128), bias=True, seed=4)
-    x = torch.randn(kfl.KERNEL_MAX_ROWS + 1, K, generator=torch.Generator().manual_seed(4))
+    for rows in (kfl.NARROW_MAX_ROWS + 1, kfl.KERNEL_MAX_ROWS + 1):
+        x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
+        got = fp8_linear(x, layer.weight, layer.weight_scale_inv, layer.block, layer.bias)
+        assert torch.equal(got, F.linear(x, layer.dequantized(torch.float32), layer.bias))
+    monkeypatch.setattr(kfl, "WIDE_MIN_N", N)  # this weight counts as wide: the kernel's 256-row bucket
+    x = torch.randn(kfl.NARROW_MAX_ROWS + 1, K, generator=torch.Generator().manual_seed(5))
     got = fp8_linear(x, layer.weight, layer.weight_scale_inv, layer.block, layer.bias)
-    assert torch.equal(got, F.linear(x, layer.dequantized(torch.float32), layer.bias))
+    assert _rel(got, fp8_linear_reference(x, layer.weight, layer.weight_scale_inv, layer.block, layer.bias)) <= 1e-5
+    assert not torch.equal(got, F.linear(x, layer.dequantized(torch.float32), layer.bias))
 
 
 CONFIGS = [
@@ -170,10 +177,19 @@ def test_tile_choice_depends_on_the_row_bucket_only():
     wide = choose_config(1, 24576, 1536, (128, 128), 132)  # V3's q_b_proj: N alone fills the GPU
     assert wide.split_k == 1 and wide.block_n == 64
     assert choose_config(1, 64, 96, (16, 96), 132).block_k == 32
-    with pytest.raises(ValueError, match="at most 64"):
+    assert choose_config(100, 7168, 16384, (128, 128), 132) == kfl.LinearConfig(128, 64, 128, 1, num_stages=3)
+    with pytest.raises(ValueError, match="at most 256"):
         choose_config(kfl.KERNEL_MAX_ROWS + 1, 2048, 2048, (128, 128), 132)
-    assert kfl.warm_up_rows(8192) == [16, 32, 64, 8192]
-    assert kfl.warm_up_rows(40) == [16, 32, 64] and kfl.warm_up_rows(1) == [16]
+    assert kfl.warm_up_rows(8192) == [16, 32, 64, 256, 8192]
+    assert kfl.warm_up_rows(40) == [16, 32, 64] and kfl.warm_up_rows(1) == [16] and kfl.warm_up_rows(100)[-1] == 256
+    # past 64 rows only wide weights take the kernel; past 256 none
+    assert [kfl.takes_kernel(m, n) for m, n in ((64, 576), (65, 576), (65, 4096), (256, 7168), (257, 7168))] == [
+        True,
+        False,
+        True,
+        True,
+        False,
+    ]
 
 
 @cpu_only

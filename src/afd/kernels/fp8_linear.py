@@ -11,12 +11,14 @@ Layout: the weight tile is the MMA's M side and the rows of x its N side ("swap 
 tensor-core tile. Tiles come from a fixed table by row count (no autotuning at run time: deterministic,
 capturable). These sizes are bound by reading the weight: the N dimension is split into narrow tiles and, where N
 alone gives fewer programs than the GPU has SMs, K too (`split_k`: fp32 partials summed after, deterministic).
-Past `KERNEL_MAX_ROWS` rows cuBLAS's bf16 GEMM outruns this kernel, so the weight is dequantized into a scratch
-copy (`dequantize_weight`, one pass over the fp8 bytes) and multiplied there. Why these bounds (one H200,
-`scripts/gpu_fp8_linear.py`): at 1-64 rows fp8 rows beat bf16 rows converted from fp8 tiles at V3's shapes
-(`o_proj` at one row 39 against 61 us, cuBLAS bf16 63), at 256 rows the dense path beat either kernel form at
-every V2-Lite and V3 shape but one, where they tied. A configuration depends only on M's bucket, so `warm_up`
-compiles every variant a weight meets. Nothing reads device values on the host: CUDA-graph capturable.
+Elsewhere (`takes_kernel`: past 64 rows for weights narrower than `WIDE_MIN_N`, past `KERNEL_MAX_ROWS` for any)
+the weight is dequantized into a scratch copy (`dequantize_weight`, one pass over the fp8 bytes, five bytes moved
+per weight) and cuBLAS multiplies. Why these bounds (one H200, `scripts/gpu_fp8_linear.py --sweep`, every V2-Lite
+and V3 linear): at 1-64 rows fp8 rows beat bf16 rows converted from fp8 tiles at V3's shapes (`o_proj` at one row
+39 against 61 us, cuBLAS bf16 63); at 128 and 256 rows the kernel's 128 x 64 tiles beat the dense path for
+every weight of 4,096 rows or more (V3 `o_proj` at 256 rows 142 against 181 us) and lost or tied below. A
+configuration depends only on M's bucket, so `warm_up` compiles every variant a weight meets. Nothing reads device
+values on the host: CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -40,8 +42,10 @@ from afd.kernels.moe_tiles import (
 )
 
 # M buckets of the tile table; past the last one, the dense path
-ROW_BUCKETS = (16, 32, 64)
+ROW_BUCKETS = (16, 32, 64, 256)
 KERNEL_MAX_ROWS = ROW_BUCKETS[-1]
+NARROW_MAX_ROWS = 64  # past this, only weights of at least WIDE_MIN_N rows take the kernel
+WIDE_MIN_N = 4096
 MIN_K_STEPS_PER_SPLIT = 4  # a K split keeps at least this many steps, so its pipeline fills
 MAX_SPLIT_K = 4  # more splits cost the reduction more than they gain (H200 sweep)
 DEFAULT_SM_COUNT = 132  # where there is no CUDA device to ask (Triton's interpreter): an H100/H200's
@@ -60,9 +64,14 @@ class LinearConfig:
     num_stages: int = 4
 
 
-# Per M bucket: (block_m, block_n candidates, largest first); `choose_config` picks the width and the K splits
-# (`scripts/gpu_fp8_linear.py --sweep` times alternatives). A stage holds a 64 x 128 fp8 tile (8 KiB).
-_TABLE = {16: (16, (64, 32, 16)), 32: (32, (64, 32, 16)), 64: (64, (64, 32, 16))}
+# Per M bucket: (block_m, block_n candidates, largest first, stages); `choose_config` picks the width and the K
+# splits (`scripts/gpu_fp8_linear.py --sweep` times alternatives). A stage holds a 64 x 128 fp8 weight tile (8 KiB).
+_TABLE = {16: (16, (64, 32, 16), 4), 32: (32, (64, 32, 16), 4), 64: (64, (64, 32, 16), 4), 256: (128, (64,), 3)}
+
+
+def takes_kernel(num_rows: int, out_features: int) -> bool:
+    """Whether `fp8_linear` runs the kernel for M rows and N outputs rather than the dense path."""
+    return num_rows <= NARROW_MAX_ROWS or (num_rows <= KERNEL_MAX_ROWS and out_features >= WIDE_MIN_N)
 
 
 def row_bucket(num_rows: int) -> int:
@@ -81,7 +90,7 @@ def choose_config(
     bucket = row_bucket(num_rows)
     if not bucket:
         raise ValueError(f"{num_rows} rows: the kernel takes at most {KERNEL_MAX_ROWS} (past that, the dense path)")
-    block_m, widths = _TABLE[bucket]
+    block_m, widths, stages = _TABLE[bucket]
     block_k = scaled_block_k(128, block[1], FP8_MIN_BLOCK_K)
     m_tiles = triton.cdiv(bucket, block_m)
     k_steps = triton.cdiv(in_features, block_k)
@@ -90,7 +99,7 @@ def choose_config(
         (w for w in widths if triton.cdiv(out_features, w) * m_tiles * max_split >= sm_count // 2), widths[-1]
     )
     split = 1 if triton.cdiv(out_features, block_n) * m_tiles >= sm_count else max_split
-    return LinearConfig(block_m, block_n, block_k, split)
+    return LinearConfig(block_m, block_n, block_k, split, num_stages=stages)
 
 
 @triton.jit(do_not_specialize=["num_rows"])  # one compiled kernel for every M of a bucket
@@ -193,8 +202,8 @@ def fp8_linear(
 ) -> torch.Tensor:
     """`x [..., K] @ (weight * scale).T + bias -> [..., N]` in x's dtype: `weight [N, K] float8_e4m3fn`,
     `scale [ceil(N/b0), ceil(K/b1)] fp32` with `block = (b0, b1)` (b1 a multiple of 32, any b0), `bias [N]`.
-    Up to `KERNEL_MAX_ROWS` rows x is quantized per row and b1 group first (`fp8_linear_reference` says what
-    that computes); past them, the dense path. `config`: a tile configuration other than the table's (tests,
+    Where the kernel runs (`takes_kernel`) x is quantized per row and b1 group first (`fp8_linear_reference`
+    says what that computes); elsewhere, the dense path. `config`: a tile configuration other than the table's (tests,
     sweeps; the kernel at any M). Allocations depend on shapes only."""
     out_features, in_features = check_fp8_linear(x, weight, scale, block, bias)
     lead = x.shape[:-1]
@@ -202,7 +211,7 @@ def fp8_linear(
     num_rows = x2.shape[0]
     if num_rows == 0 or out_features == 0:
         return x.new_zeros(*lead, out_features)
-    if config is None and num_rows > KERNEL_MAX_ROWS:
+    if config is None and not takes_kernel(num_rows, out_features):
         return F.linear(x, dequantize_weight(weight, scale, block, x.dtype), None if bias is None else bias.to(x.dtype))
     cfg = config or choose_config(num_rows, out_features, in_features, block, sm_count(x.device))
     block_k = scaled_block_k(cfg.block_k, block[1], FP8_MIN_BLOCK_K)
