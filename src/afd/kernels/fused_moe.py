@@ -15,7 +15,7 @@ Tile shapes come from the fixed table in `moe_tiles`.
 
 Block-scaled FP8 experts (DeepSeek-V3's format: `w13`/`w2` float8_e4m3fn, one fp32 scale per `(b0, b1)` block,
 passed as `ExpertScales`) take the same four launches with fp8 rows: x, and each pair's SwiGLU output before the
-down projection, quantized per row in groups of `b1` (`moe_tiles.quantize_row_groups`, DeepSeek-V3's 1 x 128
+down projection, quantized per row in groups of `b1` (`fp8_quant.quantize_rows`, DeepSeek-V3's 1 x 128
 activations), so both GEMMs are fp8 x fp8 MMAs with both scales applied in registers: half the weight bytes of
 bf16, no weight tile converted, nothing dequantized in memory. On one H200 that beats converting each weight tile
 to bf16 rows at every batch size measured (1 to 4096 tokens; docs/fp8.md), so it is the only FP8 form.
@@ -139,7 +139,7 @@ def fused_routed_experts(
     topk_ids: [T, K] int; topk_weights: [T, K] fp32; w13: [E, 2I, H]; w2: [E, H, I] (x's dtype, or FP8 with
     `scales`). No host sync and shapes that depend only on (T, K): capturable in a CUDA graph; no atomics: the same
     bits every run. FP8 experts take fp8 rows: x and each pair's SwiGLU output quantized per row in groups of the
-    block's width `b1` (`quantize_row_groups`), both GEMMs fp8 x fp8.
+    block's width `b1` (`fp8_quant.quantize_rows`), both GEMMs fp8 x fp8.
     """
     rows, x_scale = _fp8_rows(x, scales)  # [T, H], [T, ceil(H/b1)] (FP8 only)
     num_experts, hidden, _ = _check_experts(rows, x_scale, w13, w2, scales)
