@@ -91,6 +91,10 @@ def format_errors(rows: list[dict], tolerance: float) -> str:
         m = "-" if r["measured"] is None else f"{r['measured']:.4g}"
         s = "-" if r["simulated"] is None else f"{r['simulated']:.4g}"
         lines.append(f"{r['rate']!s:>6} {r['metric']:<20} {m:>12} {s:>12} {err:>8}{flag}")
-    worst = max((r["error"] for r in rows if r["judged"] and r["error"] is not None), default=0.0)
-    lines.append(f"worst error {worst * 100:.1f}% against a tolerance of {tolerance * 100:.0f}%")
+    judged = [r["error"] for r in rows if r["judged"] and r["error"] is not None]
+    within = sum(err <= tolerance for err in judged)
+    worst = max(judged, default=0.0)
+    lines.append(
+        f"{within} of {len(judged)} judged metrics within {tolerance * 100:.0f}%; worst error {worst * 100:.1f}%"
+    )
     return "\n".join(lines)
