@@ -37,7 +37,7 @@ cpu_only = pytest.mark.skipif(not INTERPRET, reason="interpreter test (runs wher
 
 N, K = 200, 288  # two 128-blocks plus a ragged one along K, one plus a ragged one along N; ragged for 16 and 24 too
 BLOCKS = [(32, 32), (128, 128), (24, 32)]
-ROWS = [1, 7, 33, 64]  # every tile bucket (past 64 rows, the dense path: its own test)
+ROWS = [1, 7, 20, 33, 64]  # the 16, 32 and 64 buckets (past 64 rows, the dense path: its own test)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -111,12 +111,18 @@ def test_dequantize_weight_takes_stacks_and_their_halves(inter, hidden, block):
 @cpu_only
 def test_where_the_kernel_does_not_take_the_rows_the_dense_path_runs(monkeypatch):
     """Past 64 rows for a weight narrower than WIDE_MIN_N, past KERNEL_MAX_ROWS for any: F.linear on the dequantized
-    weight (bias included), bit for bit; a weight as wide as WIDE_MIN_N takes the kernel up to KERNEL_MAX_ROWS."""
+    weight (bias included) and the rows rounded to the kernel's fp8 grid, bit for bit, within 1e-5 of the kernel's
+    reference (one function whichever path a size takes); a weight as wide as WIDE_MIN_N takes the kernel up to
+    KERNEL_MAX_ROWS."""
     layer = _linear((128, 128), bias=True, seed=4)
     for rows in (kfl.NARROW_MAX_ROWS + 1, kfl.KERNEL_MAX_ROWS + 1):
         x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
         got = fp8_linear(x, layer.weight, layer.weight_scale_inv, layer.block, layer.bias)
-        assert torch.equal(got, F.linear(x, layer.dequantized(torch.float32), layer.bias))
+        on_grid = kfl.on_fp8_grid(x, layer.block[1])
+        assert 0 < (on_grid - x).abs().max() < 0.1 * x.abs().max()
+        assert torch.equal(got, F.linear(on_grid, layer.dequantized(torch.float32), layer.bias))
+        ref = fp8_linear_reference(x, layer.weight, layer.weight_scale_inv, layer.block, layer.bias)
+        assert _rel(got, ref) <= 1e-5
     monkeypatch.setattr(kfl, "WIDE_MIN_N", N)  # this weight counts as wide: the kernel's 256-row bucket
     x = torch.randn(kfl.NARROW_MAX_ROWS + 1, K, generator=torch.Generator().manual_seed(5))
     got = fp8_linear(x, layer.weight, layer.weight_scale_inv, layer.block, layer.bias)

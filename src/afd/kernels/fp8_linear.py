@@ -8,17 +8,18 @@ multiplied by the weight rows' and the x rows' scales of that block. Only the fp
 leave memory; no dequantized weight is written.
 
 Layout: the weight tile is the MMA's M side and the rows of x its N side ("swap AB"), so 1..16 rows still fill a
-tensor-core tile. Tiles come from a fixed table by row count (no autotuning at run time: deterministic,
-capturable). These sizes are bound by reading the weight: the N dimension is split into narrow tiles and, where N
-alone gives fewer programs than the GPU has SMs, K too (`split_k`: fp32 partials summed after, deterministic).
-Elsewhere (`takes_kernel`: past 64 rows for weights narrower than `WIDE_MIN_N`, past `KERNEL_MAX_ROWS` for any)
-the weight is dequantized into a scratch copy (`dequantize_weight`, one pass over the fp8 bytes, five bytes moved
-per weight) and cuBLAS multiplies. Why these bounds (one H200, `scripts/gpu_fp8_linear.py --sweep`, every V2-Lite
-and V3 linear): at 1-64 rows fp8 rows beat bf16 rows converted from fp8 tiles at V3's shapes (`o_proj` at one row
-39 against 61 us, cuBLAS bf16 63); at 128 and 256 rows the kernel's 128 x 64 tiles beat the dense path for
-every weight of 4,096 rows or more (V3 `o_proj` at 256 rows 142 against 181 us) and lost or tied below. A
-configuration depends only on M's bucket, so `warm_up` compiles every variant a weight meets. Nothing reads device
-values on the host: CUDA-graph capturable.
+tensor-core tile. Tiles come from a fixed table by row count (no autotuning at run time: deterministic, capturable).
+These sizes are bound by reading the weight: the N dimension is split into narrow tiles and, where N alone gives
+fewer programs than the GPU has SMs, K too (`split_k`: fp32 partials summed after, deterministic). Elsewhere
+(`takes_kernel`: past 64 rows for weights narrower than `WIDE_MIN_N`, past `KERNEL_MAX_ROWS` for any) the weight is
+dequantized into a scratch copy (`dequantize_weight`, one pass over the fp8 bytes, five bytes moved per weight) and
+cuBLAS multiplies rows rounded to the kernel's fp8 grid (`on_fp8_grid`), so that both paths compute one function and
+a step's result does not depend on which its size (padding included) picked. Why these bounds (one H200,
+`scripts/gpu_fp8_linear.py --sweep`, every V2-Lite and V3 linear): at 1-64 rows fp8 rows beat bf16 rows converted
+from fp8 tiles at V3's shapes (`o_proj` at one row 39 against 61 us, cuBLAS bf16 63); at 128 and 256 rows the
+kernel's 128 x 64 tiles beat the dense path for every weight of 4,096 rows or more (V3 `o_proj` at 256 rows 142
+against 181 us) and lost or tied below. A configuration depends only on M's bucket, so `warm_up` compiles every
+variant a weight meets. Nothing reads device values on the host: CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -191,6 +192,14 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def on_fp8_grid(x: torch.Tensor, group: int) -> torch.Tensor:
+    """Rows `x [..., K]` quantized per row and group of `group` columns as the kernel quantizes them, and back in x's
+    dtype (two launches on a GPU: `quantize_rows`, then `dequantize_weight` with `(1, group)` blocks)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    q, q_scale = quantize_rows(x2, group)
+    return dequantize_weight(q, q_scale, (1, group), x.dtype).view(x.shape)
+
+
 def fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -202,9 +211,9 @@ def fp8_linear(
 ) -> torch.Tensor:
     """`x [..., K] @ (weight * scale).T + bias -> [..., N]` in x's dtype: `weight [N, K] float8_e4m3fn`,
     `scale [ceil(N/b0), ceil(K/b1)] fp32` with `block = (b0, b1)` (b1 a multiple of 32, any b0), `bias [N]`.
-    Where the kernel runs (`takes_kernel`) x is quantized per row and b1 group first (`fp8_linear_reference`
-    says what that computes); elsewhere, the dense path. `config`: a tile configuration other than the table's (tests,
-    sweeps; the kernel at any M). Allocations depend on shapes only."""
+    x is quantized per row and b1 group (`fp8_linear_reference` says what that computes): in the kernel where it
+    runs (`takes_kernel`), else rounded to that grid for the dense path. `config`: a tile configuration other than
+    the table's (tests, sweeps; the kernel at any M). Allocations depend on shapes only."""
     out_features, in_features = check_fp8_linear(x, weight, scale, block, bias)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, in_features)  # [M, K]
@@ -212,7 +221,8 @@ def fp8_linear(
     if num_rows == 0 or out_features == 0:
         return x.new_zeros(*lead, out_features)
     if config is None and not takes_kernel(num_rows, out_features):
-        return F.linear(x, dequantize_weight(weight, scale, block, x.dtype), None if bias is None else bias.to(x.dtype))
+        w = dequantize_weight(weight, scale, block, x.dtype)
+        return F.linear(on_fp8_grid(x, block[1]), w, None if bias is None else bias.to(x.dtype))
     cfg = config or choose_config(num_rows, out_features, in_features, block, sm_count(x.device))
     block_k = scaled_block_k(cfg.block_k, block[1], FP8_MIN_BLOCK_K)
     k_steps = triton.cdiv(in_features, block_k)
