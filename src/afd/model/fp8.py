@@ -120,7 +120,7 @@ def _fp8_convert_capable(device_index: int) -> bool:
 
 def _fp8_linear_enabled(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether rows of `dtype` on `device` take the FP8 linear kernel: `afd.kernels.enabled` (CUDA, Triton, not
-    inside `eager_ops`), a 16/32-bit float dtype, and a GPU that converts fp8 in registers."""
+    inside `eager_ops`), a 16/32-bit float dtype, and a GPU with fp8 tensor cores (sm89+)."""
     return (
         dtype in (torch.bfloat16, torch.float16, torch.float32)
         and kernels.enabled(device)

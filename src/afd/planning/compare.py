@@ -95,6 +95,6 @@ def format_errors(rows: list[dict], tolerance: float) -> str:
     within = sum(err <= tolerance for err in judged)
     worst = max(judged, default=0.0)
     lines.append(
-        f"{within} of {len(judged)} judged metrics within {tolerance * 100:.0f}%; worst error {worst * 100:.1f}%"
+        f"{within} of {len(judged)} judged metrics within {tolerance * 100:g}%; worst error {worst * 100:.1f}%"
     )
     return "\n".join(lines)
