@@ -39,7 +39,10 @@ GPU_SHAPES = {
     "batches": [1, 8, 64, 256],
     "contexts": [512, 2048],
     "prefills": [(1, 128), (1, 512), (1, 1024), (1, 2048), (8, 1024)],
-    "mixed": [(64, 256), (64, 1024), (256, 512)],  # (decodes, prompt chunk), at each context
+    # (decodes, prompt chunk), at each context. The small batches because a chunk beside 64 or 256 decodes cost ~6
+    # ms more than a lone prompt's part and the decodes add up to (H200), while served steps beside a few decodes
+    # (16 req/s) did not pay it: docs/planning.md, "Again, a later session"
+    "mixed": [(8, 256), (16, 512), (64, 256), (64, 1024), (256, 512)],
     "tokens": [1, 8, 64, 256, 512, 1024, 2048, 4096],  # both sides of the kernels' bound (costs.kernel_max_pairs)
 }
 
