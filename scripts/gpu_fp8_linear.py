@@ -99,13 +99,14 @@ def timed(calls) -> float:
 
 
 def sweep_configs(rows: int) -> list[LinearConfig]:
-    """A few tile shapes around the table's for this M; past the table's rows, larger tiles (where the kernel
-    might overtake the dense path)."""
+    """A few tile shapes around the table's for this M (narrower row tiles too, several per program); past the
+    table's rows, larger tiles (where the kernel might overtake the dense path)."""
     if rows > KERNEL_MAX_ROWS:
         shapes = [(64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 128, 8, 4), (128, 64, 8, 4)]
         return [LinearConfig(bm, bn, 128, split, w, st) for bm, bn, w, st in shapes for split in (1, 2)]
-    bm = 16 if rows <= 16 else 32 if rows <= 32 else 64
-    return [LinearConfig(bm, bn, 128, split) for bn in (16, 32, 64) for split in (1, 2, 4)]
+    bucket = 16 if rows <= 16 else 32 if rows <= 32 else 64
+    shapes = [(bm, warps) for bm in (16, 32, 64) if bm <= bucket for warps in (4, 8) if warps == 4 or bm == 64]
+    return [LinearConfig(bm, bn, 128, split, w) for bm, w in shapes for bn in (16, 32, 64) for split in (1, 2, 4)]
 
 
 def report(row: str, shape: tuple[str, str, int, int, int], ms: float, moved: int, **extra) -> None:

@@ -120,6 +120,8 @@ def test_where_the_kernel_does_not_take_the_rows_the_dense_path_runs(monkeypatch
         got = fp8_linear(x, layer.weight, layer.weight_scale_inv, layer.block, layer.bias)
         on_grid = kfl.on_fp8_grid(x, layer.block[1])
         assert 0 < (on_grid - x).abs().max() < 0.1 * x.abs().max()
+        codes, scales = quantize_row_groups(x, layer.block[1])
+        assert torch.equal(on_grid, dequantize(codes, scales, (1, layer.block[1])))
         assert torch.equal(got, F.linear(on_grid, layer.dequantized(torch.float32), layer.bias))
         ref = fp8_linear_reference(x, layer.weight, layer.weight_scale_inv, layer.block, layer.bias)
         assert _rel(got, ref) <= 1e-5
@@ -146,13 +148,16 @@ CONFIGS = [
 )
 def test_fp8_linear_tile_shapes_with_bias_and_leading_dims(block, config):
     """Tile shapes, K splits, a bias and rows `[2, 9, K]` (any leading shape; 18 rows, a partial
-    row tile for every block_m) = the reference."""
+    row tile for every block_m) = the reference; a second call gives the same bits (a split's last program sums the
+    partials and leaves its tile's counter at zero again)."""
     layer = _linear(block, bias=True, seed=3)
     x = torch.randn(2, 9, K, generator=torch.Generator().manual_seed(2))
     got = fp8_linear(x, layer.weight, layer.weight_scale_inv, block, layer.bias, config=config)
     ref = fp8_linear_reference(x, layer.weight, layer.weight_scale_inv, block, layer.bias)
     assert got.shape == (2, 9, N)
     assert _rel(got, ref) <= 1e-5
+    assert torch.equal(got, fp8_linear(x, layer.weight, layer.weight_scale_inv, block, layer.bias, config=config))
+    assert not kfl.split_counters(x.device, 1).any()
 
 
 def test_tile_choice_depends_on_the_row_bucket_only():
