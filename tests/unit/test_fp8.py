@@ -185,6 +185,25 @@ def test_the_absorbed_decode_reads_kv_b_proj_dequantized_once_at_load(checkpoint
     assert per_call >= loads + 5  # without the kept copy, each of the 5 decode steps expands it again
 
 
+def test_a_kept_dense_weight_serves_every_call(checkpoints, monkeypatch) -> None:
+    """kv_b_proj, kept dequantized for the absorbed decode, multiplies prompts' latents by that copy too, even where
+    the FP8 kernel would run (which quantizes the rows): a sequence's keys and values are one function of its
+    latents whichever form of attention its step takes."""
+    import afd.kernels.fp8_linear as kfl
+    import afd.model.fp8 as fp8_module
+
+    fp8, _ = checkpoints[(16, 16)]
+    kv_b = load_attention_model(fp8).layers[0].self_attn.kv_b_proj
+    monkeypatch.setattr(fp8_module, "_fp8_linear_enabled", lambda device, dtype: True)
+    monkeypatch.setattr(fp8_module, "_block_in_kernel", lambda block: True)
+    monkeypatch.setattr(kfl, "fp8_linear", lambda *a, **k: pytest.fail("the kernel ran"))
+    x = torch.randn(7, kv_b.in_features, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(kv_b(x), torch.nn.functional.linear(x, kv_b.dense))
+    kv_b.dense = None  # without the copy, the kernel
+    with pytest.raises(pytest.fail.Exception, match="the kernel ran"):
+        kv_b(x)
+
+
 def test_estimates_count_fp8_bytes() -> None:
     lite = load_model_config("deepseek-v2-lite")
     bf16 = resources.ffn_weight_bytes(lite, "bfloat16")

@@ -181,7 +181,7 @@ def test_tile_choice_depends_on_the_row_bucket_only():
         (64, 1),
         (64, 4),
     ]
-    assert tile(3072, 2048, rows=64) == (64, 4)
+    assert tile(3072, 2048, rows=64) == (64, 1)  # four 16-row tiles of 48 weight tiles: no split
     kv_a = choose_config(1, 576, 7168, (128, 128), 132)  # V3's kv_a_proj at decode
     assert kv_a.split_k > 1 and kv_a.block_k == 128
     assert -(-7168 // 128) // kv_a.split_k >= kfl.MIN_K_STEPS_PER_SPLIT
@@ -278,13 +278,16 @@ def test_fp8_linear_takes_the_kernel_where_it_runs(monkeypatch):
 
 @cpu_only
 def test_fp8_mlp_runs_its_projections_in_the_kernel(monkeypatch):
-    """A tiny FP8 model's dense MLP (`quantization="fp8"`) with the kernel switched on: its three FP8Linears call the
-    kernel, and the layer equals the same layer through the kernel's reference within 1e-5."""
+    """A tiny FP8 model's dense MLP (`quantization="fp8"`) with the kernel switched on: gate and up stacked into one
+    kernel call (their weights and scales now views of the stack, the state dict's values unchanged), then down; the
+    layer equals the same layer through the kernel's reference within 1e-5."""
     from afd.model.weights import load_ffn_model
 
     ffn = load_ffn_model("tiny", quantization="fp8", gate_on_attention=False)
     dense = next(i for i in range(ffn.config.num_hidden_layers) if not ffn.config.is_moe_layer(i))
     x = torch.randn(5, ffn.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    mlp = ffn.layers[str(dense)].mlp
+    before = {k: v.clone() for k, v in mlp.state_dict().items()}
     monkeypatch.setattr(fp8, "_fp8_linear_enabled", lambda device, dtype: True)
     monkeypatch.setattr(kfl, "fp8_linear", fp8_linear_reference)
     ref = ffn(dense, x, None)
@@ -297,5 +300,48 @@ def test_fp8_mlp_runs_its_projections_in_the_kernel(monkeypatch):
 
     monkeypatch.setattr(kfl, "fp8_linear", recording)
     got = ffn(dense, x, None)
-    assert len(calls) == 3
+    inter, hidden = mlp.gate_proj.out_features, mlp.gate_proj.in_features
+    assert calls == [(2 * inter, hidden), (hidden, inter)]
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    stack = mlp._fp8_gate_up.get()
+    assert mlp.up_proj.weight.data_ptr() == stack.weight[inter:].data_ptr()
+    assert mlp.up_proj.weight_scale_inv.data_ptr() == stack.weight_scale_inv[-1:].data_ptr()
+    after = mlp.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+
+
+@cpu_only
+def test_stacked_fp8_linears_compute_each_parts_output_in_one_call(monkeypatch):
+    """`StackedFP8` of two FP8Linears reading one input (a first part of whole scale blocks, a ragged last one): one
+    kernel call over the stacked weight gives each part's own output (kernel reference, within 1e-6), the parts'
+    tensors become views of the stack and are rebuilt into a new one if a loader replaces a part's weight; parts
+    that cannot stack (a first part ending inside a scale block, a bias) run one by one; off the kernel, part by
+    part."""
+    block = (32, 32)
+    first, last = FP8Linear(K, 64, block), FP8Linear(K, 40, block)
+    for i, part in enumerate((first, last)):
+        part.weight.data, part.weight_scale_inv.data = fp8_weight(part.out_features, K, block, seed=10 + i)
+    x = torch.randn(3, K, generator=torch.Generator().manual_seed(3))
+    wanted = [fp8_linear_reference(x, p.weight, p.weight_scale_inv, block) for p in (first, last)]
+    stacked = fp8.StackedFP8([first, last])
+    assert [o.shape for o in stacked(x)] == [(3, 64), (3, 40)]  # CPU: part by part
+    assert stacked._stack is None
+    monkeypatch.setattr(fp8, "_fp8_linear_enabled", lambda device, dtype: True)
+    calls: list[tuple[int, ...]] = []
+    monkeypatch.setattr(
+        kfl, "fp8_linear", lambda x, w, *a, **kw: calls.append(tuple(w.shape)) or fp8_linear_reference(x, w, *a, **kw)
+    )
+    got = stacked(x)
+    assert calls == [(104, K)]
+    for g, w in zip(got, wanted, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+    stack = stacked.get()
+    assert last.weight.data_ptr() == stack.weight[64:].data_ptr()
+    assert last.weight_scale_inv.data_ptr() == stack.weight_scale_inv[2:].data_ptr()
+    last.weight.data = last.weight.data.clone()  # a loader's new tensor: the stack is built again around it
+    assert stacked.get() is not stack and last.weight.data_ptr() == stacked.get().weight[64:].data_ptr()
+    ragged_first = fp8.StackedFP8([last, first])  # 40 rows end inside a 32-row scale block
+    biased = FP8Linear(K, 64, block, bias=True)
+    assert ragged_first.get() is None and fp8.StackedFP8([biased, last]).get() is None
+    calls.clear()
+    assert [o.shape for o in ragged_first(x)] == [(3, 40), (3, 64)] and len(calls) == 2

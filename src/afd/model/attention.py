@@ -16,7 +16,7 @@ from torch import nn
 from afd import kernels
 from afd.model.batch import Batch, GraphedLayout
 from afd.model.config import ModelConfig
-from afd.model.fp8 import linear, linear_weight
+from afd.model.fp8 import StackedFP8, linear, linear_weight
 from afd.model.kv_cache import DecodeContext, PagedLatentCache, context_rows, decode_context
 from afd.model.layers import RMSNorm, apply_rope
 
@@ -45,6 +45,9 @@ class MLAttention(nn.Module):
         kv_b_out = c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim)
         self.kv_b_proj = linear(c.kv_lora_rank, kv_b_out, block)
         self.o_proj = linear(c.num_attention_heads * c.v_head_dim, c.hidden_size, block, bias=c.attention_bias)
+        # the two projections of x, one FP8 GEMM where they stack (`StackedFP8`)
+        first = self.q_proj if c.q_lora_rank is None else self.q_a_proj
+        self._fp8_x_proj = StackedFP8([first, self.kv_a_proj_with_mqa]) if block else None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Batch, kv_cache: PagedLatentCache | None
@@ -61,13 +64,17 @@ class MLAttention(nn.Module):
         only, so a prefill CUDA graph (graphs.prefill) can hold it while the layout-dependent core runs eagerly."""
         c, nh = self.config, self.num_heads
         T = x.shape[0]
-        if c.q_lora_rank is None:
-            q = self.q_proj(x)
+        if self._fp8_x_proj is not None:
+            q, kv_a = self._fp8_x_proj(x)  # column slices of one output
+            q = q.contiguous() if c.q_lora_rank is None else q  # the attention cores take q's rows packed
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q = self.q_proj(x) if c.q_lora_rank is None else self.q_a_proj(x)
+            kv_a = self.kv_a_proj_with_mqa(x)
+        if c.q_lora_rank is not None:
+            q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(T, nh, c.qk_head_dim)  # [T, nh, D]
         q_pe = q[..., c.qk_nope_head_dim :]
-        kv_c, k_pe = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        kv_c, k_pe = kv_a.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         kv_c = self.kv_a_layernorm(kv_c)  # [T, C]
         apply_rope(q_pe, cos, sin, c.rope_interleave, out=q_pe)  # in place: q is now [q_nope | rotated q_pe]
         k_pe = apply_rope(k_pe, cos, sin, c.rope_interleave)  # [T, R]

@@ -169,7 +169,11 @@ class FP8Linear(nn.Module):
     def keep_dense(self, dtype: torch.dtype) -> None:
         """Keep the weight dequantized in `dtype` beside its FP8 bytes, for a projection also used whole
         (`linear_weight`: MLA's absorbed decode reads kv_b_proj's every step), which would otherwise be expanded at
-        every call. Done at load, so the memory it takes is counted before the KV cache is sized."""
+        every call. Done at load, so the memory it takes is counted before the KV cache is sized. `forward` then
+        multiplies by it too: the rows are not quantized, so a sequence's keys and values are the same whichever
+        form of attention its step takes (expanded for prompts, absorbed for single-token sequences); with the
+        rows quantized in the expansion only, a one-token prompt's output moved by their fp8 rounding (~3%)
+        between a step that attended it as a prompt and one that attended it as a decode."""
         self.dense = self.dequantized(dtype)
 
     def uses_kernel(self, x: torch.Tensor) -> bool:
@@ -177,6 +181,8 @@ class FP8Linear(nn.Module):
         return _fp8_linear_enabled(x.device, x.dtype) and _block_in_kernel(self.block)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None and self.dense.dtype == x.dtype:  # one function for both uses of the weight
+            return F.linear(x, self.dense, self.bias)
         if self.uses_kernel(x):
             from afd.kernels.fp8_linear import fp8_linear
 
@@ -187,12 +193,79 @@ class FP8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}"
 
 
+class StackedFP8:
+    """FP8Linears that read one input (gate and up; q or q_a and kv_a), run as one: their weights and scales stacked
+    along the outputs into one FP8Linear, so the rows are quantized once and one GEMM launches instead of one per
+    part (V2-Lite's small linears are bound by launches, not bytes). Each part's parameters become views of the
+    stack (no second copy; state dict unchanged). `get()` builds it on first use and again if a loader replaced a
+    part's weight, never while a CUDA graph is being captured (a graph that recorded the parts' own addresses would
+    read freed memory once they moved; such parts then stay apart). None where the parts cannot stack: a bias,
+    different blocks, inputs or devices, or a part other than the last ending inside a scale block (the stacked
+    scale rows would then straddle two parts)."""
+
+    def __init__(self, parts: list[nn.Module]) -> None:
+        self.parts = parts
+        self.sizes = [getattr(p, "out_features", 0) for p in parts]
+        self._stack: FP8Linear | None = None
+        self._can_build = (
+            all(isinstance(p, FP8Linear) and p.bias is None for p in parts)
+            and len({(p.block, p.in_features) for p in parts}) == 1
+            and all(p.out_features % p.block[0] == 0 for p in parts[:-1])
+        )
+
+    def get(self) -> FP8Linear | None:
+        stack = self._stack
+        if stack is not None and self._parts_are_views(stack):
+            return stack
+        weights = [p.weight for p in self.parts]
+        if not self._can_build or len({w.device for w in weights}) > 1:
+            return None
+        if weights[0].is_cuda and torch.cuda.is_current_stream_capturing():
+            self._can_build = False
+            return None
+        first = self.parts[0]
+        with torch.device("meta"):
+            stack = FP8Linear(first.in_features, sum(self.sizes), first.block)
+        stack.weight = nn.Parameter(torch.cat([w.detach() for w in weights]), requires_grad=False)
+        scales = [p.weight_scale_inv.detach() for p in self.parts]
+        stack.weight_scale_inv = nn.Parameter(torch.cat(scales), requires_grad=False)
+        if weights[0].is_cuda:  # the parts' own tensors are freed below: no reuse before the copies have read them
+            for old in (*weights, *scales):
+                old.record_stream(torch.cuda.current_stream(weights[0].device))
+        rows = scale_rows = 0
+        for part, size in zip(self.parts, self.sizes, strict=True):
+            part_scale_rows = part.weight_scale_inv.shape[0]
+            part.weight.data = stack.weight[rows : rows + size]
+            part.weight_scale_inv.data = stack.weight_scale_inv[scale_rows : scale_rows + part_scale_rows]
+            rows, scale_rows = rows + size, scale_rows + part_scale_rows
+        self._stack = stack
+        return stack
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Each part's output of rows `x`: through the stack where the kernel runs and the parts stack, else part by
+        part (the CPU path: the dequantized weights' GEMMs gain nothing from one launch)."""
+        stack = self.get() if self.parts[0].uses_kernel(x) else None
+        if stack is None:
+            return [p(x) for p in self.parts]
+        return list(stack(x).split(self.sizes, dim=-1))
+
+    def _parts_are_views(self, stack: FP8Linear) -> bool:
+        rows = 0
+        for part, size in zip(self.parts, self.sizes, strict=True):
+            if part.weight.data_ptr() != stack.weight[rows : rows + size].data_ptr():
+                return False
+            rows += size
+        return True
+
+
 def warm_up_fp8_linears(model: nn.Module, dtype: torch.dtype, max_rows: int) -> int:
     """Compile the FP8 linear kernel for every distinct `FP8Linear` shape of `model` that takes it, at every tile
-    bucket up to `max_rows` rows of `dtype` (`afd.kernels.fp8_linear.warm_up`); returns how many shapes. Nothing
-    where the kernel does not run (CPU, a 16-bit model)."""
+    bucket up to `max_rows` rows of `dtype` (`afd.kernels.fp8_linear.warm_up`), the `StackedFP8` stacks built and
+    warmed too; returns how many shapes. Nothing where the kernel does not run (CPU, a 16-bit model)."""
     seen: set[tuple] = set()
-    for module in model.modules():
+    stacks = [s for m in model.modules() for s in vars(m).values() if isinstance(s, StackedFP8)]
+    built = [s.get() for s in stacks if _fp8_linear_enabled(s.parts[0].weight.device, dtype)]
+    for module in [*model.modules(), *(s for s in built if s is not None)]:
         if not isinstance(module, FP8Linear) or not _fp8_linear_enabled(module.weight.device, dtype):
             continue
         key = (module.out_features, module.in_features, module.block, module.bias is None, module.weight.device)

@@ -10,7 +10,7 @@ from torch import nn
 
 from afd import kernels
 from afd.model.config import ModelConfig
-from afd.model.fp8 import FP8Linear, linear
+from afd.model.fp8 import FP8Linear, StackedFP8, linear
 from afd.model.moe import select_experts
 from afd.routing import Routing
 
@@ -39,8 +39,8 @@ class MLP(nn.Module):
     On CUDA (Triton enabled) gate and up run as one GEMM over a `[2I, H]` weight whose two halves *are*
     `gate_proj.weight` and `up_proj.weight` (views, so no second copy of the weights), then one fused
     `silu(g) * u` kernel, then `down_proj`. Parameter names and the state dict stay as checkpoints have them.
-    With `fp8_block` the three projections are `FP8Linear` (block-scaled FP8, dequantized per matmul) and gate and
-    up stay two GEMMs.
+    With `fp8_block` the three projections are `FP8Linear` (block-scaled FP8) and gate and up run as one FP8 GEMM
+    where they stack (`StackedFP8`: I a multiple of the block's rows).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, fp8_block: tuple[int, int] | None = None) -> None:
@@ -50,15 +50,19 @@ class MLP(nn.Module):
         self.down_proj = linear(intermediate_size, hidden_size, fp8_block)
         self._gate_up: torch.Tensor | None = None  # [2I, H], built on first CUDA use
         self._can_fuse = True  # False once a CUDA graph captured the unfused weights' addresses
+        self._fp8_gate_up = StackedFP8([self.gate_proj, self.up_proj]) if fp8_block else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if kernels.enabled(x.device):
             from afd.kernels.swiglu import silu_mul, swiglu
 
+            if self._fp8_gate_up is not None:
+                return self.down_proj(silu_mul(*self._fp8_gate_up(x)))
             gate_up = self._gate_up_weight()
             h = swiglu(x, gate_up) if gate_up is not None else silu_mul(self.gate_proj(x), self.up_proj(x))
             return self.down_proj(h)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self._fp8_gate_up(x) if self._fp8_gate_up is not None else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(F.silu(gate) * up)
 
     def _gate_up_weight(self) -> torch.Tensor | None:
         """The `[2I, H]` gate/up weight, re-pointing both parameters into it on first use (or after a loader
