@@ -37,6 +37,9 @@
 #                        .whl/old.tar, PAIRS times (default 3), runs NAME_now_i / NAME_old_i (default NAME: capacity);
 #                        ARGS: the workload (default the mixed one, $CAPACITY_REQUESTS requests, default 512), e.g.
 #                        `capacity-ab 1 trace --trace $PWD/docs/bench/traces/prefill_heavy.jsonl`
+#   step-ab [PAIRS] [ARGS]  `afd bench step` (batch 8, 64, 256 at context 512, prefill 8 x 1024; ARGS added, e.g.
+#                        --quantization fp8) on this tree and on the older one of .whl/old.tar, alternated PAIRS times
+#                        (default 2), into $OUT/step_{now,old}_I.json
 #   fanout-ab [PAIRS] [ARGS]  the front end's fan-out (scripts/front_end_fanout.py --streams 1024 --max-tokens 64
 #                        --step-ms 20, no GPU) on this tree and on the older one of .whl/old.tar, alternated PAIRS
 #                        times (default 3), into $OUT/fanout.jsonl (a "tree" key: now / old)
@@ -69,8 +72,8 @@ validation_runs() {
   done
 }
 case $SUB in
-  step|step-fp8|moe-fp8|numerics-fp8|linear-fp8|exchange|stress|offline|timeline|serve|front|front-ab|capacity-ab|fanout-ab|startup|kernels|cross-replica|host|validate|profile|profile-validate) ;;
-  *) echo "usage: bash scripts/gpu_bench.sh step|step-fp8|moe-fp8|numerics-fp8|linear-fp8|exchange|stress|offline|timeline|serve|front|front-ab|capacity-ab|fanout-ab|startup|kernels|cross-replica|host|validate|profile|profile-validate [ARGS...]" >&2
+  step|step-fp8|moe-fp8|numerics-fp8|linear-fp8|exchange|stress|offline|timeline|serve|front|front-ab|capacity-ab|step-ab|fanout-ab|startup|kernels|cross-replica|host|validate|profile|profile-validate) ;;
+  *) echo "usage: bash scripts/gpu_bench.sh step|step-fp8|moe-fp8|numerics-fp8|linear-fp8|exchange|stress|offline|timeline|serve|front|front-ab|capacity-ab|step-ab|fanout-ab|startup|kernels|cross-replica|host|validate|profile|profile-validate [ARGS...]" >&2
     exit 2 ;;
 esac
 log_run "bench_${SUB:-none}"
@@ -128,6 +131,17 @@ case $SUB in
     export CUDA_VISIBLE_DEVICES=0
     name=${2:-capacity}
     capacity_ab "${1:-3}" "${name}_now" "${name}_old" "${@:3}" ;;
+  step-ab)
+    mkdir -p /tmp/old_tree && tar -xf .whl/old.tar -C /tmp/old_tree
+    for ((i = 1; i <= ${1:-2}; i++)); do
+      for tree in now old; do
+        src=src; [[ $tree == old ]] && src=/tmp/old_tree/src
+        echo "== tree $tree, pass $i"
+        CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$src:/tmp/site timeout 150 python3 -m afd bench step "${LITE[@]}" \
+          --batch 8,64,256 --context 512 --prefill 8x1024 "${@:2}" --json "$OUT/step_${tree}_$i.json" \
+          2>"$B/step_${tree}_$i.err" | tail -n 7
+      done
+    done ;;
   fanout-ab)
     mkdir -p /tmp/old_tree && tar -xf .whl/old.tar -C /tmp/old_tree
     for ((i = 1; i <= ${1:-3}; i++)); do
