@@ -48,8 +48,7 @@ def test_gpu_fp8_routed_experts_bf16_v2_lite(block):
     `FUSED_MOE_MAX_PAIRS`): within `SAME_VALUES` of the loop over the quantized rows, within `FP8_ROWS` of the fp32
     loop on unquantized rows and of the bf16 kernel on the weights dequantized to bf16; two runs give the same bits;
     `fp8_routed_experts` dispatches to it up to `FP8_FUSED_MOE_MAX_PAIRS`, past it to the 16-bit path on the
-    weights dequantized in one pass (the same bits as the eager expansion), its rows and SwiGLU outputs rounded to
-    the fp8 grid the kernels quantize them to (within `SAME_VALUES` of the kernels, where bf16 rows are not)."""
+    weights dequantized in one pass (the same bits as the eager expansion)."""
     c = V2_LITE
     q = fp8_experts(c["E"], c["H"], c["I"], block, device="cuda")
     for T in (1, 8, 64, 256, 1024, 4096):  # seeded rows: one token's error varies by draw, so the bound is per input
@@ -74,14 +73,9 @@ def test_gpu_fp8_routed_experts_bf16_v2_lite(block):
             else:  # prefill sizes: the weights dequantized in one pass (the eager expansion's bits), the 16-bit path
                 with eager_ops():
                     assert all(torch.equal(a, b) for a, b in zip(s.dequantized(torch.bfloat16), (b13, b2), strict=True))
-                args16 = (x, r.topk_ids, r.topk_weights, b13, b2, start)
-                dense = moe.routed_experts(*args16, fixed_shape=True, fp8_group=s.block[1])
+                dense = moe.routed_experts(x, r.topk_ids, r.topk_weights, b13, b2, start, fixed_shape=True)
                 assert torch.equal(dispatched, dense), f"T={T}: fp8_routed_experts did not take the 16-bit path"
                 assert _rel(dispatched, oracle) <= FP8_ROWS, f"T={T}: dequantized path vs fp32"
-                # its rows on the fused kernels' fp8 grid: the fused kernels' function (bf16 rows would be ~3% off)
-                assert _rel(dispatched, got) <= SAME_VALUES, f"T={T}: vs the fused kernels {_rel(dispatched, got):.2e}"
-                bf16_rows = moe.routed_experts(*args16, fixed_shape=True)
-                assert _rel(bf16_rows, got) > 2 * _rel(dispatched, got), f"T={T}: the rows were not rounded"
 
 
 @pytest.mark.gpu

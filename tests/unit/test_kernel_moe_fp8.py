@@ -245,9 +245,8 @@ def test_fp8_ffn_model_takes_the_kernels_where_they_run(monkeypatch):
 def test_fp8_experts_leave_the_kernels_past_their_own_bound(monkeypatch):
     """FP8 experts take the fused kernels up to `FP8_FUSED_MOE_MAX_PAIRS` (token, k) pairs or grouped rows, past
     16-bit experts' `FUSED_MOE_MAX_PAIRS` too (within 1e-5 of the loop over quantized rows); past their own bound
-    (prefill sizes) the dequantized weights take `torch._grouped_mm` on rows and SwiGLU outputs rounded to the
-    kernels' fp8 grid: within 1e-5 of the same loop over quantized rows, so one function at every size (the bounds
-    are moved to sizes the interpreter runs quickly), in all three forms."""
+    (prefill sizes) the dequantized weights take the 16-bit path (here its kernels: the bounds are moved to sizes
+    the interpreter runs quickly), in all three forms."""
     monkeypatch.setattr(moe, "_moe_kernels_run", lambda x: True)
     monkeypatch.setattr(moe, "_grouped_mm_supported", lambda device, dtype: True)
     monkeypatch.setattr(moe, "FUSED_MOE_MAX_PAIRS", 128)
@@ -255,26 +254,29 @@ def test_fp8_experts_leave_the_kernels_past_their_own_bound(monkeypatch):
     q = fp8_experts(12, 32, 32, (16, 32), seed=5)
     w13, w2 = q.dequantized(torch.float32)
     calls = _Calls(monkeypatch)
-    for num_tokens, path in ((8, "routed"), (9, None)):  # 64 pairs at top-8, then 72
+    for num_tokens, path in ((8, "routed"), (9, "routed-16bit")):  # 64 pairs at top-8, then 72
         x = torch.randn(num_tokens, 32, generator=torch.Generator().manual_seed(5))
         r = _routing(num_tokens, 12, 8, seed=5)
         calls.seen.clear()
         got = moe.fp8_routed_experts(x, r.topk_ids, r.topk_weights, q, 0, fixed_shape=True)
         seen = list(calls.seen)
-        ref = fp8_rows_routed_reference(x, r.topk_ids, r.topk_weights, q)
-        assert seen == ([path] if path else []) and _rel(got, ref) <= 1e-5, f"{num_tokens}: {_rel(got, ref):.2e}"
-        unrounded = moe.routed_experts(x, r.topk_ids, r.topk_weights, w13, w2, 0, fixed_shape=False)
-        assert _rel(unrounded, ref) > 1e-3  # what the 16-bit path gave on the rows as they came
+        if path == "routed":
+            ref = fp8_rows_routed_reference(x, r.topk_ids, r.topk_weights, q)
+        else:
+            ref = moe.routed_experts(x, r.topk_ids, r.topk_weights, w13, w2, 0, fixed_shape=False)
+        assert seen == [path] and _rel(got, ref) <= 1e-5, f"{num_tokens} tokens: {_rel(got, ref):.2e}"
 
-    for sizes, path in (([30, 0, 20, 14] + [0] * 8, "grouped"), ([30, 0, 20, 25] + [0] * 8, None)):
+    for sizes, path in (([30, 0, 20, 14] + [0] * 8, "grouped"), ([30, 0, 20, 25] + [0] * 8, "grouped-16bit")):
         rows = torch.randn(sum(sizes), 32, generator=torch.Generator().manual_seed(6))
         calls.seen.clear()
         grouped = moe.fp8_grouped_expert_mlp(rows, sizes, q)
         offsets = moe.fp8_grouped_expert_mlp_offsets(rows, torch.tensor(sizes).cumsum(0).to(torch.int32), q)
         seen = list(calls.seen)
-        ref = fp8_rows_grouped_reference(rows, sizes, q)
-        assert seen == ([path, path] if path else []) and _rel(grouped, ref) <= 1e-5, sum(sizes)
-        assert torch.equal(offsets, grouped), sum(sizes)
+        if path == "grouped":
+            ref = fp8_rows_grouped_reference(rows, sizes, q)
+        else:
+            ref = moe.grouped_expert_mlp(rows, sizes, w13, w2, use_grouped_mm=False)
+        assert seen == [path, path] and _rel(grouped, ref) <= 1e-5 and torch.equal(offsets, grouped), sum(sizes)
 
 
 @cpu_only

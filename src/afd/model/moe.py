@@ -206,18 +206,16 @@ def _offsets_on(group_sizes: list[int], device: torch.device) -> torch.Tensor:
 
 
 def grouped_expert_mlp_offsets(
-    x: torch.Tensor, offs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *, fp8_group: int | None = None
+    x: torch.Tensor, offs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
 ) -> torch.Tensor:
     """SwiGLU experts by `torch._grouped_mm` over rows grouped by device offsets, unweighted; no host sync.
 
     x: [N, H]; offs: [E] int32 cumulative group ends on x's device (rows `[offs[i-1], offs[i])` go to expert
     i); w13: [E, 2I, H]; w2: [E, H, I]. Returns [N, H] in x.dtype. Rows at and past `offs[-1]` belong to no
     group and their outputs are undefined (the kernel does not write them): callers must not read them.
-    At most `FUSED_MOE_MAX_PAIRS` rows on CUDA run afd's Triton kernels instead (same contract). `fp8_group`: the
-    SwiGLU output rounded to the fp8 grid in groups of that many columns before the down GEMM, as FP8 experts' fused
-    kernels quantize it (x the caller rounds); always `torch._grouped_mm` then.
+    At most `FUSED_MOE_MAX_PAIRS` rows on CUDA run afd's Triton kernels instead (same contract).
     """
-    if fp8_group is None and _fused_moe_enabled(x, x.shape[0]):
+    if _fused_moe_enabled(x, x.shape[0]):
         from afd.kernels.fused_moe import fused_grouped_expert_mlp
 
         return fused_grouped_expert_mlp(x, offs, w13, w2)
@@ -229,10 +227,6 @@ def grouped_expert_mlp_offsets(
         act = silu_mul(gate, up)  # [N, I]
     else:
         act = F.silu(gate) * up
-    if fp8_group is not None:
-        from afd.kernels.fp8_quant import round_rows_to_fp8
-
-        act = round_rows_to_fp8(act, fp8_group)
     return torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)  # [N, H]
 
 
@@ -276,7 +270,6 @@ def routed_experts(
     expert_start: int = 0,
     *,
     fixed_shape: bool | None = None,
-    fp8_group: int | None = None,
 ) -> torch.Tensor:
     """x [T, H] -> fp32 [T, H]: sum over the (t, k) pairs whose expert is one of the stacked local experts
     `[expert_start, expert_start + E_local)` of `topk_weights[t, k] * expert(x[t])`; other pairs add nothing.
@@ -284,9 +277,6 @@ def routed_experts(
     `fixed_shape=None` picks the fixed-shape path where `torch._grouped_mm` runs natively (CUDA sm90+, bf16)
     and the exact loop elsewhere; see the module docstring. On CUDA the fixed-shape path of a decode-sized
     batch (T*K <= `FUSED_MOE_MAX_PAIRS`) runs afd's Triton kernels (`afd.kernels.fused_moe.fused_routed_experts`).
-    `fp8_group` (FP8 experts' dequantized weights, on the fixed-shape path past the fused kernels): the rows and the
-    SwiGLU outputs rounded to the fp8 grid in groups of that many columns, as the FP8 fused kernels quantize them,
-    through `torch._grouped_mm` (the 16-bit kernels do not round).
     """
     num_local = w13.shape[0]
     if fixed_shape is None:
@@ -299,16 +289,12 @@ def routed_experts(
         return out.index_add_(0, groups.token_idx, y.float() * w[:, None])
     if x.shape[0] == 0 or num_local == 0:
         return torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    if fp8_group is None and _fused_moe_enabled(x, topk_ids.numel()):
+    if _fused_moe_enabled(x, topk_ids.numel()):
         from afd.kernels.fused_moe import fused_routed_experts
 
         return fused_routed_experts(x, topk_ids, topk_weights, w13, w2, expert_start)
     pairs = sort_pairs_by_expert(topk_ids, expert_start, expert_start + num_local)
-    if fp8_group is not None:
-        from afd.kernels.fp8_quant import round_rows_to_fp8
-
-        x = round_rows_to_fp8(x, fp8_group)
-    y = grouped_expert_mlp_offsets(x[pairs.token_idx], pairs.offs, w13, w2, fp8_group=fp8_group)  # [T*K, H]
+    y = grouped_expert_mlp_offsets(x[pairs.token_idx], pairs.offs, w13, w2)  # [T*K, H]
     if kernels.enabled(x.device):  # prefill sizes: one pass from the sorted outputs to the fp32 sum
         from afd.kernels.moe_combine import combine_sorted_pairs
 
@@ -324,16 +310,10 @@ def routed_experts(
 
 
 def _fp8_kernels_take(x: torch.Tensor, experts: FP8Experts, num_pairs: int) -> bool:
-    """Whether FP8 experts run in afd's fused Triton kernels for rows `x`: up to `FP8_FUSED_MOE_MAX_PAIRS` pairs
-    (or grouped rows), where `_fp8_rows_run`."""
-    return num_pairs <= FP8_FUSED_MOE_MAX_PAIRS and _fp8_rows_run(x, experts)
-
-
-def _fp8_rows_run(x: torch.Tensor, experts: FP8Experts) -> bool:
-    """Whether FP8 experts take fp8 rows on this device: where afd's MoE kernels run, for a block size the fused
-    kernels take (b1 a multiple of 32). Past the fused kernels' sizes the 16-bit path then rounds its rows to the
-    same grid, so the experts compute one function whichever path a step's size picks."""
-    if not _moe_kernels_run(x):
+    """Whether FP8 experts run in afd's fused Triton kernels for rows `x`: where the kernels run, up to
+    `FP8_FUSED_MOE_MAX_PAIRS` pairs (or grouped rows), for a block size they take with fp8 rows (b1 a multiple of
+    32)."""
+    if num_pairs > FP8_FUSED_MOE_MAX_PAIRS or not _moe_kernels_run(x):
         return False
     from afd.kernels.moe_tiles import FP8_MIN_BLOCK_K, fp8_block_supported
 
@@ -367,8 +347,7 @@ def fp8_routed_experts(
         w13, w2 = experts.w13, experts.w2
         return fused_routed_experts(x, topk_ids, topk_weights, w13, w2, expert_start, scales=_scales(experts))
     w13, w2 = experts.dequantized(x.dtype)
-    group = experts.block[1] if fixed_shape and _fp8_rows_run(x, experts) else None  # one function at every size
-    return routed_experts(x, topk_ids, topk_weights, w13, w2, expert_start, fixed_shape=fixed_shape, fp8_group=group)
+    return routed_experts(x, topk_ids, topk_weights, w13, w2, expert_start, fixed_shape=fixed_shape)
 
 
 def fp8_grouped_expert_mlp_offsets(x: torch.Tensor, offs: torch.Tensor, experts: FP8Experts) -> torch.Tensor:
@@ -378,22 +357,17 @@ def fp8_grouped_expert_mlp_offsets(x: torch.Tensor, offs: torch.Tensor, experts:
         from afd.kernels.fused_moe import fused_grouped_expert_mlp
 
         return fused_grouped_expert_mlp(x, offs, experts.w13, experts.w2, scales=_scales(experts))
-    if not _fp8_rows_run(x, experts):
-        return grouped_expert_mlp_offsets(x, offs, *experts.dequantized(x.dtype))
-    from afd.kernels.fp8_quant import round_rows_to_fp8
-
-    x = round_rows_to_fp8(x, experts.block[1])  # as the fused kernels quantize the rows
-    return grouped_expert_mlp_offsets(x, offs, *experts.dequantized(x.dtype), fp8_group=experts.block[1])
+    return grouped_expert_mlp_offsets(x, offs, *experts.dequantized(x.dtype))
 
 
 def fp8_grouped_expert_mlp(
     x: torch.Tensor, group_sizes: list[int], experts: FP8Experts, *, use_grouped_mm: bool | None = None
 ) -> torch.Tensor:
-    """`grouped_expert_mlp` with FP8 experts: where it would take the device-offsets path and FP8 experts take fp8
-    rows, `fp8_grouped_expert_mlp_offsets`; else `grouped_expert_mlp` on the dequantized weights."""
+    """`grouped_expert_mlp` with FP8 experts: where it would take the device-offsets path and the fused kernels
+    apply, those on the FP8 weights; else `grouped_expert_mlp` on the dequantized weights."""
     if use_grouped_mm is None:
         use_grouped_mm = _grouped_mm_supported(x.device, x.dtype)
     fits = len(group_sizes) == experts.w13.shape[0] and sum(group_sizes) == x.shape[0]
-    if fits and use_grouped_mm and x.shape[0] > 0 and _fp8_rows_run(x, experts):
+    if fits and use_grouped_mm and x.shape[0] > 0 and _fp8_kernels_take(x, experts, x.shape[0]):
         return fp8_grouped_expert_mlp_offsets(x, _offsets_on(group_sizes, x.device), experts)
     return grouped_expert_mlp(x, group_sizes, *experts.dequantized(x.dtype), use_grouped_mm=use_grouped_mm)
