@@ -93,7 +93,7 @@ def test_gpu_fp8_grouped_expert_mlp_bf16_v2_lite():
         sizes = torch.multinomial(torch.ones(32), total, replacement=True, generator=g).bincount(minlength=32)
         sizes[3] = 0
         n = int(sizes.sum())
-        x = torch.randn(n + 5, c["H"], device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(n + 5, c["H"], generator=torch.Generator().manual_seed(total)).to("cuda", torch.bfloat16)
         offs = sizes.cumsum(0).to(torch.int32).cuda()
         got = kmoe.fused_grouped_expert_mlp(x, offs, q.w13, q.w2, scales=_scales(q))
         ref = fp8_rows_grouped_reference(x, sizes.tolist(), q)
