@@ -340,6 +340,9 @@ def test_stacked_fp8_linears_compute_each_parts_output_in_one_call(monkeypatch):
     assert last.weight_scale_inv.data_ptr() == stack.weight_scale_inv[2:].data_ptr()
     last.weight.data = last.weight.data.clone()  # a loader's new tensor: the stack is built again around it
     assert stacked.get() is not stack and last.weight.data_ptr() == stacked.get().weight[64:].data_ptr()
+    stack = stacked.get()
+    first.weight_scale_inv.data = first.weight_scale_inv.data.clone()  # new scales alone: built again too
+    assert stacked.get() is not stack and first.weight_scale_inv.data_ptr() == stacked.get().weight_scale_inv.data_ptr()
     ragged_first = fp8.StackedFP8([last, first])  # 40 rows end inside a 32-row scale block
     biased = FP8Linear(K, 64, block, bias=True)
     assert ragged_first.get() is None and fp8.StackedFP8([biased, last]).get() is None

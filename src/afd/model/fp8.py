@@ -250,11 +250,15 @@ class StackedFP8:
         return list(stack(x).split(self.sizes, dim=-1))
 
     def _parts_are_views(self, stack: FP8Linear) -> bool:
-        rows = 0
+        """Whether every part's weight and scales still are the stack's rows (a loader may have replaced either)."""
+        rows = scale_rows = 0
         for part, size in zip(self.parts, self.sizes, strict=True):
+            part_scale_rows = part.weight_scale_inv.shape[0]
             if part.weight.data_ptr() != stack.weight[rows : rows + size].data_ptr():
                 return False
-            rows += size
+            if part.weight_scale_inv.data_ptr() != stack.weight_scale_inv[scale_rows].data_ptr():
+                return False
+            rows, scale_rows = rows + size, scale_rows + part_scale_rows
         return True
 
 
