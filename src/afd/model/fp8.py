@@ -207,6 +207,7 @@ class StackedFP8:
         self.parts = parts
         self.sizes = [getattr(p, "out_features", 0) for p in parts]
         self._stack: FP8Linear | None = None
+        self._stacked_at: list[int] = []  # `_addresses()` when the stack was built
         self._can_build = (
             all(isinstance(p, FP8Linear) and p.bias is None for p in parts)
             and len({(p.block, p.in_features) for p in parts}) == 1
@@ -215,7 +216,7 @@ class StackedFP8:
 
     def get(self) -> FP8Linear | None:
         stack = self._stack
-        if stack is not None and self._parts_are_views(stack):
+        if stack is not None and self._addresses() == self._stacked_at:
             return stack
         weights = [p.weight for p in self.parts]
         if not self._can_build or len({w.device for w in weights}) > 1:
@@ -238,7 +239,7 @@ class StackedFP8:
             part.weight.data = stack.weight[rows : rows + size]
             part.weight_scale_inv.data = stack.weight_scale_inv[scale_rows : scale_rows + part_scale_rows]
             rows, scale_rows = rows + size, scale_rows + part_scale_rows
-        self._stack = stack
+        self._stack, self._stacked_at = stack, self._addresses()
         return stack
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
@@ -249,17 +250,9 @@ class StackedFP8:
             return [p(x) for p in self.parts]
         return list(stack(x).split(self.sizes, dim=-1))
 
-    def _parts_are_views(self, stack: FP8Linear) -> bool:
-        """Whether every part's weight and scales still are the stack's rows (a loader may have replaced either)."""
-        rows = scale_rows = 0
-        for part, size in zip(self.parts, self.sizes, strict=True):
-            part_scale_rows = part.weight_scale_inv.shape[0]
-            if part.weight.data_ptr() != stack.weight[rows : rows + size].data_ptr():
-                return False
-            if part.weight_scale_inv.data_ptr() != stack.weight_scale_inv[scale_rows].data_ptr():
-                return False
-            rows, scale_rows = rows + size, scale_rows + part_scale_rows
-        return True
+    def _addresses(self) -> list[int]:
+        """Where each part's weight and scales live: the stack's rows once built, until a loader replaces either."""
+        return [t.data_ptr() for p in self.parts for t in (p.weight, p.weight_scale_inv)]
 
 
 def warm_up_fp8_linears(model: nn.Module, dtype: torch.dtype, max_rows: int) -> int:
