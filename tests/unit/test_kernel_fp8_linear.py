@@ -37,7 +37,7 @@ cpu_only = pytest.mark.skipif(not INTERPRET, reason="interpreter test (runs wher
 
 N, K = 200, 288  # two 128-blocks plus a ragged one along K, one plus a ragged one along N; ragged for 16 and 24 too
 BLOCKS = [(32, 32), (128, 128), (24, 32)]
-ROWS = [1, 7, 20, 33, 64]  # the 16, 32 and 64 buckets (past 64 rows, the dense path: its own test)
+ROWS = [7, 20, 33]  # the 16, 32 and 64 buckets, each with a partial row tile (past 64: the dense path, own test)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
