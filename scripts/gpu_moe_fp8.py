@@ -8,10 +8,10 @@ Triton pass each, then the 16-bit path: what the engine runs past that bound).
 
     PYTHONPATH=src python3 scripts/gpu_moe_fp8.py [--tokens 1,8,64,256] [--layers 26] [--block 128] [--sweep]
 
-`--sweep` also times the FP8 kernels over a few tile shapes per T (the table in afd.kernels.moe_tiles was chosen on
-bf16). `--sweep-dequant` times the dequantization pass alone (both expert weights of every layer, one CUDA graph),
-at its default tile and over other tile shapes, with the rate it moves bytes at (fp8 read, bf16 written). Prints
-one JSON line per row.
+`--sweep` also times the FP8 kernels over a few tile shapes per T, gate/up's and down's each with the other at the
+table's (the table in afd.kernels.moe_tiles was chosen on bf16). `--sweep-dequant` times the dequantization pass
+alone (both expert weights of every layer, one CUDA graph), at its default tile and over other tile shapes, with the
+rate it moves bytes at (fp8 read, bf16 written). Prints one JSON line per row.
 """
 # ruff: noqa: T201  (a script that prints its results)
 
@@ -23,7 +23,14 @@ import json
 import torch
 
 from afd.kernels.fused_moe import ExpertScales, fused_routed_experts
-from afd.kernels.moe_tiles import TileConfig, rows_per_expert_hint, tile_bucket
+from afd.kernels.moe_tiles import (
+    TileConfig,
+    down_config,
+    fit_dtype,
+    gate_up_config,
+    rows_per_expert_hint,
+    tile_bucket,
+)
 from afd.model.fp8 import quantize_experts
 from afd.model.moe import routed_experts, select_experts
 from afd.profiling.graph_timing import graph_ms
@@ -122,14 +129,19 @@ for T in [int(t) for t in args.tokens.split(",")]:
     report("fp8", T, timed(fp8_step(), T), scale_bytes)
     dq = timed(lambda i, x, ids, w: routed_experts(x, ids, w, *layers8[i].dequantized(torch.bfloat16), 0), T)
     report("fp8-dequant", T, dq, scale_bytes)
-    if args.sweep:  # the table's row bucket for this T (what the kernels pick), other tile shapes around it
+    if args.sweep:  # each kernel over tile shapes around the table's row bucket for this T, the other at the table
         bm = tile_bucket(rows_per_expert_hint(T, K, E))
         wide = [(128, bn, bk, w, st) for bn, bk, w, st in WIDE_ROW_SHAPES] if bm == tile_bucket(1 << 20) else []
-        for bm, bn, bk, warps, stages in [(bm, *shape) for shape in SWEEP_SHAPES] + wide:
-            cfg = TileConfig(bm, bn, bk, warps, stages)
-            try:
-                ms = timed(fp8_step((cfg, cfg)), T)
-            except Exception as exc:  # a shape that does not fit shared memory: report, go on
-                print(json.dumps({"row": "fp8-sweep", "T": T, "tile": str(cfg), "error": str(exc)[:120]}))
-                continue
-            report("fp8-sweep", T, ms, scale_bytes, tile=[bm, bn, bk, warps, stages])
+        hint = rows_per_expert_hint(T, K, E)
+        table = (fit_dtype(gate_up_config(hint), torch.bfloat16), fit_dtype(down_config(hint), torch.bfloat16))
+        for which, kernel in enumerate(("gate_up", "down")):
+            for bm, bn, bk, warps, stages in [(bm, *shape) for shape in SWEEP_SHAPES] + wide:
+                cfg = TileConfig(bm, bn, bk, warps, stages)
+                configs = (cfg, table[1]) if which == 0 else (table[0], cfg)
+                try:
+                    ms = timed(fp8_step(configs), T)
+                except Exception as exc:  # a shape that does not fit shared memory: report, go on
+                    print(json.dumps({"row": "fp8-sweep", "T": T, "kernel": kernel, "tile": str(cfg),
+                                      "error": str(exc)[:120]}))  # fmt: skip
+                    continue
+                report("fp8-sweep", T, ms, scale_bytes, kernel=kernel, tile=[bm, bn, bk, warps, stages])
