@@ -101,6 +101,47 @@ def test_simulator_streams_tokens_and_admits_requests_at_their_cost():
     assert late["ttft_p50_s"] - early["ttft_p50_s"] == pytest.approx(0.5, abs=1e-6)
 
 
+def test_a_first_token_waits_for_the_streams_open_at_its_step():
+    """`Calibration.stream_s` per sequence running when a first token comes out: at 4/s on the tiny trace few streams
+    are open, at capacity many, so the same cost moves TTFT more there; the last token's write waits as well."""
+    s, d, trace = tiny_shapes(), Deployment("none"), _trace()
+    lens = [len(x) for x in trace.workload.prompts(100)]
+    for rate in (4.0, math.inf):
+        base = simulate_rate(d, s, cpu_profile(), trace.workload, lens, rate)["summary"]
+        slow = simulate_rate(d, s, cpu_profile(Calibration(stream_s=1e-3)), trace.workload, lens, rate)["summary"]
+        added = slow["ttft_p50_s"] - base["ttft_p50_s"]
+        assert 1e-3 <= added <= 1e-3 * len(lens), (rate, added)  # its own stream at least, every stream at most
+        # the last token waits too, so the time per output token between them stays
+        assert slow["e2e_p50_s"] > base["e2e_p50_s"] and slow["tpot_p50_s"] == pytest.approx(
+            base["tpot_p50_s"], rel=0.1
+        )
+        if rate == 4.0:
+            few = added
+    assert added > 2 * few
+
+
+def test_stream_cost_is_the_write_stage_slope_against_streams_open():
+    """The slope of the first token's front-to-written p50 against rate x E2E p50 over the finite rates (the run at
+    capacity left out); 0 with fewer than two such runs or a negative slope."""
+
+    def run(rate: float, rps: float, e2e: float, written: float) -> dict:
+        stages = {"front_to_written": written}
+        return {"rate": rate, "summary": {"request_throughput": rps, "e2e_p50_s": e2e, "ttft_stages_p50_s": stages}}
+
+    runs = [
+        run(math.inf, 250.0, 0.5, 0.003),
+        run(64.0, 50.0, 0.4, 0.0002 + 20 * 4e-5),
+        run(8.0, 8.0, 0.25, 0.0002 + 2 * 4e-5),
+    ]
+    assert calibrate.stream_cost(runs) == pytest.approx(4e-5)
+    assert calibrate.stream_cost(runs[:2]) == 0.0
+    assert calibrate.stream_cost([run(64.0, 50.0, 0.4, 1e-4), run(8.0, 8.0, 0.25, 1e-3)]) == 0.0
+    no_stages = [
+        {"rate": r["rate"], "summary": {k: v for k, v in r["summary"].items() if "stages" not in k}} for r in runs
+    ]
+    assert calibrate.stream_cost(no_stages) == 0.0
+
+
 def test_pattern_search_finds_a_known_minimum():
     target = {"a": 3e-4, "b": 0.0, "c": 2.0}
 

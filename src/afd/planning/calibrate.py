@@ -66,6 +66,26 @@ def targets_of(runs: list[dict]) -> dict[tuple[str, str], float]:
     return out
 
 
+def stream_cost(runs: list[dict]) -> float:
+    """`Calibration.stream_s` from served runs' stages: the slope of the first token's front-to-written time (p50)
+    against the streams open (Little's law: request rate x E2E p50) over the runs at finite rates, never negative;
+    0 where fewer than two such runs report the stage. Why measured rather than searched: the cost shows only where
+    many streams are open, a small share of the trace's TTFT that a search trades against the front end's queue;
+    the stage times it directly (on one H200, 0.03-0.05 ms a stream, from 0.25 ms at 8/s to 7 ms with ~160 open)."""
+    points = []
+    for run in runs:
+        s = run["summary"]
+        written = s.get("ttft_stages_p50_s", {}).get("front_to_written")
+        if math.isfinite(float(run["rate"])) and written is not None and s.get("e2e_p50_s"):
+            points.append((s["request_throughput"] * s["e2e_p50_s"], written))
+    if len(points) < 2:
+        return 0.0
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    var = sum((x - mx) ** 2 for x, _ in points)
+    return max(sum((x - mx) * (y - my) for x, y in points) / var, 0.0) if var > 0 else 0.0
+
+
 def loss(measured: dict[tuple[str, str], float], simulated: dict[tuple[str, str], float]) -> float:
     """Sum of squared log ratios simulated / measured over the measured targets (a missing one counts as 10×)."""
     total = 0.0
@@ -128,6 +148,7 @@ def fit_calibration(
         raise ValueError("the calibration trace measured nothing to fit")
     zero = dict.fromkeys(PARAMS if profile.on_gpu else CPU_PARAMS, 0.0)
     kernels = simulated_targets(profile, s, deployment, trace, prompt_lens, zero)
+    streams = {"stream_s": stream_cost(measured_runs)}
     fastest = str(measured_runs[0]["rate"])
     tokens = sum(trace.workload.max_tokens_of())
     wall_m = trace.workload.num_requests / measured.get((fastest, "request_throughput"), math.inf)
@@ -149,7 +170,7 @@ def fit_calibration(
     scales["arrival_s"] = queue or tpot / 10
 
     def evaluate(cal: dict[str, float]) -> float:
-        return loss(measured, simulated_targets(profile, s, deployment, trace, prompt_lens, cal))
+        return loss(measured, simulated_targets(profile, s, deployment, trace, prompt_lens, cal | streams))
 
     # from the excess spread over the tokens, then over the steps' fixed cost, then per request: the best end
     starts = [start, {**zero, "step_s": start["token_s"] * 4}, {**zero, "request_s": start["token_s"] * 32}]
@@ -159,7 +180,7 @@ def fit_calibration(
         (pattern_search(evaluate, x, scales, max_evals=SEARCH_EVALS // len(starts)) for x in starts),
         key=lambda r: r[1],
     )
-    fitted = simulated_targets(profile, s, deployment, trace, prompt_lens, best)
+    fitted = simulated_targets(profile, s, deployment, trace, prompt_lens, best | streams)
     rows = [
         {
             "rate": rate,
@@ -176,7 +197,7 @@ def fit_calibration(
         "loss": best_loss,
         "rows": rows,
     }
-    return Calibration(**best, fit=fit)
+    return Calibration(**best, **streams, fit=fit)
 
 
 @dataclass(frozen=True)
@@ -204,11 +225,15 @@ def fit_calibration_jointly(profile: Profile, s: Shapes, served: list[ServedRun]
     if len(served) == 1:
         return singles[0]
     names = PARAMS if profile.on_gpu else CPU_PARAMS
+    streams = {"stream_s": stream_cost([run for r in served for run in r.runs])}
     lens = [[len(x) for x in r.trace.workload.prompts(vocab_size)] for r in served]
     measured = [targets_of(r.runs) for r in served]
 
     def simulated(cal: dict[str, float]) -> list[dict[tuple[str, str], float]]:
-        return [simulated_targets(profile, s, r.deployment, r.trace, n, cal) for r, n in zip(served, lens, strict=True)]
+        return [
+            simulated_targets(profile, s, r.deployment, r.trace, n, cal | streams)
+            for r, n in zip(served, lens, strict=True)
+        ]
 
     def evaluate(cal: dict[str, float]) -> float:
         return sum(loss(m, sim) for m, sim in zip(measured, simulated(cal), strict=True))
@@ -235,7 +260,7 @@ def fit_calibration_jointly(profile: Profile, s: Shapes, served: list[ServedRun]
         "loss": best_loss,
         "rows": rows,
     }
-    return Calibration(**best, fit=fit)
+    return Calibration(**best, **streams, fit=fit)
 
 
 def calibrate_from_results(profile: Profile, raws: list[dict]) -> Profile:
@@ -279,7 +304,7 @@ def format_calibration(cal: Calibration) -> str:
         f"{cal.request_s * 1e3:.3f} ms per request, {cal.held_s * 1e6:.2f} µs per request held per step, "
         f"{cal.arrival_s * 1e3:.3f} ms per request in the front end's queue, "
         f"{cal.front_end_s * 1e3:.1f} ms before the first token, steps holding prompt tokens at least "
-        f"{cal.prompt_step_s * 1e3:.2f} ms",
+        f"{cal.prompt_step_s * 1e3:.2f} ms, {cal.stream_s * 1e6:.1f} µs per stream open before a first token",
         f"{'rate':>6} {'metric':<20} {'measured':>10} {'kernels':>10} {'calibrated':>10} {'error':>7}",
     ]
     for r in cal.fit.get("rows", []):

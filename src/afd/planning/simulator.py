@@ -6,9 +6,11 @@ only when the blocks of its whole capacity (prompt + max_tokens - 1) are free an
 requests free their blocks. Where afd overlaps steps (a whole replica on a GPU), each step is scheduled when the one
 before it starts, so a request joins no step scheduled before it reached the engine: the step after next. Requests
 reach the engines one at a time through the front end's FIFO queue (`engine_arrivals`) and go to the replica with
-the fewest outstanding tokens (`afd.serve.balancer`). Steps last what `StepCosts` says: free-running replicas (none,
-async: each its own clock, async's FFN term from the tokens of every replica of its group in flight) or lockstep
-waves (p2p per group, ep over every GPU). The result is `afd bench serve`'s: one `run_record` per rate, so one
+the fewest outstanding tokens (`afd.serve.balancer`); a request's first and last token reach the client after the
+front end's write latency for the streams open then (`Calibration.stream_s`). Steps last what `StepCosts` says:
+free-running replicas (none, async: each its own clock, async's FFN term from the tokens of every replica of its
+group in flight) or lockstep waves (p2p per group, ep over every GPU). The result is `afd bench serve`'s: one
+`run_record` per rate, so one
 report reads both.
 """
 
@@ -92,20 +94,21 @@ class _Replica:
         load = StepLoad(len(decodes), ctx, prefill, pairs, seqs, len(decodes) + done, admitted, held)
         return _Plan(decodes, chunks, load)
 
-    def finish(self, plan: _Plan, t: float) -> int:
-        """Apply a step that ended at `t`; the number of requests it finished."""
+    def finish(self, plan: _Plan, t: float, write_delay: float = 0.0) -> int:
+        """Apply a step that ended at `t`; the number of requests it finished. `write_delay`: what the front end adds
+        before it writes a token out (`Calibration.stream_s` per stream open), counted on the first and the last."""
         done = 0
         for q in plan.decodes:
             q.cached += 1
             self._token(q, t)
-            done += self._maybe_end(q)
+            done += self._maybe_end(q, write_delay)
         for q, n in plan.chunks:
             q.cached += n
             if q.cached == q.prompt:
                 self.outstanding -= q.prompt
-                q.result.ttft_s = t - q.arrival
+                q.result.ttft_s = t - q.arrival + write_delay
                 self._token(q, t)
-                done += self._maybe_end(q)
+                done += self._maybe_end(q, write_delay)
         return done
 
     def _token(self, q: _Seq, t: float) -> None:
@@ -115,13 +118,13 @@ class _Replica:
         q.last = t
         self.outstanding -= 1
 
-    def _maybe_end(self, q: _Seq) -> int:
+    def _maybe_end(self, q: _Seq, write_delay: float) -> int:
         if q.generated < q.max_tokens:
             return 0
         self.running.remove(q)
         self.free_blocks += q.blocks
         r = q.result
-        r.output_tokens, r.e2e_s = q.generated, q.last - q.arrival
+        r.output_tokens, r.e2e_s = q.generated, q.last - q.arrival + write_delay
         return 1
 
     def has_work(self) -> bool:
@@ -226,12 +229,14 @@ def simulate_rate(
             start(x, t)
             continue
         members = groups[x] if lockstep else [x]
+        streams = sum(len(rep.running) for rep in reps) * ep_scale  # one front end tends every replica's streams
+        delay = p.calibration.stream_s * streams
         for r in members:
             rep = reps[r]
             plan, rep.in_flight = rep.in_flight, None
             rep.step_tokens = 0
             if plan is not None:
-                remaining -= rep.finish(plan, t)
+                remaining -= rep.finish(plan, t, delay)
         busy[x] = False
         if has_work(x):
             start(x, t)
