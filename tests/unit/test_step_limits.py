@@ -122,8 +122,9 @@ def test_a_model_of_the_same_shapes_under_another_name_is_accepted(tmp_path):
 def test_the_h200_profile_picks_large_budgets_and_async_two_micro_batches():
     p, s = load_profile("h200"), costs.shapes_of(load_model_config("deepseek-v2-lite"), "bfloat16")
     none = recommend.recommend(p, s, Deployment("none", max_num_seqs=1024), source="h200", max_model_len=163840)
-    # measured with this profile's server: 247.5 req/s at 8,192 tokens, 254.5 at 16,384 (docs/performance.md)
-    assert (none.max_num_batched_tokens, none.ubatches, none.source) == (16384, None, "profile h200")
+    # simulated within 1% of 16,384 (measured with this profile's server, one run each: 247.5 req/s at 8,192
+    # tokens, 254.5 at 16,384, within the ~10% between identical runs; docs/planning.md), so the smaller is taken
+    assert (none.max_num_batched_tokens, none.ubatches, none.source) == (8192, None, "profile h200")
     both = recommend.recommend(p, s, Deployment("async", max_num_seqs=1024), source="h200", max_model_len=163840)
     assert (both.max_num_batched_tokens, both.ubatches) == (16384, 2)
     fixed = recommend.recommend(
