@@ -83,9 +83,10 @@ class Calibration:
     reach the engine one at a time through a FIFO queue (`front_end_queue`); `front_end_s`, latency added to every
     time to first token without taking anyone's time. `prompt_step_s`: the shortest a step holding prompt tokens
     lasts, whatever its size (on a GPU such a step launches its graph pieces and eager attention cores from the host,
-    which a small one waits on longer than its kernels run). `stream_s`: per sequence running when a first token comes
-    out, the latency the front end's loop adds before writing it (it tends every open stream's tokens; measured, not
-    searched: `afd.planning.calibrate.stream_cost`). `fit` records the trace and how well the simulator held it
+    which a small one waits on longer than its kernels run). `stream_s`: per sequence running when a request's
+    first or last token comes out, the latency the front end's loop adds before writing it (it tends every open
+    stream's tokens; measured, not searched: `afd.planning.calibrate.stream_cost`). `fit` records the trace and how
+    well the simulator held it
     after the fit; zeros mean not calibrated (a field missing from an older profile loads as 0)."""
 
     step_s: float = 0.0
