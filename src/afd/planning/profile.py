@@ -86,8 +86,8 @@ class Calibration:
     which a small one waits on longer than its kernels run). `stream_s`: per sequence running when a request's
     first or last token comes out, the latency the front end's loop adds before writing it (it tends every open
     stream's tokens; measured, not searched: `afd.planning.calibrate.stream_cost`). `fit` records the trace and how
-    well the simulator held it
-    after the fit; zeros mean not calibrated (a field missing from an older profile loads as 0)."""
+    well the simulator held it after the fit; zeros mean not calibrated (a field missing from an older profile
+    loads as 0)."""
 
     step_s: float = 0.0
     token_s: float = 0.0
