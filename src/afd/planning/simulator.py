@@ -10,8 +10,7 @@ the fewest outstanding tokens (`afd.serve.balancer`); a request's first and last
 front end's write latency for the streams open then (`Calibration.stream_s`). Steps last what `StepCosts` says:
 free-running replicas (none, async: each its own clock, async's FFN term from the tokens of every replica of its
 group in flight) or lockstep waves (p2p per group, ep over every GPU). The result is `afd bench serve`'s: one
-`run_record` per rate, so one
-report reads both.
+`run_record` per rate, so one report reads both.
 """
 
 from __future__ import annotations
