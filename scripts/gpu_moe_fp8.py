@@ -7,9 +7,15 @@ MMAs, what the engine runs up to `FP8_FUSED_MOE_MAX_PAIRS`), fp8-dequant (FP8 we
 Triton pass each, then the 16-bit path: what the engine runs past that bound).
 
     PYTHONPATH=src python3 scripts/gpu_moe_fp8.py [--tokens 1,8,64,256] [--layers 26] [--block 128] [--sweep]
+        [--sweep-rows] [--sort]
+
+fp8-decode-tiles and fp8-row-tiles are the fp8 row on each of the two kernel pairs whatever T (afd.kernels.moe_gate_up
+/ moe_down, the decode form; afd.kernels.moe_prefill, tiles of rows), which picks `PREFILL_ROWS_PER_EXPERT`.
 
 `--sweep` also times the FP8 kernels over a few tile shapes per T, gate/up's and down's each with the other at the
-table's (the table in afd.kernels.moe_tiles was chosen on bf16). `--sweep-dequant` times the dequantization pass
+table's (the table in afd.kernels.moe_tiles was chosen on bf16). `--sweep-rows` does the same for the row tiles
+(afd.kernels.moe_prefill's `GATE_UP_TILE`, `DOWN_TILE`). `--sort` times the pairs' counting sort against the argsort
+per T (`moe_sort.COUNTING_SORT_MAX_PAIRS`). `--sweep-dequant` times the dequantization pass
 alone (both expert weights of every layer, one CUDA graph), at its default tile and over other tile shapes, with the
 rate it moves bytes at (fp8 read, bf16 written). Prints one JSON line per row.
 """
@@ -23,6 +29,8 @@ import json
 import torch
 
 from afd.kernels.fused_moe import ExpertScales, fused_routed_experts
+from afd.kernels.moe_prefill import DOWN_TILE, GATE_UP_TILE, RowTileConfig
+from afd.kernels.moe_sort import counting_sort_pairs
 from afd.kernels.moe_tiles import (
     TileConfig,
     down_config,
@@ -34,6 +42,7 @@ from afd.kernels.moe_tiles import (
 from afd.model.fp8 import quantize_experts
 from afd.model.moe import routed_experts, select_experts
 from afd.profiling.graph_timing import graph_ms
+from afd.routing import sort_pairs_by_expert
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--tokens", default="1,8,64,256")
@@ -46,6 +55,8 @@ parser.add_argument("--block", type=int, default=128)
 parser.add_argument("--iters", type=int, default=20)
 parser.add_argument("--sweep", action="store_true")
 parser.add_argument("--sweep-dequant", action="store_true", help="the dequantization pass alone over tile shapes")
+parser.add_argument("--sweep-rows", action="store_true", help="the row-tile kernels over tile shapes")
+parser.add_argument("--sort", action="store_true", help="the counting sort against the argsort")
 args = parser.parse_args()
 E, H, INTER, K, block = args.experts, args.hidden, args.inter, args.top_k, (args.block, args.block)
 dev = torch.device("cuda")
@@ -123,17 +134,46 @@ if args.sweep_dequant:
         ms = dequant_ms((rows, cols), warps)
         print(json.dumps({"row": "dequant", "tile": [rows, cols, warps], "ms_per_layer": round(ms, 4),
                           "GBps": round(moved / (ms * 1e-3) / 1e9)}), flush=True)  # fmt: skip
+# (block_m, block_n, block_k, warps, stages) of the row tiles tried by --sweep-rows
+ROW_SHAPES = [(128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 128, 128, 4, 3), (64, 128, 128, 4, 4),
+              (128, 64, 128, 4, 4), (256, 128, 128, 8, 3), (128, 256, 128, 8, 3), (64, 64, 128, 4, 4)]  # fmt: skip
+
+
+def sort_ms(T: int, sort) -> float:
+    ids = select_experts(torch.randn(T, E, device=dev), top_k=K, norm_topk_prob=True).topk_ids
+    return graph_ms(lambda: [sort(ids) for _ in range(args.layers)], reps=1, rounds=args.iters) / args.layers
+
+
 for T in [int(t) for t in args.tokens.split(",")]:
+    if args.sort:
+        counting = sort_ms(T, lambda ids: counting_sort_pairs(ids, 0, E))
+        argsort = sort_ms(T, lambda ids: sort_pairs_by_expert(ids, 0, E))
+        print(json.dumps({"row": "sort", "T": T, "counting_ms": round(counting, 4), "argsort_ms": round(argsort, 4)}))
+        continue
     report("bf16", T, timed(lambda i, x, ids, w: fused_routed_experts(x, ids, w, *layers16[i], 0), T), 2)
     report("bf16-engine", T, timed(lambda i, x, ids, w: routed_experts(x, ids, w, *layers16[i], 0), T), 2)
     report("fp8", T, timed(fp8_step(), T), scale_bytes)
+    hint = rows_per_expert_hint(T, K, E)
+    table = (fit_dtype(gate_up_config(hint), torch.bfloat16), fit_dtype(down_config(hint), torch.bfloat16))
+    report("fp8-decode-tiles", T, timed(fp8_step(table), T), scale_bytes)
+    report("fp8-row-tiles", T, timed(fp8_step((GATE_UP_TILE, DOWN_TILE)), T), scale_bytes)
+    if args.sweep_rows:
+        for which, kernel in enumerate(("gate_up", "down")):
+            for shape in ROW_SHAPES:
+                cfg = RowTileConfig(*shape)
+                configs = (cfg, DOWN_TILE) if which == 0 else (GATE_UP_TILE, cfg)
+                try:
+                    ms = timed(fp8_step(configs), T)
+                except Exception as exc:  # a shape that does not fit shared memory: report, go on
+                    print(json.dumps({"row": "fp8-row-sweep", "T": T, "kernel": kernel, "tile": shape,
+                                      "error": str(exc)[:120]}))  # fmt: skip
+                    continue
+                report("fp8-row-sweep", T, ms, scale_bytes, kernel=kernel, tile=list(shape))
     dq = timed(lambda i, x, ids, w: routed_experts(x, ids, w, *layers8[i].dequantized(torch.bfloat16), 0), T)
     report("fp8-dequant", T, dq, scale_bytes)
     if args.sweep:  # each kernel over tile shapes around the table's row bucket for this T, the other at the table
-        bm = tile_bucket(rows_per_expert_hint(T, K, E))
+        bm = tile_bucket(hint)
         wide = [(128, bn, bk, w, st) for bn, bk, w, st in WIDE_ROW_SHAPES] if bm == tile_bucket(1 << 20) else []
-        hint = rows_per_expert_hint(T, K, E)
-        table = (fit_dtype(gate_up_config(hint), torch.bfloat16), fit_dtype(down_config(hint), torch.bfloat16))
         for which, kernel in enumerate(("gate_up", "down")):
             for bm, bn, bk, warps, stages in [(bm, *shape) for shape in SWEEP_SHAPES] + wide:
                 cfg = TileConfig(bm, bn, bk, warps, stages)

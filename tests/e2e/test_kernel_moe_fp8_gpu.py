@@ -155,6 +155,43 @@ def test_gpu_fp8_moe_replays_from_a_cuda_graph_and_never_syncs():
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.timeout(300)
+def test_gpu_row_tiles_quantize_the_swiglu_output_as_quantize_rows_does():
+    """`moe_prefill.gate_up_rows` with the down projection's quantization in its epilogue gives the bits of its bf16
+    output quantized by `fp8_quant.quantize_rows` (V2-Lite shapes, gathered rows, uneven groups with an empty one);
+    the whole prefill-sized MoE on the row tiles against the decode kernels on the same batch within `SAME_VALUES`,
+    and the same bits on a second run."""
+    from afd.kernels.fp8_quant import quantize_rows
+    from afd.kernels.moe_prefill import gate_up_rows
+    from afd.kernels.moe_sort import sort_pairs
+    from afd.kernels.moe_tiles import TileConfig
+
+    c = V2_LITE
+    q = fp8_experts(c["E"], c["H"], c["I"], (128, 128), device="cuda")
+    T = 2048
+    x = torch.randn(T, c["H"], generator=torch.Generator().manual_seed(0)).to("cuda", torch.bfloat16)
+    r = _routing(T, c["E"], c["K"], device="cuda", seed=0)
+    r.topk_ids[r.topk_ids == 5] = 6  # expert 5 gets no rows
+    _, token_idx, offs = sort_pairs(r.topk_ids, 0, c["E"])
+    rows, x_scale = quantize_rows(x, 128)
+    args = (rows, x_scale, offs, q.w13, q.w13_scale_inv, q.block)
+    act, none = gate_up_rows(*args, token_idx=token_idx)
+    fused, fused_scale = gate_up_rows(*args, token_idx=token_idx, quantize_group=128)
+    want, want_scale = quantize_rows(act, 128)
+    assert none is None and fused.dtype == torch.float8_e4m3fn
+    assert torch.equal(fused.view(torch.uint8), want.view(torch.uint8)) and torch.equal(fused_scale, want_scale)
+    assert kmoe.takes_row_tiles(T, c["K"], c["E"], _scales(q))
+    got = kmoe.fused_routed_experts(x, r.topk_ids, r.topk_weights, q.w13, q.w2, scales=_scales(q))
+    assert torch.equal(got, kmoe.fused_routed_experts(x, r.topk_ids, r.topk_weights, q.w13, q.w2, scales=_scales(q)))
+    decode_tiles = (TileConfig(64, 64, 128), TileConfig(64, 128, 64))
+    decode = kmoe.fused_routed_experts(
+        x, r.topk_ids, r.topk_weights, q.w13, q.w2, scales=_scales(q), configs=decode_tiles
+    )
+    assert _rel(got, decode) <= SAME_VALUES, f"row tiles vs decode kernels {_rel(got, decode):.2e}"
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.timeout(600)
 def test_gpu_fp8_ffn_layer_matches_the_dequantized_bf16_layer():
     """DeepSeek-V2-Lite with `quantization="fp8"` in bf16: one MoE layer's FFN output (routed experts in the FP8

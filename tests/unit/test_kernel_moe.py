@@ -27,7 +27,8 @@ from afd.kernels import fused_moe as kmoe  # noqa: E402
 from afd.kernels.moe_combine import combine_sorted_pairs  # noqa: E402
 from afd.kernels.moe_sort import sort_pairs  # noqa: E402
 from afd.kernels.moe_tiles import TileConfig  # noqa: E402
-from afd.model.moe import grouped_expert_mlp, routed_experts, sort_pairs_by_expert  # noqa: E402
+from afd.model.moe import grouped_expert_mlp, routed_experts  # noqa: E402
+from afd.routing import sort_pairs_by_expert  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 

@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 
 import afd.model.moe as moe
 from afd.model.ffn_side import FFNModel
-from afd.model.moe import group_by_expert, routed_experts, sort_pairs_by_expert
+from afd.model.moe import group_by_expert, routed_experts
 from afd.model.weights import load_ffn_model, load_model_config
+from afd.routing import sort_pairs_by_expert
 
 
 def _naive(x, ids, weights, w13, w2, start):

@@ -1,4 +1,4 @@
-"""Decode-shaped routed experts: few rows per expert, each touched expert's weights streamed once.
+"""Routed experts in Triton: four launches a MoE layer, each touched expert's weights streamed once.
 
 At decode sizes (1..256 tokens, top-6 of 64 experts: 0..~40 rows per expert) the routed experts are bound by
 reading the weights, not by the matmuls, and `torch._grouped_mm` streams them at about half the copy rate with
@@ -18,7 +18,10 @@ passed as `ExpertScales`) take the same four launches with fp8 rows: x, and each
 down projection, quantized per row in groups of `b1` (`fp8_quant.quantize_rows`, DeepSeek-V3's 1 x 128
 activations), so both GEMMs are fp8 x fp8 MMAs with both scales applied in registers: half the weight bytes of
 bf16, no weight tile converted, nothing dequantized in memory. On one H200 that beats converting each weight tile
-to bf16 rows at every batch size measured (1 to 4096 tokens; docs/fp8.md), so it is the only FP8 form.
+to bf16 rows at every batch size measured (1 to 4096 tokens; docs/fp8.md), so it is the only FP8 form. Past
+`PREFILL_ROWS_PER_EXPERT` rows per expert (prefill) FP8 experts take `moe_prefill`'s kernels instead, tiles of rows
+on the MMA's M side over every expert's rows at once (the matmuls, not the weights, bound them there), with the
+SwiGLU output quantized in gate/up's epilogue, and the pairs sorted by `torch.argsort` (`moe_sort.sort_pairs`).
 """
 
 from __future__ import annotations
@@ -33,8 +36,25 @@ from afd.kernels.fp8_quant import quantize_rows
 from afd.kernels.moe_combine import combine_pairs
 from afd.kernels.moe_down import expert_down
 from afd.kernels.moe_gate_up import check_gate_up, expert_gate_up
+from afd.kernels.moe_prefill import DOWN_TILE, GATE_UP_TILE, RowTileConfig, down_rows, gate_up_rows
 from afd.kernels.moe_sort import PAIR_BLOCK, pair_tile, sort_pairs
 from afd.kernels.moe_tiles import DTYPES, TileConfig, rows_per_expert_hint, tile_bucket
+
+# Rows per expert (`rows_per_expert_hint`) from which FP8 experts take `moe_prefill`'s row tiles.
+PREFILL_ROWS_PER_EXPERT = 128
+
+
+Configs = tuple[TileConfig, TileConfig] | tuple[RowTileConfig, RowTileConfig]
+
+
+def takes_row_tiles(
+    num_rows: int, top_k: int, num_experts: int, scales: ExpertScales | None, configs: Configs | None = None
+) -> bool:
+    """Whether `num_rows` tokens (or grouped rows, top_k 1) take `moe_prefill`'s kernels: FP8 experts with
+    `PREFILL_ROWS_PER_EXPERT` rows per expert or more, or `configs` of theirs given."""
+    if scales is None or configs is not None:
+        return scales is not None and isinstance(configs[0], RowTileConfig)
+    return rows_per_expert_hint(num_rows, top_k, num_experts) >= PREFILL_ROWS_PER_EXPERT
 
 
 def routed_compile_key(num_tokens: int, top_k: int, num_local_experts: int) -> tuple:
@@ -96,13 +116,34 @@ def _scale_args(scales: ExpertScales | None) -> tuple[dict, dict]:
     return {"scale": scales.w13, "block": scales.block}, {"scale": scales.w2, "block": scales.block}
 
 
+def _gate_up_row_tiles(
+    rows: torch.Tensor,
+    x_scale: torch.Tensor,
+    offs: torch.Tensor,
+    w13: torch.Tensor,
+    scales: ExpertScales,
+    token_idx: torch.Tensor | None,
+    dtype: torch.dtype,
+    config: RowTileConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe_prefill.gate_up_rows` and the down projection's fp8 rows: quantized in its epilogue where a tile is one
+    scale group wide on a GPU, else by `quantize_rows` after it."""
+    group = scales.block[1]
+    fused = rows.is_cuda and group == config.block_n
+    act, act_scale = gate_up_rows(
+        rows, x_scale, offs, w13, scales.w13, scales.block,
+        token_idx=token_idx, quantize_group=group if fused else None, out_dtype=dtype, config=config,
+    )  # fmt: skip
+    return (act, act_scale) if fused else quantize_rows(act, group)
+
+
 def fused_grouped_expert_mlp(
     x: torch.Tensor,
     offs: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
     *,
-    configs: tuple[TileConfig, TileConfig] | None = None,
+    configs: Configs | None = None,
     scales: ExpertScales | None = None,
 ) -> torch.Tensor:
     """`afd.model.moe.grouped_expert_mlp_offsets` in two launches: x [N, H] grouped by `offs` [E] int32 (device
@@ -111,6 +152,11 @@ def fused_grouped_expert_mlp(
     (undefined), as there."""
     rows, x_scale = _fp8_rows(x, scales)  # [N, H], [N, ceil(H/b1)] (FP8 only)
     num_experts, _, _ = _check_experts(rows, x_scale, w13, w2, scales)
+    if takes_row_tiles(x.shape[0], 1, num_experts, scales, configs):
+        up_cfg, down_cfg = configs or (GATE_UP_TILE, DOWN_TILE)
+        act, act_scale = _gate_up_row_tiles(rows, x_scale, offs, w13, scales, None, x.dtype, up_cfg)
+        out = torch.empty_like(x)
+        return down_rows(act, act_scale, offs, w2, scales.w2, scales.block, out, config=down_cfg)
     hint = rows_per_expert_hint(x.shape[0], 1, num_experts)
     up_cfg, down_cfg = configs or (None, None)
     up_scale, down_scale = _scale_args(scales)
@@ -130,7 +176,7 @@ def fused_routed_experts(
     w2: torch.Tensor,
     expert_start: int = 0,
     *,
-    configs: tuple[TileConfig, TileConfig] | None = None,
+    configs: Configs | None = None,
     scales: ExpertScales | None = None,
 ) -> torch.Tensor:
     """`afd.model.moe.routed_experts` in four launches: x [T, H] -> fp32 [T, H], the sum over the (t, k) pairs whose
@@ -150,6 +196,24 @@ def fused_routed_experts(
     if num_experts == 0:
         return out.zero_()
     pair_idx, token_idx, offs = sort_pairs(topk_ids, expert_start, num_experts)  # [P], [P], [E]
+    by_pair = torch.empty(num_tokens * top_k, hidden, dtype=torch.float32, device=x.device)  # [P, H]
+    weights = topk_weights.reshape(-1).float().contiguous()  # [P]
+    if takes_row_tiles(num_tokens, top_k, num_experts, scales, configs):
+        up_cfg, down_cfg = configs or (GATE_UP_TILE, DOWN_TILE)
+        act, act_scale = _gate_up_row_tiles(rows, x_scale, offs, w13, scales, token_idx, x.dtype, up_cfg)
+        down_rows(
+            act,
+            act_scale,
+            offs,
+            w2,
+            scales.w2,
+            scales.block,
+            by_pair,
+            dest_idx=pair_idx,
+            weights=weights,
+            config=down_cfg,
+        )
+        return combine_pairs(by_pair, topk_ids, out, expert_start, num_experts)
     hint = rows_per_expert_hint(num_tokens, top_k, num_experts)
     up_cfg, down_cfg = configs or (None, None)
     up_scale, down_scale = _scale_args(scales)
@@ -165,8 +229,6 @@ def fused_routed_experts(
         **up_scale,
     )
     act, act_scale = _fp8_rows(act, scales)  # [P, I]: the down GEMM's rows, fp8 for FP8 experts
-    by_pair = torch.empty(num_tokens * top_k, hidden, dtype=torch.float32, device=x.device)  # [P, H]
-    weights = topk_weights.reshape(-1).float().contiguous()  # [P]
     expert_down(
         act,
         offs,

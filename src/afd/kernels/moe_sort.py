@@ -2,7 +2,10 @@
 
 A counting sort: a pair's slot is `#(pairs with a smaller key) + #(earlier pairs with the same key)`, so ties
 keep pair order (stable) and non-local pairs (key = sentinel) sort last, exactly like
-`afd.model.moe.sort_pairs_by_expert`. No atomics, no read back to the host: capturable, the same bits every run.
+`afd.routing.sort_pairs_by_expert`. No atomics, no read back to the host: capturable, the same bits every run.
+Every program scans all the keys, so its work grows with the square of the pairs: past
+`COUNTING_SORT_MAX_PAIRS` (prefill sizes) `sort_pairs` takes `sort_pairs_by_expert`'s stable argsort instead, the
+same order.
 """
 
 from __future__ import annotations
@@ -11,7 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
+from afd.routing import sort_pairs_by_expert
+
 PAIR_BLOCK = 16  # pairs placed (or group ends computed) per program
+COUNTING_SORT_MAX_PAIRS = 4096  # the most pairs the counting sort takes
 
 
 def pair_tile(num_pairs: int) -> int:
@@ -72,8 +78,19 @@ def _sort_pairs_kernel(
 def sort_pairs(
     topk_ids: torch.Tensor, expert_start: int, num_local: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`afd.model.moe.sort_pairs_by_expert` in one launch: `(pair_idx [P] int32, token_idx [P] int32, offs [E] int32)`
-    for `topk_ids [T, K]`, P = T*K, E = num_local; same order (stable, non-local pairs last)."""
+    """`afd.routing.sort_pairs_by_expert` as int32: `(pair_idx [P] int32, token_idx [P] int32, offs [E] int32)` for
+    `topk_ids [T, K]`, P = T*K, E = num_local; same order (stable, non-local pairs last). The counting sort (one
+    launch) up to `COUNTING_SORT_MAX_PAIRS`, the argsort past it."""
+    if topk_ids.numel() <= COUNTING_SORT_MAX_PAIRS:
+        return counting_sort_pairs(topk_ids, expert_start, num_local)
+    pairs = sort_pairs_by_expert(topk_ids, expert_start, expert_start + num_local)
+    return pairs.pair_idx.int(), pairs.token_idx.int(), pairs.offs
+
+
+def counting_sort_pairs(
+    topk_ids: torch.Tensor, expert_start: int, num_local: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`sort_pairs` in one launch of the counting sort, at any size."""
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
     ids = topk_ids.reshape(-1).contiguous()  # [P]
