@@ -135,8 +135,9 @@ if args.sweep_dequant:
         print(json.dumps({"row": "dequant", "tile": [rows, cols, warps], "ms_per_layer": round(ms, 4),
                           "GBps": round(moved / (ms * 1e-3) / 1e9)}), flush=True)  # fmt: skip
 # (block_m, block_n, block_k, warps, stages) of the row tiles tried by --sweep-rows
-ROW_SHAPES = [(128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 128, 128, 4, 3), (64, 128, 128, 4, 4),
-              (128, 64, 128, 4, 4), (256, 128, 128, 8, 3), (128, 256, 128, 8, 3), (64, 64, 128, 4, 4)]  # fmt: skip
+ROW_SHAPES = [(128, 128, 128, 8, 3), (64, 128, 128, 8, 3), (64, 128, 128, 8, 4), (128, 64, 128, 8, 3),
+              (128, 64, 128, 8, 4), (64, 128, 128, 4, 3), (64, 64, 128, 4, 4), (128, 128, 128, 8, 4),
+              (64, 256, 128, 8, 3)]  # fmt: skip
 
 
 def sort_ms(T: int, sort) -> float:

@@ -284,21 +284,22 @@ def test_row_group_quantization_kernel_computes_the_reference_values_before_the_
     """`afd.kernels.fp8_quant`'s kernel, run by the interpreter into an fp32 buffer (its fp32 -> e4m3 conversion is
     wrong there; the GPU test checks the cast): each group's scale, and its values divided, clamped and ready for
     the cast, are the reference's bit for bit, on full, ragged (160 in 128) and small (32) groups, a zero group and
-    rows of very different magnitudes; an fp32 buffer rounds nothing."""
+    rows of very different magnitudes, one row a program and 16; an fp32 buffer rounds nothing."""
     import triton
 
     from afd.kernels.fp8_quant import _quantize_kernel
     from afd.kernels.moe_tiles import FP8_MAX
 
     torch.manual_seed(0)
-    for rows, width, group in ((3, 256, 128), (4, 160, 128), (5, 160, 32)):
+    # (rows, width, group, rows a program): one row a program, and 16 with the last program's rows partial
+    for rows, width, group, per in ((3, 256, 128, 1), (4, 160, 128, 1), (5, 160, 32, 1), (21, 160, 128, 16)):
         x = torch.randn(rows, width) * torch.logspace(-3, 3, rows)[:, None]
         x[0, :group] = 0
         num_groups = -(-width // group)
         values, scale = torch.empty(rows, width), torch.empty(rows, num_groups)
-        _quantize_kernel[(rows, num_groups)](
-            x, values, scale, width, x.stride(0), values.stride(0), scale.stride(0),
-            GROUP=group, BLOCK=triton.next_power_of_2(group), FMAX=FP8_MAX, ROUND=False,
+        _quantize_kernel[(triton.cdiv(rows, per), num_groups)](
+            x, values, scale, rows, width, x.stride(0), values.stride(0), scale.stride(0),
+            GROUP=group, BLOCK=triton.next_power_of_2(group), ROWS=per, FMAX=FP8_MAX, ROUND=False,
         )  # fmt: skip
         _, scale_ref = quantize_row_groups(x, group)
         assert torch.equal(scale, scale_ref), (rows, width, group)

@@ -33,30 +33,38 @@ def _quantize_kernel(
     x_ptr,  # [N, K] 16/32-bit rows
     q_ptr,  # [N, K] float8_e4m3fn out
     s_ptr,  # [N, ceil(K / GROUP)] fp32 out
+    rows,
     width,
     stride_xm,
     stride_qm,
     stride_sm,
     GROUP: tl.constexpr,
     BLOCK: tl.constexpr,  # GROUP rounded up to a power of two
+    ROWS: tl.constexpr,  # rows per program
     FMAX: tl.constexpr,
     ROUND: tl.constexpr,  # write the rounded rows (q_ptr: x's dtype) and no scales
 ):
-    row = tl.program_id(0).to(tl.int64)
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [R]
     g = tl.program_id(1)
     lane = tl.arange(0, BLOCK)
-    cols = g * GROUP + lane
-    mask = (lane < GROUP) & (cols < width)
-    x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=0)
+    cols = g * GROUP + lane  # [B]
+    mask = (row < rows)[:, None] & ((lane < GROUP) & (cols < width))[None, :]  # [R, B]
+    x = tl.load(x_ptr + row[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)  # [R]
     scale = tl.where(amax > 0, amax / FMAX, 1.0)
-    q = tl.clamp(tl.math.div_rn(x, scale), -FMAX, FMAX)
+    q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FMAX, FMAX)
     if ROUND:
-        rounded = q.to(tl.float8e4nv).to(tl.float32) * scale
-        tl.store(q_ptr + row * stride_qm + cols, rounded.to(q_ptr.dtype.element_ty), mask=mask)
+        rounded = q.to(tl.float8e4nv).to(tl.float32) * scale[:, None]
+        tl.store(q_ptr + row[:, None] * stride_qm + cols[None, :], rounded.to(q_ptr.dtype.element_ty), mask=mask)
     else:
-        tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-        tl.store(s_ptr + row * stride_sm + g, scale)
+        tl.store(q_ptr + row[:, None] * stride_qm + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(s_ptr + row * stride_sm + g, scale, mask=row < rows)
+
+
+def _rows_per_program(rows: int) -> int:
+    """One row a program up to 256 rows (decode: as many programs as rows), 16 past it: a program of one 128-wide
+    group moves too few bytes to cover its launch at prefill sizes."""
+    return 1 if rows <= 256 else 16
 
 
 def quantize_row_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,9 +76,10 @@ def quantize_row_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torc
     scale = torch.empty(rows, num_groups, dtype=torch.float32, device=x.device)
     if rows and width:
         x = x if x.stride(1) == 1 else x.contiguous()
-        _quantize_kernel[(rows, num_groups)](
-            x, q, scale, width, x.stride(0), q.stride(0), scale.stride(0),
-            GROUP=group, BLOCK=triton.next_power_of_2(group), FMAX=FP8_MAX, ROUND=False,
+        per = _rows_per_program(rows)
+        _quantize_kernel[(triton.cdiv(rows, per), num_groups)](
+            x, q, scale, rows, width, x.stride(0), q.stride(0), scale.stride(0),
+            GROUP=group, BLOCK=triton.next_power_of_2(group), ROWS=per, FMAX=FP8_MAX, ROUND=False,
         )  # fmt: skip
     return q, scale
 
@@ -83,9 +92,10 @@ def round_row_groups(x: torch.Tensor, group: int) -> torch.Tensor:
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if rows and width:
         x = x if x.stride(1) == 1 else x.contiguous()
-        _quantize_kernel[(rows, -(-width // group))](
-            x, out, out, width, x.stride(0), out.stride(0), 0,
-            GROUP=group, BLOCK=triton.next_power_of_2(group), FMAX=FP8_MAX, ROUND=True,
+        per = _rows_per_program(rows)
+        _quantize_kernel[(triton.cdiv(rows, per), -(-width // group))](
+            x, out, out, rows, width, x.stride(0), out.stride(0), 0,
+            GROUP=group, BLOCK=triton.next_power_of_2(group), ROWS=per, FMAX=FP8_MAX, ROUND=True,
         )  # fmt: skip
     return out
 
