@@ -10,7 +10,8 @@ Triton pass each, then the 16-bit path: what the engine runs past that bound).
         [--sweep-rows] [--sort]
 
 fp8-decode-tiles and fp8-row-tiles are the fp8 row on each of the two kernel pairs whatever T (afd.kernels.moe_gate_up
-/ moe_down, the decode form; afd.kernels.moe_prefill, tiles of rows), which picks `PREFILL_ROWS_PER_EXPERT`.
+/ moe_down, the decode form; afd.kernels.moe_prefill, tiles of rows), which picks `PREFILL_ROWS_PER_EXPERT`;
+fp8-row-{gate_up,down}-alone each row-tile kernel alone, with its TFLOP/s.
 
 `--sweep` also times the FP8 kernels over a few tile shapes per T, gate/up's and down's each with the other at the
 table's (the table in afd.kernels.moe_tiles was chosen on bf16). `--sweep-rows` does the same for the row tiles
@@ -28,9 +29,10 @@ import json
 
 import torch
 
+from afd.kernels.fp8_quant import quantize_rows
 from afd.kernels.fused_moe import ExpertScales, fused_routed_experts
-from afd.kernels.moe_prefill import DOWN_TILE, GATE_UP_TILE, RowTileConfig
-from afd.kernels.moe_sort import counting_sort_pairs
+from afd.kernels.moe_prefill import DOWN_TILE, GATE_UP_TILE, RowTileConfig, down_rows, gate_up_rows
+from afd.kernels.moe_sort import counting_sort_pairs, sort_pairs
 from afd.kernels.moe_tiles import (
     TileConfig,
     down_config,
@@ -140,6 +142,31 @@ ROW_SHAPES = [(128, 128, 128, 8, 3), (64, 128, 128, 8, 3), (64, 128, 128, 8, 4),
               (64, 256, 128, 8, 3)]  # fmt: skip
 
 
+def row_kernels_alone(T: int) -> None:
+    """gate/up and down of the row tiles each alone (inputs made outside the graph), ms a layer and TFLOP/s."""
+    x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+    ids = select_experts(torch.randn(T, E, device=dev), top_k=K, norm_topk_prob=True).topk_ids
+    pair_idx, token_idx, offs = sort_pairs(ids, 0, E)
+    rows, x_scale = quantize_rows(x, block[1])
+    act, act_scale = quantize_rows(torch.randn(T * K, INTER, device=dev, dtype=torch.bfloat16), block[1])
+    out = torch.empty(T * K, H, device=dev)
+    group = block[1] if block[1] == GATE_UP_TILE.block_n else None
+    kernels = {
+        "gate_up": (
+            lambda q: gate_up_rows(
+                rows, x_scale, offs, q.w13, q.w13_scale_inv, block, token_idx=token_idx, quantize_group=group
+            ),
+            2,
+        ),  # fmt: skip
+        "down": (lambda q: down_rows(act, act_scale, offs, q.w2, q.w2_scale_inv, block, out, dest_idx=pair_idx), 1),
+    }
+    for name, (kernel, parts) in kernels.items():
+        ms = graph_ms(lambda kernel=kernel: [kernel(q) for q in layers8], reps=1, rounds=args.iters) / args.layers
+        tflops = 2 * T * K * H * INTER * parts / (ms * 1e-3) / 1e12
+        print(json.dumps({"row": f"fp8-row-{name}-alone", "T": T, "ms_per_layer": round(ms, 4),
+                          "TFLOPs": round(tflops)}), flush=True)  # fmt: skip
+
+
 def sort_ms(T: int, sort) -> float:
     ids = select_experts(torch.randn(T, E, device=dev), top_k=K, norm_topk_prob=True).topk_ids
     return graph_ms(lambda: [sort(ids) for _ in range(args.layers)], reps=1, rounds=args.iters) / args.layers
@@ -158,6 +185,7 @@ for T in [int(t) for t in args.tokens.split(",")]:
     table = (fit_dtype(gate_up_config(hint), torch.bfloat16), fit_dtype(down_config(hint), torch.bfloat16))
     report("fp8-decode-tiles", T, timed(fp8_step(table), T), scale_bytes)
     report("fp8-row-tiles", T, timed(fp8_step((GATE_UP_TILE, DOWN_TILE)), T), scale_bytes)
+    row_kernels_alone(T)
     if args.sweep_rows:
         for which, kernel in enumerate(("gate_up", "down")):
             for shape in ROW_SHAPES:

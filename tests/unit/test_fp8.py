@@ -195,7 +195,7 @@ def test_a_kept_dense_weight_serves_every_call(checkpoints, monkeypatch) -> None
     fp8, _ = checkpoints[(16, 16)]
     kv_b = load_attention_model(fp8).layers[0].self_attn.kv_b_proj
     monkeypatch.setattr(fp8_module, "_fp8_linear_enabled", lambda device, dtype: True)
-    monkeypatch.setattr(fp8_module, "_block_in_kernel", lambda block: True)
+    monkeypatch.setattr(fp8_module, "block_in_kernels", lambda block: True)
     monkeypatch.setattr(kfl, "fp8_linear", lambda *a, **k: pytest.fail("the kernel ran"))
     x = torch.randn(7, kv_b.in_features, generator=torch.Generator().manual_seed(0))
     assert torch.equal(kv_b(x), torch.nn.functional.linear(x, kv_b.dense))

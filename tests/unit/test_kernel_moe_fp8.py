@@ -242,41 +242,36 @@ def test_fp8_ffn_model_takes_the_kernels_where_they_run(monkeypatch):
 
 
 @cpu_only
-def test_fp8_experts_leave_the_kernels_past_their_own_bound(monkeypatch):
-    """FP8 experts take the fused kernels up to `FP8_FUSED_MOE_MAX_PAIRS` (token, k) pairs or grouped rows, past
-    16-bit experts' `FUSED_MOE_MAX_PAIRS` too (within 1e-5 of the loop over quantized rows); past their own bound
-    (prefill sizes) the dequantized weights take the 16-bit path (here its kernels: the bounds are moved to sizes
-    the interpreter runs quickly), in all three forms."""
+def test_fp8_experts_take_the_kernels_at_every_size(monkeypatch):
+    """FP8 experts take the fused kernels at every size where they run, past 16-bit experts' `FUSED_MOE_MAX_PAIRS`
+    too: the decode kernels, then the row tiles from `PREFILL_ROWS_PER_EXPERT` rows per expert (the bounds moved to
+    sizes the interpreter runs quickly), in all three forms, within 1e-5 of the loop over quantized rows."""
     monkeypatch.setattr(moe, "_moe_kernels_run", lambda x: True)
     monkeypatch.setattr(moe, "_grouped_mm_supported", lambda device, dtype: True)
-    monkeypatch.setattr(moe, "FUSED_MOE_MAX_PAIRS", 128)
-    monkeypatch.setattr(moe, "FP8_FUSED_MOE_MAX_PAIRS", 64)
+    monkeypatch.setattr(moe, "FUSED_MOE_MAX_PAIRS", 16)
+    monkeypatch.setattr(kmoe, "PREFILL_ROWS_PER_EXPERT", 21)
+    row_tiles = []
+    real_down_rows = kmoe.down_rows
+    monkeypatch.setattr(kmoe, "down_rows", lambda *a, **kw: row_tiles.append(1) or real_down_rows(*a, **kw))
     q = fp8_experts(12, 32, 32, (16, 32), seed=5)
-    w13, w2 = q.dequantized(torch.float32)
     calls = _Calls(monkeypatch)
-    for num_tokens, path in ((8, "routed"), (9, "routed-16bit")):  # 64 pairs at top-8, then 72
+    for num_tokens, rows_path in ((8, False), (30, True)):  # 8 and 30 rows per expert (the hint), 64 and 240 pairs
         x = torch.randn(num_tokens, 32, generator=torch.Generator().manual_seed(5))
         r = _routing(num_tokens, 12, 8, seed=5)
-        calls.seen.clear()
+        calls.seen.clear(), row_tiles.clear()
         got = moe.fp8_routed_experts(x, r.topk_ids, r.topk_weights, q, 0, fixed_shape=True)
-        seen = list(calls.seen)
-        if path == "routed":
-            ref = fp8_rows_routed_reference(x, r.topk_ids, r.topk_weights, q)
-        else:
-            ref = moe.routed_experts(x, r.topk_ids, r.topk_weights, w13, w2, 0, fixed_shape=False)
-        assert seen == [path] and _rel(got, ref) <= 1e-5, f"{num_tokens} tokens: {_rel(got, ref):.2e}"
+        ref = fp8_rows_routed_reference(x, r.topk_ids, r.topk_weights, q)
+        assert calls.seen == ["routed"] and bool(row_tiles) == rows_path, num_tokens
+        assert _rel(got, ref) <= 1e-5, f"{num_tokens} tokens: {_rel(got, ref):.2e}"
 
-    for sizes, path in (([30, 0, 20, 14] + [0] * 8, "grouped"), ([30, 0, 20, 25] + [0] * 8, "grouped-16bit")):
+    for sizes, rows_path in (([30, 0, 20, 14] + [0] * 8, False), ([30, 0, 20, 25] + [0] * 8, True)):
         rows = torch.randn(sum(sizes), 32, generator=torch.Generator().manual_seed(6))
-        calls.seen.clear()
+        calls.seen.clear(), row_tiles.clear()
         grouped = moe.fp8_grouped_expert_mlp(rows, sizes, q)
         offsets = moe.fp8_grouped_expert_mlp_offsets(rows, torch.tensor(sizes).cumsum(0).to(torch.int32), q)
-        seen = list(calls.seen)
-        if path == "grouped":
-            ref = fp8_rows_grouped_reference(rows, sizes, q)
-        else:
-            ref = moe.grouped_expert_mlp(rows, sizes, w13, w2, use_grouped_mm=False)
-        assert seen == [path, path] and _rel(grouped, ref) <= 1e-5 and torch.equal(offsets, grouped), sum(sizes)
+        ref = fp8_rows_grouped_reference(rows, sizes, q)
+        assert calls.seen == ["grouped", "grouped"] and len(row_tiles) == 2 * rows_path, sum(sizes)
+        assert _rel(grouped, ref) <= 1e-5 and torch.equal(offsets, grouped), sum(sizes)
 
 
 @cpu_only

@@ -44,19 +44,19 @@ def test_experts_touched_and_destinations():
 
 
 def test_routed_experts_past_the_kernels_bound_take_the_grouped_part():
-    """The engine's MoE leaves its kernels for the grouped GEMM past `FUSED_MOE_MAX_PAIRS` (token, k) pairs
-    (FP8 experts past their own bound): a profile with a grouped part prices those steps by it, one without keeps
-    one part for every size."""
-    from afd.model.moe import FP8_FUSED_MOE_MAX_PAIRS, FUSED_MOE_MAX_PAIRS
+    """The engine's MoE leaves its decode kernels past `FUSED_MOE_MAX_PAIRS` (token, k) pairs (16-bit experts for
+    the grouped GEMM, FP8 ones for their row tiles, both bound by the matmuls): a profile with a grouped part prices
+    those steps by it, one without keeps one part for every size."""
+    from afd.model.moe import FUSED_MOE_MAX_PAIRS
 
     s, fp8 = _shapes(), _shapes(fmt="fp8")
     kernels, grouped = Part(fixed_s=1e-3), Part(fixed_s=5e-3)
     p = Profile({}, {"routed_experts": kernels, "routed_experts_grouped": grouped})
     last = FUSED_MOE_MAX_PAIRS // s.topk  # the most tokens whose pairs the kernels take
-    assert costs.kernel_max_pairs(s) == FUSED_MOE_MAX_PAIRS and costs.kernel_max_pairs(fp8) == FP8_FUSED_MOE_MAX_PAIRS
+    assert costs.kernel_max_pairs() == FUSED_MOE_MAX_PAIRS
     assert costs.routed_pass_s(p, s, last, s.num_experts) == pytest.approx(1e-3)
     assert costs.routed_pass_s(p, s, last + 1, s.num_experts) == pytest.approx(5e-3)
-    assert costs.routed_pass_s(p, fp8, last + 1, fp8.num_experts) == pytest.approx(1e-3)
+    assert costs.routed_pass_s(p, fp8, last + 1, fp8.num_experts) == pytest.approx(5e-3)
     one = Profile({}, {"routed_experts": kernels})
     assert costs.routed_pass_s(one, s, 10 * last, s.num_experts) == pytest.approx(1e-3)
     # the engine picks the path by its graph's rows, padding included: a 641-token prompt step replays the 768-token
@@ -75,7 +75,7 @@ def test_profile_fits_the_routed_experts_on_each_side_of_the_bound():
     from afd.planning.fitting import routed_parts as _routed_parts
 
     s = _shapes()
-    bound_tokens = costs.kernel_max_pairs(s) // s.topk
+    bound_tokens = costs.kernel_max_pairs() // s.topk
     rows = []
     for local in (s.num_experts, s.num_experts // 2):
         for t in (1, 8, 64, 256, 2 * bound_tokens, 4 * bound_tokens, 8 * bound_tokens):

@@ -40,7 +40,7 @@ class RowTileConfig:
     num_stages: int = 3
 
 
-GATE_UP_TILE = RowTileConfig(128, 128, 128, num_warps=8, num_stages=3)
+GATE_UP_TILE = RowTileConfig(64, 128, 128, num_warps=8, num_stages=3)
 DOWN_TILE = RowTileConfig(128, 128, 128, num_warps=8, num_stages=3)
 
 
@@ -100,6 +100,7 @@ def _gate_up_rows_kernel(
     E_POW2: tl.constexpr,
     SCALE_N: tl.constexpr,
     SCALE_K: tl.constexpr,
+    ONE_SCALE_ROW: tl.constexpr,  # BLOCK_N divides SCALE_N: a column tile lies inside one scale block
     FMAX: tl.constexpr,
 ):
     num_n = tl.cdiv(inter, BLOCK_N)
@@ -120,7 +121,10 @@ def _gate_up_rows_kernel(
     x_tile = x_ptr + src[:, None] * stride_xm + k[None, :]  # [BM, BK] pointers
     w_gate = w_ptr + e.to(tl.int64) * stride_we + n[:, None].to(tl.int64) * stride_wn + k[None, :]  # [BN, BK]
     w_up = w_gate + inter * stride_wn
-    s_gate = scale_ptr + e.to(tl.int64) * stride_se + (n // SCALE_N) * stride_sn  # [BN]
+    if ONE_SCALE_ROW:  # the tile's columns share one scale block: one weight scale per K step
+        s_gate = scale_ptr + e.to(tl.int64) * stride_se + (pid_n * BLOCK_N // SCALE_N) * stride_sn
+    else:
+        s_gate = scale_ptr + e.to(tl.int64) * stride_se + (n // SCALE_N) * stride_sn  # [BN]
     s_up = s_gate + up_scale_row * stride_sn
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -131,10 +135,14 @@ def _gate_up_rows_kernel(
         wu = load_2d(w_up + k0, n_mask, k_mask, EVEN_N, EVEN_K)
         s_k = k0 // SCALE_K
         sx = tl.load(x_scale_ptr + src * stride_xsm + s_k, mask=r_mask, other=0.0)  # [BM]
-        sg = tl.load(s_gate + s_k * stride_sk, mask=n_mask, other=0.0)  # [BN]
-        su = tl.load(s_up + s_k * stride_sk, mask=n_mask, other=0.0)
-        acc_gate += tl.dot(xt, tl.trans(wg)) * sx[:, None] * sg[None, :]  # [BM, BN] fp32
-        acc_up += tl.dot(xt, tl.trans(wu)) * sx[:, None] * su[None, :]
+        if ONE_SCALE_ROW:
+            acc_gate += tl.dot(xt, tl.trans(wg)) * (sx * tl.load(s_gate + s_k * stride_sk))[:, None]  # [BM, BN]
+            acc_up += tl.dot(xt, tl.trans(wu)) * (sx * tl.load(s_up + s_k * stride_sk))[:, None]
+        else:
+            sg = tl.load(s_gate + s_k * stride_sk, mask=n_mask, other=0.0)  # [BN]
+            su = tl.load(s_up + s_k * stride_sk, mask=n_mask, other=0.0)
+            acc_gate += tl.dot(xt, tl.trans(wg)) * sx[:, None] * sg[None, :]  # [BM, BN] fp32
+            acc_up += tl.dot(xt, tl.trans(wu)) * sx[:, None] * su[None, :]
     act = acc_gate * tl.sigmoid(acc_gate) * acc_up  # [BM, BN] SwiGLU in fp32
     out = act_ptr + rows[:, None].to(tl.int64) * stride_am + n[None, :]
     mask = r_mask[:, None] & n_mask[None, :]
@@ -180,6 +188,7 @@ def _down_rows_kernel(
     E_POW2: tl.constexpr,
     SCALE_N: tl.constexpr,
     SCALE_K: tl.constexpr,
+    ONE_SCALE_ROW: tl.constexpr,
 ):
     num_n = tl.cdiv(hidden, BLOCK_N)
     pid_m = tl.program_id(0) // num_n
@@ -194,7 +203,10 @@ def _down_rows_kernel(
     k = tl.arange(0, BLOCK_K)
     a_tile = act_ptr + rows[:, None].to(tl.int64) * stride_am + k[None, :]  # [BM, BK]
     w_tile = w_ptr + e.to(tl.int64) * stride_we + n[:, None].to(tl.int64) * stride_wn + k[None, :]  # [BN, BK]
-    s_row = scale_ptr + e.to(tl.int64) * stride_se + (n // SCALE_N) * stride_sn  # [BN]
+    if ONE_SCALE_ROW:  # as in gate/up
+        s_row = scale_ptr + e.to(tl.int64) * stride_se + (pid_n * BLOCK_N // SCALE_N) * stride_sn
+    else:
+        s_row = scale_ptr + e.to(tl.int64) * stride_se + (n // SCALE_N) * stride_sn  # [BN]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         k_mask = k0 + k < inter
@@ -202,8 +214,11 @@ def _down_rows_kernel(
         w = load_2d(w_tile + k0, n_mask, k_mask, EVEN_N, EVEN_K)  # [BN, BK]
         s_k = k0 // SCALE_K
         sa = tl.load(act_scale_ptr + rows * stride_asm + s_k, mask=r_mask, other=0.0)  # [BM]
-        sw = tl.load(s_row + s_k * stride_sk, mask=n_mask, other=0.0)  # [BN]
-        acc += tl.dot(a, tl.trans(w)) * sa[:, None] * sw[None, :]  # [BM, BN] fp32
+        if ONE_SCALE_ROW:
+            acc += tl.dot(a, tl.trans(w)) * (sa * tl.load(s_row + s_k * stride_sk))[:, None]  # [BM, BN] fp32
+        else:
+            sw = tl.load(s_row + s_k * stride_sk, mask=n_mask, other=0.0)  # [BN]
+            acc += tl.dot(a, tl.trans(w)) * sa[:, None] * sw[None, :]
     if HAS_DEST:
         dst = tl.load(dest_ptr + rows, mask=r_mask, other=0).to(tl.int64)  # [BM]
     else:
@@ -274,7 +289,8 @@ def gate_up_rows(
             HAS_TOKEN_IDX=token_idx is not None, QUANT_OUT=quant_out, ROUND_BF16=out_dtype == torch.bfloat16,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k,
             EVEN_N=inter % config.block_n == 0, EVEN_K=hidden % block_k == 0,
-            E_POW2=triton.next_power_of_2(num_experts), SCALE_N=block[0], SCALE_K=block[1], FMAX=FP8_MAX,
+            E_POW2=triton.next_power_of_2(num_experts), SCALE_N=block[0], SCALE_K=block[1],
+            ONE_SCALE_ROW=block[0] % config.block_n == 0, FMAX=FP8_MAX,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )  # fmt: skip
     return act, (act_scale if quant_out else None)
@@ -315,6 +331,7 @@ def down_rows(
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k,
             EVEN_N=hidden % config.block_n == 0, EVEN_K=inter % block_k == 0,
             E_POW2=triton.next_power_of_2(num_experts), SCALE_N=block[0], SCALE_K=block[1],
+            ONE_SCALE_ROW=block[0] % config.block_n == 0,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )  # fmt: skip
     return out

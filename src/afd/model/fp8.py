@@ -128,7 +128,7 @@ def _fp8_linear_enabled(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
-def _block_in_kernel(block: tuple[int, int]) -> bool:
+def block_in_kernels(block: tuple[int, int]) -> bool:
     """Whether the kernels take scale blocks of this size (b1 a multiple of 32: they quantize the rows in b1-wide
     groups for fp8 x fp8 MMAs; import only once enabled)."""
     from afd.kernels.moe_tiles import FP8_MIN_BLOCK_K, fp8_block_supported
@@ -178,7 +178,7 @@ class FP8Linear(nn.Module):
 
     def uses_kernel(self, x: torch.Tensor) -> bool:
         """Whether `forward(x)` runs the FP8 kernel rather than the dequantized weight."""
-        return _fp8_linear_enabled(x.device, x.dtype) and _block_in_kernel(self.block)
+        return _fp8_linear_enabled(x.device, x.dtype) and block_in_kernels(self.block)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense is not None and self.dense.dtype == x.dtype:  # one function for both uses of the weight
@@ -266,7 +266,7 @@ def warm_up_fp8_linears(model: nn.Module, dtype: torch.dtype, max_rows: int) -> 
         if not isinstance(module, FP8Linear) or not _fp8_linear_enabled(module.weight.device, dtype):
             continue
         key = (module.out_features, module.in_features, module.block, module.bias is None, module.weight.device)
-        if key in seen or not _block_in_kernel(module.block):
+        if key in seen or not block_in_kernels(module.block):
             continue
         seen.add(key)
         from afd.kernels.fp8_linear import warm_up

@@ -21,11 +21,11 @@ order, and a sum over k — four launches, no host sync, no atomics, each touche
 Larger batches of 16/32-bit experts keep `torch._grouped_mm`, the better GEMM once every expert has many rows.
 
 FP8 experts (`afd.model.fp8.FP8Experts`, DeepSeek-V3's block-scaled format) go through the `fp8_*` twins of the three
-entry points: on CUDA with the kernels enabled, up to `FP8_FUSED_MOE_MAX_PAIRS`, the same Triton kernels with the
-rows quantized to fp8 per 1 x b1 group (fp8 x fp8 MMAs, both scales in registers: half the weight bytes streamed,
-nothing dequantized in memory, capturable the same way). Past it (prefill), and elsewhere (CPU, `eager_ops`, a
-block width b1 not a multiple of 32, the exact loop), the weights are dequantized to the compute dtype (one Triton
-pass each on CUDA) and the 16/32-bit path runs (docs/fp8.md has the measured crossing).
+entry points: on CUDA with the kernels enabled, at every size, Triton kernels with the rows quantized to fp8 per
+1 x b1 group (fp8 x fp8 MMAs, both scales in registers: half the weight bytes streamed, nothing dequantized in
+memory, capturable the same way): the decode kernels above, and tiles of rows past `afd.kernels.fused_moe`'s
+`PREFILL_ROWS_PER_EXPERT`. Elsewhere (CPU, `eager_ops`, a block width b1 not a multiple of 32, the exact loop), the
+weights are dequantized to the compute dtype (one Triton pass each on CUDA) and the 16/32-bit path runs.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from afd import kernels
-from afd.model.fp8 import FP8Experts
+from afd.model.fp8 import FP8Experts, block_in_kernels
 from afd.routing import Routing, sort_pairs_by_expert
 
 logger = logging.getLogger(__name__)
@@ -49,11 +49,6 @@ logger = logging.getLogger(__name__)
 # (`scripts/gpu_moe_fp8.py`, rows bf16 / bf16-engine): 342 tokens 0.316 / 0.462, 512 0.334 / 0.464, 640 0.445 /
 # 0.470, 768 0.596 / 0.498: they cross between 640 and 768 tokens.
 FUSED_MOE_MAX_PAIRS = 4096
-# The same bound for FP8 experts, whose kernels read half the bytes, so stay ahead longer: past it (prefill sizes)
-# the experts are dequantized in one pass per weight and the 16-bit grouped GEMM runs, which outruns the fused FP8
-# kernels there. H200, V2-Lite's experts, ms per layer (`scripts/gpu_moe_fp8.py`, fp8 / fp8-dequant rows): 2,048
-# tokens 1.14 / 1.43, 3,072 tokens 1.64 / 1.79, 3,584 tokens 1.95 / 1.83: they cross past 3,072 tokens at top-6.
-FP8_FUSED_MOE_MAX_PAIRS = 18432
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -278,15 +273,10 @@ def routed_experts(
     return by_pair.view(x.shape[0], topk_ids.shape[1], -1).sum(dim=1)  # [T, H]
 
 
-def _fp8_kernels_take(x: torch.Tensor, experts: FP8Experts, num_pairs: int) -> bool:
-    """Whether FP8 experts run in afd's fused Triton kernels for rows `x`: where the kernels run, up to
-    `FP8_FUSED_MOE_MAX_PAIRS` pairs (or grouped rows), for a block size they take with fp8 rows (b1 a multiple of
-    32)."""
-    if num_pairs > FP8_FUSED_MOE_MAX_PAIRS or not _moe_kernels_run(x):
-        return False
-    from afd.kernels.moe_tiles import FP8_MIN_BLOCK_K, fp8_block_supported
-
-    return fp8_block_supported(experts.block, FP8_MIN_BLOCK_K)
+def _fp8_kernels_take(x: torch.Tensor, experts: FP8Experts) -> bool:
+    """Whether FP8 experts run in afd's fused Triton kernels for rows `x`: where the kernels run, for a block size
+    they take with fp8 rows (b1 a multiple of 32)."""
+    return _moe_kernels_run(x) and block_in_kernels(experts.block)
 
 
 def _scales(experts: FP8Experts):  # -> afd.kernels.fused_moe.ExpertScales (imports triton: only once enabled)
@@ -304,13 +294,13 @@ def fp8_routed_experts(
     *,
     fixed_shape: bool | None = None,
 ) -> torch.Tensor:
-    """`routed_experts` with FP8 experts: on the fixed-shape path of a decode-sized batch the fused kernels on the
-    FP8 weights with fp8 rows (`_fp8_kernels_take`), same contract (no host sync, shapes from T only); else
+    """`routed_experts` with FP8 experts: on the fixed-shape path the fused kernels on the FP8 weights with fp8 rows
+    where they run (`_fp8_kernels_take`), same contract (no host sync, shapes from T only); else
     `routed_experts` on the dequantized weights (one pass each on CUDA, then the 16-bit grouped GEMM)."""
     if fixed_shape is None:
         fixed_shape = _grouped_mm_supported(x.device, x.dtype)
     num_local = experts.w13.shape[0]
-    if fixed_shape and x.shape[0] > 0 and num_local > 0 and _fp8_kernels_take(x, experts, topk_ids.numel()):
+    if fixed_shape and x.shape[0] > 0 and num_local > 0 and _fp8_kernels_take(x, experts):
         from afd.kernels.fused_moe import fused_routed_experts
 
         w13, w2 = experts.w13, experts.w2
@@ -321,8 +311,8 @@ def fp8_routed_experts(
 
 def fp8_grouped_expert_mlp_offsets(x: torch.Tensor, offs: torch.Tensor, experts: FP8Experts) -> torch.Tensor:
     """`grouped_expert_mlp_offsets` with FP8 experts (same contract): the fused kernels on the FP8 weights with fp8
-    rows for decode-sized N (`_fp8_kernels_take`), else the dequantized weights through `torch._grouped_mm`."""
-    if _fp8_kernels_take(x, experts, x.shape[0]):
+    rows where they run (`_fp8_kernels_take`), else the dequantized weights through `torch._grouped_mm`."""
+    if _fp8_kernels_take(x, experts):
         from afd.kernels.fused_moe import fused_grouped_expert_mlp
 
         return fused_grouped_expert_mlp(x, offs, experts.w13, experts.w2, scales=_scales(experts))
@@ -337,6 +327,6 @@ def fp8_grouped_expert_mlp(
     if use_grouped_mm is None:
         use_grouped_mm = _grouped_mm_supported(x.device, x.dtype)
     fits = len(group_sizes) == experts.w13.shape[0] and sum(group_sizes) == x.shape[0]
-    if fits and use_grouped_mm and x.shape[0] > 0 and _fp8_kernels_take(x, experts, x.shape[0]):
+    if fits and use_grouped_mm and x.shape[0] > 0 and _fp8_kernels_take(x, experts):
         return fp8_grouped_expert_mlp_offsets(x, _offsets_on(group_sizes, x.device), experts)
     return grouped_expert_mlp(x, group_sizes, *experts.dequantized(x.dtype), use_grouped_mm=use_grouped_mm)

@@ -158,11 +158,13 @@ def experts_touched(num_local: int, num_experts: int, topk: int, tokens: float) 
     return num_local * (1.0 - (1.0 - topk / num_experts) ** tokens)
 
 
-def kernel_max_pairs(s: Shapes) -> int:
-    """The most (token, k) pairs afd's MoE kernels take for these weights (afd.model.moe's bounds)."""
-    from afd.model.moe import FP8_FUSED_MOE_MAX_PAIRS, FUSED_MOE_MAX_PAIRS
+def kernel_max_pairs() -> int:
+    """The most (token, k) pairs whose routed experts the profile's fit of afd's decode kernels covers; past it
+    the matmuls bind, and the grouped GEMM's fit stands for both the 16-bit grouped GEMM and FP8's row tiles (a
+    profile measures bf16 experts)."""
+    from afd.model.moe import FUSED_MOE_MAX_PAIRS
 
-    return FP8_FUSED_MOE_MAX_PAIRS if s.weight_bytes < 2 else FUSED_MOE_MAX_PAIRS
+    return FUSED_MOE_MAX_PAIRS
 
 
 def routed_pass_s(p: Profile, s: Shapes, tokens: float, num_local: int, graph_tokens: float | None = None) -> float:
@@ -195,7 +197,7 @@ def graph_tokens(tokens: int, prompt: bool, max_num_batched_tokens: int, max_num
 
 def routed_part(p: Profile, s: Shapes, tokens: float) -> str:
     """The profile part that prices `tokens` tokens' routed experts (`routed_pass_s`)."""
-    if tokens * s.topk > kernel_max_pairs(s) and "routed_experts_grouped" in p.parts:
+    if tokens * s.topk > kernel_max_pairs() and "routed_experts_grouped" in p.parts:
         return "routed_experts_grouped"
     return "routed_experts"
 

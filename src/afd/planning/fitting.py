@@ -56,7 +56,7 @@ def routed_parts(rows: list[list[float]], s: costs.Shapes, device: str) -> dict[
     """The routed experts' fit from `(bytes, flops, seconds, tokens)` rows: on a GPU one per side of the kernels'
     bound, whose paths cost differently (on an H200 the grouped GEMM's fixed cost lifts a 320-token step's experts
     by ~4.5 ms over the kernels'); on a CPU one (the exact loop runs at every size)."""
-    bound = costs.kernel_max_pairs(s)
+    bound = costs.kernel_max_pairs()
     within = [tuple(r[:3]) for r in rows if device != "cuda" or r[3] * s.topk <= bound]
     past = [tuple(r[:3]) for r in rows if device == "cuda" and r[3] * s.topk > bound]
     parts = {"routed_experts": fit_part(within)}

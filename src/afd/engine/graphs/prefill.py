@@ -59,6 +59,7 @@ from afd.model.attention_side import AttentionCore, AttentionModel, Boundary, Se
 from afd.model.batch import Batch
 from afd.model.config import ModelConfig
 from afd.model.ffn_side import FFNModel
+from afd.model.fp8 import block_in_kernels
 from afd.model.kv_cache import PagedLatentCache
 from afd.routing import Routing
 
@@ -73,8 +74,8 @@ def graph_memory_estimate(config: ModelConfig, dtype: torch.dtype, max_tokens: i
     temporaries in the graphs' pool, each bucket's output (the buckets sum to under seven times the largest), and
     for the graphs that hold the attention cores their temporaries and outputs too. `moe_inside`: also the
     MoE's temporaries in the pool (`moe_graph_bytes_per_token`), which the eager step's own estimate does not cover
-    (a graph pool is private), and for FP8 experts one layer's dequantized copy, twice over: what a prefill-sized
-    step past `FP8_FUSED_MOE_MAX_PAIRS`, or a block the kernels do not take, runs on (afd.model.moe).
+    (a graph pool is private), and for FP8 experts whose block the kernels do not take (b1 not a multiple of 32)
+    one layer's dequantized copy, twice over: what they run on (afd.model.moe).
     """
     c = config
     nh = c.num_attention_heads
@@ -87,7 +88,8 @@ def graph_memory_estimate(config: ModelConfig, dtype: torch.dtype, max_tokens: i
     per_token = dtype.itemsize * (rows + cores + 18 * c.hidden_size) + 12 * c.num_experts_per_tok + 25 + 40
     if not moe_inside:
         return max_tokens * per_token
-    dequantized = 0 if c.fp8_block is None else 2 * c.n_routed_experts * 3 * c.hidden_size * c.moe_intermediate_size
+    kernels_take = c.fp8_block is None or block_in_kernels(c.fp8_block)
+    dequantized = 0 if kernels_take else 2 * c.n_routed_experts * 3 * c.hidden_size * c.moe_intermediate_size
     return max_tokens * (per_token + moe_graph_bytes_per_token(config, dtype)) + dequantized * dtype.itemsize
 
 
