@@ -59,11 +59,12 @@ def takes_row_tiles(
 
 def routed_compile_key(num_tokens: int, top_k: int, num_local_experts: int) -> tuple:
     """What decides which compiled variants `fused_routed_experts` launches for `num_tokens` rows (the model's
-    sizes fixed): the pair count and its block count (kinds of integer), the sort's pair tile, and the tile row
-    of the expert GEMMs."""
+    sizes fixed): the pair count and its block count (kinds of integer), the sort's pair tile, the tile row
+    of the expert GEMMs, and whether FP8 experts take the row tiles."""
     num_pairs = num_tokens * top_k
     hint = rows_per_expert_hint(num_tokens, top_k, num_local_experts)
-    return (int_kind(num_pairs), int_kind(triton.cdiv(num_pairs, PAIR_BLOCK)), pair_tile(num_pairs), tile_bucket(hint))
+    sort = (int_kind(num_pairs), int_kind(triton.cdiv(num_pairs, PAIR_BLOCK)), pair_tile(num_pairs))
+    return (*sort, tile_bucket(hint), hint >= PREFILL_ROWS_PER_EXPERT)
 
 
 def warm_up_token_counts(top_k: int, num_local_experts: int, max_tokens: int) -> list[int]:
