@@ -60,7 +60,7 @@ def test_row_tiles_bound_covers_every_split_of_the_rows():
 
 
 @cpu_only
-@pytest.mark.parametrize(("block", "hidden", "inter"), SHAPES[1:], ids=SHAPE_IDS[1:])
+@pytest.mark.parametrize(("block", "hidden", "inter"), SHAPES[2:], ids=SHAPE_IDS[2:])  # 128 x 128: the tests below
 def test_row_tile_kernels_equal_the_loop_over_quantized_rows(block, hidden, inter):
     """gate/up then down on small row tiles (several per expert, the last partial), empty experts and padding rows
     past the last group (never written) = the eager loop on the same quantized values within 1e-5."""
