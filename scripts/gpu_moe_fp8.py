@@ -1,10 +1,10 @@
 """The MoE's routed experts alone, bf16 weights against block-scaled FP8 ones, on one GPU: per T, one CUDA graph of
 `--layers` MoE layers of distinct weights (so nothing stays in L2), replayed; ms per layer and the touched weights'
 bytes per second. Rows: bf16 (afd's Triton kernels at every T, past the engine's `FUSED_MOE_MAX_PAIRS` too),
-bf16-engine (what the engine runs on 16-bit experts: those kernels, `torch._grouped_mm` past the bound), fp8 (the
-same kernels on FP8 weights with fp8 rows: x and the SwiGLU output quantized per row in groups of `--block`, fp8 x fp8
-MMAs, what the engine runs up to `FP8_FUSED_MOE_MAX_PAIRS`), fp8-dequant (FP8 weights dequantized per call, one
-Triton pass each, then the 16-bit path: what the engine runs past that bound).
+bf16-engine (what the engine runs on 16-bit experts: those kernels, `torch._grouped_mm` past the bound), fp8 (FP8
+weights with fp8 rows: x and the SwiGLU output quantized per row in groups of `--block`, fp8 x fp8 MMAs, what the
+engine runs at every T), fp8-dequant (FP8 weights dequantized per call, one Triton pass each, then the 16-bit path:
+what the engine ran at prefill sizes before the row tiles, kept as their peer).
 
     PYTHONPATH=src python3 scripts/gpu_moe_fp8.py [--tokens 1,8,64,256] [--layers 26] [--block 128] [--sweep]
         [--sweep-rows] [--sort]
