@@ -149,8 +149,8 @@ def fused_grouped_expert_mlp(
 ) -> torch.Tensor:
     """`afd.model.moe.grouped_expert_mlp_offsets` in two launches: x [N, H] grouped by `offs` [E] int32 (device
     cumulative ends), w13 [E, 2I, H], w2 [E, H, I] (x's dtype, or FP8 with `scales`: fp8 rows, as in
-    `fused_routed_experts`) -> [N, H] in x.dtype, unweighted; rows at and past `offs[-1]` are not written
-    (undefined), as there."""
+    `fused_routed_experts`, with its `configs`) -> [N, H] in x.dtype, unweighted; rows at and past `offs[-1]` are
+    not written (undefined), as there."""
     rows, x_scale = _fp8_rows(x, scales)  # [N, H], [N, ceil(H/b1)] (FP8 only)
     num_experts, _, _ = _check_experts(rows, x_scale, w13, w2, scales)
     if takes_row_tiles(x.shape[0], 1, num_experts, scales, configs):
@@ -186,7 +186,9 @@ def fused_routed_experts(
     topk_ids: [T, K] int; topk_weights: [T, K] fp32; w13: [E, 2I, H]; w2: [E, H, I] (x's dtype, or FP8 with
     `scales`). No host sync and shapes that depend only on (T, K): capturable in a CUDA graph; no atomics: the same
     bits every run. FP8 experts take fp8 rows: x and each pair's SwiGLU output quantized per row in groups of the
-    block's width `b1` (`fp8_quant.quantize_rows`), both GEMMs fp8 x fp8.
+    block's width `b1` (`fp8_quant.quantize_rows`), both GEMMs fp8 x fp8, on the row tiles at prefill sizes
+    (`takes_row_tiles`). `configs`: both GEMMs' tiles, `TileConfig`s for the decode kernels or `RowTileConfig`s
+    for the row tiles (which then run at any size); by default the size picks.
     """
     rows, x_scale = _fp8_rows(x, scales)  # [T, H], [T, ceil(H/b1)] (FP8 only)
     num_experts, hidden, _ = _check_experts(rows, x_scale, w13, w2, scales)
