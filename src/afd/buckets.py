@@ -41,3 +41,14 @@ def token_buckets(max_tokens: int, smallest: int = SMALLEST_BUCKET) -> list[int]
 def pick_bucket(num_seqs: int, buckets: list[int]) -> int | None:
     """The smallest bucket that holds `num_seqs`, or None when none does (the step runs eager)."""
     return next((b for b in buckets if b >= num_seqs), None) if num_seqs > 0 else None
+
+
+def path_rows(rows: int) -> int:
+    """The row count a size-dependent choice of kernels is made by: `rows` rounded up to a power of two.
+
+    Why: a step's rows reach the MoE padded to a graph bucket, and the engine's buckets (`token_buckets`,
+    `batch_buckets`) differ from an FFN rank's pass buckets (powers of two); kernels that round differently must
+    not be picked by the padded count, or a disaggregated run stops equalling the single-process one. Every bucket
+    family here keeps a count and its bucket inside one power-of-two interval, so choosing by `path_rows` gives
+    the same path padded or not."""
+    return 1 << max(0, rows - 1).bit_length()

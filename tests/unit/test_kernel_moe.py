@@ -133,8 +133,8 @@ def test_moe_dispatches_decode_batches_to_the_kernels(monkeypatch):
     calls = []
     real = moe._fused_moe_enabled
 
-    def forced(x, num_rows):
-        calls.append(num_rows)
+    def forced(x, top_k=1):
+        calls.append((x.shape[0], top_k))
         return True
 
     monkeypatch.setattr(moe, "_fused_moe_enabled", forced)
@@ -149,7 +149,7 @@ def test_moe_dispatches_decode_batches_to_the_kernels(monkeypatch):
     offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
     got = moe.grouped_expert_mlp_offsets(x, offs, w13, w2)
     torch.testing.assert_close(got, grouped_expert_mlp(x, sizes, w13, w2, use_grouped_mm=False), rtol=0, atol=1e-5)
-    assert calls == [27, 9]
+    assert calls == [(9, 3), (9, 1)]
     monkeypatch.setattr(moe, "_fused_moe_enabled", real)
     assert not moe._fused_moe_enabled(x, 1)  # CPU never takes them
     assert moe.FUSED_MOE_MAX_PAIRS >= 256 * 6  # decode batches of DeepSeek-V2 up to 256 tokens do
@@ -166,4 +166,31 @@ def test_the_warm_up_token_counts_reach_every_routed_variant(top_k: int, num_loc
     assert needed == made and len(counts) == len(made) <= 40
     assert counts == sorted(counts) and counts[0] == 1 and counts[-1] <= budget
     assert kmoe.warm_up_token_counts(6, 64, 8192) == [1, 3, 6, 8, 11, 16, 22, 24, 41, 43, 48, 83, 86, 88, 126, 128,
-                                                      129, 136, 169, 256, 630, 632, 638, 640]  # fmt: skip
+                                                      129, 136, 169, 256, 513, 520, 553, 640]  # fmt: skip
+
+
+def test_the_moe_path_does_not_depend_on_padding_to_a_graph_bucket(monkeypatch):
+    """A step's rows reach the MoE padded to the engine's prefill or decode buckets on one side and to an FFN
+    rank's pass buckets (powers of two) on the other: for every count up to 8,192 rows, each padded count picks
+    the path the real count picks (16-bit experts: kernels or grouped GEMM; FP8: decode kernels or row tiles), so a
+    disaggregated run computes what the single-process one does. The bound itself falls on a power of two."""
+    from afd.buckets import batch_buckets, path_rows, pick_bucket, token_buckets
+    from afd.connectors.asynchronous.ffn_chain import pass_buckets
+
+    monkeypatch.setattr(moe, "_moe_kernels_run", lambda x: True)
+    families = [token_buckets(8192), batch_buckets(1024), pass_buckets(8192), token_buckets(2000)]
+    scales = kmoe.ExpertScales(None, None, (128, 128))
+
+    def paths(rows: int) -> tuple[bool, bool, bool]:
+        x = torch.empty(rows, 1)
+        return moe._fused_moe_enabled(x, 6), moe._fused_moe_enabled(x), kmoe.takes_row_tiles(rows, 6, 64, scales)
+
+    for rows in range(1, 2001):
+        want = paths(rows)
+        for buckets in families:
+            padded = pick_bucket(rows, buckets)
+            if padded is not None:
+                assert paths(padded) == want, (rows, padded)
+    assert [path_rows(n) for n in (1, 2, 3, 512, 513, 640, 1024)] == [1, 2, 4, 512, 1024, 1024, 1024]
+    assert paths(512)[0] and not paths(513)[0]  # 16-bit experts: kernels up to 512 tokens at top-6
+    assert not paths(512)[2] and paths(513)[2]  # FP8: row tiles from 513 tokens at top-6 of 64

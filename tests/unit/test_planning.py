@@ -47,25 +47,27 @@ def test_routed_experts_past_the_kernels_bound_take_the_grouped_part():
     """The engine's MoE leaves its decode kernels past `FUSED_MOE_MAX_PAIRS` (token, k) pairs (16-bit experts for
     the grouped GEMM, FP8 ones for their row tiles, both bound by the matmuls): a profile with a grouped part prices
     those steps by it, one without keeps one part for every size."""
+    from afd.buckets import path_rows
     from afd.model.moe import FUSED_MOE_MAX_PAIRS
 
     s, fp8 = _shapes(), _shapes(fmt="fp8")
     kernels, grouped = Part(fixed_s=1e-3), Part(fixed_s=5e-3)
     p = Profile({}, {"routed_experts": kernels, "routed_experts_grouped": grouped})
-    last = FUSED_MOE_MAX_PAIRS // s.topk  # the most tokens whose pairs the kernels take
-    assert costs.kernel_max_pairs() == FUSED_MOE_MAX_PAIRS
+    last = 512  # the most tokens whose pairs the kernels take at top-6: the engine counts rows by `path_rows`
+    assert costs.kernel_max_pairs() == FUSED_MOE_MAX_PAIRS and path_rows(last + 1) * s.topk > FUSED_MOE_MAX_PAIRS
     assert costs.routed_pass_s(p, s, last, s.num_experts) == pytest.approx(1e-3)
     assert costs.routed_pass_s(p, s, last + 1, s.num_experts) == pytest.approx(5e-3)
     assert costs.routed_pass_s(p, fp8, last + 1, fp8.num_experts) == pytest.approx(5e-3)
     one = Profile({}, {"routed_experts": kernels})
     assert costs.routed_pass_s(one, s, 10 * last, s.num_experts) == pytest.approx(1e-3)
-    # the engine picks the path by its graph's rows, padding included: a 641-token prompt step replays the 768-token
-    # bucket, past the bound at top-6; a 300-sequence decode step the 320 bucket
+    # a step replays its graph's bucket (a 641-token prompt step the 768-token one, a 300-sequence decode step the
+    # 320 one), and the bucket never changes the path: a 500-token step padded to 512 stays on the kernels, a
+    # 600-token one padded to 640 on the grouped GEMM
     assert costs.graph_tokens(641, True, 8192, 1024) == 768 and costs.graph_tokens(300, False, 8192, 1024) == 320
     assert costs.graph_tokens(9000, True, 8192, 1024) == 9000  # past the largest bucket: as it is
-    padded = costs.graph_tokens(last, True, 8192, 1024)
-    assert padded * s.topk > FUSED_MOE_MAX_PAIRS  # this bound's last token count is not a bucket
-    assert costs.routed_pass_s(p, s, last, s.num_experts, padded) == pytest.approx(5e-3)
+    for tokens, price in ((500, 1e-3), (600, 5e-3)):
+        bucket = costs.graph_tokens(tokens, True, 8192, 1024)
+        assert costs.routed_pass_s(p, s, tokens, s.num_experts, bucket) == pytest.approx(price), tokens
 
 
 def test_profile_fits_the_routed_experts_on_each_side_of_the_bound():

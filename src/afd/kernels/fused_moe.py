@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from afd.buckets import path_rows
 from afd.kernels import int_kind
 from afd.kernels.fp8_quant import quantize_rows
 from afd.kernels.moe_combine import combine_pairs
@@ -51,10 +52,11 @@ def takes_row_tiles(
     num_rows: int, top_k: int, num_experts: int, scales: ExpertScales | None, configs: Configs | None = None
 ) -> bool:
     """Whether `num_rows` tokens (or grouped rows, top_k 1) take `moe_prefill`'s kernels: FP8 experts with
-    `PREFILL_ROWS_PER_EXPERT` rows per expert or more, or `configs` of theirs given."""
+    `PREFILL_ROWS_PER_EXPERT` rows per expert or more for `path_rows(num_rows)` (padding never changes the path),
+    or `configs` of theirs given."""
     if scales is None or configs is not None:
         return scales is not None and isinstance(configs[0], RowTileConfig)
-    return rows_per_expert_hint(num_rows, top_k, num_experts) >= PREFILL_ROWS_PER_EXPERT
+    return rows_per_expert_hint(path_rows(num_rows), top_k, num_experts) >= PREFILL_ROWS_PER_EXPERT
 
 
 def routed_compile_key(num_tokens: int, top_k: int, num_local_experts: int) -> tuple:
@@ -64,7 +66,8 @@ def routed_compile_key(num_tokens: int, top_k: int, num_local_experts: int) -> t
     num_pairs = num_tokens * top_k
     hint = rows_per_expert_hint(num_tokens, top_k, num_local_experts)
     sort = (int_kind(num_pairs), int_kind(triton.cdiv(num_pairs, PAIR_BLOCK)), pair_tile(num_pairs))
-    return (*sort, tile_bucket(hint), hint >= PREFILL_ROWS_PER_EXPERT)
+    row_tiles = rows_per_expert_hint(path_rows(num_tokens), top_k, num_local_experts) >= PREFILL_ROWS_PER_EXPERT
+    return (*sort, tile_bucket(hint), row_tiles)
 
 
 def warm_up_token_counts(top_k: int, num_local_experts: int, max_tokens: int) -> list[int]:

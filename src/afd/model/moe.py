@@ -14,10 +14,11 @@ Two ways to compute routed experts from (rows, routing), same result:
   `F.linear` per expert, group sizes read back to the host.
 The router itself (`select_experts`) never reads device data on the host.
 
-Decode-shaped batches on CUDA (at most `FUSED_MOE_MAX_PAIRS` (token, k) pairs, or that many grouped rows) take
-afd's Triton kernels (`afd.kernels.fused_moe`) in the fixed-shape path and in `grouped_expert_mlp_offsets`, when
-`afd.kernels.enabled` allows them: a counting sort, gate/up + SwiGLU, down + weighting straight into (t, k)
-order, and a sum over k — four launches, no host sync, no atomics, each touched expert's weights read once.
+Decode-shaped batches on CUDA (at most `FUSED_MOE_MAX_PAIRS` (token, k) pairs, or that many grouped rows, counted
+by `afd.buckets.path_rows`) take afd's Triton kernels (`afd.kernels.fused_moe`) in the fixed-shape path and in
+`grouped_expert_mlp_offsets`, when `afd.kernels.enabled` allows them: a counting sort, gate/up + SwiGLU, down +
+weighting straight into (t, k) order, and a sum over k — four launches, no host sync, no atomics, each touched
+expert's weights read once.
 Larger batches of 16/32-bit experts keep `torch._grouped_mm`, the better GEMM once every expert has many rows.
 
 FP8 experts (`afd.model.fp8.FP8Experts`, DeepSeek-V3's block-scaled format) go through the `fp8_*` twins of the three
@@ -38,16 +39,18 @@ import torch
 import torch.nn.functional as F
 
 from afd import kernels
+from afd.buckets import path_rows
 from afd.model.fp8 import FP8Experts, block_in_kernels
 from afd.routing import Routing, sort_pairs_by_expert
 
 logger = logging.getLogger(__name__)
 
 # The most (token, k) pairs (fixed-shape path) or grouped rows (`grouped_expert_mlp_offsets`) that take the Triton
-# kernels rather than `torch._grouped_mm`: up to 682 tokens at top-6 (DeepSeek-V2) or 512 at top-8 (V3), where
-# streaming the weights is most of the cost. H200, V2-Lite's experts, bf16, ms per layer, kernels / grouped GEMM
+# kernels rather than `torch._grouped_mm`, rows counted by `path_rows` (a power of two, so that padding to a graph
+# bucket never changes the path): up to 512 tokens at top-6 (DeepSeek-V2) or at top-8 (V3), where streaming the
+# weights is most of the cost. H200, V2-Lite's experts, bf16, ms per layer, kernels / grouped GEMM
 # (`scripts/gpu_moe_fp8.py`, rows bf16 / bf16-engine): 342 tokens 0.316 / 0.462, 512 0.334 / 0.464, 640 0.445 /
-# 0.470, 768 0.596 / 0.498: they cross between 640 and 768 tokens.
+# 0.470, 768 0.596 / 0.498: they cross between 640 and 768 tokens, so 513-682 tokens pay up to ~5% for it.
 FUSED_MOE_MAX_PAIRS = 4096
 
 SCORING_FUNCS = ("softmax", "sigmoid")
@@ -184,10 +187,11 @@ def _moe_kernels_run(x: torch.Tensor) -> bool:
     )
 
 
-def _fused_moe_enabled(x: torch.Tensor, num_rows: int) -> bool:
-    """Whether 16-bit experts take the Triton decode kernels for rows `x`: where they run (`_moe_kernels_run`) and a
-    decode-sized batch (at most `FUSED_MOE_MAX_PAIRS` rows or pairs; above it `torch._grouped_mm`)."""
-    return num_rows <= FUSED_MOE_MAX_PAIRS and _moe_kernels_run(x)
+def _fused_moe_enabled(x: torch.Tensor, top_k: int = 1) -> bool:
+    """Whether 16-bit experts take the Triton decode kernels for rows `x` (tokens of `top_k` pairs each, or grouped
+    rows): where they run (`_moe_kernels_run`) and a decode-sized batch, at most `FUSED_MOE_MAX_PAIRS` pairs or rows
+    counted by `path_rows` (so padding to a graph bucket never changes the path; above it `torch._grouped_mm`)."""
+    return path_rows(x.shape[0]) * top_k <= FUSED_MOE_MAX_PAIRS and _moe_kernels_run(x)
 
 
 def _offsets_on(group_sizes: list[int], device: torch.device) -> torch.Tensor:
@@ -210,7 +214,7 @@ def grouped_expert_mlp_offsets(
     group and their outputs are undefined (the kernel does not write them): callers must not read them.
     At most `FUSED_MOE_MAX_PAIRS` rows on CUDA run afd's Triton kernels instead (same contract).
     """
-    if _fused_moe_enabled(x, x.shape[0]):
+    if _fused_moe_enabled(x):
         from afd.kernels.fused_moe import fused_grouped_expert_mlp
 
         return fused_grouped_expert_mlp(x, offs, w13, w2)
@@ -253,7 +257,7 @@ def routed_experts(
         return out.index_add_(0, groups.token_idx, y.float() * w[:, None])
     if x.shape[0] == 0 or num_local == 0:
         return torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    if _fused_moe_enabled(x, topk_ids.numel()):
+    if _fused_moe_enabled(x, topk_ids.shape[1]):
         from afd.kernels.fused_moe import fused_routed_experts
 
         return fused_routed_experts(x, topk_ids, topk_weights, w13, w2, expert_start)

@@ -11,6 +11,7 @@ import functools
 import math
 from dataclasses import dataclass
 
+from afd.buckets import path_rows
 from afd.model.config import ModelConfig
 from afd.planning.profile import Calibration, Part, Profile
 
@@ -196,8 +197,9 @@ def graph_tokens(tokens: int, prompt: bool, max_num_batched_tokens: int, max_num
 
 
 def routed_part(p: Profile, s: Shapes, tokens: float) -> str:
-    """The profile part that prices `tokens` tokens' routed experts (`routed_pass_s`)."""
-    if tokens * s.topk > kernel_max_pairs() and "routed_experts_grouped" in p.parts:
+    """The profile part that prices `tokens` tokens' routed experts (`routed_pass_s`): chosen as the engine chooses
+    the path, by `afd.buckets.path_rows` of the rows."""
+    if path_rows(math.ceil(tokens)) * s.topk > kernel_max_pairs() and "routed_experts_grouped" in p.parts:
         return "routed_experts_grouped"
     return "routed_experts"
 

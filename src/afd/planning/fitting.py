@@ -11,6 +11,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+from afd.buckets import path_rows
 from afd.planning import costs
 from afd.planning.profile import Part, Profile, fit_part, relative_errors
 
@@ -57,8 +58,8 @@ def routed_parts(rows: list[list[float]], s: costs.Shapes, device: str) -> dict[
     bound, whose paths cost differently (on an H200 the grouped GEMM's fixed cost lifts a 320-token step's experts
     by ~4.5 ms over the kernels'); on a CPU one (the exact loop runs at every size)."""
     bound = costs.kernel_max_pairs()
-    within = [tuple(r[:3]) for r in rows if device != "cuda" or r[3] * s.topk <= bound]
-    past = [tuple(r[:3]) for r in rows if device == "cuda" and r[3] * s.topk > bound]
+    within = [tuple(r[:3]) for r in rows if device != "cuda" or path_rows(int(r[3])) * s.topk <= bound]
+    past = [tuple(r[:3]) for r in rows if device == "cuda" and path_rows(int(r[3])) * s.topk > bound]
     parts = {"routed_experts": fit_part(within)}
     if len(past) >= 2:
         parts["routed_experts_grouped"] = fit_part(past)
