@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from afd.kernels.moe_tiles import FP8_DTYPE, FP8_MAX, load_2d
+from afd.kernels.moe_tiles import FP8_DTYPE, FP8_MAX, FP8_MIN_BLOCK_K, load_2d, scaled_block_k
 
 
 @dataclass(frozen=True)
@@ -229,14 +229,6 @@ def _down_rows_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & n_mask[None, :])
 
 
-def _block_k(cfg: RowTileConfig, scale_k: int) -> int:
-    """The reduction step: the config's, cut to the largest power of two that divides the scale block's width."""
-    step = cfg.block_k
-    while scale_k % step:
-        step //= 2
-    return step
-
-
 def _check_k_contiguous(*tensors: torch.Tensor) -> None:
     for t in tensors:
         if t.stride(-1) != 1:
@@ -279,7 +271,7 @@ def gate_up_rows(
     act = x.new_empty(num_rows, inter, dtype=FP8_DTYPE if quant_out else out_dtype)
     act_scale = torch.empty(num_rows, triton.cdiv(inter, config.block_n), dtype=torch.float32, device=x.device)
     if num_rows and num_experts:
-        block_k = _block_k(config, block[1])
+        block_k = scaled_block_k(config.block_k, block[1], FP8_MIN_BLOCK_K)
         grid = (max_row_tiles(num_rows, num_experts, config.block_m) * triton.cdiv(inter, config.block_n),)
         _gate_up_rows_kernel[grid](
             x, x_scale, token_idx if token_idx is not None else offs, offs, w13, scale, act, act_scale,
@@ -319,7 +311,7 @@ def down_rows(
     num_experts, hidden, inter = w2.shape
     _check_k_contiguous(act, w2, out)
     if act.shape[0] and num_experts:
-        block_k = _block_k(config, block[1])
+        block_k = scaled_block_k(config.block_k, block[1], FP8_MIN_BLOCK_K)
         grid = (max_row_tiles(act.shape[0], num_experts, config.block_m) * triton.cdiv(hidden, config.block_n),)
         _down_rows_kernel[grid](
             act, act_scale, offs, w2, scale, out,
