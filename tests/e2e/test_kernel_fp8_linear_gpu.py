@@ -1,4 +1,4 @@
-"""The GPU half of tests/unit/test_kernel_fp8_linear.py: the block-scaled FP8 linear kernel with bf16 rows at
+"""The GPU half of tests/kernels/test_kernel_fp8_linear.py: the block-scaled FP8 linear kernel with bf16 rows at
 DeepSeek-V2-Lite and V3 linear shapes against the fp32 reference, FP8Linear's dispatch, CUDA-graph replay and host
 syncs. Skipped without CUDA (the interpreter cannot check bf16: see the unit test's docstring)."""
 

@@ -1,4 +1,4 @@
-"""The GPU half of tests/unit/test_kernel_moe_fp8.py: block-scaled FP8 experts (fp8 rows, fp8 x fp8 MMAs) with bf16
+"""The GPU half of tests/kernels/test_kernel_moe_fp8.py: block-scaled FP8 experts (fp8 rows, fp8 x fp8 MMAs) with bf16
 activations at V2-Lite shapes, decode and prefill sizes, the FFN layer with FP8 experts against the same layer on the
 dequantized bf16 weights, CUDA graphs, host syncs. Skipped without CUDA (the interpreter cannot check bf16: see the
 unit test's docstring).

@@ -1,4 +1,4 @@
-"""The GPU half of tests/unit/test_kernel_prefill_attention.py: bf16 and real model shapes on CUDA, graphs."""
+"""The GPU half of tests/kernels/test_kernel_prefill_attention.py: bf16 and real model shapes on CUDA, graphs."""
 
 from __future__ import annotations
 

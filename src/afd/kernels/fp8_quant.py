@@ -7,7 +7,7 @@ token: 0.063 ms a layer against bf16's 0.037). Here one program per (row, group)
 and writes the e4m3 values and the fp32 scale, computed as the reference computes them (fp32 amax, `amax / 448`,
 round-to-nearest division, round-to-nearest-even conversion), so that the bits agree; only on a GPU: Triton's CPU
 interpreter converts fp32 to e4m3 wrongly (126.2 became 64), so the CPU test stops before the cast
-(tests/unit/test_kernel_moe_fp8.py).
+(tests/kernels/test_kernel_moe_fp8.py).
 
 `round_rows_to_fp8` is the same quantization written back in the rows' dtype (the value each fp8 code and its scale
 stand for), one launch as well: the FP8 linears' dense path takes rows on that grid, so that it computes what the

@@ -19,7 +19,7 @@ T*K ids and weights. Here one Triton kernel does all of it, with no host sync (c
 
 Numerics follow `afd.model.moe.select_experts` over `F.linear(x.float(), W.float())`; only the fp32 summation order of
 the logits differs from cuBLAS, so where two experts' scores are within ~1e-6 the kernel may pick the other.
-The eager code stays the CPU path and the oracle of `tests/unit/test_kernel_router.py` (GPU:
+The eager code stays the CPU path and the oracle of `tests/kernels/test_kernel_router.py` (GPU:
 `tests/e2e/test_kernel_router_gpu.py`).
 """
 
