@@ -6,8 +6,8 @@ stay in L2), replayed `--iters` times; ms per call, the bytes a call must move (
 out) per second, the HBM floor (those bytes at the device-to-device copy bandwidth measured in the same run),
 TFLOP/s, and fp8/bf16. Rows: bf16 (`F.linear`, cuBLAS), fp8 (`fp8_linear` as the model calls it: the kernel with
 its tile table, or the dense path where `takes_kernel` says so), fp8-kernel (the kernel at its bucket's tile where
-`fp8` took the dense path), fp8-dense (the dense path at every M: the rows rounded to the fp8 grid, the weight
-dequantized, `F.linear`; where the two paths cross),
+`fp8` took the dense path), fp8-dense (the dense path at every M: the weight dequantized, `F.linear`; where the two
+paths cross),
 fp8-sweep (other tile shapes; `--sweep`).
 
     PYTHONPATH=src python3 scripts/gpu_fp8_linear.py [--models v2-lite,v3] [--rows 1,64,256,8192] [--only o_proj]
@@ -32,7 +32,6 @@ from afd.kernels.fp8_linear import (
     choose_config,
     dequantize_weight,
     fp8_linear,
-    on_fp8_grid,
     sm_count,
     takes_kernel,
 )
@@ -136,7 +135,7 @@ def bench_rows(shape: tuple[str, str, int, int, int], weights: list, dense: list
         report("fp8-kernel", shape, ms, fp8_bytes, fp8_over_bf16=round(ms / bf16_ms, 3), tile=list(vars(cfg).values()))
 
     def dense_path(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-        return F.linear(on_fp8_grid(x, block[1]), dequantize_weight(w, s, block, x.dtype))
+        return F.linear(x, dequantize_weight(w, s, block, x.dtype))
 
     ms = timed([lambda w=w, s=s: dense_path(w, s) for w, s in weights])
     report("fp8-dense", shape, ms, fp8_bytes, fp8_over_bf16=round(ms / bf16_ms, 3))

@@ -1,4 +1,4 @@
-"""The GPU half of tests/kernels/test_kernel_mla_decode.py: bf16 and real model shapes on CUDA, graphs and host syncs."""
+"""The GPU half of tests/kernels/test_kernel_mla_decode.py: bf16, real model shapes, graphs and host syncs."""
 
 from __future__ import annotations
 

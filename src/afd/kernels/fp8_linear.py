@@ -13,15 +13,16 @@ These sizes are bound by reading the weight: the N dimension is split into narro
 fewer programs than the GPU has SMs, K too (`split_k`). The last program of a tile to finish sums its fp32 partials
 in split order (deterministic), so a split costs no second launch: on one H200 that took V2-Lite's decode step in
 FP8 from 5.96 to 5.51 ms at batch 8 (a sum launch and a cast launch per linear before). Elsewhere
-(`takes_kernel`: past 64 rows for weights narrower than `WIDE_MIN_N`, past `KERNEL_MAX_ROWS` for any) the weight is
-dequantized into a scratch copy (`dequantize_weight`, one pass over the fp8 bytes, five bytes moved per weight) and
-cuBLAS multiplies rows rounded to the kernel's fp8 grid (`on_fp8_grid`), so that both paths compute one function and
-a step's result does not depend on which its size (padding included) picked. Why these bounds (one H200,
-`scripts/gpu_fp8_linear.py --sweep`, every V2-Lite and V3 linear): at 1-64 rows fp8 rows beat bf16 rows converted
-from fp8 tiles at V3's shapes (`o_proj` at one row 39 against 61 us, cuBLAS bf16 63); at 128 and 256 rows the
-kernel's 128 x 64 tiles beat the dense path for every weight of 4,096 rows or more (V3 `o_proj` at 256 rows 142
-against 181 us) and lost or tied below. A configuration depends only on M's bucket, so `warm_up` compiles every
-variant a weight meets. Nothing reads device values on the host: CUDA-graph capturable.
+(`takes_kernel`: past `NARROW_MAX_ROWS` for weights narrower than `WIDE_MIN_N`, past `KERNEL_MAX_ROWS` for any) the
+weight is dequantized into a scratch copy (`dequantize_weight`, one pass over the fp8 bytes, five bytes moved per
+weight) and cuBLAS multiplies the rows as they are. Both bounds are powers of two and `NARROW_MAX_ROWS` is the
+smallest prefill bucket (`afd.buckets.SMALLEST_BUCKET`), so padding a step to any graph bucket (the engine's or an
+FFN rank's) never changes the path: a disaggregated run takes the path the single-process one takes. Why these
+bounds (one H200, `scripts/gpu_fp8_linear.py --sweep`, every V2-Lite and V3 linear): at 1-64 rows fp8 rows beat bf16
+rows converted from fp8 tiles at V3's shapes (`o_proj` at one row 39 against 61 us, cuBLAS bf16 63); at 128 and
+256 rows the kernel's 128 x 64 tiles beat the dense path for every weight of 4,096 rows or more (V3 `o_proj` at 256
+rows 142 against 181 us) and lost or tied below. A configuration depends only on M's bucket, so `warm_up`
+compiles every variant a weight meets. Nothing reads device values on the host: CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from afd.kernels.fp8_quant import quantize_rows, round_rows_to_fp8
+from afd.buckets import SMALLEST_BUCKET
+from afd.kernels.fp8_quant import quantize_rows
 from afd.kernels.moe_tiles import (
     DTYPES,
     FP8_DTYPE,
@@ -45,9 +47,9 @@ from afd.kernels.moe_tiles import (
 )
 
 # M buckets of the tile table; past the last one, the dense path
-ROW_BUCKETS = (16, 32, 64, 256)
+ROW_BUCKETS = (16, 32, 64, 128, 256)
 KERNEL_MAX_ROWS = ROW_BUCKETS[-1]
-NARROW_MAX_ROWS = 64  # past this, only weights of at least WIDE_MIN_N rows take the kernel
+NARROW_MAX_ROWS = SMALLEST_BUCKET  # past this, only weights of at least WIDE_MIN_N rows take the kernel
 WIDE_MIN_N = 4096
 MIN_K_STEPS_PER_SPLIT = 4  # a K split keeps at least this many steps, so its pipeline fills
 MAX_SPLIT_K = 4  # more splits cost the reduction more than they gain (H200 sweep)
@@ -70,7 +72,13 @@ class LinearConfig:
 # Per M bucket: (block_m, block_n candidates, largest first, stages); `choose_config` picks the width and the K
 # splits (`scripts/gpu_fp8_linear.py --sweep` times alternatives). A stage holds a 64 x 128 fp8 weight tile (8 KiB).
 # At 64 rows, four 16-row tiles beat one 64-row tile with K splits (H200, V2-Lite's q_proj 10.2 against 12.5 us).
-_TABLE = {16: (16, (64, 32, 16), 4), 32: (32, (64, 32, 16), 4), 64: (16, (64, 32, 16), 4), 256: (128, (64,), 3)}
+_TABLE = {
+    16: (16, (64, 32, 16), 4),
+    32: (32, (64, 32, 16), 4),
+    64: (16, (64, 32, 16), 4),
+    128: (128, (64,), 3),
+    256: (128, (64,), 3),
+}
 
 
 def takes_kernel(num_rows: int, out_features: int) -> bool:
@@ -213,12 +221,6 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def on_fp8_grid(x: torch.Tensor, group: int) -> torch.Tensor:
-    """Rows `x [..., K]` quantized per row and group of `group` columns as the kernel quantizes them, and back in x's
-    dtype (`fp8_quant.round_rows_to_fp8`: one launch on a GPU)."""
-    return round_rows_to_fp8(x.reshape(-1, x.shape[-1]), group).view(x.shape)
-
-
 def fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -230,8 +232,8 @@ def fp8_linear(
 ) -> torch.Tensor:
     """`x [..., K] @ (weight * scale).T + bias -> [..., N]` in x's dtype: `weight [N, K] float8_e4m3fn`,
     `scale [ceil(N/b0), ceil(K/b1)] fp32` with `block = (b0, b1)` (b1 a multiple of 32, any b0), `bias [N]`.
-    x is quantized per row and b1 group (`fp8_linear_reference` says what that computes): in the kernel where it
-    runs (`takes_kernel`), else rounded to that grid for the dense path. `config`: a tile configuration other than
+    Where the kernel runs (`takes_kernel`), x is quantized per row and b1 group (`fp8_linear_reference` says what
+    that computes); the dense path multiplies x as it is. `config`: a tile configuration other than
     the table's (tests, sweeps; the kernel at any M). Allocations depend on shapes only."""
     out_features, in_features = check_fp8_linear(x, weight, scale, block, bias)
     lead = x.shape[:-1]
@@ -241,7 +243,7 @@ def fp8_linear(
         return x.new_zeros(*lead, out_features)
     if config is None and not takes_kernel(num_rows, out_features):
         w = dequantize_weight(weight, scale, block, x.dtype)
-        return F.linear(on_fp8_grid(x, block[1]), w, None if bias is None else bias.to(x.dtype))
+        return F.linear(x, w, None if bias is None else bias.to(x.dtype))
     cfg = config or choose_config(num_rows, out_features, in_features, block, sm_count(x.device))
     block_k = scaled_block_k(cfg.block_k, block[1], FP8_MIN_BLOCK_K)
     k_steps = triton.cdiv(in_features, block_k)

@@ -9,10 +9,6 @@ round-to-nearest division, round-to-nearest-even conversion), so that the bits a
 interpreter converts fp32 to e4m3 wrongly (126.2 became 64), so the CPU test stops before the cast
 (tests/kernels/test_kernel_moe_fp8.py).
 
-`round_rows_to_fp8` is the same quantization written back in the rows' dtype (the value each fp8 code and its scale
-stand for), one launch as well: the FP8 linears' dense path takes rows on that grid, so that it computes what the
-fp8 kernel computes (`afd.kernels.fp8_linear.on_fp8_grid`).
-
 `quantize_rows` is what the kernels call: this launch on a GPU (bit for bit the reference there,
 tests/e2e/test_kernel_moe_fp8_gpu.py), the reference elsewhere. On one H200 the FP8 experts at one token went from
 0.063 to 0.033 ms a layer (bf16: 0.036; docs/performance.md, "FP8 against bf16").
@@ -42,7 +38,6 @@ def _quantize_kernel(
     BLOCK: tl.constexpr,  # GROUP rounded up to a power of two
     ROWS: tl.constexpr,  # rows per program
     FMAX: tl.constexpr,
-    ROUND: tl.constexpr,  # write the rounded rows (q_ptr: x's dtype) and no scales
 ):
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [R]
     g = tl.program_id(1)
@@ -53,12 +48,8 @@ def _quantize_kernel(
     amax = tl.max(tl.abs(x), axis=1)  # [R]
     scale = tl.where(amax > 0, amax / FMAX, 1.0)
     q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FMAX, FMAX)
-    if ROUND:
-        rounded = q.to(tl.float8e4nv).to(tl.float32) * scale[:, None]
-        tl.store(q_ptr + row[:, None] * stride_qm + cols[None, :], rounded.to(q_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(q_ptr + row[:, None] * stride_qm + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
-        tl.store(s_ptr + row * stride_sm + g, scale, mask=row < rows)
+    tl.store(q_ptr + row[:, None] * stride_qm + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row * stride_sm + g, scale, mask=row < rows)
 
 
 def _rows_per_program(rows: int) -> int:
@@ -79,37 +70,12 @@ def quantize_row_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torc
         per = _rows_per_program(rows)
         _quantize_kernel[(triton.cdiv(rows, per), num_groups)](
             x, q, scale, rows, width, x.stride(0), q.stride(0), scale.stride(0),
-            GROUP=group, BLOCK=triton.next_power_of_2(group), ROWS=per, FMAX=FP8_MAX, ROUND=False,
+            GROUP=group, BLOCK=triton.next_power_of_2(group), ROWS=per, FMAX=FP8_MAX,
         )  # fmt: skip
     return q, scale
-
-
-def round_row_groups(x: torch.Tensor, group: int) -> torch.Tensor:
-    """Rows `x [N, K]` on a GPU rounded to their fp8 grid in one launch: `fp8 * scale` of `quantize_row_groups(x,
-    group)`, the product in fp32 rounded once to x's dtype, as `dequantize_weight` with `(1, group)` blocks rounds it.
-    Shapes only: capturable in a CUDA graph."""
-    rows, width = x.shape
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    if rows and width:
-        x = x if x.stride(1) == 1 else x.contiguous()
-        per = _rows_per_program(rows)
-        _quantize_kernel[(triton.cdiv(rows, per), -(-width // group))](
-            x, out, out, rows, width, x.stride(0), out.stride(0), 0,
-            GROUP=group, BLOCK=triton.next_power_of_2(group), ROWS=per, FMAX=FP8_MAX, ROUND=True,
-        )  # fmt: skip
-    return out
 
 
 def quantize_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`(x_fp8, scale)` of rows `x [N, K]` per row and group of `group` columns: `quantize_row_groups` (one launch)
     on a GPU, `moe_tiles.quantize_row_groups` (the PyTorch reference, the same bits) elsewhere."""
     return quantize_row_groups(x, group) if x.is_cuda else moe_tiles.quantize_row_groups(x, group)
-
-
-def round_rows_to_fp8(x: torch.Tensor, group: int) -> torch.Tensor:
-    """Rows `x [N, K]` rounded to the grid `quantize_rows(x, group)` puts them on, back in x's dtype:
-    `round_row_groups` (one launch) on a GPU, the reference's codes times their scales elsewhere."""
-    if x.is_cuda:
-        return round_row_groups(x, group)
-    q, scale = moe_tiles.quantize_row_groups(x, group)
-    return (q.float() * scale.repeat_interleave(group, dim=1)[:, : x.shape[1]]).to(x.dtype)
