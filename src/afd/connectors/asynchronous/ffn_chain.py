@@ -18,9 +18,7 @@ their items of one layer into one expert pass.
 
 Speculation and its check: the host learns a pass's rows from the first message it reads itself, then keeps
 two passes queued (the next with the rows bucket of the last). An item serves its message only if the header
-says request, this layer, rows whose own bucket is the item's (more than the next smaller bucket's: a message
-is computed over the rows the host would pad it to, so the experts take the path and tiles they take in the
-single-process engine, and the result is the same bits), the right seq, and no earlier item failed; otherwise
+says request, this layer, at most the bucket's rows, the right seq, and no earlier item failed; otherwise
 ("abort") it publishes nothing and leaves the flag set, every later queued item fails too, and once they
 drained the host serves that message itself and starts over. A misprediction costs time, never a wrong answer.
 
@@ -157,8 +155,7 @@ class PassChain:
         """Serve the request in `ends` if it is what this item expects; no host sync (graph-capturable)."""
         steps = _KERNEL_STEPS if self.use_kernels else _TORCH_STEPS
         ids, mask, ok = self._ids[:n], self._mask[:n], self._ok
-        smaller = max((b for b in self.buckets if b < n), default=0)
-        steps.check_request(ends.header, ends.flag, self.stats, ends.topk_ids, layer_idx, n, smaller, ids, mask, ok)
+        steps.check_request(ends.header, ends.flag, self.stats, ends.topk_ids, layer_idx, n, ids, mask, ok)
         x = ends.x[:n]
         routed = self.ffn_model.experts_topk(layer_idx, x, Routing(ids, ends.topk_weights[:n])).float()  # [n, H]
         shared = self.ffn_model.shared(layer_idx, x) if self.ffn_model.has_shared_experts else None  # [n, H]
@@ -361,7 +358,7 @@ class _TorchSteps:
     """An item's two steps in PyTorch: the CPU path and the oracle of `asynchronous.chain_kernels` (same arguments)."""
 
     @staticmethod
-    def check_request(header, flag, stats, topk_ids, layer_idx, n, smaller, ids_out, mask_out, ok_out) -> None:  # noqa: ANN001
+    def check_request(header, flag, stats, topk_ids, layer_idx, n, ids_out, mask_out, ok_out) -> None:  # noqa: ANN001
         h = header
         rows, shared = h[W_ROWS].long(), h[W_SHARED].long()
         seq = flag[0]
@@ -372,7 +369,6 @@ class _TorchSteps:
             & (h[W_VERSION] == VERSION)
             & (h[W_FLAGS] == 0)
             & (h[W_LAYER] == layer_idx)
-            & (rows > smaller)
             & (rows <= n)
             & (shared <= rows)
             & ((h[W_SEQ].long() & 0xFFFFFFFF) == (seq & 0xFFFFFFFF))
