@@ -200,7 +200,9 @@ def test_tile_choice_depends_on_the_row_bucket_only():
     wide = choose_config(1, 24576, 1536, (128, 128), 132)  # V3's q_b_proj: N alone fills the GPU
     assert wide.split_k == 1 and wide.block_n == 64
     assert choose_config(1, 64, 96, (16, 96), 132).block_k == 32
-    # 65-128 rows: one 128-row tile; V3's o_proj's 112 weight tiles leave SMs idle, so K splits
+    # 65-128 rows: 32-row tiles on a narrow weight, one 128-row tile on a wide one (V3's o_proj: its 112 weight
+    # tiles leave SMs idle, so K splits)
+    assert choose_config(100, 3072, 2048, (128, 128), 132) == kfl.LinearConfig(32, 64, 128, 1)
     assert choose_config(100, 7168, 16384, (128, 128), 132) == kfl.LinearConfig(128, 64, 128, 4, num_stages=3)
     assert choose_config(200, 7168, 16384, (128, 128), 132) == kfl.LinearConfig(128, 64, 128, 1, num_stages=3)
     with pytest.raises(ValueError, match="at most 256"):

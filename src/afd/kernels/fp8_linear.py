@@ -71,14 +71,17 @@ class LinearConfig:
 
 # Per M bucket: (block_m, block_n candidates, largest first, stages); `choose_config` picks the width and the K
 # splits (`scripts/gpu_fp8_linear.py --sweep` times alternatives). A stage holds a 64 x 128 fp8 weight tile (8 KiB).
-# At 64 rows, four 16-row tiles beat one 64-row tile with K splits (H200, V2-Lite's q_proj 10.2 against 12.5 us).
+# At 64 rows, four 16-row tiles beat one 64-row tile with K splits (H200, V2-Lite's q_proj 10.2 against 12.5 us);
+# at 128 rows, 32-row tiles beat one 128-row tile on weights narrower than WIDE_MIN_N (V2-Lite's q_proj 12.5
+# against 16.6 us, V3's q_a_proj 19.4 against 23.4) and lose on wide ones (V3's o_proj 112 against 95: `_WIDE`).
 _TABLE = {
     16: (16, (64, 32, 16), 4),
     32: (32, (64, 32, 16), 4),
     64: (16, (64, 32, 16), 4),
-    128: (128, (64,), 3),
+    128: (32, (64, 32, 16), 4),
     256: (128, (64,), 3),
 }
+_WIDE = {128: (128, (64,), 3)}  # weights of at least WIDE_MIN_N rows, where they differ from `_TABLE`
 
 
 def takes_kernel(num_rows: int, out_features: int) -> bool:
@@ -102,7 +105,7 @@ def choose_config(
     bucket = row_bucket(num_rows)
     if not bucket:
         raise ValueError(f"{num_rows} rows: the kernel takes at most {KERNEL_MAX_ROWS} (past that, the dense path)")
-    block_m, widths, stages = _TABLE[bucket]
+    block_m, widths, stages = (_WIDE if out_features >= WIDE_MIN_N else _TABLE).get(bucket, _TABLE[bucket])
     block_k = scaled_block_k(128, block[1], FP8_MIN_BLOCK_K)
     m_tiles = triton.cdiv(bucket, block_m)
     k_steps = triton.cdiv(in_features, block_k)
