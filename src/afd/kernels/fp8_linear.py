@@ -17,11 +17,11 @@ FP8 from 5.96 to 5.51 ms at batch 8 (a sum launch and a cast launch per linear b
 weight is dequantized into a scratch copy (`dequantize_weight`, one pass over the fp8 bytes, five bytes moved per
 weight) and cuBLAS multiplies the rows as they are. Both bounds are powers of two and `NARROW_MAX_ROWS` is the
 smallest prefill bucket (`afd.buckets.SMALLEST_BUCKET`), so padding a step to any graph bucket (the engine's or an
-FFN rank's) never changes the path: a disaggregated run takes the path the single-process one takes. Why these
-bounds (one H200, `scripts/gpu_fp8_linear.py --sweep`, every V2-Lite and V3 linear): at 1-64 rows fp8 rows beat bf16
-rows converted from fp8 tiles at V3's shapes (`o_proj` at one row 39 against 61 us, cuBLAS bf16 63); at 128 and
-256 rows the kernel's 128 x 64 tiles beat the dense path for every weight of 4,096 rows or more (V3 `o_proj` at 256
-rows 142 against 181 us) and lost or tied below. A configuration depends only on M's bucket, so `warm_up`
+FFN rank's) never changes the path. Why these bounds (one H200, `scripts/gpu_fp8_linear.py --sweep`, every V2-Lite
+and V3 linear): at 1-64 rows fp8 rows beat bf16 rows converted from fp8 tiles at V3's shapes (`o_proj` at one row
+39 against 61 us, cuBLAS bf16 63); at 65-128 rows the kernel ties or beats the dense path (V2-Lite's `q_proj` 12.5
+against 12.1 us, V3's `o_proj` 95 against 171); at 256 rows its 128 x 64 tiles beat the dense path for every weight
+of 4,096 rows or more (V3 `o_proj` 142 against 181 us) and lost or tied below. A configuration depends only on M's bucket, so `warm_up`
 compiles every variant a weight meets. Nothing reads device values on the host: CUDA-graph capturable.
 """
 
