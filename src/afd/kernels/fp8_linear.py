@@ -21,8 +21,9 @@ FFN rank's) never changes the path. Why these bounds (one H200, `scripts/gpu_fp8
 and V3 linear): at 1-64 rows fp8 rows beat bf16 rows converted from fp8 tiles at V3's shapes (`o_proj` at one row
 39 against 61 us, cuBLAS bf16 63); at 65-128 rows the kernel ties or beats the dense path (V2-Lite's `q_proj` 12.5
 against 12.1 us, V3's `o_proj` 95 against 171); at 256 rows its 128 x 64 tiles beat the dense path for every weight
-of 4,096 rows or more (V3 `o_proj` 142 against 181 us) and lost or tied below. A configuration depends only on M's bucket, so `warm_up`
-compiles every variant a weight meets. Nothing reads device values on the host: CUDA-graph capturable.
+of 4,096 rows or more (V3 `o_proj` 142 against 181 us) and lost or tied below. A configuration depends only on M's
+bucket, so `warm_up` compiles every variant a weight meets. Nothing reads device values on the host: CUDA-graph
+capturable.
 """
 
 from __future__ import annotations
