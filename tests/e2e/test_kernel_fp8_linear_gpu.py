@@ -46,8 +46,8 @@ SHAPES = [
     (7168, 16384),
 ]
 ROWS = (1, 7, 64, 100, 200, 256, 300, 2048)  # 100, 200: partial row tiles of the 128 and 256 buckets
-# fp8_linear quantizes its rows to e4m3 per 128 columns (3 mantissa bits) on either path: its output moves by ~2-3%
-# of its norm from the same weights on 16-bit rows
+# the kernel quantizes its rows to e4m3 per 128 columns (3 mantissa bits): its output moves by ~2-3% of its norm
+# from the same weights on 16-bit rows
 ROWS_QUANTIZED = 5e-2
 
 

@@ -128,8 +128,8 @@ def test_where_the_kernel_does_not_take_the_rows_the_dense_path_runs(monkeypatch
 def test_padding_to_a_graph_bucket_never_changes_the_path():
     """A step's rows reach a linear padded to the engine's prefill or decode buckets in one process and to an FFN
     rank's pass buckets in another: for every count up to 2,000 rows and both a narrow and a wide weight, each
-    padded count takes the path (kernel or dense) the real count takes, so a disaggregated run multiplies as the
-    single-process one does."""
+    padded count takes the path (kernel or dense) the real count takes, so padding never moves a step to the other
+    path."""
     from afd.buckets import batch_buckets, pick_bucket, token_buckets
     from afd.connectors.asynchronous.ffn_chain import pass_buckets
 

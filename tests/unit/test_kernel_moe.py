@@ -171,9 +171,9 @@ def test_the_warm_up_token_counts_reach_every_routed_variant(top_k: int, num_loc
 
 def test_the_moe_path_does_not_depend_on_padding_to_a_graph_bucket(monkeypatch):
     """A step's rows reach the MoE padded to the engine's prefill or decode buckets on one side and to an FFN
-    rank's pass buckets (powers of two) on the other: for every count up to 8,192 rows, each padded count picks
-    the path the real count picks (16-bit experts: kernels or grouped GEMM; FP8: decode kernels or row tiles), so a
-    disaggregated run computes what the single-process one does. The bound itself falls on a power of two."""
+    rank's pass buckets (powers of two) on the other: for every count up to 2,000 rows, each padded count picks
+    the path the real count picks (16-bit experts: kernels or grouped GEMM; FP8: decode kernels or row tiles), so
+    padding never moves a step to the other path. The bound itself falls on a power of two."""
     from afd.buckets import batch_buckets, path_rows, pick_bucket, token_buckets
     from afd.connectors.asynchronous.ffn_chain import pass_buckets
 
