@@ -245,3 +245,41 @@ def test_gpu_row_group_quantization_is_the_reference_bit_for_bit(dtype):
     graph.replay()
     q_ref, s_ref = reference(static, 128)
     assert torch.equal(q_graph.view(torch.uint8), q_ref.contiguous().view(torch.uint8)) and torch.equal(s_graph, s_ref)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gpu_decode_kernels_quantizing_their_rows_give_the_bits_of_quantizing_first(dtype):
+    """`expert_gate_up` and `expert_down` on FP8 experts given 16/32-bit rows quantize the tiles they load (a K step
+    of 128 = the scale group), which gives the bits of the same kernels on rows `fp8_quant.quantize_rows` quantized
+    first, at every decode tile bucket (V2-Lite shapes, gathered rows, uneven groups with an empty one); with a
+    64-wide K step (two per group) they quantize first, the same bits again."""
+    from afd.kernels.fp8_quant import quantize_rows
+    from afd.kernels.moe_down import expert_down
+    from afd.kernels.moe_gate_up import expert_gate_up
+    from afd.kernels.moe_sort import sort_pairs
+    from afd.kernels.moe_tiles import TileConfig
+
+    c = V2_LITE
+    q = fp8_experts(c["E"], c["H"], c["I"], (128, 128), device="cuda")
+    up_scale = {"scale": q.w13_scale_inv, "block": q.block}
+    down_scale = {"scale": q.w2_scale_inv, "block": q.block}
+    for T in (1, 8, 64, 256):
+        x = torch.randn(T, c["H"], generator=torch.Generator().manual_seed(T)).to("cuda", dtype)
+        r = _routing(T, c["E"], c["K"], device="cuda", seed=T)
+        r.topk_ids[r.topk_ids == 5] = 6  # expert 5 gets no rows
+        pair_idx, token_idx, offs = sort_pairs(r.topk_ids, 0, c["E"])
+        rows, x_scale = quantize_rows(x, 128)
+        for config in (None, TileConfig(16, 64, 64)):
+            act = expert_gate_up(x, offs, q.w13, token_idx=token_idx, config=config, **up_scale)
+            want = expert_gate_up(
+                rows, offs, q.w13, token_idx=token_idx, config=config, x_scale=x_scale, out_dtype=dtype, **up_scale
+            )
+            assert act.dtype == dtype and torch.equal(act, want), f"T={T} {config}: gate/up bits differ"
+            act_rows, act_scale = quantize_rows(act, 128)
+            out = expert_down(act, offs, q.w2, dest_idx=pair_idx, config=config, **down_scale)
+            ref = expert_down(act_rows, offs, q.w2, dest_idx=pair_idx, config=config, act_scale=act_scale, **down_scale)
+            n = int(offs[-1])
+            assert torch.equal(out[pair_idx[:n]], ref[pair_idx[:n]]), f"T={T} {config}: down bits differ"
