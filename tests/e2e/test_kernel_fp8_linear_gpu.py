@@ -4,7 +4,6 @@ syncs. Skipped without CUDA (the interpreter cannot check bf16: see the unit tes
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 
 import pytest
@@ -18,7 +17,6 @@ from helpers.kernels_fp8_linear import fp8_weight  # noqa: E402
 from afd.kernels import eager_ops  # noqa: E402
 from afd.kernels.fp8_linear import (  # noqa: E402
     LinearConfig,
-    choose_config,
     dequantize_weight,
     fp8_linear,
     fp8_linear_reference,
@@ -179,27 +177,3 @@ def test_gpu_fp8_linear_replays_from_a_cuda_graph_and_never_syncs():
                 assert not layer.uses_kernel(x)
                 eager = layer(x)
             assert _rel(layer(x), eager) <= ROWS_QUANTIZED  # eager: bf16 rows, the weight dequantized
-
-
-@pytest.mark.gpu
-@needs_cuda
-@needs_fp8
-@pytest.mark.timeout(300)
-def test_gpu_fp8_linear_quantizing_in_the_kernel_gives_the_bits_of_quantizing_first():
-    """128 x 128 blocks (a K step is one scale group): the kernel quantizing the tiles it loads gives the bits of the
-    same launch on rows `quantize_rows` quantized first, for bf16 and fp32 rows, every tile bucket's configuration,
-    K splits, ragged N and M, a bias, rows spanning six orders of magnitude across K."""
-    for (n, k), block in (((1000, 2048), (128, 128)), ((576, 7168), (128, 128)), ((4096, 512), (128, 128))):
-        layer = _layer(n, k, block, bias=True)
-        args = (layer.weight, layer.weight_scale_inv, block, layer.bias)
-        for dtype in (torch.bfloat16, torch.float32):
-            for rows in (1, 7, 16, 33, 64, 100, 128, 200, 256):
-                x = torch.randn(rows, k, device="cuda", dtype=dtype) * torch.logspace(-3, 3, k, device="cuda")
-                if not takes_kernel(rows, n):
-                    continue
-                table = choose_config(rows, n, k, block, torch.cuda.get_device_properties(0).multi_processor_count)
-                for config in (table, LinearConfig(16, 32, 128, split_k=4)):
-                    first = dataclasses.replace(config, quantize_in_kernel=False)
-                    got = fp8_linear(x, *args[:3], args[3].to(dtype), config=config)
-                    want = fp8_linear(x, *args[:3], args[3].to(dtype), config=first)
-                    assert torch.equal(got, want), f"{n}x{k} {dtype} M={rows} {config}: bits differ"

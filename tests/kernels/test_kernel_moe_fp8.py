@@ -115,9 +115,9 @@ def test_fp8_reduction_step_stays_inside_a_scale_block():
 
 
 @cpu_only
-def test_fp8_weights_without_fitting_scales_or_fp8_rows_without_theirs_are_refused():
+def test_fp8_weights_without_fitting_scales_or_fp8_rows_are_refused():
     """FP8 weights need their scales, of the shape the block size gives, both weights FP8, and (the kernels
-    themselves) fp8 rows come with their scales; fp8 rows need FP8 weights."""
+    themselves) fp8 rows with their scales; fp8 rows need FP8 weights."""
     q = fp8_experts(4, 160, 144, (128, 128))
     x = torch.randn(3, 160)
     r = _routing(3, 4, 2)
@@ -133,22 +133,22 @@ def test_fp8_weights_without_fitting_scales_or_fp8_rows_without_theirs_are_refus
     with pytest.raises(ValueError, match="does not fit"):
         kmoe.fused_routed_experts(x, r.topk_ids, r.topk_weights, q.w13, q.w2.float(), scales=_scales(q))
     w13, w2 = q.dequantized(torch.float32)
-    with pytest.raises(ValueError, match="scales need fp8 weights"):  # scales beside 16/32-bit weights
+    with pytest.raises(ValueError, match="fp8 rows need fp8 weights"):  # scales beside 16/32-bit weights
         kmoe.fused_routed_experts(x, r.topk_ids, r.topk_weights, w13, w2, scales=_scales(q))
 
     offs = torch.tensor([1, 2, 3, 3], dtype=torch.int32)
     scale = {"scale": q.w13_scale_inv, "block": q.block}
+    with pytest.raises(ValueError, match="fp8 weights need fp8 rows"):  # 16/32-bit rows into FP8 weights
+        expert_gate_up(x, offs, q.w13, **scale)
     rows, x_scale = quantize_row_groups(x, 128)
-    with pytest.raises(ValueError, match="fp8 rows need their scales"):  # fp8 rows alone
-        expert_gate_up(rows, offs, q.w13, **scale)
     with pytest.raises(ValueError, match="do not fit groups of 128"):
         expert_gate_up(rows, offs, q.w13, x_scale=x_scale[:, :1], **scale)
     with pytest.raises(ValueError, match="fp8 rows need fp8 weights"):
         expert_gate_up(rows, offs, w13, x_scale=x_scale)
     act = torch.randn(3, 144)
+    with pytest.raises(ValueError, match="fp8 weights need fp8 rows"):
+        expert_down(act, offs, q.w2, scale=q.w2_scale_inv, block=q.block)
     act_fp8, act_scale = quantize_row_groups(act, 128)
-    with pytest.raises(ValueError, match="fp8 rows need their scales"):
-        expert_down(act_fp8, offs, q.w2, scale=q.w2_scale_inv, block=q.block)
     with pytest.raises(ValueError, match="fp8 rows need fp8 weights"):
         expert_down(act_fp8, offs, w2, act_scale=act_scale)
 

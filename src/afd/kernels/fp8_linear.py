@@ -2,13 +2,10 @@
 
 The weight is DeepSeek-V3's format: `W_fp8 [N, K] float8_e4m3fn` with one fp32 scale per `(b0, b1)` block,
 `scale [ceil(N/b0), ceil(K/b1)]`. The rows are quantized the way DeepSeek-V3 quantizes activations, per row in
-groups of `b1` columns, so each MMA is fp8 x fp8 and no weight tile is converted in registers; each K step stays
-inside one scale block (`moe_tiles.scaled_block_k`) and its fp32 partial is multiplied by the weight rows' and the
-x rows' scales of that block. Where a K step is one scale group wide (DeepSeek-V3's 128 x 128 blocks) the kernel
-quantizes the x tile it loads itself (`fp8_quant.quantize_tile`, the bits of `quantize_rows`), so a linear is one
-launch rather than two: at decode sizes a launch costs about what reading the weight does. Otherwise (and in
-Triton's CPU interpreter, which converts to e4m3 wrongly) `fp8_quant.quantize_rows` quantizes the rows first. Only
-the fp8 bytes (and the small scales) leave memory; no dequantized weight is written.
+groups of `b1` columns (`fp8_quant.quantize_rows`, one launch), so each MMA is fp8 x fp8 and no tile is converted
+in registers; each K step stays inside one scale block (`moe_tiles.scaled_block_k`) and its fp32 partial is
+multiplied by the weight rows' and the x rows' scales of that block. Only the fp8 bytes (and the small scales)
+leave memory; no dequantized weight is written.
 
 Layout: the weight tile is the MMA's M side and the rows of x its N side ("swap AB"), so 1..16 rows still fill a
 tensor-core tile. Tiles come from a fixed table by row count (no autotuning at run time: deterministic, capturable).
@@ -39,11 +36,10 @@ import triton
 import triton.language as tl
 
 from afd.buckets import SMALLEST_BUCKET
-from afd.kernels.fp8_quant import kernel_rows, quantize_tile
+from afd.kernels.fp8_quant import quantize_rows
 from afd.kernels.moe_tiles import (
     DTYPES,
     FP8_DTYPE,
-    FP8_MAX,
     FP8_MIN_BLOCK_K,
     check_fp8_weight,
     load_2d,
@@ -64,8 +60,7 @@ DEFAULT_SM_COUNT = 132  # where there is no CUDA device to ask (Triton's interpr
 @dataclass(frozen=True)
 class LinearConfig:
     """Launch shape: rows of x per program (block_m), weight rows per program (block_n), reduction step (block_k,
-    cut to divide the scale block's width), K splits, warps, pipeline stages, and whether the kernel quantizes the
-    rows it loads (where a K step is one scale group wide, on a GPU) rather than a launch before it."""
+    cut to divide the scale block's width), K splits, warps, pipeline stages."""
 
     block_m: int
     block_n: int
@@ -73,7 +68,6 @@ class LinearConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
-    quantize_in_kernel: bool = True
 
 
 # Per M bucket: (block_m, block_n candidates, largest first, stages); `choose_config` picks the width and the K
@@ -126,10 +120,10 @@ def choose_config(
 
 @triton.jit(do_not_specialize=["num_rows"])  # one compiled kernel for every M of a bucket
 def _fp8_linear_kernel(
-    x_ptr,  # [M, K] float8_e4m3fn, or 16/32-bit rows (QUANTIZE)
+    x_ptr,  # [M, K] float8_e4m3fn
     w_ptr,  # [N, K] float8_e4m3fn
     scale_ptr,  # [ceil(N/SCALE_N), ceil(K/SCALE_K)] fp32
-    x_scale_ptr,  # [M, ceil(K/SCALE_K)] fp32: one scale per row of x and K block (unused with QUANTIZE)
+    x_scale_ptr,  # [M, ceil(K/SCALE_K)] fp32: one scale per row of x and K block
     bias_ptr,  # [N] (HAS_BIAS)
     out_ptr,  # [M, N] the output dtype
     part_ptr,  # [SPLIT, M, N] fp32 partials (SPLIT > 1)
@@ -157,8 +151,6 @@ def _fp8_linear_kernel(
     EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr,  # K splits; the last of a tile's programs to finish sums the partials in split order
-    QUANTIZE: tl.constexpr,  # x is 16/32-bit: quantize each loaded tile (BLOCK_K == SCALE_K: one group per row)
-    FMAX: tl.constexpr,
 ):
     pid_m = tl.program_id(0)  # fastest: the programs of one weight tile run side by side (its bytes hit L2)
     pid_n = tl.program_id(1)
@@ -177,14 +169,10 @@ def _fp8_linear_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         k_mask = k0 + k < in_features
-        xt = load_2d(x_tile + k0 * stride_xk, r_mask, k_mask, False, EVEN_K)  # [BM, BK]
+        xt = load_2d(x_tile + k0 * stride_xk, r_mask, k_mask, False, EVEN_K)  # [BM, BK] fp8
         wt = load_2d(w_tile + k0 * stride_wk, n_mask, k_mask, EVEN_N, EVEN_K)  # [BN, BK] fp8
         s = tl.load(s_rows + (k0 // SCALE_K) * stride_sk, mask=n_mask, other=0.0)  # [BN] fp32, one K block
-        if QUANTIZE:
-            q, sx = quantize_tile(xt.to(tl.float32), FMAX)  # [BM, BK], [BM]: zeros past M and K change no amax
-            xt = q.to(w_ptr.dtype.element_ty)
-        else:
-            sx = tl.load(xs_rows + (k0 // SCALE_K) * stride_xsk, mask=r_mask, other=0.0)  # [BM] fp32
+        sx = tl.load(xs_rows + (k0 // SCALE_K) * stride_xsk, mask=r_mask, other=0.0)  # [BM] fp32
         acc += tl.dot(wt, tl.trans(xt)) * s[:, None] * sx[None, :]  # [BN, BM] fp8 x fp8 -> fp32
     mask = r_mask[None, :] & n_mask[:, None]
     out = out_ptr + rows[None, :].to(tl.int64) * stride_om + n[:, None] * stride_on
@@ -266,8 +254,7 @@ def fp8_linear(
     split = max(1, min(cfg.split_k, k_steps))
     k_per_split = triton.cdiv(k_steps, split) * block_k
     split = triton.cdiv(in_features, k_per_split)  # no empty split
-    rows, x_scale, in_kernel = kernel_rows(x2, None, block, block_k if cfg.quantize_in_kernel else 0)
-    x_scale = x_scale if x_scale is not None else rows  # [M, ceil(K/b1)] fp32; unused when the kernel quantizes
+    rows, x_scale = quantize_rows(x2, block[1])  # [M, K] fp8, [M, ceil(K/b1)] fp32
     y = x.new_empty(num_rows, out_features)  # [M, N]
     grid = (triton.cdiv(num_rows, cfg.block_m), triton.cdiv(out_features, cfg.block_n), split)
     parts, counts = y, y  # unused without a K split
@@ -281,7 +268,7 @@ def fp8_linear(
         x_scale.stride(0), x_scale.stride(1), y.stride(0), y.stride(1),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, SCALE_N=block[0], SCALE_K=block[1],
         EVEN_N=out_features % cfg.block_n == 0, EVEN_K=in_features % block_k == 0, HAS_BIAS=bias is not None,
-        SPLIT=split, QUANTIZE=in_kernel, FMAX=FP8_MAX, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SPLIT=split, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return y.view(*lead, out_features)
 

@@ -25,16 +25,6 @@ from afd.kernels.moe_tiles import FP8_DTYPE, FP8_MAX
 
 
 @triton.jit
-def quantize_tile(x, FMAX: tl.constexpr):
-    """Rows `x [R, G]` in fp32, one scale group each -> `(q [R, G], scale [R])`: `q` the values on e4m3's range,
-    still fp32 (the caller converts them), computed as the reference computes them (fp32 amax, `amax / FMAX`,
-    round-to-nearest division), so that every kernel quantizing rows gives the reference's bits."""
-    amax = tl.max(tl.abs(x), axis=1)
-    scale = tl.where(amax > 0, amax / FMAX, 1.0)
-    return tl.clamp(tl.math.div_rn(x, scale[:, None]), -FMAX, FMAX), scale
-
-
-@triton.jit
 def _quantize_kernel(
     x_ptr,  # [N, K] 16/32-bit rows
     q_ptr,  # [N, K] float8_e4m3fn out
@@ -55,7 +45,9 @@ def _quantize_kernel(
     cols = g * GROUP + lane  # [B]
     mask = (row < rows)[:, None] & ((lane < GROUP) & (cols < width))[None, :]  # [R, B]
     x = tl.load(x_ptr + row[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    q, scale = quantize_tile(x, FMAX)  # [R, B], [R]
+    amax = tl.max(tl.abs(x), axis=1)  # [R]
+    scale = tl.where(amax > 0, amax / FMAX, 1.0)
+    q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FMAX, FMAX)
     tl.store(q_ptr + row[:, None] * stride_qm + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row * stride_sm + g, scale, mask=row < rows)
 
@@ -87,18 +79,3 @@ def quantize_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tens
     """`(x_fp8, scale)` of rows `x [N, K]` per row and group of `group` columns: `quantize_row_groups` (one launch)
     on a GPU, `moe_tiles.quantize_row_groups` (the PyTorch reference, the same bits) elsewhere."""
     return quantize_row_groups(x, group) if x.is_cuda else moe_tiles.quantize_row_groups(x, group)
-
-
-def kernel_rows(
-    x: torch.Tensor, x_scale: torch.Tensor | None, block: tuple[int, int], block_k: int
-) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
-    """What a kernel on FP8 weights in `block`s, reducing `block_k` columns a step, reads of rows `x`, and whether
-    it quantizes them itself: fp8 rows with their scales as given; 16/32-bit rows as they are where a step is one
-    scale group and the kernel runs on a GPU (`quantize_tile` on each loaded tile: one launch fewer, the same bits),
-    else quantized first by `quantize_rows`."""
-    if x_scale is not None or x.dtype == FP8_DTYPE:
-        return x, x_scale, False
-    if x.is_cuda and block_k == block[1]:
-        return x, None, True
-    q, scale = quantize_rows(x, block[1])
-    return q, scale, False

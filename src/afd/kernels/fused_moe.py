@@ -15,11 +15,10 @@ Tile shapes come from the fixed table in `moe_tiles`.
 
 Block-scaled FP8 experts (DeepSeek-V3's format: `w13`/`w2` float8_e4m3fn, one fp32 scale per `(b0, b1)` block,
 passed as `ExpertScales`) take the same four launches with fp8 rows: x, and each pair's SwiGLU output before the
-down projection, quantized per row in groups of `b1` (DeepSeek-V3's 1 x 128 activations) by the GEMM that
-loads them (`fp8_quant.kernel_rows`), so both GEMMs are fp8 x fp8 MMAs with both scales applied in registers: half
-the weight bytes of bf16, no weight tile converted, nothing dequantized in memory. On one H200 that beats converting
-each weight tile to bf16 rows at every batch size measured (1 to 4096 tokens; docs/fp8.md), so it is the only FP8
-form. Past
+down projection, quantized per row in groups of `b1` (`fp8_quant.quantize_rows`, DeepSeek-V3's 1 x 128
+activations), so both GEMMs are fp8 x fp8 MMAs with both scales applied in registers: half the weight bytes of
+bf16, no weight tile converted, nothing dequantized in memory. On one H200 that beats converting each weight tile
+to bf16 rows at every batch size measured (1 to 4096 tokens; docs/fp8.md), so it is the only FP8 form. Past
 `PREFILL_ROWS_PER_EXPERT` rows per expert (prefill) FP8 experts take `moe_prefill`'s kernels instead, tiles of rows
 on the MMA's M side over every expert's rows at once (the matmuls, not the weights, bound them there), with the
 SwiGLU output quantized in gate/up's epilogue, and the pairs sorted by `torch.argsort` (`moe_sort.sort_pairs`).
@@ -40,7 +39,7 @@ from afd.kernels.moe_down import expert_down
 from afd.kernels.moe_gate_up import check_gate_up, expert_gate_up
 from afd.kernels.moe_prefill import DOWN_TILE, GATE_UP_TILE, RowTileConfig, down_rows, gate_up_rows
 from afd.kernels.moe_sort import PAIR_BLOCK, pair_tile, sort_pairs
-from afd.kernels.moe_tiles import DTYPES, FP8_DTYPE, TileConfig, rows_per_expert_hint, tile_bucket
+from afd.kernels.moe_tiles import DTYPES, TileConfig, rows_per_expert_hint, tile_bucket
 
 # Rows per expert (`rows_per_expert_hint`) from which FP8 experts take `moe_prefill`'s row tiles.
 PREFILL_ROWS_PER_EXPERT = 128
@@ -105,10 +104,8 @@ def _fp8_rows(x: torch.Tensor, scales: ExpertScales | None) -> tuple[torch.Tenso
 def _check_experts(
     rows: torch.Tensor, x_scale: torch.Tensor | None, w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None
 ) -> tuple[int, int, int]:
-    """(E, H, I) of stacked experts `w13 [E, 2I, H]`, `w2 [E, H, I]`, checked against 16/32-bit rows (or fp8 rows
-    with their `x_scale`): both in the rows' dtype, or both float8_e4m3fn with `scales`."""
-    if scales is not None and w13.dtype != FP8_DTYPE:
-        raise ValueError(f"expert scales need fp8 weights, got {w13.dtype}")
+    """(E, H, I) of stacked experts `w13 [E, 2I, H]`, `w2 [E, H, I]`, checked against the rows `_fp8_rows` gave: both
+    in the rows' dtype, or both float8_e4m3fn with `scales`."""
     scale, block = (scales.w13, scales.block) if scales is not None else (None, None)
     num_experts, hidden, inter = check_gate_up(rows, w13, scale, block, x_scale)
     if w2.dtype != w13.dtype or tuple(w2.shape) != (num_experts, hidden, inter):
@@ -157,19 +154,22 @@ def fused_grouped_expert_mlp(
     cumulative ends), w13 [E, 2I, H], w2 [E, H, I] (x's dtype, or FP8 with `scales`: fp8 rows, as in
     `fused_routed_experts`, with its `configs`) -> [N, H] in x.dtype, unweighted; rows at and past `offs[-1]` are
     not written (undefined), as there."""
-    num_experts, _, _ = _check_experts(x, None, w13, w2, scales)
+    rows, x_scale = _fp8_rows(x, scales)  # [N, H], [N, ceil(H/b1)] (FP8 only)
+    num_experts, _, _ = _check_experts(rows, x_scale, w13, w2, scales)
     if takes_row_tiles(x.shape[0], 1, num_experts, scales, configs):
         up_cfg, down_cfg = configs or (GATE_UP_TILE, DOWN_TILE)
-        rows, x_scale = _fp8_rows(x, scales)  # [N, H] fp8, [N, ceil(H/b1)]
         act, act_scale = _gate_up_row_tiles(rows, x_scale, offs, w13, scales, None, x.dtype, up_cfg)
         out = torch.empty_like(x)
         return down_rows(act, act_scale, offs, w2, scales.w2, scales.block, out, config=down_cfg)
     hint = rows_per_expert_hint(x.shape[0], 1, num_experts)
     up_cfg, down_cfg = configs or (None, None)
     up_scale, down_scale = _scale_args(scales)
-    act = expert_gate_up(x, offs, w13, rows_hint=hint, config=up_cfg, **up_scale)  # [N, I]
+    act = expert_gate_up(  # [N, I]
+        rows, offs, w13, rows_hint=hint, config=up_cfg, x_scale=x_scale, out_dtype=x.dtype, **up_scale
+    )
+    act, act_scale = _fp8_rows(act, scales)  # the down GEMM's rows: fp8 for FP8 experts
     out = torch.empty_like(x)  # [N, H]
-    return expert_down(act, offs, w2, out=out, rows_hint=hint, config=down_cfg, **down_scale)
+    return expert_down(act, offs, w2, out=out, rows_hint=hint, config=down_cfg, act_scale=act_scale, **down_scale)
 
 
 def fused_routed_experts(
@@ -189,11 +189,12 @@ def fused_routed_experts(
     topk_ids: [T, K] int; topk_weights: [T, K] fp32; w13: [E, 2I, H]; w2: [E, H, I] (x's dtype, or FP8 with
     `scales`). No host sync and shapes that depend only on (T, K): capturable in a CUDA graph; no atomics: the same
     bits every run. FP8 experts take fp8 rows: x and each pair's SwiGLU output quantized per row in groups of the
-    block's width `b1` (`fp8_quant.kernel_rows`), both GEMMs fp8 x fp8, on the row tiles at prefill sizes
+    block's width `b1` (`fp8_quant.quantize_rows`), both GEMMs fp8 x fp8, on the row tiles at prefill sizes
     (`takes_row_tiles`). `configs`: both GEMMs' tiles, `TileConfig`s for the decode kernels or `RowTileConfig`s
     for the row tiles (which then run at any size); by default the size picks.
     """
-    num_experts, hidden, _ = _check_experts(x, None, w13, w2, scales)
+    rows, x_scale = _fp8_rows(x, scales)  # [T, H], [T, ceil(H/b1)] (FP8 only)
+    num_experts, hidden, _ = _check_experts(rows, x_scale, w13, w2, scales)
     num_tokens, top_k = topk_ids.shape
     out = torch.empty(num_tokens, hidden, dtype=torch.float32, device=x.device)  # [T, H]
     if num_tokens == 0:
@@ -205,7 +206,6 @@ def fused_routed_experts(
     weights = topk_weights.reshape(-1).float().contiguous()  # [P]
     if takes_row_tiles(num_tokens, top_k, num_experts, scales, configs):
         up_cfg, down_cfg = configs or (GATE_UP_TILE, DOWN_TILE)
-        rows, x_scale = _fp8_rows(x, scales)  # [T, H] fp8, [T, ceil(H/b1)]
         act, act_scale = _gate_up_row_tiles(rows, x_scale, offs, w13, scales, token_idx, x.dtype, up_cfg)
         down_rows(
             act,
@@ -223,8 +223,28 @@ def fused_routed_experts(
     hint = rows_per_expert_hint(num_tokens, top_k, num_experts)
     up_cfg, down_cfg = configs or (None, None)
     up_scale, down_scale = _scale_args(scales)
-    act = expert_gate_up(x, offs, w13, token_idx=token_idx, rows_hint=hint, config=up_cfg, **up_scale)  # [P, I]
+    act = expert_gate_up(  # [P, I]
+        rows,
+        offs,
+        w13,
+        token_idx=token_idx,
+        rows_hint=hint,
+        config=up_cfg,
+        x_scale=x_scale,
+        out_dtype=x.dtype,
+        **up_scale,
+    )
+    act, act_scale = _fp8_rows(act, scales)  # [P, I]: the down GEMM's rows, fp8 for FP8 experts
     expert_down(
-        act, offs, w2, out=by_pair, dest_idx=pair_idx, weights=weights, rows_hint=hint, config=down_cfg, **down_scale
+        act,
+        offs,
+        w2,
+        out=by_pair,
+        dest_idx=pair_idx,
+        weights=weights,
+        rows_hint=hint,
+        config=down_cfg,
+        act_scale=act_scale,
+        **down_scale,
     )
     return combine_pairs(by_pair, topk_ids, out, expert_start, num_experts)

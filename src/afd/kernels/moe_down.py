@@ -2,8 +2,7 @@
 
 Grid (expert, tile of H): `y = act @ w2[e].T` in fp32, optionally times a per-destination weight and stored to
 a per-row destination index, so the result lands in (t, k) pair order. Same "swap AB" tiling as `moe_gate_up`,
-and the same fp8 x fp8 MMAs for block-scaled FP8 weights with fp8 rows (`HAS_SCALE`), quantized in the kernel
-from 16/32-bit rows as there.
+and the same fp8 x fp8 MMAs for block-scaled FP8 weights with fp8 rows (`HAS_SCALE`).
 """
 
 from __future__ import annotations
@@ -12,10 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from afd.kernels.fp8_quant import kernel_rows, quantize_tile
 from afd.kernels.moe_tiles import (
     FP8_DTYPE,
-    FP8_MAX,
     FP8_MIN_BLOCK_K,
     TileConfig,
     check_fp8_weight,
@@ -31,7 +28,7 @@ from afd.kernels.moe_tiles import (
 
 @triton.jit
 def _down_kernel(
-    act_ptr,  # [N, I] grouped rows, fp8 when HAS_SCALE and not QUANTIZE
+    act_ptr,  # [N, I] grouped rows, fp8 when HAS_SCALE
     offs_ptr,  # [E] int32 cumulative group ends
     w_ptr,  # [E, H, I]
     out_ptr,  # [P, H] out (row dest[r], or r without HAS_DEST)
@@ -64,8 +61,6 @@ def _down_kernel(
     HAS_SCALE: tl.constexpr,
     SCALE_N: tl.constexpr,
     SCALE_K: tl.constexpr,
-    QUANTIZE: tl.constexpr,  # HAS_SCALE with 16/32-bit rows: quantize each loaded tile (BLOCK_K == SCALE_K)
-    FMAX: tl.constexpr,
 ):
     e = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -88,11 +83,7 @@ def _down_kernel(
             if HAS_SCALE:  # as in moe_gate_up: fp8 x fp8, one scale per weight row and one per act row
                 s_k = k0 // SCALE_K
                 sw = tl.load(s_row + s_k * stride_sk, mask=n_mask, other=0.0)  # [BN] fp32
-                if QUANTIZE:
-                    q, sa = quantize_tile(a.to(tl.float32), FMAX)  # [BM, BK], [BM]
-                    a = q.to(w_ptr.dtype.element_ty)
-                else:
-                    sa = tl.load(act_scale_ptr + rows * stride_asm + s_k * stride_ask, mask=r_mask, other=0.0)
+                sa = tl.load(act_scale_ptr + rows * stride_asm + s_k * stride_ask, mask=r_mask, other=0.0)  # [BM]
                 acc += tl.dot(w, tl.trans(a)) * sw[:, None] * sa[None, :]  # [BN, BM] fp32
             else:
                 acc = tl.dot(w, tl.trans(a), acc, input_precision=PRECISION)  # [BN, BM]
@@ -126,8 +117,7 @@ def expert_down(
     weights: [P] fp32 indexed by destination (None: no weighting); out: [P, H] (default a new [N, H] fp32).
     Accumulates in fp32 and stores in out's dtype. Only destinations of rows in a group are written.
     FP8 `w2` (float8_e4m3fn): `w2[e, i, j]` means `w2[e, i, j] * scale[e, i // b0, j // b1]`, `block = (b0, b1)`,
-    and takes fp8 rows: `act` float8_e4m3fn with fp32 `act_scale [N, ceil(I/b1)]`, `act[r, j] * act_scale[r, j // b1]`,
-    or 16/32-bit rows, quantized so on the way in (`fp8_quant.kernel_rows`).
+    and takes fp8 rows: `act` float8_e4m3fn with fp32 `act_scale [N, ceil(I/b1)]`, `act[r, j] * act_scale[r, j // b1]`.
     """
     num_experts, hidden, inter = w2.shape
     if act.shape[-1] != inter:
@@ -145,11 +135,8 @@ def expert_down(
     dtype = torch.bfloat16 if has_scale else act.dtype  # fp8 tiles fit bf16's table
     cfg = config or fit_dtype(down_config(rows_hint or rows_per_expert_hint(act.shape[0], 1, num_experts)), dtype)
     block_k = scaled_block_k(cfg.block_k, block[1], FP8_MIN_BLOCK_K) if has_scale else cfg.block_k
-    quantize = False
-    if has_scale:
-        act, act_scale, quantize = kernel_rows(act, act_scale, block, block_k)
     scale_n, scale_k = block if has_scale else (1, 1)
-    s, act_s = (scale, act_scale if not quantize else offs) if has_scale else (offs, offs)  # unused without HAS_SCALE
+    s, act_s = (scale, act_scale) if has_scale else (offs, offs)  # unused without HAS_SCALE
     s_strides = (s.stride(0), s.stride(1), s.stride(2)) if has_scale else (0, 0, 0)
     grid = (num_experts, triton.cdiv(hidden, cfg.block_n))
     _down_kernel[grid](
@@ -171,7 +158,7 @@ def expert_down(
         out.stride(0),
         out.stride(1),
         *s_strides,
-        *(act_s.stride() if has_scale and not quantize else (0, 0)),
+        *(act_s.stride() if has_scale else (0, 0)),
         HAS_DEST=dest_idx is not None,
         HAS_WEIGHT=weights is not None,
         BLOCK_M=cfg.block_m,
@@ -183,8 +170,6 @@ def expert_down(
         HAS_SCALE=has_scale,
         SCALE_N=scale_n,
         SCALE_K=scale_k,
-        QUANTIZE=quantize,
-        FMAX=FP8_MAX,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

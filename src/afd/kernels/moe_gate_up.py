@@ -9,9 +9,7 @@ rows of the same I columns of `w13[e]` (once per chunk; one chunk at decode) and
 FP8 (`HAS_SCALE`): `w13` float8_e4m3fn with fp32 block scales (gate's scale rows, then up's) and the rows fp8 too,
 one fp32 scale per row and K block (`moe_tiles.quantize_row_groups`). Each K step (`moe_tiles.scaled_block_k` keeps
 it inside one scale block) takes an fp8 x fp8 MMA and adds it times the weight rows' and the rows' scales, so only
-fp8 bytes leave memory, no weight tile is converted and no dequantized weight is ever written. Given 16/32-bit rows,
-the kernel quantizes each tile it loads where a K step is one scale group (`fp8_quant.kernel_rows`): the bits of
-quantizing them first, one launch fewer per layer.
+fp8 bytes leave memory, no tile is converted and no dequantized weight is ever written.
 """
 
 from __future__ import annotations
@@ -20,10 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from afd.kernels.fp8_quant import kernel_rows, quantize_tile
 from afd.kernels.moe_tiles import (
     FP8_DTYPE,
-    FP8_MAX,
     FP8_MIN_BLOCK_K,
     TileConfig,
     check_fp8_weight,
@@ -39,13 +35,13 @@ from afd.kernels.moe_tiles import (
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr,  # [T, H] rows (gathered through token_ptr when HAS_TOKEN_IDX), fp8 when HAS_SCALE and not QUANTIZE
+    x_ptr,  # [T, H] rows (gathered through token_ptr when HAS_TOKEN_IDX), fp8 when HAS_SCALE
     token_ptr,  # [N] int row of x for each grouped row
     offs_ptr,  # [E] int32 cumulative group ends
     w_ptr,  # [E, 2I, H] gate rows then up rows
     act_ptr,  # [N, I] out
     scale_ptr,  # [E, 2 * ceil(I/SCALE_N), ceil(H/SCALE_K)] fp32 (HAS_SCALE): gate's rows from 0, up's from up_scale_row
-    x_scale_ptr,  # [T, ceil(H/SCALE_K)] fp32 (HAS_SCALE, not QUANTIZE): one scale per row of x and K block
+    x_scale_ptr,  # [T, ceil(H/SCALE_K)] fp32 (HAS_SCALE): one scale per row of x and K block
     inter,
     hidden,
     stride_xm,
@@ -71,8 +67,6 @@ def _gate_up_kernel(
     HAS_SCALE: tl.constexpr,
     SCALE_N: tl.constexpr,
     SCALE_K: tl.constexpr,
-    QUANTIZE: tl.constexpr,  # HAS_SCALE with 16/32-bit rows: quantize each loaded tile (BLOCK_K == SCALE_K)
-    FMAX: tl.constexpr,
 ):
     e = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -100,20 +94,15 @@ def _gate_up_kernel(
             xt = load_2d(x_tile + k0 * stride_xk, r_mask, k_mask, False, EVEN_K)  # [BM, BK]
             wg = load_2d(w_gate + k0 * stride_wk, n_mask, k_mask, EVEN_N, EVEN_K)  # [BN, BK]
             wu = load_2d(w_up + k0 * stride_wk, n_mask, k_mask, EVEN_N, EVEN_K)  # [BN, BK]
+            xt_t = tl.trans(xt)  # [BK, BM]
             if HAS_SCALE:  # fp8 x fp8, times this K block's scales: one per weight row, one per x row
                 s_k = k0 // SCALE_K
                 sg = tl.load(s_gate + s_k * stride_sk, mask=n_mask, other=0.0)  # [BN] fp32
                 su = tl.load(s_up + s_k * stride_sk, mask=n_mask, other=0.0)
-                if QUANTIZE:
-                    q, sx = quantize_tile(xt.to(tl.float32), FMAX)  # [BM, BK], [BM]
-                    xt = q.to(w_ptr.dtype.element_ty)
-                else:
-                    sx = tl.load(x_scale_ptr + src * stride_xsm + s_k * stride_xsk, mask=r_mask, other=0.0)  # [BM]
-                xt_t = tl.trans(xt)  # [BK, BM]
+                sx = tl.load(x_scale_ptr + src * stride_xsm + s_k * stride_xsk, mask=r_mask, other=0.0)  # [BM] fp32
                 acc_gate += tl.dot(wg, xt_t) * sg[:, None] * sx[None, :]  # [BN, BM] fp32
                 acc_up += tl.dot(wu, xt_t) * su[:, None] * sx[None, :]
             else:
-                xt_t = tl.trans(xt)  # [BK, BM]
                 acc_gate = tl.dot(wg, xt_t, acc_gate, input_precision=PRECISION)  # [BN, BM]
                 acc_up = tl.dot(wu, xt_t, acc_up, input_precision=PRECISION)
         act = acc_gate * tl.sigmoid(acc_gate) * acc_up  # [BN, BM] SwiGLU in fp32
@@ -163,7 +152,7 @@ def expert_gate_up(
     FP8 `w13` (float8_e4m3fn): `w13[e, i, j]` means `w13[e, i, j] * scale[e, r(i), j // b1]` with `block = (b0, b1)`,
     `r(i) = i // b0` for gate rows, `scale.shape[1] // 2 + (i - I) // b0` for up rows, and takes fp8 rows: `x`
     float8_e4m3fn with fp32 `x_scale [T, ceil(H/b1)]` (`quantize_row_groups(x, b1)`), `x[t, j]` meaning
-    `x[t, j] * x_scale[t, j // b1]`, or 16/32-bit rows, quantized so on the way in (`fp8_quant.kernel_rows`).
+    `x[t, j] * x_scale[t, j // b1]`.
     """
     num_experts, hidden, inter = check_gate_up(x, w13, scale, block, x_scale)
     num_rows = x.shape[0] if token_idx is None else token_idx.shape[0]
@@ -175,11 +164,8 @@ def expert_gate_up(
     dtype = torch.bfloat16 if has_scale else x.dtype  # fp8 tiles fit bf16's table, as in moe_down
     cfg = config or fit_dtype(gate_up_config(rows_hint or rows_per_expert_hint(num_rows, 1, num_experts)), dtype)
     block_k = scaled_block_k(cfg.block_k, block[1], FP8_MIN_BLOCK_K) if has_scale else cfg.block_k
-    quantize = False
-    if has_scale:
-        x, x_scale, quantize = kernel_rows(x, x_scale, block, block_k)
     scale_n, scale_k = block if has_scale else (1, 1)
-    s, xs = (scale, x_scale if not quantize else offs) if has_scale else (offs, offs)  # unused without HAS_SCALE
+    s, xs = (scale, x_scale) if has_scale else (offs, offs)  # unused without HAS_SCALE
     s_strides = (s.stride(0), s.stride(1), s.stride(2), s.shape[1] // 2) if has_scale else (0, 0, 0, 0)
     grid = (num_experts, triton.cdiv(inter, cfg.block_n))
     _gate_up_kernel[grid](
@@ -200,7 +186,7 @@ def expert_gate_up(
         act.stride(0),
         act.stride(1),
         *s_strides[:3],
-        *(xs.stride() if has_scale and not quantize else (0, 0)),
+        *(xs.stride() if has_scale else (0, 0)),
         s_strides[3],
         HAS_TOKEN_IDX=token_idx is not None,
         BLOCK_M=cfg.block_m,
@@ -212,8 +198,6 @@ def expert_gate_up(
         HAS_SCALE=has_scale,
         SCALE_N=scale_n,
         SCALE_K=scale_k,
-        QUANTIZE=quantize,
-        FMAX=FP8_MAX,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

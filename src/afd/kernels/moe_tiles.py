@@ -139,21 +139,16 @@ def quantize_row_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torc
 
 
 def check_rows(x: torch.Tensor, x_scale: torch.Tensor | None, w: torch.Tensor, block: tuple[int, int] | None) -> None:
-    """Rows `x [N, K]` against weights `w [E, ., K]`: 16/32-bit rows with weights of their dtype; with fp8 weights
-    of `block`, fp8 rows with `x_scale [N, ceil(K/b1)]` fp32 (`quantize_row_groups(x, b1)`) or 16/32-bit rows
-    (quantized on the way in: `fp8_quant.kernel_rows`); never fp8 rows alone."""
+    """Rows `x [N, K]` against weights `w [E, ., K]`: 16/32-bit rows with weights of their dtype, or fp8 rows with
+    fp8 weights of `block` and `x_scale [N, ceil(K/b1)]` fp32 (`quantize_row_groups(x, b1)`), never one fp8 alone."""
     if w.dtype != FP8_DTYPE:
         if x_scale is not None:
             raise ValueError(f"fp8 rows need fp8 weights, got {w.dtype}")
         if x.dtype not in DTYPES or w.dtype != x.dtype:
             raise ValueError(f"rows {x.dtype}, weights {w.dtype}: need one dtype of {DTYPES}, or fp8 rows and weights")
         return
-    if block is None:
-        raise ValueError("fp8 weights need their block size")
-    if x_scale is None:
-        if x.dtype not in DTYPES:
-            raise ValueError(f"fp8 rows need their scales (quantize_row_groups); rows {x.dtype} are neither")
-        return
+    if x_scale is None or block is None:
+        raise ValueError("fp8 weights need fp8 rows with their scales (quantize_row_groups) and the block size")
     want = (x.shape[0], -(-x.shape[1] // block[1]))
     if x.dtype != FP8_DTYPE or x_scale.dtype != torch.float32 or tuple(x_scale.shape) != want:
         raise ValueError(
