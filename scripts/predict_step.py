@@ -5,7 +5,7 @@ at fp8's bytes), the assumption every `afd plan` past one machine rests on.
     python3 scripts/predict_step.py STEP.json --model deepseek-v3 --layers 4 --dense-layers 1 [--profile P]
 
 STEP.json: `afd bench step --json` (with `--quantization`, its bf16 baseline is compared too), here the output of
-`scripts/gpu_step_slice.py`, whose slice `--model/--layers/--dense-layers` name again. The step is `none` R=1's:
+`scripts/model_slice.py`, whose slice `--model/--layers/--dense-layers` name again. The step is `none` R=1's:
 the attention side, every MoE layer's routed and shared experts at the graph's rows, the engine's host cost per
 step (no serving costs: the bench streams nothing). Prints measured ms (decode: CUDA-graph steps), predicted ms
 and the error per decode and prefill row.
@@ -17,7 +17,7 @@ import argparse
 import json
 import sys
 
-from gpu_step_slice import slice_preset
+from model_slice import slice_preset
 
 from afd.model.config import ModelConfig
 from afd.model.presets import PRESETS

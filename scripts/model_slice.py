@@ -1,14 +1,17 @@
-"""`afd bench step` on the first layers of a preset too big for one GPU (DeepSeek-V3's 671B): its decode and prefill
-steps over a few layers of the real shapes, bf16 against FP8 in one run.
+"""An afd command on the first layers of a preset too big for one GPU (DeepSeek-V3's 671B): `afd bench step` of its
+real layer shapes, bf16 against FP8 in one run, or `afd profile` of its parts.
 
-    python3 scripts/gpu_step_slice.py --model deepseek-v3 --layers 4 --dense-layers 1 -- \
+    python3 scripts/model_slice.py --model deepseek-v3 --layers 4 --dense-layers 1 -- bench step \
         --dtype bfloat16 --device cuda --batch 8,64,256 --context 512 --prefill 4x1024 --quantization fp8
+    python3 scripts/model_slice.py --model deepseek-v3 --layers 4 --dense-layers 1 -- profile \
+        --dtype bfloat16 --device cuda --no-exchange --no-calibration -o v3_layers.json
 
 The slice is the preset's config with `num_hidden_layers` and `first_k_dense_replace` replaced, registered as a
 preset of its own name in this process (seeded random weights, as every preset), its `quantization_config` dropped:
-the baseline runs bf16 weights and `--quantization fp8` quantizes them at load, so both rows come from one set of
-weights. Everything after `--` goes to `afd bench step` unchanged. What a layer costs scales to the whole model by
-its layer counts; the memory floor column is the slice's.
+bf16 weights, so that `--quantization fp8` quantizes them at load and both rows come from one set of weights.
+Everything after `--` is the afd command line, `--model` added; it must run in this process (no launched ranks:
+`bench step`, `profile --no-exchange --no-calibration`). What a layer costs scales to the whole model by its layer
+counts; a memory floor is the slice's.
 """
 
 from __future__ import annotations
@@ -38,9 +41,12 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=4, help="decoder layers in the slice")
     p.add_argument("--dense-layers", type=int, default=1, help="of them, dense MLP layers (the rest MoE)")
     args, rest = p.parse_known_args()
-    rest = [a for a in rest if a != "--"]
+    command = [a for a in rest if a != "--"]
+    subcommand = command[:2] if command[:1] == ["bench"] else command[:1]
+    if not subcommand:
+        raise SystemExit("give the afd command after --, e.g. -- bench step --device cuda")
     name = slice_preset(args.model, args.layers, args.dense_layers)
-    return afd_main(["bench", "step", "--model", name, *rest])
+    return afd_main([*subcommand, "--model", name, *command[len(subcommand) :]])
 
 
 if __name__ == "__main__":
