@@ -2,7 +2,7 @@
 how far a profile carries to other shapes and weight formats (V2-Lite's fits priced at DeepSeek-V3's layers, bf16's
 at fp8's bytes), the assumption every `afd plan` past one machine rests on.
 
-    python3 scripts/predict_step.py STEP.json --model deepseek-v3 --layers 4 --dense-layers 1 [--profile P]
+    python3 scripts/predict_step.py STEP.json --model deepseek-v3 --layers 4 --dense-layers 1 [--profile h200]
 
 STEP.json: `afd bench step --json` (with `--quantization`, its bf16 baseline is compared too), here the output of
 `scripts/model_slice.py`, whose slice `--model/--layers/--dense-layers` name again. The step is `none` R=1's:
@@ -23,7 +23,7 @@ from afd.model.config import ModelConfig
 from afd.model.presets import PRESETS
 from afd.planning.costs import chunk_pairs, shapes_of
 from afd.planning.deployment import Deployment, StepCosts, StepLoad
-from afd.planning.profile import load_profile
+from afd.planning.profile import default_profile, load_profile
 
 
 def predicted_ms(costs: StepCosts, batch: int, context: int, prefill: bool) -> float:
@@ -37,7 +37,7 @@ def predicted_ms(costs: StepCosts, batch: int, context: int, prefill: bool) -> f
     return costs.replica_step(load) * 1e3
 
 
-def rows(result: dict, config: ModelConfig, profile_name: str | None) -> list[tuple[str, str, int, int, float, float]]:
+def rows(result: dict, config: ModelConfig, profile_name: str) -> list[tuple[str, str, int, int, float, float]]:
     """(weights, step, batch, context, measured ms, predicted ms) of each decode (graph ms) and prefill row of
     `result`."""
     profile = load_profile(profile_name)
@@ -58,15 +58,16 @@ def main() -> int:
     p.add_argument("--model", default="deepseek-v3", choices=sorted(PRESETS))
     p.add_argument("--layers", type=int, help="the slice's decoder layers (default: the whole model)")
     p.add_argument("--dense-layers", type=int, default=1, help="of them, dense MLP layers")
-    p.add_argument("--profile", help="a profile JSON or a shipped profile's name (default: the shipped one)")
+    p.add_argument("--profile", help="a profile JSON or a shipped one's name (default: afd plan's for --model)")
     args = p.parse_args()
     name = slice_preset(args.model, args.layers, args.dense_layers) if args.layers else args.model
     config = ModelConfig.from_hf(PRESETS[name])
     with open(args.step_json) as f:
         result = json.load(f)
-    found = [*rows(result["baseline"], config, args.profile)] if "baseline" in result else []
-    found += rows(result, config, args.profile)
-    print(f"{name}: step ms measured / predicted by the cost model (error)")
+    profile = args.profile or default_profile(args.model)  # as `afd plan --model MODEL` takes it
+    found = [*rows(result["baseline"], config, profile)] if "baseline" in result else []
+    found += rows(result, config, profile)
+    print(f"{name}, profile {profile}: step ms measured / predicted by the cost model (error)")
     for weights, step, batch, context, measured, predicted in found:
         error = (predicted - measured) / measured
         print(

@@ -244,3 +244,23 @@ def test_simulated_gpu_replica_admits_a_request_two_steps_on_as_overlapped_steps
     step = statistics.median(first_cpu["itl_s"])  # one decode step of the first request alone
     assert first_gpu["ttft_s"] == first_cpu["ttft_s"]
     assert step * 0.5 < second_gpu["ttft_s"] - second_cpu["ttft_s"] < step * 2.5
+
+
+def test_a_profile_on_a_models_layers_keeps_its_compute_parts_and_takes_the_rest_from_the_base():
+    """`published.on_model_layers`: the measured profile's experts, attention and prefill parts; the base's
+    exchange, launch and host parts, calibration, front end and link, each named in `machine.assumed`."""
+    from afd.planning.profile import Link
+    from afd.planning.published import COMPUTE_PARTS, on_model_layers
+
+    measured = Profile({"model": "m-first-4-layers"}, {name: Part(fixed_s=1.0) for name in COMPUTE_PARTS},
+                       "measured", calibration=Calibration())  # fmt: skip
+    base_parts = {name: Part(fixed_s=2.0) for name in (*COMPUTE_PARTS, "exchange_async", "exchange_p2p", "host")}
+    base = Profile({"model": "lite"}, base_parts, "base", front_end_s=3.0, link=Link(inter_node_Bps=1.0),
+                   calibration=Calibration(request_s=4.0))  # fmt: skip
+    got = on_model_layers(measured, base, "m")
+    assert got.machine["model"] == "m" and got.source.startswith("measured")
+    assert all(got.part(name).fixed_s == 1.0 for name in COMPUTE_PARTS)
+    assert all(got.part(name).fixed_s == 2.0 for name in ("exchange_async", "exchange_p2p", "host"))
+    assert (got.calibration.request_s, got.front_end_s, got.link.inter_node_Bps) == (4.0, 3.0, 1.0)
+    assumed = got.machine["assumed"]
+    assert set(assumed) == {"exchange_async", "exchange_p2p", "host", "calibration", "front_end_s", "link"}

@@ -275,3 +275,25 @@ def test_plan_writes_its_json_with_the_model_and_the_servers_limits_and_plots_it
     png = tmp_path / "plans.png"
     plot_plans([result, {**result, "gpus": 4}], str(png))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plan_takes_the_profile_measured_on_the_models_own_layers(tmp_path, capsys):
+    """`afd plan --model deepseek-v3` without --profile takes the shipped `h200-deepseek-v3` (its compute parts
+    measured on V3's first layers, the rest `h200`'s) and says so in its JSON; a model without one takes `h200`;
+    a --profile given wins."""
+    from afd.planning.profile import default_profile, load_profile
+
+    assert default_profile("deepseek-v3") == "h200-deepseek-v3"
+    assert default_profile("deepseek-v2-lite") == default_profile(None) == "h200"
+    own, base = load_profile("h200-deepseek-v3"), load_profile("h200")
+    assert own.machine["model"] == "deepseek-v3" and own.source != base.source
+    for model, profile, source in (
+        ("deepseek-v3", [], own.source),
+        ("deepseek-v2-lite", [], base.source),
+        ("deepseek-v3", ["--profile", "h200"], base.source),
+    ):
+        out = tmp_path / "plan.json"
+        code, err = main_exit(capsys, "plan", "--model", model, "--gpus", "8", "--requests", "8", "--max-tokens",
+                              "8", *profile, "--json", str(out))  # fmt: skip
+        assert code == 0, err
+        assert json.loads(out.read_text())["profile"] == source, (model, profile)

@@ -22,7 +22,10 @@ WORKLOAD_KINDS = ("uniform", "uneven", "mixed")
 def _add_workload(p: argparse.ArgumentParser, requests: int) -> None:
     p.add_argument("--model", default="deepseek-v2-lite", help="a preset or a checkpoint directory (its config.json)")
     p.add_argument("--weights", choices=["bfloat16", "fp8", "float32"], help="weight format (default: the model's)")
-    p.add_argument("--profile", help="a profile JSON file or a shipped one by name (default h200)")
+    p.add_argument(
+        "--profile",
+        help="a profile JSON file or a shipped one by name (default: h200-MODEL where afd ships one, else h200)",
+    )
     p.add_argument("--workload", choices=WORKLOAD_KINDS, default="mixed", help="as afd bench serve's")
     p.add_argument("--trace", help="a JSONL trace instead of --workload (afd bench serve's format)")
     p.add_argument("--requests", type=positive_int, default=requests, help="requests per rate")
@@ -126,11 +129,11 @@ def _setup(args: argparse.Namespace):
     from afd.bench.workload import TraceError, Workload, load_trace
     from afd.model.weights import PRESETS, load_model_config
     from afd.planning import costs
-    from afd.planning.profile import Link, ProfileError, load_profile
+    from afd.planning.profile import Link, ProfileError, default_profile, load_profile
 
     try:
         config = load_model_config(args.model)
-        profile = load_profile(args.profile)
+        profile = load_profile(args.profile or default_profile(args.model))
     except (ValueError, ProfileError) as exc:
         raise UsageError(str(exc)) from None
     weights = args.weights
@@ -225,7 +228,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except (DeploymentError, ValueError) as exc:
         raise UsageError(str(exc)) from None
     print(format_plan(result))
-    result = {"model": args.model, "weights": weights, **result}
+    print(f"profile: measured on {profile.machine.get('model')} ({profile.source})")
+    result = {"model": args.model, "weights": weights, "profile": profile.source, **result}
     if args.json:
         Path(args.json).write_text(json.dumps(strict_json(result), indent=2, allow_nan=False))
     return 0

@@ -180,6 +180,14 @@ class Profile:
         Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
 
 
+def default_profile(model: str | None = None) -> str:
+    """The shipped profile a plan or simulation of `model` takes without `--profile`: the one measured on that
+    model's own layers where afd ships it (`h200-<model>`: its kernels run at rates that V2-Lite's small ones do not
+    reach), else `DEFAULT_PROFILE`."""
+    own = f"{DEFAULT_PROFILE}-{model}"
+    return own if model and (PROFILES_DIR / f"{own}.json").is_file() else DEFAULT_PROFILE
+
+
 def load_profile(name_or_path: str | Path | None = None) -> Profile:
     """A profile file, or a shipped one by name (`h200`); the default is `DEFAULT_PROFILE`."""
     name = str(name_or_path or DEFAULT_PROFILE)

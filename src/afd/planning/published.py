@@ -2,7 +2,9 @@
 `h200` (the default), measured by `afd profile` on one H200 with the exchange of the x2 table.
 
 `python -m afd.planning.published` rewrites `profiles/h200-published.json`; `python -m afd.planning.published
---shipped MEASURED.json` rewrites `profiles/h200.json` from a profile `bash scripts/gpu_bench.sh profile` measured.
+--shipped MEASURED.json` rewrites `profiles/h200.json` from a profile `bash scripts/gpu_bench.sh profile` measured;
+`python -m afd.planning.published --model-layers MEASURED.json MODEL` writes `profiles/h200-MODEL.json` from a
+profile measured on MODEL's first layers (`scripts/model_slice.py`), the parts it cannot measure taken from `h200`.
 Every figure below is one row of performance.md, with its date; the model is DeepSeek-V2-Lite in bf16 at context
 512 unless said otherwise.
 """
@@ -143,11 +145,36 @@ def with_link_exchange(measured: Profile) -> Profile:
     return replace(measured, machine=machine, parts={**measured.parts, **exchange_parts()}, source=source)
 
 
+COMPUTE_PARTS = ("routed_experts", "routed_experts_grouped", "shared_experts", "attention_decode", "prefill")
+
+
+def on_model_layers(measured: Profile, base: Profile, model: str) -> Profile:
+    """`measured` (`afd profile --no-exchange --no-calibration` over `model`'s first layers on one GPU:
+    `scripts/model_slice.py`) for its compute parts, `base` (the shipped `h200`) for everything a slice of a model
+    too big for the GPU cannot measure: the exchange and launch parts, the serving calibration, the front end and
+    the link, each named in `machine.assumed`."""
+    from dataclasses import replace
+
+    parts = {**base.parts, **{name: measured.parts[name] for name in COMPUTE_PARTS if name in measured.parts}}
+    taken = [name for name in base.parts if name not in COMPUTE_PARTS] + ["calibration", "front_end_s", "link"]
+    assumed = {name: f"the shipped h200 profile's (measured on {base.machine.get('model')})" for name in taken}
+    machine = {**measured.machine, "model": model, "assumed": {**measured.machine.get("assumed", {}), **assumed}}
+    source = f"{measured.source}; the rest from the shipped h200 (python -m afd.planning.published --model-layers)"
+    return replace(
+        measured, machine=machine, parts=parts, source=source, calibration=base.calibration,
+        front_end_s=base.front_end_s, link=base.link,
+    )  # fmt: skip
+
+
 if __name__ == "__main__":
-    from afd.planning.profile import PROFILES_DIR, load_profile
+    from afd.planning.profile import DEFAULT_PROFILE, PROFILES_DIR, load_profile
 
     if sys.argv[1:2] == ["--shipped"]:
         with_link_exchange(load_profile(sys.argv[2])).save(PROFILES_DIR / "h200.json")
+    elif sys.argv[1:2] == ["--model-layers"]:  # --model-layers MEASURED.json MODEL
+        model = sys.argv[3]
+        shipped = on_model_layers(load_profile(sys.argv[2]), load_profile(DEFAULT_PROFILE), model)
+        shipped.save(PROFILES_DIR / f"{DEFAULT_PROFILE}-{model}.json")
     else:
         path = sys.argv[1] if len(sys.argv) > 1 else PROFILES_DIR / "h200-published.json"
         h200_profile().save(path)
