@@ -98,3 +98,34 @@ def test_bench_step_quantized_prints_its_16_bit_peer_beside_it(tmp_path: Path) -
     assert result["fp8_weights"] and not result["baseline"]["fp8_weights"]
     assert [(r["batch"], r["context"]) for r in result["baseline"]["decode"]] == [(2, 8)]
     assert result["decode"][0]["floor_ms"] < result["baseline"]["decode"][0]["floor_ms"]  # fp8 bytes count less
+
+
+@pytest.mark.timeout(120)
+def test_a_presets_first_layers_run_bench_step_and_the_cost_model_prices_them(tmp_path: Path) -> None:
+    """`scripts/model_slice.py`: `afd bench step` over the tiny preset's first two layers (one dense), FP8 beside the
+    same weights unquantized; `scripts/predict_step.py` sets the cost model's step beside each measured row the
+    slice has (prefill here: a CPU has no graph ms for decode rows), for both weight formats."""
+    scripts = Path(__file__).resolve().parents[2] / "scripts"
+    out = tmp_path / "slice.json"
+    slice_args = ["--model", "tiny", "--layers", "2", "--dense-layers", "1"]
+    proc = subprocess.run(
+        [sys.executable, str(scripts / "model_slice.py"), *slice_args, "--", "bench", "step", "--batch", "1",
+         "--context", "5", "--prefill", "2x8", "--steps", "2", "--quantization", "fp8", "--json", str(out)],
+        capture_output=True, text=True, timeout=100,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert result["model"] == "tiny-first-2-layers" and result["fp8_weights"] and not result["baseline"]["fp8_weights"]
+    assert "float32+fp8" in proc.stdout
+    proc = subprocess.run(
+        [sys.executable, str(scripts / "predict_step.py"), str(out), *slice_args, "--profile", "h200-published"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("tiny-first-2-layers, profile h200-published")
+    prefill = [line.split() for line in lines[1:] if "prefill" in line]
+    assert [row[0] for row in prefill] == ["float32", "fp8"]
+    measured = [float(row[-4]) for row in prefill]
+    assert measured == [pytest.approx(result["baseline"]["prefill"][0]["ms"], abs=0.01),
+                        pytest.approx(result["prefill"][0]["ms"], abs=0.01)]  # fmt: skip
