@@ -62,8 +62,18 @@ bench_serve() {
   local name=$1 limit=$2; shift 2
   [[ $SERVE_STACK == ok ]] || { echo "$name skipped: the serving stack does not import"; return 1; }
   timeout "$limit" python3 -m afd bench serve "${LITE[@]}" "$@" --json "$OUT/$name.json" 2>"$B/$name.err" | tail -n 12
-  local rc=${PIPESTATUS[0]}
-  echo "$name rc=$rc"; [[ $rc == 0 ]] || tail -n 30 "$B/$name.err" > "$OUT/$name.err"
+  local rc=${PIPESTATUS[0]} errors d f
+  # requests that failed leave rc 0: their server's last words and the rank logs of a run directory it kept come back
+  errors=$(python3 -c "import json, sys; r = json.load(open(sys.argv[1]))
+print(sum(run['summary']['errors'] for res in r['results'] for run in res['runs']))" "$OUT/$name.json" 2>/dev/null || echo ?)
+  echo "$name rc=$rc, failed requests: $errors"
+  if [[ $rc != 0 || $errors != 0 ]]; then
+    tail -n 60 "$B/$name.err" > "$OUT/$name.err"
+    for d in $(grep -o "/tmp/[^ :'\"]*" "$B/$name.err" | sort -u); do
+      [[ -d $d ]] || continue
+      for f in "$d"/*.log; do [[ -f $f ]] && tail -n 60 "$f" > "$OUT/$name.$(basename "$f")"; done
+    done
+  fi
 }
 # serve_mixed NAME LIMIT ARGS...: `bench_serve` of the mixed workload (64 to 1,024-token prompts, 64 new tokens)
 serve_mixed() {

@@ -18,10 +18,7 @@ their items of one layer into one expert pass.
 
 Speculation and its check: the host learns a pass's rows from the first message it reads itself, then keeps
 two passes queued (the next with the rows bucket of the last). An item serves its message only if the header
-says request, this layer, at most the bucket's rows and more than the largest count whose experts compute in
-another class than the bucket's (`FFNModelLike.experts_class`: the path and the kernels' tiles; rows of one class
-get the same bits, so a message is computed as the single-process engine computes its step, while a bucket still
-serves the smaller steps of its class), the right seq, and no earlier item failed; otherwise
+says request, this layer, at most the bucket's rows, the right seq, and no earlier item failed; otherwise
 ("abort") it publishes nothing and leaves the flag set, every later queued item fails too, and once they
 drained the host serves that message itself and starts over. A misprediction costs time, never a wrong answer.
 
@@ -151,29 +148,14 @@ class PassChain:
         self.items_served = 0
         self._served_read = 0  # the device's served count at the last read (the device only adds to it)
         self.aborts = 0  # passes that broke the prediction (the host served the message instead)
-        self._class_bounds: dict[tuple[int, int], int] = {}  # (layer, rows) -> `_other_class_below`
 
     # -- one item: check, compute, publish ------------------------------------------------------------
-
-    def _other_class_below(self, layer_idx: int, n: int) -> int:
-        """The largest row count below `n` whose experts compute in another class than `n` rows do (0 if none):
-        an item of `n` rows serves the messages of more rows than that (classes are intervals of counts)."""
-        key = (layer_idx, n)
-        if key not in self._class_bounds:
-            x, model = self.ends.x, self.ffn_model
-            own = model.experts_class(layer_idx, x[:n])
-            m = n - 1
-            while m > 0 and model.experts_class(layer_idx, x[:m]) == own:
-                m -= 1
-            self._class_bounds[key] = m
-        return self._class_bounds[key]
 
     def _item(self, ends: Ends, layer_idx: int, n: int) -> None:
         """Serve the request in `ends` if it is what this item expects; no host sync (graph-capturable)."""
         steps = _KERNEL_STEPS if self.use_kernels else _TORCH_STEPS
         ids, mask, ok = self._ids[:n], self._mask[:n], self._ok
-        smaller = self._other_class_below(layer_idx, n)
-        steps.check_request(ends.header, ends.flag, self.stats, ends.topk_ids, layer_idx, n, smaller, ids, mask, ok)
+        steps.check_request(ends.header, ends.flag, self.stats, ends.topk_ids, layer_idx, n, ids, mask, ok)
         x = ends.x[:n]
         routed = self.ffn_model.experts_topk(layer_idx, x, Routing(ids, ends.topk_weights[:n])).float()  # [n, H]
         shared = self.ffn_model.shared(layer_idx, x) if self.ffn_model.has_shared_experts else None  # [n, H]
@@ -376,7 +358,7 @@ class _TorchSteps:
     """An item's two steps in PyTorch: the CPU path and the oracle of `asynchronous.chain_kernels` (same arguments)."""
 
     @staticmethod
-    def check_request(header, flag, stats, topk_ids, layer_idx, n, smaller, ids_out, mask_out, ok_out) -> None:  # noqa: ANN001
+    def check_request(header, flag, stats, topk_ids, layer_idx, n, ids_out, mask_out, ok_out) -> None:  # noqa: ANN001
         h = header
         rows, shared = h[W_ROWS].long(), h[W_SHARED].long()
         seq = flag[0]
@@ -387,7 +369,6 @@ class _TorchSteps:
             & (h[W_VERSION] == VERSION)
             & (h[W_FLAGS] == 0)
             & (h[W_LAYER] == layer_idx)
-            & (rows > smaller)
             & (rows <= n)
             & (shared <= rows)
             & ((h[W_SEQ].long() & 0xFFFFFFFF) == (seq & 0xFFFFFFFF))
