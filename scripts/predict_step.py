@@ -44,8 +44,8 @@ def rows(result: dict, config: ModelConfig, profile_name: str) -> list[tuple[str
     weights = "fp8" if result.get("fp8_weights") else result["dtype"]
     costs = StepCosts(Deployment("none"), shapes_of(config, weights), profile)
     found = []
-    for step, key, measured in (("decode", "decode", "graph_ms"), ("prefill", "prefill", "ms")):
-        for r in result.get(key) or []:
+    for step, measured in (("decode", "graph_ms"), ("prefill", "ms")):
+        for r in result.get(step) or []:
             if r.get(measured) is not None:
                 predicted = predicted_ms(costs, r["batch"], r["context"], step == "prefill")
                 found.append((weights, step, r["batch"], r["context"], r[measured], predicted))
@@ -65,7 +65,7 @@ def main() -> int:
     with open(args.step_json) as f:
         result = json.load(f)
     profile = args.profile or default_profile(args.model)  # as `afd plan --model MODEL` takes it
-    found = [*rows(result["baseline"], config, profile)] if "baseline" in result else []
+    found = rows(result["baseline"], config, profile) if "baseline" in result else []
     found += rows(result, config, profile)
     print(f"{name}, profile {profile}: step ms measured / predicted by the cost model (error)")
     for weights, step, batch, context, measured, predicted in found:
