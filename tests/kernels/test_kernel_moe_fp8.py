@@ -300,3 +300,40 @@ def test_row_group_quantization_kernel_computes_the_reference_values_before_the_
         assert torch.equal(scale, scale_ref), (rows, width, group)
         expanded = scale_ref.repeat_interleave(group, dim=1)[:, :width]
         assert torch.equal(values, (x / expanded).clamp(-FP8_MAX, FP8_MAX)), (rows, width, group)
+
+
+@cpu_only
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-shaped fp32", "fp8"])
+def test_rows_padded_within_one_experts_class_keep_their_bits(monkeypatch, fp8):
+    """`moe.routed_experts_class`: five rows padded to any count of one class (padding rows routed nowhere, as an
+    async FFN rank's bucket pads a message) give the five rows' outputs the same bits, through the kernels, their
+    tile buckets and (fp8) the row tiles; the counts of a class form one interval. Bounds moved to sizes the
+    interpreter runs quickly."""
+    monkeypatch.setattr(moe, "_moe_kernels_run", lambda x: True)
+    monkeypatch.setattr(moe, "_grouped_mm_supported", lambda device, dtype: True)
+    monkeypatch.setattr(moe, "FUSED_MOE_MAX_PAIRS", 64)
+    monkeypatch.setattr(kmoe, "PREFILL_ROWS_PER_EXPERT", 21)
+    E, H, inter, K = 12, 32, 32, 2
+    q = fp8_experts(E, H, inter, (16, 32), seed=7)
+    w13, w2 = q.dequantized(torch.float32)
+    x = torch.randn(5, H, generator=torch.Generator().manual_seed(7))
+    r = _routing(5, E, K, seed=7)
+    by_class: dict[tuple, list[int]] = {}
+    outputs = {}
+    for rows in (5, 6, 8, 12, 16, 17, 24, 32, 33, 40, 48, 64):
+        xp = torch.cat([x, torch.randn(rows - 5, H)])
+        ids = torch.cat([r.topk_ids, torch.full((rows - 5, K), -1, dtype=r.topk_ids.dtype)])
+        weights = torch.cat([r.topk_weights, torch.zeros(rows - 5, K)])
+        if fp8:
+            out = moe.fp8_routed_experts(xp, ids, weights, q, 0, fixed_shape=True)
+        else:
+            out = moe.routed_experts(xp, ids, weights, w13, w2, 0, fixed_shape=True)
+        cls = moe.routed_experts_class(xp, K, E, q if fp8 else None, fixed_shape=True)
+        by_class.setdefault(cls, []).append(rows)
+        outputs[rows] = out[:5]
+    assert len(by_class) >= 3, by_class  # the bounds above put these counts in several classes
+    order = [cls for rows in sorted(outputs) for cls, members in by_class.items() if rows in members]
+    assert [c for i, c in enumerate(order) if i == 0 or order[i - 1] != c] == list(by_class), "a class split in two"
+    for cls, members in by_class.items():
+        for rows in members[1:]:
+            assert torch.equal(outputs[rows], outputs[members[0]]), f"{cls}: {rows} rows differ from {members[0]}"
