@@ -3,8 +3,6 @@ graph runners and the async connector's FFN pass chains."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
-
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
@@ -54,30 +52,3 @@ def path_rows(rows: int) -> int:
     family here keeps a count and its bucket inside one power-of-two interval, so choosing by `path_rows` gives
     the same path padded or not."""
     return 1 << max(0, rows - 1).bit_length()
-
-
-def class_start(class_of: Callable[[int], Hashable], n: int) -> int:
-    """The first count of `n`'s class, where `class_of(count)` splits the counts 1..n into intervals (the experts'
-    path and tiles: `FFNModel.experts_class`); by bisection, so a few calls of `class_of`."""
-    own, lo, hi = class_of(n), 1, n
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if class_of(mid) == own:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
-
-
-def serving_bucket(rows: int, buckets: list[int], class_start_of: Callable[[int], int]) -> int | None:
-    """The smallest of `buckets` that holds `rows` and computes them in their own class (`class_start_of(bucket) <=
-    rows`), None when none does.
-
-    Why: padding rows route nowhere, so a bucket of the rows' class gives each row the bits the single-process
-    engine gives it; a bucket of another class rounds differently (V2-Lite: 33-42 rows tile as 16-row groups, the
-    64-row bucket as 32)."""
-    for bucket in buckets:
-        if bucket < rows:
-            continue
-        return bucket if class_start_of(bucket) <= rows else None  # classes past this one start later still
-    return None

@@ -41,9 +41,6 @@ class AsyncStandInFFN:
         self.start = expert_range.start
         self.num_local = len(expert_range)
 
-    def experts_class(self, layer_idx: int, x: torch.Tensor) -> tuple:
-        return ()  # row-wise math: every row count alike
-
     def experts_topk(self, layer_idx: int, x: torch.Tensor, routing) -> torch.Tensor:
         """fp32 sum over the (row, k) pairs whose expert is local; other pairs add nothing."""
         out = torch.zeros(x.shape, dtype=torch.float32)

@@ -13,7 +13,6 @@ CASES = {  # name: (header arguments, flag, abort): whether the item serves it f
     "fewer shared rows": (dict(rows=6, shared=2, layer=3, seq=9), 9, 0),
     "other layer": (dict(rows=5, shared=5, layer=4, seq=7), 7, 0),
     "too many rows": (dict(rows=9, shared=9, layer=3, seq=7), 7, 0),
-    "rows of a smaller bucket": (dict(rows=4, shared=4, layer=3, seq=7), 7, 0),
     "seq differs from flag": (dict(rows=5, shared=5, layer=3, seq=6), 7, 0),
     "a reply": (dict(rows=5, shared=5, layer=3, seq=7, flags=1), 7, 0),
     "bad magic": (dict(rows=5, shared=5, layer=3, seq=7, magic=12345), 7, 0),
@@ -49,7 +48,7 @@ def run_steps(steps, case: str, dev: str, *, with_shared: bool = True) -> list[t
     reply_header = torch.zeros_like(header)
     reply_flag = torch.tensor([3], dtype=torch.int64, device=dev)
     arrive = torch.zeros(1, dtype=torch.int32, device=dev)
-    steps.check_request(header, flag, stats, topk_ids, 3, n, 4, ids, mask, ok)  # the bucket of 5 to 8 rows
+    steps.check_request(header, flag, stats, topk_ids, 3, n, ids, mask, ok)
     steps.reply_item(routed, shared, mask, out, header, reply_header, flag, stats, ok, reply_flag, arrive)
     return [ids, mask, ok, out, reply_header, flag, stats, reply_flag, arrive]
 

@@ -8,7 +8,7 @@ import torch
 from helpers.ffn_graphs import _items
 from helpers.p2p_fakes import RecordingPG, fake_world
 
-from afd.connectors.expert_pass import WorkRows, expert_pass
+from afd.connectors.expert_pass import expert_pass
 from afd.engine.graphs.ffn import ExpertPassGraphs
 from afd.model.weights import load_ffn_model
 
@@ -106,21 +106,3 @@ def test_p2p_ffn_rank_sends_the_same_answers_through_the_graphed_pass(monkeypatc
     assert graphs is None or torch.equal(graphs._x[:7], torch.cat([it.x for it in items]))  # the pass ran padded
     for got, expected in zip(sent, want, strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-
-
-def test_a_bucket_pads_only_rows_of_its_experts_class() -> None:
-    """Rows whose experts compute in another class than the bucket that holds them (`FFNModel.experts_class`: the
-    kernels' tiles) run eagerly over the rows alone, so the host's pass gives the single process's bits; rows of
-    the bucket's class are padded and replayed, equal to the eager pass."""
-    ffn = load_ffn_model("tiny")
-    ffn.experts_class = lambda layer_idx, x: (x.shape[0] > 2,)  # counts 1-2 and 3+: two classes
-    graphs = ExpertPassGraphs(ffn, buckets=(1, 4), capture=False)
-    layer, k = graphs.moe_layers[0], ffn.config.num_experts_per_tok
-    for rows, padded in ((1, True), (2, False), (3, True), (4, True)):
-        x = torch.randn(rows, ffn.config.hidden_size)
-        ids, weights = torch.zeros(rows, k, dtype=torch.long), torch.full((rows, k), 0.5)
-        out = graphs.run(layer, x, ids, weights, [(0, rows)])
-        assert (out is not None) == padded, rows
-        if out is not None:
-            eager = expert_pass(ffn, layer, [WorkRows(x, ids, weights, rows)])[0]
-            torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)

@@ -34,9 +34,6 @@ class NoOpFFN:
     def experts_topk(self, layer_idx: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:  # [R, H] fp32
         return torch.zeros(x.shape, dtype=torch.float32, device=x.device)
 
-    def experts_class(self, layer_idx: int, x: torch.Tensor) -> tuple:
-        return ()  # every row count alike
-
     def shared(self, layer_idx: int, x: torch.Tensor) -> torch.Tensor:  # [R, H]
         return torch.zeros_like(x)
 
@@ -49,9 +46,6 @@ class EchoFFN:
 
     def experts_topk(self, layer_idx: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:  # [R, H] fp32
         return x.float()
-
-    def experts_class(self, layer_idx: int, x: torch.Tensor) -> tuple:
-        return ()  # every row count alike
 
     def shared(self, layer_idx: int, x: torch.Tensor) -> torch.Tensor:  # [R, H]
         return torch.zeros_like(x)

@@ -16,7 +16,6 @@ from afd.model.moe import (
     grouped_expert_mlp,
     grouped_expert_mlp_offsets,
     routed_experts,
-    routed_experts_class,
 )
 from afd.routing import Routing
 
@@ -151,13 +150,6 @@ class FFNModel(nn.Module):
             return fp8_routed_experts(x, ids, weights, fp8, self.expert_start, fixed_shape=self.fixed_shape_moe)
         w13, w2 = experts.weights(x.dtype)
         return routed_experts(x, ids, weights, w13, w2, self.expert_start, fixed_shape=self.fixed_shape_moe)
-
-    def experts_class(self, layer_idx: int, x: torch.Tensor) -> tuple:
-        """`moe.routed_experts_class` of `experts_topk(layer_idx, x, ...)`: row counts of one class give each row
-        the same bits."""
-        experts = self._layer(layer_idx).experts
-        top_k, num_local = self.config.num_experts_per_tok, self.num_local_experts
-        return routed_experts_class(x, top_k, num_local, experts.fp8(), fixed_shape=self.fixed_shape_moe)
 
     def shared(self, layer_idx: int, x: torch.Tensor) -> torch.Tensor:
         """Shared experts: [T, H] -> [T, H] (zeros when the model has none)."""

@@ -277,27 +277,6 @@ def routed_experts(
     return by_pair.view(x.shape[0], topk_ids.shape[1], -1).sum(dim=1)  # [T, H]
 
 
-def routed_experts_class(
-    x: torch.Tensor, top_k: int, num_local: int, fp8: FP8Experts | None, *, fixed_shape: bool | None = None
-) -> tuple:
-    """What decides how `routed_experts` (or `fp8_routed_experts` with `fp8`) computes rows `x [T, H]` besides the
-    rows' values (only T, x's device and dtype are read): the path (the exact loop, afd's kernels, the grouped
-    GEMM) and the kernels' tiles. Padding rows route nowhere, so two row counts of one class give every row the
-    same bits: an async FFN rank's pass over a larger bucket of rows stands in for the single-process step's only
-    where the classes agree. Monotone in T: the counts of one class are an interval."""
-    if fixed_shape is None:
-        fixed_shape = _grouped_mm_supported(x.device, x.dtype)
-    if not fixed_shape:
-        return ("loop",)
-    from afd.kernels.fused_moe import routed_compile_key  # imports triton: only on the fixed-shape path
-
-    if fp8 is not None and _fp8_kernels_take(x, fp8):
-        return ("fp8 kernels", *routed_compile_key(x.shape[0], top_k, num_local)[-2:])
-    if _fused_moe_enabled(x, top_k):
-        return ("kernels", routed_compile_key(x.shape[0], top_k, num_local)[-2])
-    return ("grouped",)
-
-
 def _fp8_kernels_take(x: torch.Tensor, experts: FP8Experts) -> bool:
     """Whether FP8 experts run in afd's fused Triton kernels for rows `x`: where the kernels run, for a block size
     they take with fp8 rows (b1 a multiple of 32)."""

@@ -7,9 +7,8 @@ the experts cost at decode sizes. Here it is two launches around the experts, no
 the host (capturable):
 
 1. `check_request`: one program reads the header, the flag and the abort word and decides `ok` (request, this
-   layer, more than `smaller` and at most `n` rows: the counts whose experts compute as `n` rows do, header seq =
-   flag, nothing aborted before); it writes the top-k ids of the `n` rows as int64 with the rows past the header's
-   count set to -1 (they route nowhere) and the shared-experts mask.
+   layer, at most `n` rows, header seq = flag, nothing aborted before); it writes the top-k ids of the `n` rows
+   as int64 with the rows past the header's count set to -1 (they route nowhere) and the shared-experts mask.
 2. `reply_item`: one program per row writes `routed + mask * shared` into the attention rank's reply rows (its
    dtype; only the message's rows, not the bucket's padding); the last program to arrive writes the reply header
    (the request's, with the response flag and the seq echoed), resets the local flag to 0 if `ok`, updates
@@ -48,10 +47,10 @@ from afd.connectors.asynchronous.wire import (
 
 
 # integer arguments are not specialized (==1, %16): one compile each, done before any capture
-@triton.jit(do_not_specialize=["layer", "n", "smaller"])
+@triton.jit(do_not_specialize=["layer", "n"])
 def _check_kernel(
     hdr_ptr, flag_ptr, stats_ptr, ids_ptr, ids_out_ptr, mask_out_ptr, ok_ptr,
-    layer, n, smaller, magic, version,
+    layer, n, magic, version,
     K: tl.constexpr, BLOCK_IDS: tl.constexpr, BLOCK_N: tl.constexpr,
     W_MAGIC_: tl.constexpr, W_VERSION_: tl.constexpr, W_FLAGS_: tl.constexpr, W_LAYER_: tl.constexpr,
     W_ROWS_: tl.constexpr, W_SHARED_: tl.constexpr, W_SEQ_: tl.constexpr,
@@ -63,7 +62,7 @@ def _check_kernel(
     ok = (tl.load(stats_ptr) == 0) & (seq >= 1)
     ok = ok & (tl.load(hdr_ptr + W_MAGIC_) == magic) & (tl.load(hdr_ptr + W_VERSION_) == version)
     ok = ok & (tl.load(hdr_ptr + W_FLAGS_) == 0) & (tl.load(hdr_ptr + W_LAYER_) == layer)
-    ok = ok & (rows > smaller) & (rows <= n) & (shared <= rows) & (seq_word == (seq & 0xFFFFFFFF))
+    ok = ok & (rows <= n) & (shared <= rows) & (seq_word == (seq & 0xFFFFFFFF))
     tl.store(ok_ptr, ok.to(tl.int32))
     offs = tl.arange(0, BLOCK_IDS)
     in_range = offs < n * K
@@ -117,7 +116,6 @@ def check_request(
     topk_ids: torch.Tensor,  # [>= n, K] int32, contiguous rows
     layer_idx: int,
     n: int,
-    smaller: int,  # the largest count below n whose experts compute in another class: served are more rows
     ids_out: torch.Tensor,  # [n, K] int64
     mask_out: torch.Tensor,  # [n] fp32
     ok_out: torch.Tensor,  # [1] int32
@@ -125,7 +123,7 @@ def check_request(
     k = topk_ids.shape[1]
     _check_kernel[(1,)](
         header, flag, stats, topk_ids, ids_out, mask_out, ok_out,
-        layer_idx, n, smaller, MAGIC_WORD, VERSION,
+        layer_idx, n, MAGIC_WORD, VERSION,
         K=k, BLOCK_IDS=triton.next_power_of_2(n * k), BLOCK_N=triton.next_power_of_2(n),
         W_MAGIC_=W_MAGIC, W_VERSION_=W_VERSION, W_FLAGS_=W_FLAGS, W_LAYER_=W_LAYER, W_ROWS_=W_ROWS,
         W_SHARED_=W_SHARED, W_SEQ_=W_SEQ,

@@ -18,10 +18,7 @@ their items of one layer into one expert pass.
 
 Speculation and its check: the host learns a pass's rows from the first message it reads itself, then keeps
 two passes queued (the next with the rows bucket of the last). An item serves its message only if the header
-says request, this layer, at most the bucket's rows and more than the largest count whose experts compute in
-another class than the bucket's (`FFNModelLike.experts_class`: the path and the kernels' tiles; rows of one class
-get the same bits, so a message is computed as the single-process engine computes its step, while a bucket still
-serves the smaller steps of its class), the right seq, and no earlier item failed; otherwise
+says request, this layer, at most the bucket's rows, the right seq, and no earlier item failed; otherwise
 ("abort") it publishes nothing and leaves the flag set, every later queued item fails too, and once they
 drained the host serves that message itself and starts over. A misprediction costs time, never a wrong answer.
 
@@ -47,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from afd import kernels
-from afd.buckets import DEFAULT_BATCH_BUCKETS, class_start, serving_bucket
+from afd.buckets import DEFAULT_BATCH_BUCKETS, pick_bucket
 from afd.connectors.asynchronous.window import Window
 from afd.connectors.asynchronous.wire import (
     FLAG_RESPONSE,
@@ -151,31 +148,14 @@ class PassChain:
         self.items_served = 0
         self._served_read = 0  # the device's served count at the last read (the device only adds to it)
         self.aborts = 0  # passes that broke the prediction (the host served the message instead)
-        self._class_starts: dict[tuple[int, int], int] = {}  # (layer, rows) -> `first_served_rows`
 
     # -- one item: check, compute, publish ------------------------------------------------------------
-
-    def first_served_rows(self, layer_idx: int, n: int) -> int:
-        """The first row count whose experts compute as `n` rows do (`buckets.class_start`): an item of `n` rows
-        serves the messages of at least that many rows."""
-        key = (layer_idx, n)
-        if key not in self._class_starts:
-            x, model = self.ends.x, self.ffn_model
-            self._class_starts[key] = class_start(lambda m: model.experts_class(layer_idx, x[:m]), n)
-        return self._class_starts[key]
-
-    def serving_bucket(self, layer_idx: int, rows: int) -> int | None:
-        """The bucket whose items serve a message of `rows` rows (`buckets.serving_bucket`), None when none does:
-        the host serves it. Never merely the smallest that holds the rows: where its class differs, its item would
-        refuse the message on every try and the pass started for it would abort forever."""
-        return serving_bucket(rows, self.buckets, lambda n: self.first_served_rows(layer_idx, n))
 
     def _item(self, ends: Ends, layer_idx: int, n: int) -> None:
         """Serve the request in `ends` if it is what this item expects; no host sync (graph-capturable)."""
         steps = _KERNEL_STEPS if self.use_kernels else _TORCH_STEPS
         ids, mask, ok = self._ids[:n], self._mask[:n], self._ok
-        smaller = self.first_served_rows(layer_idx, n) - 1
-        steps.check_request(ends.header, ends.flag, self.stats, ends.topk_ids, layer_idx, n, smaller, ids, mask, ok)
+        steps.check_request(ends.header, ends.flag, self.stats, ends.topk_ids, layer_idx, n, ids, mask, ok)
         x = ends.x[:n]
         routed = self.ffn_model.experts_topk(layer_idx, x, Routing(ids, ends.topk_weights[:n])).float()  # [n, H]
         shared = self.ffn_model.shared(layer_idx, x) if self.ffn_model.has_shared_experts else None  # [n, H]
@@ -246,11 +226,14 @@ class PassChain:
     def owns_slot(self) -> bool:
         return bool(self.queued)
 
+    def bucket_for(self, rows: int) -> int | None:
+        return pick_bucket(rows, self.buckets)
+
     @torch.inference_mode()
     def start(self, layer_idx: int, rows: int) -> bool:
         """The host read a request for `layer_idx` with `rows` rows in the slot: serve it and the rest of its pass
-        on the device, then queue the next pass. False (nothing queued) when no bucket serves the rows."""
-        bucket = self.serving_bucket(layer_idx, rows) if layer_idx in self.moe_layers else None
+        on the device, then queue the next pass. False (nothing queued) when no bucket holds the rows."""
+        bucket = self.bucket_for(rows)
         if bucket is None or layer_idx not in self.moe_layers:
             return False
         self.next_bucket = bucket
@@ -314,7 +297,7 @@ class PassChain:
         abort, _, max_rows = self.stats.tolist()
         self._count_served()
         if not abort:
-            self.next_bucket = self.serving_bucket(self.moe_layers[0], max(max_rows, 1)) or self.next_bucket
+            self.next_bucket = self.bucket_for(max(max_rows, 1)) or self.next_bucket
             self.stats[2:].zero_()  # the next passes' largest rows (a queued item may race this: a hint only)
             self.top_up()
             return False
@@ -375,7 +358,7 @@ class _TorchSteps:
     """An item's two steps in PyTorch: the CPU path and the oracle of `asynchronous.chain_kernels` (same arguments)."""
 
     @staticmethod
-    def check_request(header, flag, stats, topk_ids, layer_idx, n, smaller, ids_out, mask_out, ok_out) -> None:  # noqa: ANN001
+    def check_request(header, flag, stats, topk_ids, layer_idx, n, ids_out, mask_out, ok_out) -> None:  # noqa: ANN001
         h = header
         rows, shared = h[W_ROWS].long(), h[W_SHARED].long()
         seq = flag[0]
@@ -386,7 +369,6 @@ class _TorchSteps:
             & (h[W_VERSION] == VERSION)
             & (h[W_FLAGS] == 0)
             & (h[W_LAYER] == layer_idx)
-            & (rows > smaller)
             & (rows <= n)
             & (shared <= rows)
             & ((h[W_SEQ].long() & 0xFFFFFFFF) == (seq & 0xFFFFFFFF))

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import torch
 
-from afd.buckets import DEFAULT_BATCH_BUCKETS, class_start, serving_bucket, token_buckets
+from afd.buckets import DEFAULT_BATCH_BUCKETS, pick_bucket, token_buckets
 from afd.engine.graphs.decode import capture_safe_moe
 from afd.routing import Routing
 
@@ -70,7 +70,6 @@ class ExpertPassGraphs:
         self._shared_out_above = above  # buckets above this write `_prefill_out`, shared by every layer
         self._prefill_out = torch.zeros(n, hidden, dtype=torch.float32, device=self.device) if prefill else None
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self._class_starts: dict[tuple[int, int], int] = {}  # (layer, bucket) -> its class's first row count
         self._pool = torch.cuda.graph_pool_handle() if capture else None
 
     @staticmethod
@@ -87,15 +86,6 @@ class ExpertPassGraphs:
             return out
         shared = self.ffn_model.shared(layer_idx, x).float()  # [n, H]
         return out + torch.where(self._shared[:n, None], shared, 0.0)
-
-    def _class_start(self, layer_idx: int, n: int) -> int:
-        """The first row count whose experts compute as a bucket of `n` rows does: a bucket pads only rows of its
-        class, so a replayed pass gives each row the bits an eager pass over the rows alone gives it."""
-        key = (layer_idx, n)
-        if key not in self._class_starts:
-            x, model = self._x, self.ffn_model
-            self._class_starts[key] = class_start(lambda m: model.experts_class(layer_idx, x[:m]), n)
-        return self._class_starts[key]
 
     def _capture(self, key: tuple[int, int]) -> None:
         layer_idx, n = key
@@ -141,13 +131,10 @@ class ExpertPassGraphs:
     ) -> torch.Tensor | None:
         """The expert pass of `x [R, H]` (rows `start:start + count` of every `(start, count)` in `shared` also
         through the shared experts) as `[R, H]` fp32, a view of the graph's output (consume it before the next
-        call); None when no bucket holds R rows in their class or the layer has no routed experts here (run it
-        eagerly)."""
+        call); None when no bucket holds R rows or the layer has no routed experts here (run it eagerly)."""
         rows = x.shape[0]
-        if layer_idx not in self.moe_layers:
-            return None
-        n = serving_bucket(rows, self.buckets, lambda b: self._class_start(layer_idx, b))
-        if n is None:
+        n = pick_bucket(rows, self.buckets)
+        if n is None or layer_idx not in self.moe_layers:
             return None
         self._x[:rows].copy_(x)
         self._x[rows:n].zero_()
