@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -44,30 +43,3 @@ def test_profile_refuses_a_bad_calibration_flag(tmp_path):
     res = _afd("profile", "--model", "tiny", "--calibration-requests", "0", "-o", str(tmp_path / "x.json"))
     assert res.returncode == 2
     assert res.stderr.strip().splitlines()[-1].startswith("afd profile: error:") or "error" in res.stderr
-
-
-def test_colocated_parts_measured_in_whole_steps_and_simulated(tmp_path):
-    """`afd profile --colocated`: async 1A1F runs with both ranks on this machine (real processes), their steps
-    less the profile's parts kept per layer; `afd simulate --colocated` then prices co-located steps with them.
-    With another job's flag: one sentence, exit 2."""
-    base = Path(__file__).resolve().parents[2] / "docs" / "bench" / "2026-12-01_cpu_profile_tiny.json"
-    out = tmp_path / "colocated.json"
-    res = _afd("profile", "--model", "tiny", "--colocated", "--profile", str(base), "-o", str(out))
-    assert res.returncode == 0, res.stderr[-3000:]
-    data, before = json.loads(out.read_text()), json.loads(base.read_text())
-    runs = data["measured"]["colocated"]
-    assert runs["decode"]["batch"] == 64 and len(runs["decode"]["steps_ms"]) >= 60  # 63 all-decode steps
-    assert runs["prompt"]["num_steps"] == 16 and runs["prompt"]["step_s"] > 0
-    assert {"colocated_decode", "colocated_prompt"} <= set(data["parts"])
-    assert all(data["parts"][k]["fixed_s"] >= 0 for k in ("colocated_decode", "colocated_prompt"))
-    assert {k: v for k, v in data["parts"].items() if not k.startswith("colocated")} == before["parts"]
-    flags = ["--model", "tiny", "--connector", "async", "--requests", "40", "--short-len", "32", "--long-len", "64",
-             "--max-tokens", "8", "--json"]  # fmt: skip
-    sims = {}
-    for name, profile in (("measured", out), ("base", base)):
-        sim = _afd("simulate", "--profile", str(profile), *flags, str(tmp_path / f"{name}.json"), "--colocated")
-        assert sim.returncode == 0, sim.stderr[-2000:]
-        sims[name] = json.loads((tmp_path / f"{name}.json").read_text())["results"][0]["runs"][0]["summary"]
-    assert sims["measured"]["tpot_p50_s"] != sims["base"]["tpot_p50_s"]  # (ranks apart: the unit tests)
-    res = _afd("profile", "--colocated", "--refit", str(base), "-o", str(tmp_path / "x.json"))
-    assert res.returncode == 2 and "different jobs" in res.stderr.strip().splitlines()[-1]

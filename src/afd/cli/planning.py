@@ -117,15 +117,7 @@ def add_planning_parsers(sub) -> None:
         help="measure nothing: fit this profile's parts and calibration again from the rows it keeps (after a "
         "change to how afd models a part)",
     )
-    p.add_argument(
-        "--colocated",
-        action="store_true",
-        help="measure only what an attention and an FFN rank sharing one GPU (or the CPU) cost each other, in whole "
-        "async 1A1F steps, and add it to --profile (a profile measured on one GPU has it already)",
-    )
-    p.add_argument(
-        "--profile", default="h200", help="with --calibrate-from or --colocated: the profile whose parts stand"
-    )
+    p.add_argument("--profile", default="h200", help="with --calibrate-from: the profile whose parts stand")
     p.add_argument("--output", "-o", required=True, help="the profile JSON to write")
     p.set_defaults(func=cmd_profile, starts_ranks=False)
 
@@ -285,10 +277,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     if not Path(args.output).resolve().parent.is_dir():
         raise UsageError(f"--output {args.output}: the directory {Path(args.output).resolve().parent} does not exist")
-    if sum(map(bool, (args.calibrate_from, args.refit, args.colocated))) > 1:
-        raise UsageError("--refit, --calibrate-from and --colocated are different jobs: give one")
-    if args.colocated:
-        return _colocated(args)
+    if args.calibrate_from and args.refit:
+        raise UsageError("--refit and --calibrate-from are two different jobs: give one")
     if args.calibrate_from:
         return _recalibrate(args)
     if args.refit:
@@ -314,31 +304,5 @@ def cmd_profile(args: argparse.Namespace) -> int:
         print(f"afd: error: the calibration trace failed: {exc}", file=sys.stderr)
         return 1
     profile.save(args.output)
-    print(f"wrote {args.output}")
-    return 0
-
-
-def _colocated(args: argparse.Namespace) -> int:
-    """`afd profile --colocated`: --profile with the co-located parts measured here (`afd.planning.colocated`)."""
-    from dataclasses import replace
-
-    from afd.planning.colocated import measure_colocated
-    from afd.planning.profile import ProfileError, load_profile
-
-    try:
-        profile = load_profile(args.profile)
-    except ProfileError as exc:
-        raise UsageError(str(exc)) from None
-    if args.device == "cuda" and args.dtype == "float32":
-        args.dtype = "bfloat16"
-    try:
-        profile = measure_colocated(
-            profile, args.model, args.dtype, args.device, say=lambda m: print(m, file=sys.stderr)
-        )
-    except (TimeoutError, RuntimeError) as exc:
-        print(f"afd: error: the co-located runs failed: {exc}", file=sys.stderr)
-        return 1
-    source = f"{profile.source}; co-located parts: afd profile --colocated --model {args.model} --device {args.device}"
-    replace(profile, source=source).save(args.output)
     print(f"wrote {args.output}")
     return 0

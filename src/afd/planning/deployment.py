@@ -201,17 +201,10 @@ class StepCosts:
         group = max(group_tokens, load.tokens)
         a = attn / self.layers / m + (self._launch if m > 1 else 0.0)
         f = self._ffn_layer(group / m, self.d.ffn)
-        if self.d.colocated:
-            turns = self.p.parts.get("colocated_prompt" if load.prefill else "colocated_decode")
-            c = turns.fixed_s if turns is not None and m == 1 else self._wire(load.tokens / m, group / m)
-            return self._floor(load, self.layers * m * (a + f) + self.layers * c + self._host(load))
         c = self._wire(load.tokens / m, group / m)
+        if self.d.colocated:
+            return self._floor(load, self.layers * m * (a + f) + self.layers * c + self._host(load))
         return self._floor(load, self.layers * costs.layer_cycle_s(a, f, c, m) + self._host(load))
-
-    def colocated_compute_s(self, load: StepLoad) -> float:
-        """A co-located step of one attention and one FFN rank without their turns: attention, every layer's
-        experts, the host (what `afd.planning.colocated` takes from a measured step)."""
-        return self._attention(load) + self.layers * self._ffn_layer(load.tokens, 1) + self._host(load)
 
     def _floor(self, load: StepLoad, seconds: float) -> float:
         """A step holding prompt tokens lasts at least the calibration's `prompt_step_s`."""

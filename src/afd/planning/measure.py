@@ -169,10 +169,6 @@ def measure_profile(
     memory = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else 16e9
     source = f"afd profile --model {model} --dtype {dtype} --device {device}"
     profile = Profile(machine, parts, source, dtype, float(memory), 0.0, Link(), measured={"parts": measured.to_json()})
-    if exchange and device == "cuda" and torch.cuda.device_count() < 2:  # what one GPU's async 1A1F pays
-        from afd.planning.colocated import measure_colocated
-
-        profile = measure_colocated(profile, model, dtype, device, say)
     if not calibrate:
         return profile
     from afd.planning.calibrate import default_rates

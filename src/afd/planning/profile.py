@@ -9,9 +9,6 @@ JSON (`FORMAT`): `{"format", "machine": {...}, "source", "dtype", "gpu_memory_by
 - `routed_experts_grouped` (optional): `routed_experts` past the (token, k) pairs afd's MoE kernels take
   (`afd.model.moe.FUSED_MOE_MAX_PAIRS`), where `torch._grouped_mm` runs instead; absent, `routed_experts` stands.
 - `exchange_p2p`, `exchange_async`: one layer's round trip against the bytes both ways.
-- `colocated_decode`, `colocated_prompt` (optional): `fixed_s` per MoE layer that an attention rank and an FFN rank
-  sharing one GPU cost each other in a decode step and in a step holding prompt tokens, measured in whole steps
-  (`afd.planning.colocated`); absent, co-located steps take `exchange_async`'s round trip.
 - `launch`: `fixed_s` is the host floor of one eagerly launched layer (micro-batched steps run eagerly).
 - `host`: the serving loop's cost per step (`fixed_s`) and per scheduled sequence (`per_item_s`) beyond the step.
 `calibration` (optional; absent = zeros): what a served trace spends beyond the parts, fitted by `afd profile`
@@ -35,8 +32,6 @@ PARTS = (
     "shared_experts",
     "exchange_p2p",
     "exchange_async",
-    "colocated_decode",
-    "colocated_prompt",
     "launch",
     "host",
 )
