@@ -214,6 +214,8 @@ class StepCosts:
         """One layer's round trip of a replica's `tokens`, the FFN rank's link carrying `group_tokens`' rows."""
         d, s = self.d, self.s
         part = self.p.part("exchange_p2p" if d.connector == "p2p" else "exchange_async")
+        if d.colocated and "exchange_colocated" in self.p.parts:
+            part = self.p.parts["exchange_colocated"]
         nbytes = max(
             costs.exchange_bytes(s, d.connector, tokens, d.ffn),
             costs.exchange_bytes(s, d.connector, group_tokens, d.ffn) / d.ffn,

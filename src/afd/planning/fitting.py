@@ -126,6 +126,8 @@ def fit_parts(
     if "async" in m.exchange and "p2p" not in m.exchange:
         parts["exchange_p2p"] = parts["exchange_async"]
         assumed["exchange_p2p"] = "not measured (one GPU; p2p needs two): async's round trip stands in"
+        if m.device == "cuda":  # async's two ranks took turns on the one GPU: what co-located deployments pay
+            parts["exchange_colocated"] = parts["exchange_async"]
     parts["launch"], parts["host"] = Part(), Part()
     return parts, assumed
 

@@ -9,6 +9,9 @@ JSON (`FORMAT`): `{"format", "machine": {...}, "source", "dtype", "gpu_memory_by
 - `routed_experts_grouped` (optional): `routed_experts` past the (token, k) pairs afd's MoE kernels take
   (`afd.model.moe.FUSED_MOE_MAX_PAIRS`), where `torch._grouped_mm` runs instead; absent, `routed_experts` stands.
 - `exchange_p2p`, `exchange_async`: one layer's round trip against the bytes both ways.
+- `exchange_colocated` (optional): async's round trip with both ranks on one GPU, where the two processes take turns
+  on the device (measured by `afd profile` on a one-GPU machine); co-located deployments take it, others never.
+  Absent, `exchange_async` stands for it.
 - `launch`: `fixed_s` is the host floor of one eagerly launched layer (micro-batched steps run eagerly).
 - `host`: the serving loop's cost per step (`fixed_s`) and per scheduled sequence (`per_item_s`) beyond the step.
 `calibration` (optional; absent = zeros): what a served trace spends beyond the parts, fitted by `afd profile`
@@ -32,6 +35,7 @@ PARTS = (
     "shared_experts",
     "exchange_p2p",
     "exchange_async",
+    "exchange_colocated",
     "launch",
     "host",
 )
