@@ -21,6 +21,7 @@ from afd.vllm_plugin.checks import (
 
 pytestmark = pytest.mark.vllm
 ARCH = {"v2": "AFDDeepseekV2ForCausalLM", "v3": "AFDDeepseekV3ForCausalLM"}
+FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
 
 # ---------------------------------------------------------------- what the adapter accepts (no vLLM needed)
@@ -70,6 +71,8 @@ def _engine(**overrides) -> EngineSettings:
         (lambda: check_model(_model(kv_lora_rank=16), ARCH["v2"], "cpu"), "CPU MLA kernel needs kv_lora_rank=512"),
         (lambda: check_model(_model(), ARCH["v3"], "cpu"), "runs deepseek_v3 checkpoints but this one is deepseek_v2"),
         (lambda: check_model(_model(n_routed_experts=0), ARCH["v2"], "cpu"), "no MoE layer"),
+        (lambda: check_model(_model(quantization_config=FP8), ARCH["v2"], "cpu"), "CPU build has no FP8 linear"),
+        (lambda: check_model(_model(), ARCH["v2"], "cpu", "fp8"), "cannot run FP8 attention weights"),
     ],
 )
 def test_refusals_are_one_sentence(call, sentence):
@@ -87,6 +90,7 @@ def test_what_the_adapter_accepts():
     check_engine(parse_config({"connector": "async", "num_attention_ranks": 2}), _engine(data_parallel_size=2))
     check_model(_model(), ARCH["v2"], "cpu")
     check_model(_model(kv_lora_rank=16), ARCH["v2"], "cuda")  # vLLM's GPU kernels take other widths
+    check_model(_model(quantization_config=FP8), ARCH["v2"], "cuda", "fp8")  # and FP8 linears
 
 
 def test_cpu_rotary_op_is_turned_off_only_where_it_is_broken():

@@ -119,8 +119,9 @@ def check_engine(cfg: AFDConfig, engine: EngineSettings) -> None:
         raise AdapterError(f"dtype {engine.dtype} is not supported by afd; use float32, bfloat16 or float16")
 
 
-def check_model(model: ModelConfig, architecture: str, device: str) -> None:
-    """The checkpoint fits the architecture asked for and, on CPU, vLLM's MLA kernel."""
+def check_model(model: ModelConfig, architecture: str, device: str, quantization: str | None = None) -> None:
+    """The checkpoint fits the architecture asked for and, on CPU, vLLM's MLA kernel and linear layers
+    (`quantization`: vLLM's, from the checkpoint or its flag)."""
     want = ARCHITECTURES.get(architecture)
     if want is not None and model.model_type != want:
         raise AdapterError(
@@ -129,6 +130,12 @@ def check_model(model: ModelConfig, architecture: str, device: str) -> None:
         )
     if not model.moe_layers:
         raise AdapterError("the model has no MoE layer (n_routed_experts is 0): there is nothing for afd FFN ranks")
+    if device == "cpu" and (model.fp8_block is not None or quantization == "fp8"):
+        raise AdapterError(
+            "vLLM's CPU build has no FP8 linear kernel, so it cannot run FP8 attention weights (the checkpoint's "
+            "quantization_config or --quantization fp8); on a CPU serve the model with afd's own engine (afd serve, "
+            "which dequantizes FP8 there), or run vLLM on a GPU"
+        )
     if device == "cpu" and (model.kv_lora_rank, model.qk_rope_head_dim) != (CPU_MLA_KV_LORA_RANK, CPU_MLA_ROPE_DIM):
         raise AdapterError(
             f"vLLM's CPU MLA kernel needs kv_lora_rank={CPU_MLA_KV_LORA_RANK} and qk_rope_head_dim="

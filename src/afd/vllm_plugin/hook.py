@@ -49,7 +49,7 @@ def prepare(vllm_config: VllmConfig) -> tuple[AFDConfig, ModelConfig]:
         ),
     )
     model = model_config_of(model_config.model, model_config.hf_config.to_dict())
-    check_model(model, model_config.architecture or "", device)
+    check_model(model, model_config.architecture or "", device, model_config.quantization)
     return cfg, model
 
 
