@@ -11,7 +11,7 @@ import pytest
 
 from afd.bench.workload import Workload
 from afd.model.weights import load_model_config
-from afd.planning import costs, ratio
+from afd.planning import costs, plan, ratio
 from afd.planning.compare import beyond, errors, format_errors, workload_of
 from afd.planning.deployment import Deployment, DeploymentError, memory_of
 from afd.planning.profile import Calibration, Part, Profile, fit_part, load_profile
@@ -153,7 +153,8 @@ REGIMES = {  # (attention fixed per layer, FFN fixed, FFN per token, wire per to
 @pytest.mark.parametrize("regime", sorted(REGIMES))
 def test_closed_form_ratio_matches_a_simulator_sweep(regime):
     """With a synthetic linear profile the ratio the rule picks is within 10% of the simulator's best r (or its
-    throughput within 10% of the best's where the curve is flat)."""
+    throughput within 10% of the best's where the curve is flat); `afd plan`'s search on 16 GPUs (the rule narrows
+    each group's shapes, the simulator scores them: `plan.candidates`, `plan.score`) picks the best r itself."""
     p, s = _linear_profile(*REGIMES[regime]), _shapes()
     batch = 16
     w = Workload("uniform", 0, long_len=8, short_len=8, max_tokens=48)
@@ -169,7 +170,14 @@ def test_closed_form_ratio_matches_a_simulator_sweep(regime):
     picked = min(16, max(1, round(rule.r_star)))
     assert rule.bound == regime or regime == "attention"
     assert abs(picked - best) / best <= 0.1 or per_gpu[picked] >= 0.9 * per_gpu[best], (rule, best, per_gpu)
-    del w, base
+    load = Workload("uniform", 4 * 16 * batch, long_len=8, short_len=8, max_tokens=48)  # every replica saturated
+    ctx = 8 + 48 // 2
+    shapes = [d for d, _ in plan.candidates(16, s, p, base, ctx) if d.connector == "async" and d.ubatches == 1]
+    unbounded = plan.Slo(ttft_p90_s=math.inf, tpot_p50_s=math.inf)
+    scored = {d: plan.score(d, s, p, load, unbounded)["tokens_per_s_per_gpu"] for d in shapes}
+    chosen = max(scored, key=scored.get)
+    assert abs(chosen.attention / chosen.ffn - best) / best <= 0.1, (regime, chosen.name, best, scored)
+    del w
 
 
 def test_compare_reads_a_bench_results_file():
