@@ -60,3 +60,18 @@ def test_only_colocated_deployments_pay_the_colocated_round_trip() -> None:
     wire = StepCosts(together, LITE, link)._wire(DECODE.tokens, DECODE.tokens)
     assert with_it - without == pytest.approx(layers * (h200.part("exchange_colocated").fixed_s - wire), rel=1e-3)
     assert StepCosts(apart, LITE, h200).replica_step(DECODE) == StepCosts(apart, LITE, link).replica_step(DECODE)
+
+
+def test_simulate_refuses_p2p_ranks_sharing_a_gpu(capsys) -> None:
+    """NCCL takes one GPU per rank: `--colocated` with p2p on a GPU profile is one sentence, exit 2 (on a CPU
+    profile, where p2p's ranks do share the host, it runs)."""
+    from pathlib import Path
+
+    from helpers.cli import main_exit
+
+    flags = ["simulate", "--connector", "p2p", "--attention", "1", "--ffn", "1", "--colocated", "--requests", "8"]
+    code, err = main_exit(capsys, *flags)
+    assert code == 2 and "NCCL takes one GPU per rank" in err and err.count("\n") == 1
+    cpu = Path(__file__).resolve().parents[2] / "docs" / "bench" / "2026-12-01_cpu_profile_tiny.json"
+    code, err = main_exit(capsys, *flags, "--model", "tiny", "--profile", str(cpu))
+    assert code == 0, err

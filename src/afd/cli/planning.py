@@ -164,6 +164,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from afd.planning.simulator import simulate
 
     shapes, profile, workload, _ = _setup(args)
+    if args.colocated and args.connector == "p2p" and profile.on_gpu:
+        raise UsageError(
+            "--colocated with p2p on a GPU profile: NCCL takes one GPU per rank, so p2p's ranks cannot share GPUs "
+            "(async's can); leave --colocated out or use --connector async"
+        )
     rates = args.rates
     measured = None
     if args.compare:
