@@ -37,10 +37,10 @@ def test_one_gpus_async_round_trip_is_the_colocated_one() -> None:
 
 def test_the_shipped_profile_keeps_the_one_gpu_round_trip_beside_the_link_one() -> None:
     """`published.with_link_exchange` swaps in the x2 table's round trips and keeps the measured one-GPU round trip
-    as `exchange_colocated`; the shipped `h200` carries it (0.6 ms a layer against NVLink's ~22 µs)."""
+    in `exchange_colocated`; the shipped `h200` carries it (0.6 ms a layer against NVLink's ~22 µs)."""
     measured = load_profile("h200")
-    one_gpu = replace(measured, parts={k: v for k, v in measured.parts.items() if k != "exchange_colocated"})
-    one_gpu = replace(one_gpu, parts={**one_gpu.parts, "exchange_async": Part(fixed_s=6e-4)})
+    one_gpu_trip = {"exchange_async": Part(fixed_s=6e-4), "exchange_colocated": Part(fixed_s=6e-4)}
+    one_gpu = replace(measured, parts={**measured.parts, **one_gpu_trip})  # as `fit_parts` fits one GPU's rows
     shipped = with_link_exchange(one_gpu)
     assert shipped.parts["exchange_colocated"] == Part(fixed_s=6e-4)
     assert shipped.parts["exchange_async"].fixed_s < 1e-4

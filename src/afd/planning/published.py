@@ -134,7 +134,7 @@ def exchange_parts() -> dict[str, Part]:
 def with_link_exchange(measured: Profile) -> Profile:
     """`measured` (one H200's `afd profile`) with the exchange between two GPUs: on one GPU its async round trip is
     two processes taking turns on the device (0.6 ms, where NVLink's is 22 µs) and its p2p one a stand-in; the
-    one-GPU round trip stays as `exchange_colocated`, for deployments whose ranks share a GPU."""
+    one-GPU round trip stays in `exchange_colocated` (`fitting.fit_parts`), for deployments whose ranks share a GPU."""
     from dataclasses import replace
 
     assumed = {
@@ -143,9 +143,7 @@ def with_link_exchange(measured: Profile) -> Profile:
     }
     machine = {**measured.machine, "assumed": {**measured.machine.get("assumed", {}), **assumed}}
     source = measured.source + "; exchange from the x2 table (python -m afd.planning.published --shipped)"
-    colocated = measured.parts.get("exchange_colocated", measured.parts.get("exchange_async"))
-    parts = {**measured.parts, **exchange_parts(), **({"exchange_colocated": colocated} if colocated else {})}
-    return replace(measured, machine=machine, parts=parts, source=source)
+    return replace(measured, machine=machine, parts={**measured.parts, **exchange_parts()}, source=source)
 
 
 COMPUTE_PARTS = ("routed_experts", "routed_experts_grouped", "shared_experts", "attention_decode", "prefill")
