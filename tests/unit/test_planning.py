@@ -12,7 +12,7 @@ import pytest
 from afd.bench.workload import Workload
 from afd.model.weights import load_model_config
 from afd.planning import costs, plan, ratio
-from afd.planning.compare import beyond, errors, format_errors, workload_of
+from afd.planning.compare import beyond, errors, format_errors, step_metrics, workload_of
 from afd.planning.deployment import Deployment, DeploymentError, memory_of
 from afd.planning.profile import Calibration, Part, Profile, fit_part, load_profile
 from afd.planning.simulator import simulate, simulate_rate
@@ -213,7 +213,47 @@ def test_compare_reads_a_bench_results_file():
     d, shapes = Deployment("none"), tiny_shapes()
     w = Workload("mixed", 20, long_len=64, short_len=16, max_tokens=4, seed=0)
     summary = simulate_rate(d, shapes, cpu_profile(), w, [len(x) for x in w.prompts(100)], math.inf)["summary"]
-    assert summary["steps"]["count"] >= 4 and 0 < summary["steps"]["device_s"] <= summary["wall_s"] + 1e-9
+    steps = summary["steps"]
+    assert steps["count"] >= 4 and 0 < steps["device_s"] <= summary["wall_s"] + 1e-9
+    # 20 prompts in a few steps, then 4 tokens each: both kinds of step, the prompt ones the longer
+    assert 0 < steps["prompt_count"] < steps["count"] and 0 < steps["prompt_device_s"] < steps["device_s"]
+    split = step_metrics(summary)
+    assert split["mean_prompt_step_s"] > split["mean_decode_step_s"] > 0
+    assert split["prompt_step_share"] == pytest.approx(steps["prompt_count"] / steps["count"])
+
+
+def test_compare_splits_the_steps_into_prompt_and_decode_steps_where_both_runs_did():
+    """100 steps of 20 ms measured, 25 of them holding a prompt token at 50 ms (the other 75 at 10 ms), against a
+    simulation of 80 steps, 20 at 60 ms: the split is shown beside the totals; a results file from before the split
+    shows the totals only."""
+    measured = {
+        "runs": [
+            {
+                "rate": "inf",
+                "summary": {
+                    "request_throughput": 10.0,
+                    "steps": {
+                        "count": 100,
+                        "device_s": 2.0,
+                        "replicas": 1,
+                        "prompt_count": 25,
+                        "prompt_device_s": 1.25,
+                    },
+                },
+            }
+        ]
+    }
+    sim = {"runs": [{"rate": math.inf, "summary": {"request_throughput": 10.0, "steps": {
+        "count": 80, "device_s": 2.0, "replicas": 1, "prompt_count": 20, "prompt_device_s": 1.2}}}]}  # fmt: skip
+    step = {r["metric"]: r for r in errors(measured, sim) if not r["judged"]}
+    assert step["prompt_step_share"]["measured"] == pytest.approx(0.25)
+    assert step["prompt_step_share"]["error"] == pytest.approx(0.0)
+    assert step["mean_prompt_step_s"]["measured"] == pytest.approx(0.05)
+    assert step["mean_prompt_step_s"]["simulated"] == pytest.approx(0.06)
+    assert step["mean_decode_step_s"]["measured"] == pytest.approx(0.01)
+    assert step["mean_decode_step_s"]["simulated"] == pytest.approx(0.8 / 60)
+    del measured["runs"][0]["summary"]["steps"]["prompt_count"]
+    assert {r["metric"] for r in errors(measured, sim) if not r["judged"]} == {"steps_per_replica", "mean_step_s"}
 
 
 def test_compare_picks_the_server_that_ran_the_simulated_deployment():

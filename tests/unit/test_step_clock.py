@@ -14,18 +14,23 @@ from afd.model.weights import load_attention_model, load_ffn_model
 from afd.serve.metrics import ServeMetrics
 
 
-def _page(values: list[tuple[float, int, float]]) -> str:
+def _page(values: list[tuple[float, ...]]) -> str:
     metrics = ServeMetrics(len(values))
-    for replica, (seconds, steps, idle) in zip(metrics.replicas, values, strict=True):
+    for replica, (seconds, steps, idle, *prompt) in zip(metrics.replicas, values, strict=True):
         replica.step_device.set(seconds)
         replica.steps.set(steps)
         replica.step_idle.set(idle)
+        if prompt:
+            replica.prompt_step_device.set(prompt[0])
+            replica.prompt_steps.set(prompt[1])
     return metrics.render(healthy=True, front_waiting=0).decode()
 
 
 def test_metrics_page_sums_the_replicas_step_device_time() -> None:
-    assert step_clock_of(_page([(1.5, 100, 0.25), (0.5, 40, 0.5)])) == (2.0, 140, 2, 0.75)
-    assert step_clock_of(_page([(1.5, 100, 0.0), (0.0, 0, 0.0)])) == (1.5, 100, 1, 0.0)
+    assert step_clock_of(_page([(1.5, 100, 0.25), (0.5, 40, 0.5)])) == (2.0, 140, 2, 0.75, 0.0, 0)
+    assert step_clock_of(_page([(1.5, 100, 0.0), (0.0, 0, 0.0)])) == (1.5, 100, 1, 0.0, 0.0, 0)
+    # the part of them that held a prompt token, every replica's together
+    assert step_clock_of(_page([(1.5, 100, 0.25, 0.5, 10), (0.5, 40, 0.5, 0.25, 4)])) == (2.0, 140, 2, 0.75, 0.75, 14)
     assert step_clock_of(_page([(0.0, 0, 0.0)])) is None  # CPU: no step is timed
     assert step_clock_of("# a server without afd's series\nup 1\n") is None
 
@@ -50,7 +55,8 @@ def test_a_cpu_engine_times_no_step_and_a_load_change_ignores_the_clock() -> Non
     engine.run()
     load = engine.load()
     assert (load.step_device_s, load.steps) == (0.0, 0)
-    assert EngineLoad(0, 0, 0.0, 0, 1.0, 5, 0.1) == EngineLoad(0, 0, 0.0, 0, 2.0, 9, 0.2)  # sent on a load change only
+    # sent on a load change only: the clock's figures do not make one
+    assert EngineLoad(0, 0, 0.0, 0, 1.0, 5, 0.1, 0.5, 2) == EngineLoad(0, 0, 0.0, 0, 2.0, 9, 0.2, 1.0, 3)
 
 
 def test_host_time_is_counted_per_launched_step_and_apart_for_steps_with_prompt_tokens() -> None:

@@ -295,6 +295,8 @@ def bench_url(
                 "count": after.steps - before.steps,
                 "replicas": after.replicas,
                 "idle_s": after.idle_s - before.idle_s,  # every replica's together
+                "prompt_device_s": after.prompt_device_s - before.prompt_device_s,  # steps holding a prompt token
+                "prompt_count": after.prompt_steps - before.prompt_steps,
             }
     return runs
 
@@ -306,6 +308,8 @@ class StepClockReading(NamedTuple):
     steps: int
     replicas: int  # those that ran a timed step
     idle_s: float  # the device idle between steps while a replica had work
+    prompt_device_s: float = 0.0  # the part of device_s in steps holding a prompt token
+    prompt_steps: int = 0
 
 
 async def step_clock(url: str, timeout_s: float) -> StepClockReading | None:
@@ -317,24 +321,28 @@ async def step_clock(url: str, timeout_s: float) -> StepClockReading | None:
 def step_clock_of(metrics_text: str) -> StepClockReading | None:
     """From a `/metrics` page: the step device time so far (`afd.serve.metrics.STEP_DEVICE_SECONDS`, every
     replica's together), the step count, the replicas that ran a timed step and the device's idle time between
-    steps; None when no step was timed (CPU steps are not, another server has no such series)."""
+    steps, and the part of the steps that held a prompt token; None when no step was timed (CPU steps are not,
+    another server has no such series)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from afd.serve.metrics import STEP_DEVICE_SECONDS, STEP_IDLE_SECONDS, STEPS
+    from afd.serve import metrics as m
 
-    values: dict[str, dict[str, float]] = {STEP_DEVICE_SECONDS: {}, STEPS: {}, STEP_IDLE_SECONDS: {}}
+    names = (m.STEP_DEVICE_SECONDS, m.STEPS, m.STEP_IDLE_SECONDS, m.PROMPT_STEP_DEVICE_SECONDS, m.PROMPT_STEPS)
+    values: dict[str, dict[str, float]] = {name: {} for name in names}
     for family in text_string_to_metric_families(metrics_text):
         for sample in family.samples:
             if sample.name in values:
                 values[sample.name][sample.labels.get("replica", "")] = sample.value
-    counts = values[STEPS]
+    counts = values[m.STEPS]
     if not any(counts.values()):
         return None
     return StepClockReading(
-        sum(values[STEP_DEVICE_SECONDS].values()),
+        sum(values[m.STEP_DEVICE_SECONDS].values()),
         int(sum(counts.values())),
         sum(1 for c in counts.values() if c),
-        sum(values[STEP_IDLE_SECONDS].values()),
+        sum(values[m.STEP_IDLE_SECONDS].values()),
+        sum(values[m.PROMPT_STEP_DEVICE_SECONDS].values()),
+        int(sum(values[m.PROMPT_STEPS].values())),
     )
 
 

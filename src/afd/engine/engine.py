@@ -227,6 +227,8 @@ class Engine:
             clock.seconds,
             clock.steps,
             clock.idle_seconds,
+            clock.prompt_seconds,
+            clock.prompt_steps,
         )
 
     # --- scheduling and cache bookkeeping (the parts' check-then-act pairs) ---

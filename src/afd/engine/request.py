@@ -68,3 +68,6 @@ class EngineLoad:
     step_device_s: float = field(default=0.0, compare=False)
     steps: int = field(default=0, compare=False)
     step_idle_s: float = field(default=0.0, compare=False)  # the device idle between steps (`StepClock`)
+    # the part of `step_device_s` and `steps` that held a prompt token (prefill or mixed steps)
+    prompt_step_device_s: float = field(default=0.0, compare=False)
+    prompt_steps: int = field(default=0, compare=False)

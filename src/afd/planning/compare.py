@@ -9,18 +9,27 @@ from afd.bench.workload import Workload
 
 METRICS = ("request_throughput", "output_tok_s", "ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "e2e_p50_s")
 # shown beside the metrics, not judged by the tolerance: where a gap comes from (the steps' own cost, or their number)
-STEP_METRICS = ("steps_per_replica", "mean_step_s")
+STEP_METRICS = ("steps_per_replica", "mean_step_s", "prompt_step_share", "mean_prompt_step_s", "mean_decode_step_s")
 
 
 def step_metrics(summary: dict) -> dict[str, float]:
-    """Steps per replica and their mean time, from a run's `steps` (a server's StepClock, or the simulator's)."""
+    """Steps per replica and their mean time, from a run's `steps` (a server's StepClock, or the simulator's);
+    where the run split them, the share of steps holding a prompt token and the mean time of those and of the
+    others (decode steps)."""
     steps = summary.get("steps") or {}
-    if not steps.get("count"):
+    count = steps.get("count")
+    if not count:
         return {}
-    return {
-        "steps_per_replica": steps["count"] / max(1, steps.get("replicas", 1)),
-        "mean_step_s": steps["device_s"] / steps["count"],
-    }
+    out = {"steps_per_replica": count / max(1, steps.get("replicas", 1)), "mean_step_s": steps["device_s"] / count}
+    if "prompt_count" not in steps:  # a results file from before the split
+        return out
+    prompt, prompt_s = steps["prompt_count"], steps["prompt_device_s"]
+    out["prompt_step_share"] = prompt / count
+    if prompt:
+        out["mean_prompt_step_s"] = prompt_s / prompt
+    if count > prompt:
+        out["mean_decode_step_s"] = (steps["device_s"] - prompt_s) / (count - prompt)
+    return out
 
 
 def workload_of(raw: dict) -> tuple[Workload, list[float]]:

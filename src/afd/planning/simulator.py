@@ -179,7 +179,8 @@ def simulate_rate(
     lockstep = d.lockstep
     overlapped = d.connector == "none" and p.on_gpu  # afd.engine.engine's overlapped steps
     busy = [False] * (len(groups) if lockstep else n_rep)
-    steps = {"count": 0, "device_s": 0.0, "replicas": len(busy)}  # summed over the stepping units, as StepClock
+    # summed over the stepping units, as StepClock; prompt_*: the steps holding a prompt token
+    steps = {"count": 0, "device_s": 0.0, "replicas": len(busy), "prompt_count": 0, "prompt_device_s": 0.0}
     remaining = len(seqs)
 
     def start(unit: int, t: float) -> None:
@@ -189,6 +190,7 @@ def simulate_rate(
             for r, plan in zip(members, plans, strict=True):
                 r.in_flight = plan
             dur = cost.wave([x.load for x in plans])
+            prompt = any(x.load.prefill for x in plans)
         else:
             rep = reps[unit]
             # overlapped: scheduled when the step before started (if the replica stepped back to back)
@@ -201,9 +203,13 @@ def simulate_rate(
             rep.step_tokens = plan.load.tokens
             group_tokens = sum(reps[r].step_tokens for r in groups[group_of[unit]]) if d.connector == "async" else 0
             dur = cost.replica_step(plan.load, group_tokens)
+            prompt = plan.load.prefill > 0
         busy[unit] = True
         steps["count"] += 1
         steps["device_s"] += dur
+        if prompt:
+            steps["prompt_count"] += 1
+            steps["prompt_device_s"] += dur
         heapq.heappush(events, (t + max(dur, 1e-9), 0, unit))
 
     def has_work(unit: int) -> bool:

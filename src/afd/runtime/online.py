@@ -165,7 +165,8 @@ class OnlineReplica:
             self.send({"type": "load", "running": load.running, "waiting": load.waiting,
                        "cache_usage": load.cache_usage, "graphs_captured": load.graphs_captured,
                        "step_device_s": load.step_device_s, "steps": load.steps,
-                       "step_idle_s": load.step_idle_s})  # fmt: skip
+                       "step_idle_s": load.step_idle_s, "prompt_step_device_s": load.prompt_step_device_s,
+                       "prompt_steps": load.prompt_steps})  # fmt: skip
 
     def send(self, msg: Message) -> None:
         if not self.link_up:

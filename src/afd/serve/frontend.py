@@ -222,6 +222,8 @@ class ReplicaPool:
             m.step_device.set(float(message.get("step_device_s", 0.0)))
             m.steps.set(int(message.get("steps", 0)))
             m.step_idle.set(float(message.get("step_idle_s", 0.0)))
+            m.prompt_step_device.set(float(message.get("prompt_step_device_s", 0.0)))
+            m.prompt_steps.set(int(message.get("prompt_steps", 0)))
         else:
             logger.warning("replica %d sent an unknown message %r", replica, kind)
 

@@ -20,6 +20,7 @@ E2E_BUCKETS += (480.0, 960.0)
 
 # the series a benchmark reads before and after a run, to set the steps' device time beside its wall time
 STEP_DEVICE_SECONDS, STEPS, STEP_IDLE_SECONDS = "afd_step_device_seconds", "afd_steps", "afd_step_idle_seconds"
+PROMPT_STEP_DEVICE_SECONDS, PROMPT_STEPS = "afd_prompt_step_device_seconds", "afd_prompt_steps"
 
 
 class ReplicaMetrics:
@@ -34,6 +35,8 @@ class ReplicaMetrics:
         self.step_device = families.step_device.labels(label)
         self.steps = families.steps.labels(label)
         self.step_idle = families.step_idle.labels(label)
+        self.prompt_step_device = families.prompt_step_device.labels(label)
+        self.prompt_steps = families.prompt_steps.labels(label)
         self.prompt_tokens = families.prompt_tokens.labels(label)
         self.generation_tokens = families.generation_tokens.labels(label)
         self.ttft = families.ttft.labels(label)
@@ -88,6 +91,13 @@ class ServeMetrics:
             by,
             registry=r,
         )
+        self.prompt_step_device = Gauge(
+            PROMPT_STEP_DEVICE_SECONDS,
+            "The part of the step device time spent in steps holding a prompt token (prefill or mixed).",
+            by,
+            registry=r,
+        )
+        self.prompt_steps = Gauge(PROMPT_STEPS, "Engine steps that held a prompt token.", by, registry=r)
         self.prompt_tokens = Counter(
             "afd_prompt_tokens", "Prompt tokens of the requests sent to the replica.", by, registry=r
         )
