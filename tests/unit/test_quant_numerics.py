@@ -49,3 +49,13 @@ def test_fp8_against_fp32_on_the_tiny_model() -> None:
     assert 0 < got["decided"] <= got["positions"] and got["argmax_equal"] == got["decided"]
     assert got["kernel_mean_abs_dprob"] == 0.0
     assert got["unquantized_decided"] > 0 and got["unquantized_argmax_equal"] == got["unquantized_decided"]
+    assert got["fp32_mean_abs_dprob"] is None  # the reference is fp32 itself
+
+
+@pytest.mark.timeout(120)
+def test_a_16_bit_reference_is_set_beside_fp32() -> None:
+    """In bfloat16 the same weights also run in fp32: the |Δp| that 16-bit compute alone makes, the scale the
+    quantization's figure reads on; both nonzero, and bf16's rounding of every activation is smaller than fp8's
+    rounding of every weight."""
+    got = quantization_numerics("tiny", dtype="bfloat16", device="cpu", prompts=2, prompt_len=17)
+    assert 0.0 < got["fp32_mean_abs_dprob"] < got["mean_abs_dprob"]

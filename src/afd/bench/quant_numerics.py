@@ -8,7 +8,8 @@ reference's greedy token (the token `afd bench` scores), and whether the quantiz
 run's token where that run's top-2 margin (p1 - p2) is above `margin` (below it a tie breaks either way): the first
 measures the quantization, the second the kernels' own arithmetic (activations in fp8 included). The reference's
 top-1 probability is reported too: on random weights distributions are flat, and a small |Δp| then says less than
-on a trained model.
+on a trained model. So is the scale the first figure reads on: where the reference computes in 16 bits, the same
+weights in fp32 (eager ops) against it, the |Δp| that 16-bit arithmetic alone makes on these weights.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def quantization_numerics(
     """`model` loaded as it is and with `quantization`, the same random prompts through both, and through each again
     with the kernels off; one model on the device at a time (the probabilities stay there). Besides `compare`'s
     figures, `unquantized_*`: the 16-bit model's kernels against its eager ops, the floor of what `argmax_equal`
-    can reach."""
+    can reach; `fp32_mean_abs_dprob`: the 16-bit reference against the same weights in fp32."""
     from afd.bench.harness import release_device_memory
     from afd.kernels import eager_ops
     from afd.model.weights import load_attention_model, load_ffn_model, load_model_config
@@ -114,6 +115,15 @@ def quantization_numerics(
     result = compare(probs["reference"], probs["quantized"], probs["dequantized"], margin)
     # the same count for the 16-bit model's own kernels against its eager ops: how often kernels alone move a token
     decided16, equal16 = agreement(probs["reference"], probs["eager"], margin)
+    floor = None
+    if dtype not in ("float32", "fp32"):  # what 16-bit compute alone moves: fp32 against the 16-bit reference
+        exact_load = dict(dtype="float32", device=device, seed=seed)
+        attn, ffn = load_attention_model(model, **exact_load), load_ffn_model(model, **exact_load)
+        with eager_ops():
+            exact = [prompt_probs(attn, ffn, p) for p in chosen]
+        del attn, ffn
+        release_device_memory(device)
+        floor = compare(exact, probs["reference"], probs["reference"], margin).mean_abs_dprob
     return {
         "model": str(model),
         "dtype": dtype,
@@ -125,4 +135,5 @@ def quantization_numerics(
         **result.as_dict(),
         "unquantized_decided": decided16,
         "unquantized_argmax_equal": equal16,
+        "fp32_mean_abs_dprob": floor,  # the 16-bit reference against fp32, at fp32's greedy token (None in fp32)
     }
