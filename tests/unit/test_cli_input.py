@@ -8,6 +8,7 @@ import argparse
 import os
 import re
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -229,6 +230,46 @@ def test_watchdog_ends_a_process_whose_main_thread_does_not_react() -> None:
     finally:
         watchdog.stop()
         signal.signal(signal.SIGHUP, previous)
+
+
+def test_a_signal_during_an_import_is_raised_once_the_import_is_over(tmp_path: Path, monkeypatch) -> None:
+    """An exception raised inside an import can cross a C extension's frames (torch's import runs Python from
+    C++, which then aborts with a stack dump): the handler holds the signal back and plays it again, so the
+    import runs to its end and Interrupted comes right after it."""
+    (tmp_path / "slow_import_for_signals.py").write_text(
+        "import os, signal, time\nos.kill(os.getpid(), signal.SIGHUP)\nend = time.monotonic() + 0.3\n"
+        "while time.monotonic() < end:\n    pass\nDONE = True\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    stages: list[str] = []
+    previous = signals.install_handlers()
+    try:
+        with pytest.raises(signals.Interrupted) as caught:
+            import slow_import_for_signals  # noqa: F401
+
+            stages.append("imported")
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert caught.value.signum == signal.SIGHUP and stages == ["imported"]
+        assert sys.modules["slow_import_for_signals"].DONE
+    finally:
+        signals.restore_handlers(previous)
+        sys.modules.pop("slow_import_for_signals", None)
+
+
+def test_a_signal_while_the_handlers_start_is_one_line(capsys: pytest.CaptureFixture, monkeypatch) -> None:
+    """A signal that lands while `main` installs its handlers and starts the watchdog ends the command like any
+    other: one line, 128 + signum, the handlers given back."""
+    before = signal.getsignal(signal.SIGTERM)
+
+    def interrupted_start(self) -> None:
+        raise signals.Interrupted(signal.SIGTERM)
+
+    monkeypatch.setattr(signals.SignalWatchdog, "start", interrupted_start)
+    assert cli.main(["config", "--help"]) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err.strip() == "afd: interrupted by SIGTERM"
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 # ---------------------------------------------------------------- help, connectors, first contact

@@ -70,9 +70,10 @@ watchdog = signals.SignalWatchdog()  # the running command's (its handler reache
 def main(argv: Sequence[str] | None = None) -> int:
     global watchdog
     watchdog = signals.SignalWatchdog()
-    previous = signals.install_handlers()
-    watchdog.start()
-    try:
+    previous: dict = {}
+    try:  # a signal may land while the handlers and the watchdog start: that is one line too
+        previous = signals.install_handlers()
+        watchdog.start()
         return _run(argv)
     except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM, SIGHUP: here or inside the launcher
         signum = int(getattr(exc, "signum", signal.SIGINT))

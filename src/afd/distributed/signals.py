@@ -7,6 +7,7 @@ watchdog thread is the last line of defence when the exception cannot reach the 
 
 from __future__ import annotations
 
+import _thread
 import os
 import signal
 import threading
@@ -42,9 +43,52 @@ def last_signal() -> int | None:
     return _signal_seen
 
 
-def _raise_interrupted(signum: int, _frame) -> None:
-    global _signal_seen
+REDELIVER_S = 0.05  # a signal that lands inside an import is raised again this often until the import is over
+_pending: int | None = None  # a signal held back out of an import, not raised yet
+_replayed = False  # the next handler call is a held-back signal played again, not a new one
+_redelivery = threading.Lock()  # held while a replay is scheduled: one at a time, however many signals came
+
+
+def _in_import(frame) -> bool:
+    """Whether `frame` runs under an import: Python's importlib frames are on its stack."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _replay_later() -> None:
+    if not _redelivery.acquire(blocking=False):
+        return
+
+    def again() -> None:
+        global _replayed
+        _redelivery.release()
+        if _pending is not None:
+            _replayed = True
+            _thread.interrupt_main(_pending)  # the main thread's handler again; nothing once handlers are restored
+
+    timer = threading.Timer(REDELIVER_S, again)
+    timer.daemon = True
+    timer.start()
+
+
+def _raise_interrupted(signum: int, frame) -> None:
+    """Raise Interrupted, except inside an import: an exception raised there can cross a C extension's frames
+    (torch's import runs Python from C++, which then aborts the process with a stack dump), so the signal is
+    held back and played again shortly, raised once the import is over (`raise_if_signalled` sees it meanwhile)."""
+    global _signal_seen, _pending, _replayed
+    if _replayed:
+        _replayed = False
+        if _pending is None:
+            return  # raised meanwhile (`raise_if_signalled`)
     _signal_seen = signum
+    if _in_import(frame):
+        _pending = signum
+        _replay_later()
+        return
+    _pending = None
     raise Interrupted(signum)
 
 
@@ -52,7 +96,9 @@ def raise_if_signalled() -> None:
     """Raise Interrupted again if a signal came and its exception was swallowed (a bare `except:` in some
     library's import did that: Ctrl-C during the imports was lost and the run went on). Called before
     every long phase."""
+    global _pending
     if _signal_seen is not None:
+        _pending = None
         raise Interrupted(_signal_seen)
 
 
@@ -61,8 +107,8 @@ def install_handlers(handler=None) -> dict:
     blocks run and the exit status says which signal it was. A signal ignored when afd started (nohup) stays
     ignored; only the main thread can install handlers (elsewhere nothing happens). Returns the previous
     handlers, for `restore_handlers`."""
-    global _signal_seen
-    _signal_seen = None
+    global _signal_seen, _pending
+    _signal_seen = _pending = None
     if threading.current_thread() is not threading.main_thread():
         return {}
     previous = {}
