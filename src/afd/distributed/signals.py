@@ -43,10 +43,10 @@ def last_signal() -> int | None:
     return _signal_seen
 
 
-REDELIVER_S = 0.05  # a signal that lands inside an import is raised again this often until the import is over
+REPLAY_S = 0.05  # a signal held back out of an import is played again this often until the import is over
 _pending: int | None = None  # a signal held back out of an import, not raised yet
 _replayed = False  # the next handler call is a held-back signal played again, not a new one
-_redelivery = threading.Lock()  # held while a replay is scheduled: one at a time, however many signals came
+_replay_scheduled = threading.Lock()  # held while a replay is scheduled: one at a time, however many signals came
 
 
 def _in_import(frame) -> bool:
@@ -59,17 +59,17 @@ def _in_import(frame) -> bool:
 
 
 def _replay_later() -> None:
-    if not _redelivery.acquire(blocking=False):
+    if not _replay_scheduled.acquire(blocking=False):
         return
 
     def again() -> None:
         global _replayed
-        _redelivery.release()
+        _replay_scheduled.release()
         if _pending is not None:
             _replayed = True
             _thread.interrupt_main(_pending)  # the main thread's handler again; nothing once handlers are restored
 
-    timer = threading.Timer(REDELIVER_S, again)
+    timer = threading.Timer(REPLAY_S, again)
     timer.daemon = True
     timer.start()
 
