@@ -76,8 +76,9 @@ def test_port_in_use_is_one_sentence() -> None:
 
 @pytest.mark.timeout(30)
 def test_a_client_started_before_the_store_joins_within_a_poll_and_keeps_its_timeout() -> None:
-    """A client waiting for a store that starts 0.5 s later is connected within 0.5 s of it (torch's own client backs
-    off and came ~1.6 s late); with nothing listening it gives up at its timeout, not twice it."""
+    """A client waiting for a store that starts 0.5 s later is connected within 1 s of it, room for a loaded host's
+    stalls (torch's own client backs off and came ~1.6 s late); with nothing listening it gives up at its timeout,
+    not twice it."""
     import threading
 
     port = free_port()
@@ -93,7 +94,7 @@ def test_a_client_started_before_the_store_joins_within_a_poll_and_keeps_its_tim
     started = time.monotonic()
     server = host_store("127.0.0.1", port, 5.0, secret="s")
     waiter.join(timeout=10)
-    assert "at" in joined and joined["at"] - started < 0.5
+    assert "at" in joined and joined["at"] - started < 1.0
     assert joined["store"].get(RUN_TAG_KEY) == RunKeys.from_secret("s").tag.encode()
     del server
 
