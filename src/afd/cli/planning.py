@@ -81,6 +81,13 @@ def add_planning_parsers(sub) -> None:
     p.add_argument("--gpus", type=positive_int, required=True, help="GPUs to deploy on")
     p.add_argument("--slo-tpot", type=positive_seconds, default=0.05, help="p50 time per output token bound (s)")
     p.add_argument("--ubatch-decode", action="store_true", help="micro-batch decode steps too (a prediction)")
+    p.add_argument(
+        "--decode-only",
+        action="store_true",
+        help="plan a decode cluster whose prompts are prefilled elsewhere: score each deployment's steady state, every "
+        "replica at the largest batch its cache holds and --slo-tpot allows, sequences at the workload's mean prompt "
+        "plus half its output (no TTFT)",
+    )
     p.set_defaults(func=cmd_plan, starts_ranks=False)
 
     p = sub.add_parser("profile", help="measure this machine's step parts with afd's own code and fit a profile")
@@ -229,7 +236,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         ubatch_decode=args.ubatch_decode,
     )  # fmt: skip
     try:
-        result = plan(args.gpus, shapes, profile, workload, Slo(args.slo_ttft, args.slo_tpot), base)
+        result = plan(args.gpus, shapes, profile, workload, Slo(args.slo_ttft, args.slo_tpot), base, args.decode_only)
     except (DeploymentError, ValueError) as exc:
         raise UsageError(str(exc)) from None
     print(format_plan(result))

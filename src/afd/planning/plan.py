@@ -4,6 +4,9 @@ Kinds: whole replicas (`none`), AFD groups `xAyF` (p2p; async with 1–3 micro-b
 and the non-AFD baseline `ep` (data-parallel attention + expert-parallel MoE on every GPU, with and without
 two-batch overlap). A candidate's score is its SLO-compliant output tokens/s per GPU: the highest arrival rate
 whose p90 TTFT and p50 TPOT meet the SLO (bisection over rates, one simulated group standing for all of them).
+With `decode_only` (prompts prefilled elsewhere, as a prefill-decode disaggregated cluster's decode side runs) it
+is the steady state instead: every replica at the largest batch its cache holds and whose decode step meets the
+TPOT bound (`decode_score`).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from dataclasses import dataclass, replace
 from afd.bench.workload import Workload
 from afd.planning import ratio
 from afd.planning.costs import Shapes
-from afd.planning.deployment import Deployment, DeploymentError, memory_of
+from afd.planning.deployment import Deployment, DeploymentError, StepCosts, StepLoad, memory_of
 from afd.planning.profile import Profile
 from afd.planning.simulator import simulate_rate
 
@@ -80,8 +83,46 @@ def score(d: Deployment, s: Shapes, p: Profile, workload: Workload, slo: Slo) ->
     }
 
 
-def candidates(num_gpus: int, s: Shapes, p: Profile, base: Deployment, ctx: int) -> list[tuple[Deployment, str]]:
-    """(deployment, closed-form bound) of every kind that fits, AFD shapes narrowed by the ratio rule."""
+def decode_step_s(d: Deployment, s: Shapes, p: Profile, batch: int, ctx: int) -> float:
+    """Seconds of a decode step with every attention replica of a unit (a group, or every GPU of `ep`) at `batch`
+    sequences of `ctx` tokens: each emits one token, so this is the TPOT of the steady state."""
+    load = StepLoad(batch=batch, ctx=batch * ctx, prefill=0, pairs=0.0, seqs=batch, emitted=batch, held=batch)
+    cost = StepCosts(d, s, p)
+    if d.lockstep:
+        return cost.wave([load] * d.attention)
+    return cost.replica_step(load, d.attention * batch if d.connector == "async" else 0.0)
+
+
+def decode_score(d: Deployment, s: Shapes, p: Profile, ctx: int, slo: Slo) -> dict:
+    """The candidate's steady-state decode output tokens/s per GPU: each replica at the largest batch that its
+    cache holds (blocks of `ctx` tokens per sequence), `max_num_seqs` allows and whose step meets the TPOT bound."""
+    per_seq = -(-ctx // d.block_size) * d.block_size
+    held = min(d.max_num_seqs, memory_of(d, s, p.gpu_memory_bytes).kv_tokens_per_replica // per_seq)
+    lo, hi = 0, held
+    while lo < hi:  # the step grows with the batch: the largest batch within the bound
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if decode_step_s(d, s, p, mid, ctx) <= slo.tpot_p50_s else (lo, mid - 1)
+    batch = lo
+    tpot = decode_step_s(d, s, p, max(batch, 1), ctx) if held else None
+    replicas, gpus = (1, 1) if d.connector == "none" else (d.attention, d.group_ranks)
+    out_tok = replicas * batch / tpot / gpus if batch else 0.0
+    return {
+        **d.describe(),
+        "name": d.name,
+        "tokens_per_s_per_gpu": out_tok,
+        "batch": batch,
+        "batch_held": held,
+        "ttft_p90_s": None,
+        "tpot_p50_s": tpot,
+        "meets_slo": batch > 0,
+    }
+
+
+def candidates(
+    num_gpus: int, s: Shapes, p: Profile, base: Deployment, ctx: int, decode_slo: Slo | None = None
+) -> list[tuple[Deployment, str]]:
+    """(deployment, closed-form bound) of every kind that fits, AFD shapes narrowed by the ratio rule; with
+    `decode_slo`, by their steady decode output instead (exact and cheap, where the rule assumes a batch)."""
     out: list[tuple[Deployment, str]] = []
 
     def fits(d: Deployment) -> bool:
@@ -109,6 +150,10 @@ def candidates(num_gpus: int, s: Shapes, p: Profile, base: Deployment, ctx: int)
                         continue
                     r = d.attention / d.ffn
                     rule = ratio.optimal_ratio(p, s, connector, ffn, base.max_num_seqs, ctx, m)
+                    if decode_slo is not None:
+                        steady = decode_score(d, s, p, ctx, decode_slo)["tokens_per_s_per_gpu"]
+                        shapes.append((0.0, -steady, d, rule.bound))
+                        continue
                     phi = ratio.per_gpu(p, s, connector, ffn, base.max_num_seqs, ctx, r, m)
                     shapes.append((abs(math.log(r / max(rule.r_star, 1e-3))), -phi, d, rule.bound))
                 shapes.sort(key=lambda x: (x[0], x[1]))
@@ -116,12 +161,15 @@ def candidates(num_gpus: int, s: Shapes, p: Profile, base: Deployment, ctx: int)
     return out
 
 
-def plan(num_gpus: int, s: Shapes, p: Profile, workload: Workload, slo: Slo, base: Deployment) -> dict:
-    """Every candidate scored; the best, the best of each kind and the best-AFD / best-non-AFD ratio."""
+def plan(
+    num_gpus: int, s: Shapes, p: Profile, workload: Workload, slo: Slo, base: Deployment, decode_only: bool = False
+) -> dict:
+    """Every candidate scored; the best, the best of each kind and the best-AFD / best-non-AFD ratio. `decode_only`:
+    each scored at its steady decode state, sequences holding the workload's mean prompt and half its output."""
     ctx = round(sum(len(x) for x in workload.prompts(2)) / workload.num_requests + workload.max_tokens / 2)
     scored = []
-    for d, bound in candidates(num_gpus, s, p, base, ctx):
-        row = score(d, s, p, workload, slo)
+    for d, bound in candidates(num_gpus, s, p, base, ctx, slo if decode_only else None):
+        row = decode_score(d, s, p, ctx, slo) if decode_only else score(d, s, p, workload, slo)
         if not bound:
             bound = ratio.bound_at(p, s, "async", max(d.ffn, 1), base.max_num_seqs, ctx, 1.0, d.ubatches)
             bound = "attention" if d.connector == "none" else bound
@@ -138,6 +186,7 @@ def plan(num_gpus: int, s: Shapes, p: Profile, workload: Workload, slo: Slo, bas
     keys += ("tpot_p50_s", "bound")
     return {
         "gpus": num_gpus,
+        "decode_only": {"context": ctx} if decode_only else None,
         "slo": {"ttft_p90_s": slo.ttft_p90_s, "tpot_p50_s": slo.tpot_p50_s},
         "best": {k: scored[0][k] for k in keys} | {"name": scored[0]["name"]},
         "best_of_kind": kinds,
@@ -147,13 +196,20 @@ def plan(num_gpus: int, s: Shapes, p: Profile, workload: Workload, slo: Slo, bas
 
 
 def format_plan(result: dict) -> str:
-    lines = [f"{'deployment':<22} {'GPUs':>4} {'tok/s/GPU':>10} {'TTFT p90':>9} {'TPOT p50':>9} {'SLO':>4} bound"]
+    decode = result.get("decode_only")
+    head = f"{'deployment':<22} {'GPUs':>4} {'tok/s/GPU':>10} {'TTFT p90':>9} {'TPOT p50':>9} {'SLO':>4} "
+    lines = [head + ("batch (held) bound" if decode else "bound")]
     for r in result["candidates"]:
         ttft = "-" if r["ttft_p90_s"] is None else f"{r['ttft_p90_s']:.2f}s"
         tpot = "-" if r["tpot_p50_s"] is None else f"{r['tpot_p50_s'] * 1e3:.0f}ms"
+        batch = f"{r['batch']} ({r['batch_held']}) " if decode else ""
         lines.append(
             f"{r['name']:<22} {r['gpus']:>4} {r['tokens_per_s_per_gpu']:>10.1f} {ttft:>9} {tpot:>9} "
-            f"{'yes' if r['meets_slo'] else 'no':>4} {r['bound']}"
+            f"{'yes' if r['meets_slo'] else 'no':>4} {batch}{r['bound']}"
+        )
+    if decode:
+        lines.append(
+            f"decode only: every sequence at {decode['context']:,} tokens of context, prompts prefilled elsewhere"
         )
     b = result["best"]
     lines.append(f"best: {b['name']} ({b['tokens_per_s_per_gpu']:.1f} output tok/s per GPU, {b['bound']}-bound)")
