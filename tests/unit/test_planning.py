@@ -312,3 +312,15 @@ def test_a_profile_on_a_models_layers_keeps_its_compute_parts_and_takes_the_rest
     assert (got.calibration.request_s, got.front_end_s, got.link.inter_node_Bps) == (4.0, 3.0, 1.0)
     assumed = got.machine["assumed"]
     assert set(assumed) == {"exchange_async", "exchange_p2p", "host", "calibration", "front_end_s", "link"}
+
+
+@pytest.mark.parametrize("flag", ["--compare", "--calibrate-from"])
+def test_a_file_that_is_no_bench_results_is_refused_in_one_sentence(tmp_path, capsys, flag):
+    from helpers.cli import main_exit
+
+    command = ["simulate", "--model", "tiny"] if flag == "--compare" else ["profile", "-o", str(tmp_path / "p.json")]
+    for text, why in (("not json", "not a readable results JSON"), ('{"a": 1}', "not an afd bench serve --json")):
+        path = tmp_path / "r.json"
+        path.write_text(text)
+        code, err = main_exit(capsys, *command, flag, str(path))
+        assert code == 2 and err.strip().splitlines() == [err.strip()] and why in err, err

@@ -179,8 +179,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     rates = args.rates
     measured = None
     if args.compare:
+        raw = _read_results("--compare", args.compare)
         try:
-            raw = json.loads(Path(args.compare).read_text())
             workload, rates = workload_of(raw)
             deployment = (args.connector, args.attention, args.ffn, args.replicas, args.ubatches)
             measured = result_for(raw, *deployment)
@@ -247,17 +247,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_results(flag: str, path: str) -> dict:
+    """An `afd bench serve --json` results file, or a UsageError saying in one sentence why it is not one."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{flag} {path}: not a readable results JSON ({exc})") from None
+    if not isinstance(raw, dict) or not {"workload", "results"} <= raw.keys():
+        raise UsageError(f"{flag} {path}: not an afd bench serve --json results file (it needs workload and results)")
+    return raw
+
+
 def _recalibrate(args: argparse.Namespace) -> int:
     """`afd profile --calibrate-from RESULTS.json ...`: the profile's parts, its calibration fitted to served runs."""
     from afd.planning.calibrate import calibrate_from_results, format_calibration
     from afd.planning.profile import ProfileError, load_profile
 
-    raws = []
-    for path in args.calibrate_from:
-        try:
-            raws.append(json.loads(Path(path).read_text()))
-        except (OSError, ValueError) as exc:
-            raise UsageError(f"--calibrate-from {path}: not a readable results JSON ({exc})") from None
+    raws = [_read_results("--calibrate-from", path) for path in args.calibrate_from]
     try:
         profile = calibrate_from_results(load_profile(args.profile), raws)
     except ProfileError as exc:
