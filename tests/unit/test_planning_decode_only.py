@@ -80,6 +80,10 @@ def test_plan_decode_only_ranks_by_the_steady_state_and_says_so(tmp_path, capsys
     assert rows == sorted(rows, key=lambda r: -r["tokens_per_s_per_gpu"])
     assert all(r["ttft_p90_s"] is None and r["batch"] <= r["batch_held"] for r in rows)
     assert {r["connector"] for r in rows} >= {"ep", "p2p", "async"}
+    # decode steps are split only with ubatch_decode: without it, async's micro-batch counts would score alike
+    assert {r["ubatches"] for r in rows if r["connector"] == "async"} == {1}
+    split = plan(16, V3, p, w, Slo(tpot_p50_s=0.05), replace(BASE, ubatch_decode=True), decode_only=True)
+    assert {r["ubatches"] for r in split["candidates"] if r["connector"] == "async"} == {1, 2, 3}
     assert "decode only: every sequence at 4,160 tokens of context" in format_plan(result)
     out = tmp_path / "plan.json"
     code, err = main_exit(capsys, "plan", "--model", "deepseek-v3", "--gpus", "16", "--decode-only", "--workload",

@@ -140,7 +140,9 @@ def candidates(
         if num_gpus > 1 and fits(ep):
             out.append((ep, ""))
     for group in (g for g in range(2, num_gpus + 1) if num_gpus % g == 0):
-        for connector, ms in (("p2p", (1,)), ("async", (1, 2, 3))):
+        # decode steps alone split into micro-batches only with ubatch_decode: without it more would score the same
+        async_ms = (1,) if decode_slo is not None and not base.ubatch_decode else (1, 2, 3)
+        for connector, ms in (("p2p", (1,)), ("async", async_ms)):
             for m in ms:
                 shapes = []
                 for ffn in range(1, group):
@@ -170,6 +172,9 @@ def plan(
     scored = []
     for d, bound in candidates(num_gpus, s, p, base, ctx, slo if decode_only else None):
         row = decode_score(d, s, p, ctx, slo) if decode_only else score(d, s, p, workload, slo)
+        if decode_only and d.connector in ("p2p", "async") and row["batch"]:  # the regime at the batch it runs
+            m = d.ubatches if d.ubatch_decode else 1
+            bound = ratio.bound_at(p, s, d.connector, d.ffn, row["batch"], ctx, d.attention / d.ffn, m)
         if not bound:
             bound = ratio.bound_at(p, s, "async", max(d.ffn, 1), base.max_num_seqs, ctx, 1.0, d.ubatches)
             bound = "attention" if d.connector == "none" else bound
