@@ -13,6 +13,7 @@ import pytest
 from helpers.planning import cpu_profile, tiny_shapes
 
 from afd.bench.workload import Workload
+from afd.model.weights import load_model_config
 from afd.planning import calibrate, costs
 from afd.planning.deployment import Deployment, StepCosts, StepLoad
 from afd.planning.fitting import format_residuals, refit_profile
@@ -31,6 +32,32 @@ def test_fit_with_a_per_row_cost_recovers_batch_and_context():
         assert fit.per_item_s == pytest.approx(5e-5, rel=1e-4)
     text = format_residuals("attention_decode", [f"b{b} c{c}" for b, c in shapes], fit, rows, items)
     assert "b256 c256" in text and "worst 0.0%" in text
+
+
+def test_fit_recovers_a_core_slower_than_the_linears_per_cached_token(tmp_path):
+    """Decode rows whose cached tokens cost more than one peak for every FLOP prices (MLA's core beside the linears):
+    the context column takes the difference, which bytes and FLOPs alone could not (V3's layers at 4K: -13 to -18%);
+    a profile saved before the column existed loads with it at zero."""
+    s = costs.shapes_of(load_model_config("deepseek-v3"), "bfloat16")
+    truth = Part(bandwidth_Bps=2.4e12, peak_flops=8e14, per_context_s=1.3e-8)
+    shapes = [(b, c) for b in (1, 8, 64, 256) for c in (512, 2048, 4096)]
+    ctx = [float(b * (c + 1)) for b, c in shapes]
+    rows = []
+    for (b, _), t in zip(shapes, ctx, strict=True):
+        nbytes, flops = costs.decode_bytes(s, t), costs.decode_flops(s, b, t)
+        rows.append((nbytes, flops, truth.time(nbytes, flops, 0.0, t)))
+    # bytes, FLOPs and cached tokens: three columns over constant, batch and context, so one solution
+    fit = fit_part(rows, fixed=False, context=ctx, relative=True)
+    assert fit.per_context_s == pytest.approx(1.3e-8, rel=1e-3) and max(relative_errors(fit, rows, None, ctx)) < 1e-6
+    assert fit.peak_flops == pytest.approx(8e14, rel=1e-3)
+    without = fit_part(rows, items=[float(b) for b, _ in shapes], relative=True)
+    assert max(relative_errors(without, rows)) > 0.05
+    old = cpu_profile().to_json()
+    for part in old["parts"].values():
+        part.pop("per_context_s")
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    assert all(part.per_context_s == 0.0 for part in load_profile(str(path)).parts.values())
 
 
 def test_relative_fit_weighs_short_rows():

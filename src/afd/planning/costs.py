@@ -136,7 +136,8 @@ def attention_step_s(
     per prompt token). Zero for an empty step."""
     if batch + prefill_tokens == 0:
         return 0.0
-    t = p.part("attention_decode").time(decode_bytes(s, ctx_tokens), decode_flops(s, batch, ctx_tokens), batch)
+    part = p.part("attention_decode")
+    t = part.time(decode_bytes(s, ctx_tokens), decode_flops(s, batch, ctx_tokens), batch, ctx_tokens)
     if prefill_tokens:
         t += p.part("prefill").time(0.0, prefill_flops(s, prefill_tokens, prefill_pairs), prefill_tokens)
     return t

@@ -42,13 +42,17 @@ class Measured:
         return cls(**d)
 
 
-def format_residuals(name: str, labels: list[str], part: Part, rows, items: list[float] | None = None) -> str:
+def format_residuals(
+    name: str, labels: list[str], part: Part, rows, items: list[float] | None = None, context: list[float] | None = None
+) -> str:
     """The fit and, per row, measured against fitted time and the relative error."""
-    errs = relative_errors(part, rows, items)
+    errs = relative_errors(part, rows, items, context)
     counts = items if items is not None else [0.0] * len(rows)
+    tokens = context if context is not None else [0.0] * len(rows)
     lines = [f"{name} fit: {part}"]
-    for label, (b, f, sec), n, e in zip(labels, rows, counts, errs, strict=True):
-        lines.append(f"  {label:<24} measured {sec * 1e3:9.3f} ms  fit {part.time(b, f, n) * 1e3:9.3f} ms  {e:6.1%}")
+    for label, (b, f, sec), n, c, e in zip(labels, rows, counts, tokens, errs, strict=True):
+        fit = part.time(b, f, n, c)
+        lines.append(f"  {label:<24} measured {sec * 1e3:9.3f} ms  fit {fit * 1e3:9.3f} ms  {e:6.1%}")
     lines.append(f"  worst {max(errs, default=0.0):.1%}")
     return "\n".join(lines)
 
@@ -89,16 +93,18 @@ def fit_parts(
         routed = costs.routed_pass_s(p, s, tokens, s.num_experts, rows)
         return s.moe_layers * (routed + costs.shared_pass_s(p, s, tokens))
 
-    attn_rows, batches, labels = [], [], []
+    attn_rows, batches, contexts, labels = [], [], [], []
     for row in m.decode:
         b, ctx = row["batch"], row["batch"] * (row["context"] + 1)
         sec = row["seconds"] - experts_s(b, prompt=False)
         attn_rows.append((costs.decode_bytes(s, ctx), costs.decode_flops(s, b, ctx), max(sec, 1e-6)))
         batches.append(float(b))
+        contexts.append(float(ctx))
         labels.append(f"batch {b} context {row['context']}")
-    # against batch and total context: the per-row cost (python, sampling) beside bytes and FLOPs
-    attention = fit_part(attn_rows, items=batches, relative=True)
-    say(format_residuals("attention_decode", labels, attention, attn_rows, batches))
+    # against batch and total context: the per-row cost (python, sampling) and the core's per cached token (one
+    # peak for the linears' and the core's FLOPs put V3's layers 13-18% short at 4K context) beside bytes and FLOPs
+    attention = fit_part(attn_rows, items=batches, context=contexts, relative=True)
+    say(format_residuals("attention_decode", labels, attention, attn_rows, batches, contexts))
     prefill_rows, labels = [], []
     for row in m.prefill:
         t, pairs = row["tokens"], row["batch"] * costs.chunk_pairs(0, row["context"])
@@ -110,7 +116,7 @@ def fit_parts(
     for row in m.mixed:
         b, chunk = row["decodes"], row["chunk"]
         ctx = b * (row["context"] + 1)
-        decodes = attention.time(costs.decode_bytes(s, ctx), costs.decode_flops(s, b, ctx), b)
+        decodes = attention.time(costs.decode_bytes(s, ctx), costs.decode_flops(s, b, ctx), b, ctx)
         left = row["seconds"] - experts_s(b + chunk) - decodes
         prefill_rows.append((0.0, costs.prefill_flops(s, chunk, costs.chunk_pairs(0, chunk)), max(left, 1e-6)))
         labels.append(f"{chunk} beside {b} at {row['context']}")

@@ -3,7 +3,8 @@
 JSON (`FORMAT`): `{"format", "machine": {...}, "source", "dtype", "gpu_memory_bytes", "front_end_s",
 "link": {"intra_node_Bps", "inter_node_Bps", "inter_node_latency_s"}, "parts": {name: Part}}`. Parts (`PARTS`):
 - `attention_decode`: one attention-side decode step of a replica (every layer but the routed and shared experts,
-  lm_head and sampling included): bytes = attention-side weights + latents read, flops = decode flops.
+  lm_head and sampling included): bytes = attention-side weights + latents read, flops = decode flops, items =
+  decode rows, context = cached tokens read (MLA's core, which runs below the rate the linears set).
 - `prefill`: the flops of prefill tokens on the attention side (added to a step that has them).
 - `routed_experts`, `shared_experts`: one MoE layer's pass on one rank: bytes = expert weights touched.
 - `routed_experts_grouped` (optional): `routed_experts` past the (token, k) pairs afd's MoE kernels take
@@ -50,16 +51,17 @@ class ProfileError(ValueError):
 
 @dataclass(frozen=True)
 class Part:
-    """`time(bytes, flops, items) = fixed_s + bytes / bandwidth_Bps + flops / peak_flops + items * per_item_s`;
-    a rate of None (JSON null) drops its term."""
+    """`time(bytes, flops, items, context) = fixed_s + bytes / bandwidth_Bps + flops / peak_flops + items *
+    per_item_s + context * per_context_s`; a rate of None (JSON null) drops its term."""
 
     fixed_s: float = 0.0
     bandwidth_Bps: float | None = None
     peak_flops: float | None = None
     per_item_s: float = 0.0
+    per_context_s: float = 0.0  # attention_decode: per cached token a step reads, beyond what bytes and FLOPs price
 
-    def time(self, nbytes: float = 0.0, flops: float = 0.0, items: float = 0.0) -> float:
-        t = self.fixed_s + items * self.per_item_s
+    def time(self, nbytes: float = 0.0, flops: float = 0.0, items: float = 0.0, context: float = 0.0) -> float:
+        t = self.fixed_s + items * self.per_item_s + context * self.per_context_s
         if self.bandwidth_Bps:
             t += nbytes / self.bandwidth_Bps
         if self.peak_flops:
@@ -217,21 +219,25 @@ def fit_part(
     *,
     fixed: bool = True,
     items: list[float] | None = None,
+    context: list[float] | None = None,
     relative: bool = False,
 ) -> Part:
-    """Least squares of `seconds ≈ fixed + bytes / bw + flops / peak (+ items · per_item)` over `(bytes, flops,
-    seconds)` rows (`items`: one count per row, e.g. the batch, for a per-row cost the FLOPs do not explain), every
+    """Least squares of `seconds ≈ fixed + bytes / bw + flops / peak (+ items · per_item + context · per_context)`
+    over `(bytes, flops, seconds)` rows (`items`: one count per row, e.g. the batch, for a per-row cost the FLOPs do
+    not explain; `context`: the cached tokens each row's decode step read, for a core slower than the linears), every
     coefficient kept non-negative (the most negative one is dropped and the rest refitted). `relative`: each row
     weighted by 1 / seconds, so a short step's error counts as much as a long one's (noisy CPU timings)."""
     import numpy as np
 
-    names = ["fixed", "bytes", "flops", "items"]
-    active = [n for n in names if (n != "fixed" or fixed) and (n != "items" or items is not None)]
+    names = ["fixed", "bytes", "flops", "items", "context"]
+    given = {"fixed": fixed, "items": items is not None, "context": context is not None}
+    active = [n for n in names if given.get(n, True)]
     cols = {
         "fixed": [1.0] * len(rows),
         "bytes": [r[0] for r in rows],
         "flops": [r[1] for r in rows],
         "items": list(items) if items is not None else [0.0] * len(rows),
+        "context": list(context) if context is not None else [0.0] * len(rows),
     }
     w = np.array([1.0 / r[2] if relative and r[2] > 0 else 1.0 for r in rows], dtype=float)
     y = np.array([r[2] for r in rows], dtype=float) * w
@@ -254,12 +260,20 @@ def fit_part(
         bandwidth_Bps=1.0 / inv["bytes"] if inv["bytes"] > 0 else None,
         peak_flops=1.0 / inv["flops"] if inv["flops"] > 0 else None,
         per_item_s=inv["items"],
+        per_context_s=inv["context"],
     )
 
 
 def relative_errors(
-    part: Part, rows: list[tuple[float, float, float]], items: list[float] | None = None
+    part: Part,
+    rows: list[tuple[float, float, float]],
+    items: list[float] | None = None,
+    context: list[float] | None = None,
 ) -> list[float]:
     """|fit - measured| / measured per row (how well a fit holds its own points)."""
     counts = items if items is not None else [0.0] * len(rows)
-    return [abs(part.time(b, f, n) - s) / s if s > 0 else math.inf for (b, f, s), n in zip(rows, counts, strict=True)]
+    tokens = context if context is not None else [0.0] * len(rows)
+    return [
+        abs(part.time(b, f, n, c) - s) / s if s > 0 else math.inf
+        for (b, f, s), n, c in zip(rows, counts, tokens, strict=True)
+    ]
