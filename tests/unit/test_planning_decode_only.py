@@ -92,3 +92,11 @@ def test_plan_decode_only_ranks_by_the_steady_state_and_says_so(tmp_path, capsys
     assert code == 0, err
     written = json.loads(out.read_text())
     assert written["best"]["tokens_per_s_per_gpu"] == pytest.approx(result["best"]["tokens_per_s_per_gpu"])
+
+
+def test_one_gpu_has_no_afd_layout_and_so_no_ratio():
+    s = costs.shapes_of(load_model_config("deepseek-v2-lite"), "bfloat16")
+    w = Workload("uniform", 8, long_len=1024, short_len=1024, max_tokens=64)
+    result = plan(1, s, load_profile("h200"), w, Slo(), BASE, decode_only=True)
+    assert {r["connector"] for r in result["candidates"]} == {"none"} and result["afd_over_non_afd"] is None
+    assert format_plan(result).splitlines()[-1] == "best AFD / best non-AFD: -"

@@ -185,7 +185,7 @@ def plan(
     kinds = {}
     for row in scored:
         kinds.setdefault(row["connector"], row)
-    afd = max((r["tokens_per_s_per_gpu"] for r in scored if r["connector"] in ("p2p", "async")), default=0.0)
+    afd = max((r["tokens_per_s_per_gpu"] for r in scored if r["connector"] in ("p2p", "async")), default=None)
     base_best = max((r["tokens_per_s_per_gpu"] for r in scored if r["connector"] in ("none", "ep")), default=0.0)
     keys = ("connector", "attention", "ffn", "replicas", "ubatches", "tokens_per_s_per_gpu", "ttft_p90_s")
     keys += ("tpot_p50_s", "bound")
@@ -195,7 +195,7 @@ def plan(
         "slo": {"ttft_p90_s": slo.ttft_p90_s, "tpot_p50_s": slo.tpot_p50_s},
         "best": {k: scored[0][k] for k in keys} | {"name": scored[0]["name"]},
         "best_of_kind": kinds,
-        "afd_over_non_afd": afd / base_best if base_best > 0 else None,
+        "afd_over_non_afd": afd / base_best if afd is not None and base_best > 0 else None,  # None: one kind only
         "candidates": scored,
     }
 
