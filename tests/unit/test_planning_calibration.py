@@ -271,3 +271,24 @@ def test_refit_fits_a_profile_again_from_its_rows_and_refuses_one_without(tmp_pa
     code, err = main_exit(capsys, "profile", "--refit", "h200-published", "-o", str(tmp_path / "none.json"))
     assert code == 2 and "keeps no measured rows" in err and err.count("\n") == 1
     assert not (tmp_path / "none.json").exists()
+
+
+def test_a_profile_with_fp8_weights_measures_them_quantized_and_prices_fp8_bytes(monkeypatch):
+    """`afd profile --quantization fp8`: the experts and the steps are measured with the weights quantized at load
+    (what `afd serve --quantization fp8` runs), and the profile's bytes and format are FP8's."""
+    from afd.planning import measure
+
+    seen = []
+    for name in ("load_ffn_model", "run_bench_step"):
+        real = getattr(measure, name)
+
+        def spy(*args, real=real, name=name, **kwargs):
+            seen.append((name, kwargs.get("quantization")))
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(measure, name, spy)
+    p = measure.measure_profile("tiny", "float32", "cpu", exchange=False, calibrate=False, quantization="fp8")
+    assert {q for _, q in seen} == {"fp8"} and {n for n, _ in seen} == {"load_ffn_model", "run_bench_step"}
+    assert p.dtype == "fp8" and p.source.endswith("--quantization fp8")
+    s = costs.shapes_of(load_model_config("tiny"), "fp8")
+    assert {row[0] for row in p.measured["parts"]["shared"]} == {s.shared_params * costs.WEIGHT_BYTES["fp8"]}

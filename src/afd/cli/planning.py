@@ -96,6 +96,11 @@ def add_planning_parsers(sub) -> None:
         "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="the weights' and compute dtype"
     )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the parts are measured")
+    p.add_argument(
+        "--quantization",
+        choices=["fp8"],
+        help="measure with the weights quantized at load (afd serve's --quantization): the profile of FP8 weights",
+    )
     p.add_argument("--no-exchange", action="store_true", help="leave the p2p / async round trips out")
     p.add_argument(
         "--no-calibration",
@@ -315,7 +320,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     try:
         profile = measure_profile(
             args.model, args.dtype, args.device, exchange=not args.no_exchange, calibrate=not args.no_calibration,
-            calibration_requests=args.calibration_requests, calibration_rates=rates,
+            calibration_requests=args.calibration_requests, calibration_rates=rates, quantization=args.quantization,
             say=lambda m: print(m, file=sys.stderr),
         )  # fmt: skip
     except failures as exc:

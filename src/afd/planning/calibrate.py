@@ -326,6 +326,7 @@ def serve_trace(
     vocab_size: int,
     max_model_len: int,
     timeout_s: float = 600.0,
+    quantization: str | None = None,
 ) -> list[dict]:
     """Start `afd serve --connector none --replicas 1` with the deployment's step limits (the ones the fit
     simulates), send the trace at each rate through `afd bench serve`'s client, stop the server; its runs."""
@@ -336,6 +337,7 @@ def serve_trace(
     argv = ["--model", model, "--dtype", dtype, "--device", device, "--max-model-len", str(max_model_len)]
     argv += ["--max-num-seqs", str(deployment.max_num_seqs)]
     argv += ["--max-num-batched-tokens", str(deployment.max_num_batched_tokens)]
+    argv += ["--quantization", quantization] if quantization else []
     results = bench_servers(
         [("none R=1", ["--connector", "none", "--replicas", "1"])],
         argv,

@@ -63,13 +63,13 @@ def _time(fn: Callable[[], object], device: torch.device, iters: int) -> float:
     return statistics.median(times)
 
 
-def _expert_rows(model: str, dtype: str, device: str, tokens: list[int], iters: int):
+def _expert_rows(model: str, dtype: str, device: str, tokens: list[int], iters: int, quantization: str | None = None):
     """(routed rows, shared rows): (bytes, flops, seconds) of one layer's pass, all experts and half of them (routed
     rows add the token count: which side of the kernels' bound they fall on). On
     CUDA every MoE layer's pass in one CUDA graph, per layer, as a graphed decode step runs them (timed one call
     at a time, the launches would outweigh a small batch's whole step)."""
     config = load_model_config(model)
-    s = costs.shapes_of(config, dtype)
+    s = costs.shapes_of(config, quantization or dtype)
     dev = torch.device(device)
     layers = config.moe_layers if dev.type == "cuda" else config.moe_layers[:1]
 
@@ -80,7 +80,7 @@ def _expert_rows(model: str, dtype: str, device: str, tokens: list[int], iters: 
 
     routed, shared = [], []
     for local in sorted({config.n_routed_experts, max(1, config.n_routed_experts // 2)}):
-        ffn = load_ffn_model(model, dtype=dtype, device=device, expert_range=(0, local))
+        ffn = load_ffn_model(model, dtype=dtype, device=device, expert_range=(0, local), quantization=quantization)
         if dev.type == "cuda":
             ffn.fixed_shape_moe = True  # the capturable path, as in the step graphs
         for t in tokens:
@@ -110,20 +110,24 @@ def measure_profile(
     calibrate: bool = True,
     calibration_requests: int = 128,
     calibration_rates: tuple[float, ...] | None = None,
+    quantization: str | None = None,
     say: Callable[[str], None] = logger.info,
 ) -> Profile:
     """Measure every part on this machine and fit it; `exchange=False` leaves the exchange parts out;
-    `calibrate` then serves a short trace (`afd serve`, none R=1) and fits what serving adds (`Calibration`)."""
+    `calibrate` then serves a short trace (`afd serve`, none R=1) and fits what serving adds (`Calibration`).
+    `quantization` ("fp8"): the weights quantized at load, as `--quantization` serves them, so the profile's rates
+    carry FP8's own kernels and quantization launches; its `dtype` is then the weights' format, "fp8"."""
     shapes = GPU_SHAPES if device == "cuda" else CPU_SHAPES
     config = load_model_config(model)
-    s = costs.shapes_of(config, dtype)
+    weights = quantization or dtype
+    s = costs.shapes_of(config, weights)
     steps = 10  # the step rows are medians of this many (isolated) steps
     say("experts: one layer's routed and shared passes ...")
-    routed_rows, shared_rows = _expert_rows(model, dtype, device, shapes["tokens"], steps)
+    routed_rows, shared_rows = _expert_rows(model, dtype, device, shapes["tokens"], steps, quantization)
     say("decode and prefill steps ...")
     step = run_bench_step(
         model=model, dtype=dtype, device=device, batches=shapes["batches"], contexts=shapes["contexts"],
-        prefills=shapes["prefills"], mixed=shapes.get("mixed"), steps=steps, progress=say,
+        prefills=shapes["prefills"], mixed=shapes.get("mixed"), steps=steps, progress=say, quantization=quantization,
     )  # fmt: skip
     # CPU: the median of isolated steps (a mean of consecutive ones carries whatever else ran on the 2 cores)
     mode = "graph_ms" if device == "cuda" else "eager_isolated_ms"
@@ -170,13 +174,15 @@ def measure_profile(
     }
     memory = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else 16e9
     source = f"afd profile --model {model} --dtype {dtype} --device {device}"
-    profile = Profile(machine, parts, source, dtype, float(memory), 0.0, Link(), measured={"parts": measured.to_json()})
+    source += f" --quantization {quantization}" if quantization else ""
+    measured_json = {"parts": measured.to_json()}
+    profile = Profile(machine, parts, source, weights, float(memory), 0.0, Link(), measured=measured_json)
     if not calibrate:
         return profile
     from afd.planning.calibrate import default_rates
 
     rates = calibration_rates or default_rates(device)
-    return measure_calibration(profile, model, dtype, device, calibration_requests, rates, say)
+    return measure_calibration(profile, model, dtype, device, calibration_requests, rates, say, quantization)
 
 
 def measure_calibration(
@@ -187,6 +193,7 @@ def measure_calibration(
     requests: int,
     rates: tuple[float, ...],
     say: Callable[[str], None] = logger.info,
+    quantization: str | None = None,
 ) -> Profile:
     """Serve the calibration trace on this machine and fit what the simulator must add to the parts to hold it."""
     from dataclasses import replace
@@ -199,9 +206,11 @@ def measure_calibration(
     budget = SMALL_BUDGET if device == "cpu" else LARGE_BUDGET
     d = Deployment("none", max_num_seqs=DEFAULT_MAX_NUM_SEQS, max_num_batched_tokens=budget)
     say(f"calibration: serving {requests} requests at {', '.join(map(str, rates))} req/s (afd serve, none R=1) ...")
-    runs = calibrate.serve_trace(model, dtype, device, trace, d, config.vocab_size, config.max_position_embeddings)
+    runs = calibrate.serve_trace(
+        model, dtype, device, trace, d, config.vocab_size, config.max_position_embeddings, quantization=quantization
+    )
     cal: Calibration = calibrate.fit_calibration(
-        profile, costs.shapes_of(config, dtype), d, trace, runs, config.vocab_size
+        profile, costs.shapes_of(config, profile.dtype), d, trace, runs, config.vocab_size
     )
     say(calibrate.format_calibration(cal))
     kept = {
