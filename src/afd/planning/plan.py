@@ -150,12 +150,12 @@ def candidates(
                     d = replace(d, ubatches=m)
                     if not fits(d):
                         continue
+                    if decode_slo is not None:  # the regime is taken at the batch it runs (`plan`)
+                        steady = decode_score(d, s, p, ctx, decode_slo)["tokens_per_s_per_gpu"]
+                        shapes.append((0.0, -steady, d, ""))
+                        continue
                     r = d.attention / d.ffn
                     rule = ratio.optimal_ratio(p, s, connector, ffn, base.max_num_seqs, ctx, m)
-                    if decode_slo is not None:
-                        steady = decode_score(d, s, p, ctx, decode_slo)["tokens_per_s_per_gpu"]
-                        shapes.append((0.0, -steady, d, rule.bound))
-                        continue
                     phi = ratio.per_gpu(p, s, connector, ffn, base.max_num_seqs, ctx, r, m)
                     shapes.append((abs(math.log(r / max(rule.r_star, 1e-3))), -phi, d, rule.bound))
                 shapes.sort(key=lambda x: (x[0], x[1]))
@@ -172,9 +172,10 @@ def plan(
     scored = []
     for d, bound in candidates(num_gpus, s, p, base, ctx, slo if decode_only else None):
         row = decode_score(d, s, p, ctx, slo) if decode_only else score(d, s, p, workload, slo)
-        if decode_only and d.connector in ("p2p", "async") and row["batch"]:  # the regime at the batch it runs
+        if decode_only and d.connector in ("p2p", "async"):  # the regime at the batch it runs
             m = d.ubatches if d.ubatch_decode else 1
-            bound = ratio.bound_at(p, s, d.connector, d.ffn, row["batch"], ctx, d.attention / d.ffn, m)
+            batch = max(row["batch"], 1)
+            bound = ratio.bound_at(p, s, d.connector, d.ffn, batch, ctx, d.attention / d.ffn, m)
         if not bound:
             bound = ratio.bound_at(p, s, "async", max(d.ffn, 1), base.max_num_seqs, ctx, 1.0, d.ubatches)
             bound = "attention" if d.connector == "none" else bound
