@@ -1,13 +1,17 @@
 """Where a graphed decode step's GPU time goes: kernels by device time over a few replays (torch.profiler).
 
 PYTHONPATH=src python3 scripts/gpu_step_profile.py [--model deepseek-v2-lite] [--batch 8,256] [--context 512]
-    [--quantization fp8] [--eager]
+    [--quantization fp8] [--eager] [--rows 24] [--trace DIR]
+
+`--trace DIR` writes each profiled step's Chrome trace (`DIR/<graph|eager>_b<batch>.json`), whose kernels in order
+show one layer's launches and the gaps between them.
 """
 # ruff: noqa: T201  (a script that prints its results)
 
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -22,6 +26,8 @@ parser.add_argument("--batch", default="8,256")
 parser.add_argument("--context", type=int, default=512)
 parser.add_argument("--quantization", choices=["fp8"], default=None)
 parser.add_argument("--eager", action="store_true", help="profile the eager step too")
+parser.add_argument("--rows", type=int, default=24, help="kernels listed per table")
+parser.add_argument("--trace", default=None, help="write each profile's Chrome trace into this directory")
 args = parser.parse_args()
 batches = [int(b) for b in args.batch.split(",")]
 attn = load_attention_model(args.model, dtype="bfloat16", device="cuda", quantization=args.quantization)
@@ -43,5 +49,10 @@ for batch in batches:
                 engine.step()
             torch.cuda.synchronize()
         print(f"=== {label} decode, batch {batch}, context {args.context}: 3 steps, kernels by device time")
-        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=24, max_name_column_width=70))
+        averages = prof.key_averages()
+        table = averages.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=80)
+        print(table)
+        if args.trace:
+            os.makedirs(args.trace, exist_ok=True)
+            prof.export_chrome_trace(os.path.join(args.trace, f"{label}_b{batch}.json"))
         _drop_all(engine)

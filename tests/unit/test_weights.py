@@ -7,6 +7,7 @@ import torch
 
 import afd.model.weights as weights
 from afd.model.moe import group_by_expert
+from afd.model.presets import PRESETS, preset_tensor
 from afd.model.weights import (
     attention_keys,
     ffn_keys,
@@ -172,3 +173,24 @@ def test_presets_and_errors():
         load_attention_model("tiny", dtype="float64")
     with pytest.raises(ValueError, match="outside"):
         load_ffn_model("tiny", expert_range=(5, 11))
+
+
+@pytest.mark.timeout(30)
+def test_router_weight_kept_in_a_16_bit_dtype_only_where_it_holds_it_exactly(hf_checkpoint):
+    path, state = hf_checkpoint  # an fp32 checkpoint: its gate has more bits than bf16
+    key = "model.layers.1.mlp.gate.weight"
+    assert load_attention_model(path, dtype="bfloat16").layers[1].gate.weight.dtype == torch.float32
+    exact = state[key].bfloat16().float()
+    assert weights._gate_dtype(key, exact, torch.bfloat16) == torch.bfloat16
+    assert weights._gate_dtype(key, exact, torch.float32) == torch.float32
+    assert weights._gate_dtype(key, state[key], torch.bfloat16) == torch.float32
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert weights._gate_dtype(bias, torch.zeros(10), torch.bfloat16) == torch.float32
+    # a release's preset ships its router weight in bf16's values, as the release does; a test preset does not
+    assert "torch_dtype" not in PRESETS["tiny"] and PRESETS["deepseek-v3"]["torch_dtype"] == "bfloat16"
+    released = preset_tensor(0, key, (10, 32), torch.device("cpu"), "bfloat16")
+    assert released.dtype == torch.float32 and weights._gate_dtype(key, released, torch.bfloat16) == torch.bfloat16
+    assert torch.equal(released, preset_tensor(0, key, (10, 32), torch.device("cpu")).bfloat16().float())
+    for dtype in ("float32", "bfloat16"):
+        gate = load_attention_model("tiny", dtype=dtype).layers[1].gate
+        assert gate.weight.dtype == gate.e_score_correction_bias.dtype == torch.float32

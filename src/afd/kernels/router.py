@@ -37,7 +37,7 @@ from afd.routing import Routing
 logger = logging.getLogger(__name__)
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-FP32_MAX_EXPERTS = 64  # fp32 gate weights (how checkpoints keep them): the kernel pays up to this many experts ...
+FP32_MAX_EXPERTS = 64  # fp32 gate weights (an fp32 model's): the kernel pays up to this many experts ...
 FP32_MAX_TOKENS = 256  # ... and tokens; beyond, cuBLAS's fp32 GEMM wins (H200: V3 at T=1 90 vs 55 us, V2-Lite at
 # T=4096 164 vs 87 us; V2-Lite at T<=256 11 vs 17-26 us). 16-bit weights: the kernel won at every size measured.
 

@@ -72,6 +72,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     # DeepSeek-V2-Lite's config.json shapes (deepseek-ai/DeepSeek-V2-Lite), random weights.
     "deepseek-v2-lite": {
+        "torch_dtype": "bfloat16",  # as its release ships it: the router weight's values (`preset_tensor`)
         "model_type": "deepseek_v2",
         "vocab_size": 102400,
         "hidden_size": 2048,
@@ -111,6 +112,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     # DeepSeek-V2's config.json shapes (deepseek-ai/DeepSeek-V2, 236B), random weights: for plan / simulate.
     "deepseek-v2": {
+        "torch_dtype": "bfloat16",  # as its release ships it: the router weight's values (`preset_tensor`)
         "model_type": "deepseek_v2",
         "vocab_size": 102400,
         "hidden_size": 5120,
@@ -150,6 +152,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     # DeepSeek-V3's config.json shapes (deepseek-ai/DeepSeek-V3, 671B; released in fp8 e4m3, 128x128 blocks).
     "deepseek-v3": {
+        "torch_dtype": "bfloat16",  # as its release ships it: the router weight's values (`preset_tensor`)
         "model_type": "deepseek_v3",
         "vocab_size": 129280,
         "hidden_size": 7168,
@@ -201,12 +204,16 @@ def _seed_of(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") & ((1 << 63) - 1)
 
 
-def preset_tensor(seed: int, name: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+def preset_tensor(
+    seed: int, name: str, shape: tuple[int, ...], device: torch.device, release_dtype: str | None = None
+) -> torch.Tensor:
     """One preset tensor: norms are ones, the correction bias is small, matrices N(0, 1/fan_in).
 
     Unit-variance activations through every layer, and an lm_head scaled up so the next-token
     distribution is peaked: a connector that perturbs one expert's rows moves the log-probabilities
-    far beyond the 1e-4 tolerance instead of hiding under a flat distribution.
+    far beyond the 1e-4 tolerance instead of hiding under a flat distribution. In a preset of a released model
+    (`release_dtype`: its config's `torch_dtype`) the router's weight takes that dtype's values, as the release ships
+    it, so a model in that dtype holds it exactly (`weights._gate_dtype`).
     """
     if name.endswith("norm.weight"):
         return torch.ones(shape, device=device)
@@ -217,4 +224,7 @@ def preset_tensor(seed: int, name: str, shape: tuple[int, ...], device: torch.de
         std = 1.0
     else:
         std = shape[-1] ** -0.5 * (LM_HEAD_GAIN if name.endswith("lm_head.weight") else 1.0)
-    return torch.randn(shape, generator=gen, device=device) * std
+    t = torch.randn(shape, generator=gen, device=device) * std
+    if release_dtype is not None and name.endswith(".mlp.gate.weight"):
+        return t.to(getattr(torch, release_dtype)).float()
+    return t
