@@ -19,14 +19,22 @@ position l sits at row `table[b, l // page] * page + l % page` (`page` = 1: the 
 themselves, the CUDA-graph runner's layout). Positions past `lens[b]` are never read, so whatever their
 slots hold (stale or uninitialised rows, NaN) cannot reach the output.
 
-Grid: `(head tiles, splits, B)`, fixed by the shapes (batch, heads, the table's capacity) and the SM
+Grid: `(head tiles, B, splits)`, fixed by the shapes (batch, heads, the table's capacity) and the SM
 count, never by the lengths: a launch is capturable in a CUDA graph and a replay only sees new lengths.
 A sequence's tiles are shared among the splits (`split_tiles`: equal shares of whole tiles, at least
 `min_split_rows` rows each), so a short sequence uses fewer splits and its other programs exit without a
 load. With one split a program normalises and writes the output itself; with several it writes a partial
 (acc, max, sum) and `_combine_kernel` merges that sequence's live splits in a fixed order (the same bits
 every run). Head tiles of the same (sequence, split) are neighbours in launch order, so with several head
-tiles (V3: 128 heads) the repeated reads of a row hit L2.
+tiles (V3: 128 heads) the repeated reads of a row hit L2. Splits are the slowest dimension: every sequence's
+first split is launched before any second one, so the programs that read land evenly on the SMs and the empty
+splits of short contexts come last. Why: a CUDA graph's table is as wide as the longest context it may meet, so
+a batch of 256 at 512 tokens in a table of 4,096 has three empty programs for each reading one; interleaved,
+they dealt the reading ones unevenly over the SMs (one H200: 107 us a layer, 77 with splits slowest).
+
+Each tile's cache block ids are loaded one tile ahead, so the latent rows' addresses are known when the
+software pipeline issues their loads, and a third pipeline stage pays (loaded in the same iteration, three
+stages ran 3-25% slower than two; ahead, 8-19% faster at batch 64-256: `scripts/gpu_mla_sweep.py`).
 """
 
 from __future__ import annotations
@@ -96,9 +104,9 @@ def _split_kernel(
     PRECISION: tl.constexpr,
 ):
     ht = tl.program_id(0)
-    split = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
-    num_splits = tl.num_programs(1)
+    b = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
     length = tl.load(lens_ptr + b)
     tiles, share = _split_share(length, num_splits, BLOCK_N, min_tiles)
     first = split * share
@@ -120,11 +128,14 @@ def _split_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, C_PAD], tl.float32)
     table = table_ptr + b * stride_tb
+    ahead = first * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] the next tile's positions
+    blk = tl.load(table + ahead // page, mask=(ahead < length) & live, other=0)  # [BN] int64, their cache blocks
     for n0 in range(first * BLOCK_N, end * BLOCK_N, BLOCK_N):  # this split's tiles of this sequence only
         n = n0 + tl.arange(0, BLOCK_N)  # [BN]
         ok = n < length  # the last tile's tail: never read
-        blk = tl.load(table + n // page, mask=ok, other=0)  # [BN] int64
         row = blk * page + n % page
+        ahead = n + BLOCK_N
+        blk = tl.load(table + ahead // page, mask=ahead < length, other=0)  # one tile ahead (module docstring)
         base = cache_ptr + row[:, None] * stride_cache
         kv = tl.load(base + c[None, :], mask=ok[:, None] & c_ok[None, :], other=0.0)  # [BN, C]
         kpe = tl.load(base + C + r[None, :], mask=ok[:, None] & r_ok[None, :], other=0.0)  # [BN, R]
@@ -331,7 +342,7 @@ def mla_decode(
         part_l = torch.empty(B, splits, nh, dtype=torch.float32, device=out.device)
     precision = "ieee" if fp32 else None  # fp32 products stay fp32 (no tf32)
     c_pad = max(16, triton.next_power_of_2(C))
-    _split_kernel[(head_tiles, splits, B)](
+    _split_kernel[(head_tiles, B, splits)](
         q_latent,
         q_pe,
         cache_layer,
@@ -362,7 +373,7 @@ def mla_decode(
         DIRECT=direct,
         PRECISION=precision,
         num_warps=num_warps or (4 if block_h == 16 else 8),
-        num_stages=num_stages or 2,  # 3 stages were 3-25% slower at every decode shape swept on an H200
+        num_stages=num_stages or 3,  # the block ids a tile ahead make a third stage pay (module docstring)
     )
     if not direct:
         # a program per head while the batch is small (few long merges); per sequence once it fills the SMs, where
