@@ -37,18 +37,20 @@ def predicted_ms(costs: StepCosts, batch: int, context: int, prefill: bool) -> f
     return costs.replica_step(load) * 1e3
 
 
-def rows(result: dict, config: ModelConfig, profile_name: str) -> list[tuple[str, str, int, int, float, float]]:
-    """(weights, step, batch, context, measured ms, predicted ms) of each decode (graph ms) and prefill row of
-    `result`."""
-    profile = load_profile(profile_name)
+def rows(result: dict, config: ModelConfig, model: str, profile_name: str | None) -> list[tuple]:
+    """(weights, step, batch, context, measured ms, predicted ms, profile) of each decode (graph ms) and prefill row
+    of `result`, priced by `profile_name` or, without one, by the profile `afd plan --model MODEL --weights W` takes
+    for the result's weight format."""
     weights = "fp8" if result.get("fp8_weights") else result["dtype"]
+    profile_name = profile_name or default_profile(model, weights)
+    profile = load_profile(profile_name)
     costs = StepCosts(Deployment("none"), shapes_of(config, weights), profile)
     found = []
     for step, measured in (("decode", "graph_ms"), ("prefill", "ms")):
         for r in result.get(step) or []:
             if r.get(measured) is not None:
                 predicted = predicted_ms(costs, r["batch"], r["context"], step == "prefill")
-                found.append((weights, step, r["batch"], r["context"], r[measured], predicted))
+                found.append((weights, step, r["batch"], r["context"], r[measured], predicted, profile_name))
     return found
 
 
@@ -58,21 +60,22 @@ def main() -> int:
     p.add_argument("--model", default="deepseek-v3", choices=sorted(PRESETS))
     p.add_argument("--layers", type=int, help="the slice's decoder layers (default: the whole model)")
     p.add_argument("--dense-layers", type=int, default=1, help="of them, dense MLP layers")
-    p.add_argument("--profile", help="a profile JSON or a shipped one's name (default: afd plan's for --model)")
+    p.add_argument(
+        "--profile", help="a profile JSON or a shipped one's name (default: afd plan's for --model and each format)"
+    )
     args = p.parse_args()
     name = slice_preset(args.model, args.layers, args.dense_layers) if args.layers else args.model
     config = ModelConfig.from_hf(PRESETS[name])
     with open(args.step_json) as f:
         result = json.load(f)
-    profile = args.profile or default_profile(args.model)  # as `afd plan --model MODEL` takes it
-    found = rows(result["baseline"], config, profile) if "baseline" in result else []
-    found += rows(result, config, profile)
-    print(f"{name}, profile {profile}: step ms measured / predicted by the cost model (error)")
-    for weights, step, batch, context, measured, predicted in found:
+    found = rows(result["baseline"], config, args.model, args.profile) if "baseline" in result else []
+    found += rows(result, config, args.model, args.profile)
+    print(f"{name}: step ms measured / predicted by the cost model (error), profile")
+    for weights, step, batch, context, measured, predicted, profile in found:
         error = (predicted - measured) / measured
         print(
             f"  {weights:9} {step:7} batch {batch:4} context {context:5}: {measured:7.2f} / {predicted:7.2f} "
-            f"({error:+.1%})"
+            f"({error:+.1%})  {profile}"
         )
     return 0
 

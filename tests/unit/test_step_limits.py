@@ -287,13 +287,32 @@ def test_plan_takes_the_profile_measured_on_the_models_own_layers(tmp_path, caps
     assert default_profile("deepseek-v2-lite") == default_profile(None) == "h200"
     own, base = load_profile("h200-deepseek-v3"), load_profile("h200")
     assert own.machine["model"] == "deepseek-v3" and own.source != base.source
-    for model, profile, source in (
+    v2_bf16, v2_fp8 = load_profile("h200-deepseek-v2"), load_profile("h200-deepseek-v2-fp8")
+    assert (v2_bf16.dtype, v2_fp8.dtype, own.dtype) == ("bfloat16", "fp8", "fp8")
+    for model, flags, source in (
         ("deepseek-v3", [], own.source),
         ("deepseek-v2-lite", [], base.source),
         ("deepseek-v3", ["--profile", "h200"], base.source),
+        ("deepseek-v2", [], v2_bf16.source),
+        ("deepseek-v2", ["--weights", "fp8"], v2_fp8.source),
+        ("deepseek-v2-lite", ["--weights", "fp8"], base.source),
     ):
         out = tmp_path / "plan.json"
         code, err = main_exit(capsys, "plan", "--model", model, "--gpus", "8", "--requests", "8", "--max-tokens",
-                              "8", *profile, "--json", str(out))  # fmt: skip
+                              "8", *flags, "--json", str(out))  # fmt: skip
         assert code == 0, err
-        assert json.loads(out.read_text())["profile"] == source, (model, profile)
+        assert json.loads(out.read_text())["profile"] == source, (model, flags)
+
+
+def test_a_profile_in_another_format_than_the_release_ships_under_its_format():
+    """A profile measured on a model's own layers in the format the model ships in is `h200-<model>`; in another
+    (V2's bf16 release quantized to FP8 at load) `h200-<model>-<format>`, which `afd plan --weights` then takes."""
+    from afd.planning.profile import checkpoint_weights, default_profile, model_profile_name
+
+    assert checkpoint_weights("deepseek-v3") == "fp8" and checkpoint_weights("deepseek-v2") == "bfloat16"
+    assert model_profile_name("deepseek-v3", "fp8") == "h200-deepseek-v3"
+    assert model_profile_name("deepseek-v2", "bfloat16") == "h200-deepseek-v2"
+    assert model_profile_name("deepseek-v2", "fp8") == "h200-deepseek-v2-fp8"
+    assert default_profile("deepseek-v2", "fp8") == "h200-deepseek-v2-fp8"
+    assert default_profile("deepseek-v2", "bfloat16") == default_profile("deepseek-v2") == "h200-deepseek-v2"
+    assert default_profile("deepseek-v3", "bfloat16") == "h200-deepseek-v3"

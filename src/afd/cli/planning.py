@@ -139,22 +139,18 @@ def _setup(args: argparse.Namespace):
     from dataclasses import replace
 
     from afd.bench.workload import TraceError, Workload, load_trace
-    from afd.model.weights import PRESETS, load_model_config
+    from afd.model.weights import load_model_config
     from afd.planning import costs
-    from afd.planning.profile import Link, ProfileError, default_profile, load_profile
+    from afd.planning.profile import Link, ProfileError, checkpoint_weights, default_profile, load_profile
 
     try:
         config = load_model_config(args.model)
-        profile = load_profile(args.profile or default_profile(args.model))
+        shipped = checkpoint_weights(args.model)
+        weights = args.weights or ("fp8" if shipped == "fp8" else None)
+        profile = load_profile(args.profile or default_profile(args.model, weights))
     except (ValueError, ProfileError) as exc:
         raise UsageError(str(exc)) from None
-    weights = args.weights
-    if weights is None:
-        raw = PRESETS.get(args.model)
-        if raw is None and Path(args.model, "config.json").is_file():
-            raw = json.loads(Path(args.model, "config.json").read_text())
-        quant = (raw or {}).get("quantization_config") or {}
-        weights = "fp8" if quant.get("quant_method") == "fp8" else profile.dtype
+    weights = weights or profile.dtype
     link = Link(profile.link.intra_node_Bps, args.inter_node_gbps * 1e9 / 8, args.inter_node_latency_us * 1e-6)
     profile = replace(profile, link=link)
     if args.trace:

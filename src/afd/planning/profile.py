@@ -186,12 +186,35 @@ class Profile:
         Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
 
 
-def default_profile(model: str | None = None) -> str:
-    """The shipped profile a plan or simulation of `model` takes without `--profile`: the one measured on that
-    model's own layers where afd ships it (`h200-<model>`: its kernels run at rates that V2-Lite's small ones do not
-    reach), else `DEFAULT_PROFILE`."""
+def checkpoint_weights(model: str) -> str | None:
+    """The weight format `model` (a preset or a checkpoint directory) ships in where it says so: "fp8" for a
+    checkpoint with an FP8 `quantization_config`, else its `torch_dtype`; None where neither is known."""
+    from afd.model.presets import PRESETS
+
+    raw = PRESETS.get(model)
+    if raw is None and Path(model, "config.json").is_file():
+        raw = json.loads(Path(model, "config.json").read_text())
+    raw = raw or {}
+    if (raw.get("quantization_config") or {}).get("quant_method") == "fp8":
+        return "fp8"
+    return raw.get("torch_dtype")
+
+
+def model_profile_name(model: str, weights: str) -> str:
+    """The name a profile measured on `model`'s own layers in `weights` ships under: `h200-<model>` in the format
+    the model ships in, `h200-<model>-<weights>` in another (a bf16 release quantized to FP8 at load)."""
     own = f"{DEFAULT_PROFILE}-{model}"
-    return own if model and (PROFILES_DIR / f"{own}.json").is_file() else DEFAULT_PROFILE
+    return own if weights == checkpoint_weights(model) else f"{own}-{weights}"
+
+
+def default_profile(model: str | None = None, weights: str | None = None) -> str:
+    """The shipped profile a plan or simulation of `model` in `weights` takes without `--profile`: the one measured
+    on that model's own layers in that format where afd ships it (its kernels run at rates that V2-Lite's small ones
+    do not reach, and FP8's at other rates than bf16's), else the model's own in the format it ships in, else
+    `DEFAULT_PROFILE`."""
+    names = [model_profile_name(model, weights)] if model and weights else []
+    names += [f"{DEFAULT_PROFILE}-{model}"] if model else []
+    return next((name for name in names if (PROFILES_DIR / f"{name}.json").is_file()), DEFAULT_PROFILE)
 
 
 def load_profile(name_or_path: str | Path | None = None) -> Profile:

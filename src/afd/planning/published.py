@@ -4,7 +4,8 @@
 `python -m afd.planning.published` rewrites `profiles/h200-published.json`; `python -m afd.planning.published
 --shipped MEASURED.json` rewrites `profiles/h200.json` from a profile `bash scripts/gpu_bench.sh profile` measured;
 `python -m afd.planning.published --model-layers MEASURED.json MODEL` writes `profiles/h200-MODEL.json` from a
-profile measured on MODEL's first layers (`scripts/model_slice.py`), the parts it cannot measure taken from `h200`.
+profile measured on MODEL's first layers (`scripts/model_slice.py`), the parts it cannot measure taken from `h200`
+(`h200-MODEL-fp8.json` for a profile in another format than the model ships in, e.g. a bf16 release in FP8).
 Every figure below is one row of performance.md, with its date; the model is DeepSeek-V2-Lite in bf16 at context
 512 unless said otherwise.
 """
@@ -168,14 +169,14 @@ def on_model_layers(measured: Profile, base: Profile, model: str) -> Profile:
 
 
 if __name__ == "__main__":
-    from afd.planning.profile import DEFAULT_PROFILE, PROFILES_DIR, load_profile
+    from afd.planning.profile import DEFAULT_PROFILE, PROFILES_DIR, load_profile, model_profile_name
 
     if sys.argv[1:2] == ["--shipped"]:
         with_link_exchange(load_profile(sys.argv[2])).save(PROFILES_DIR / "h200.json")
     elif sys.argv[1:2] == ["--model-layers"]:  # --model-layers MEASURED.json MODEL
         model = sys.argv[3]
         shipped = on_model_layers(load_profile(sys.argv[2]), load_profile(DEFAULT_PROFILE), model)
-        shipped.save(PROFILES_DIR / f"{DEFAULT_PROFILE}-{model}.json")
+        shipped.save(PROFILES_DIR / f"{model_profile_name(model, shipped.dtype)}.json")
     else:
         path = sys.argv[1] if len(sys.argv) > 1 else PROFILES_DIR / "h200-published.json"
         h200_profile().save(path)
