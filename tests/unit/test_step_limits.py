@@ -304,6 +304,18 @@ def test_plan_takes_the_profile_measured_on_the_models_own_layers(tmp_path, caps
         assert json.loads(out.read_text())["profile"] == source, (model, flags)
 
 
+def test_the_plan_says_when_its_weights_are_priced_at_another_formats_rates():
+    from afd.cli.planning import profile_line
+    from afd.planning.profile import load_profile
+
+    v2_fp8, lite = load_profile("h200-deepseek-v2-fp8"), load_profile("h200")
+    assert profile_line(v2_fp8, "fp8") == f"profile: measured on deepseek-v2 in fp8 ({v2_fp8.source})"
+    said = profile_line(lite, "fp8")
+    assert said.startswith("profile: measured on deepseek-v2-lite in bfloat16 (")
+    assert said.endswith("; the fp8 weights are priced at bfloat16's rates with their own bytes (a profile measured in "
+                          "fp8 prices them at fp8's)")  # fmt: skip
+
+
 def test_a_profile_in_another_format_than_the_release_ships_under_its_format():
     """A profile measured on a model's own layers in the format the model ships in is `h200-<model>`; in another
     (V2's bf16 release quantized to FP8 at load) `h200-<model>-<format>`, which `afd plan --weights` then takes."""

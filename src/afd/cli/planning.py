@@ -225,6 +225,18 @@ def _step_limits(args: argparse.Namespace, profile: Profile, measured: dict | No
     return seqs, args.max_num_batched_tokens or int(limits.get("max_num_batched_tokens", budget))
 
 
+def profile_line(profile: Profile, weights: str) -> str:
+    """Which profile priced a plan, and where its weight format is not the plan's, that the plan's weights were
+    priced at the other format's rates (their bytes are their own)."""
+    line = f"profile: measured on {profile.machine.get('model')} in {profile.dtype} ({profile.source})"
+    if profile.dtype != weights:
+        line += (
+            f"; the {weights} weights are priced at {profile.dtype}'s rates with their own bytes (a profile measured "
+            f"in {weights} prices them at {weights}'s)"
+        )
+    return line
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from afd.bench.report import strict_json
     from afd.planning.deployment import Deployment, DeploymentError
@@ -241,7 +253,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except (DeploymentError, ValueError) as exc:
         raise UsageError(str(exc)) from None
     print(format_plan(result))
-    print(f"profile: measured on {profile.machine.get('model')} ({profile.source})")
+    print(profile_line(profile, weights))
     result = {"model": args.model, "weights": weights, "profile": profile.source, **result}
     if args.json:
         Path(args.json).write_text(json.dumps(strict_json(result), indent=2, allow_nan=False))
