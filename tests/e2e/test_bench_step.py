@@ -123,9 +123,9 @@ def test_a_presets_first_layers_run_bench_step_and_the_cost_model_prices_them(tm
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert lines[0].startswith("tiny-first-2-layers, profile h200-published")
+    assert lines[0].startswith("tiny-first-2-layers: step ms measured / predicted")
     prefill = [line.split() for line in lines[1:] if "prefill" in line]
-    assert [row[0] for row in prefill] == ["float32", "fp8"]
-    measured = [float(row[-4]) for row in prefill]
+    assert [(row[0], row[-1]) for row in prefill] == [("float32", "h200-published"), ("fp8", "h200-published")]
+    measured = [float(row[-5]) for row in prefill]
     assert measured == [pytest.approx(result["baseline"]["prefill"][0]["ms"], abs=0.01),
                         pytest.approx(result["prefill"][0]["ms"], abs=0.01)]  # fmt: skip
