@@ -146,7 +146,7 @@ def _setup(args: argparse.Namespace):
     try:
         config = load_model_config(args.model)
         shipped = checkpoint_weights(args.model)
-        weights = args.weights or ("fp8" if shipped == "fp8" else None)
+        weights = args.weights or ("fp8" if shipped == "fp8" else None)  # 16/32-bit: the profile's format, below
         profile = load_profile(args.profile or default_profile(args.model, weights))
     except (ValueError, ProfileError) as exc:
         raise UsageError(str(exc)) from None
