@@ -328,3 +328,13 @@ def test_a_profile_in_another_format_than_the_release_ships_under_its_format():
     assert default_profile("deepseek-v2", "fp8") == "h200-deepseek-v2-fp8"
     assert default_profile("deepseek-v2", "bfloat16") == default_profile("deepseek-v2") == "h200-deepseek-v2"
     assert default_profile("deepseek-v3", "bfloat16") == "h200-deepseek-v3"
+
+
+def test_a_plan_on_too_few_gpus_says_how_many_hold_the_weights(capsys):
+    """The refusal names the weights' size and the fewest GPUs whose `ep` layout holds them, and that count plans."""
+    small = ["--requests", "8", "--max-tokens", "8"]
+    code, err = main_exit(capsys, "plan", "--model", "deepseek-v3", "--gpus", "4", *small)
+    assert code == 2 and err.count("\n") == 1, err
+    assert "no deployment of 4 GPUs holds the model's 671 GB of weights; the fewest that do: 6 (`--gpus 6`)" in err
+    code, err = main_exit(capsys, "plan", "--model", "deepseek-v3", "--gpus", "6", *small)
+    assert code == 0, err

@@ -163,6 +163,18 @@ def candidates(
     return out
 
 
+def _fewest_gpus_hint(s: Shapes, p: Profile, base: Deployment, most: int = 4096) -> str:
+    """ "; the fewest that do: N" for the smallest GPU count whose `ep` layout (the weights spread over every GPU,
+    the layout that needs the fewest) holds them, up to `most`; "" past that."""
+    for n in range(2, most + 1):
+        try:
+            memory_of(replace(base, connector="ep", attention=n, ffn=n, replicas=1, ubatches=1), s, p.gpu_memory_bytes)
+        except DeploymentError:
+            continue
+        return f"; the fewest that do: {n} (`--gpus {n}`)"
+    return ""
+
+
 def plan(
     num_gpus: int, s: Shapes, p: Profile, workload: Workload, slo: Slo, base: Deployment, decode_only: bool = False
 ) -> dict:
@@ -181,7 +193,10 @@ def plan(
             bound = "attention" if d.connector == "none" else bound
         scored.append({**row, "bound": bound})
     if not scored:
-        raise DeploymentError(f"no deployment of {num_gpus} GPUs holds the model's weights")
+        raise DeploymentError(
+            f"no deployment of {num_gpus} GPUs holds the model's {s.total_weight_bytes() / 1e9:.0f} GB of weights"
+            + _fewest_gpus_hint(s, p, base)
+        )
     scored.sort(key=lambda r: -r["tokens_per_s_per_gpu"])
     kinds = {}
     for row in scored:
