@@ -74,8 +74,8 @@ def main() -> None:
                     sorted({1, 2, 4, 8, num_splits_for(batch, 1, width * BLOCK, sms)[0]}), (32, 64), (4, 8), (2, 3)
                 )
             ])  # fmt: skip
+            nbytes = batch * context * (C + R) * 2
             for kwargs in points:
-                nbytes = batch * context * (C + R) * 2
                 try:
                     out = mla_decode(*args, page=BLOCK, **kwargs)
                     us = graph_ms(functools.partial(mla_decode, *args, page=BLOCK, **kwargs), reps=20, rounds=10) * 1e3

@@ -16,8 +16,8 @@ input dtype, as the eager path's `probs.to(kv_c.dtype)` does.
 
 Where rows live: `table[b, p]` is the cache block of page p of sequence b, `page` rows a block, so
 position l sits at row `table[b, l // page] * page + l % page` (`page` = 1: the table holds the rows
-themselves, the CUDA-graph runner's layout). Positions past `lens[b]` are never read, so whatever their
-slots hold (stale or uninitialised rows, NaN) cannot reach the output.
+themselves; the engine passes its block size, eager steps and CUDA graphs alike). Positions past `lens[b]`
+are never read, so whatever their slots hold (stale or uninitialised rows, NaN) cannot reach the output.
 
 Grid: `(head tiles, B, splits)`, fixed by the shapes (batch, heads, the table's capacity) and the SM
 count, never by the lengths: a launch is capturable in a CUDA graph and a replay only sees new lengths.

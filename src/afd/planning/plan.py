@@ -164,8 +164,8 @@ def candidates(
 
 
 def _fewest_gpus_hint(s: Shapes, p: Profile, base: Deployment, most: int = 4096) -> str:
-    """ "; the fewest that do: N" for the smallest GPU count whose `ep` layout (the weights spread over every GPU,
-    the layout that needs the fewest) holds them, up to `most`; "" past that."""
+    """The refusal's tail naming the smallest GPU count, up to `most`, whose `ep` layout holds the weights (spread
+    over every GPU, it is the layout that needs the fewest); empty past `most`."""
     for n in range(2, most + 1):
         try:
             memory_of(replace(base, connector="ep", attention=n, ffn=n, replicas=1, ubatches=1), s, p.gpu_memory_bytes)

@@ -5,7 +5,7 @@
 --shipped MEASURED.json` rewrites `profiles/h200.json` from a profile `bash scripts/gpu_bench.sh profile` measured;
 `python -m afd.planning.published --model-layers MEASURED.json MODEL` writes `profiles/h200-MODEL.json` from a
 profile measured on MODEL's first layers (`scripts/model_slice.py`), the parts it cannot measure taken from `h200`
-(`h200-MODEL-fp8.json` for a profile in another format than the model ships in, e.g. a bf16 release in FP8).
+(`h200-MODEL-FORMAT.json` for a profile in another format than the model ships in, e.g. a bf16 release in FP8).
 Every figure below is one row of performance.md, with its date; the model is DeepSeek-V2-Lite in bf16 at context
 512 unless said otherwise.
 """
