@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import subprocess
 import sys
 
@@ -15,11 +16,22 @@ pytest.importorskip("aiohttp")
 
 
 def _afd(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """`python -m afd ARGS`; past `timeout` it is interrupted (SIGINT: `afd profile` then stops the `afd serve` it
+    started, which lives in a session of its own), killed if still there, and the test fails with its stderr."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "afd", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
-        return subprocess.run([sys.executable, "-m", "afd", *args], capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        stderr = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr or ""
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        try:
+            _, stderr = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, stderr = proc.communicate()
         pytest.fail(f"afd {args[0]} ran past {timeout:g} s; its stderr ended: {stderr[-3000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
 # About 10 s on an idle 2-core host; 90 s there with another process's torch threads on both cores, as CI's second
